@@ -1,0 +1,5 @@
+import sys
+
+from prefixcache.entrypoints.cli import main
+
+sys.exit(main())

@@ -1,0 +1,94 @@
+"""Chained block hashes for automatic prefix caching.
+
+A request's tokens are cut into full blocks of ``block_size`` tokens. Block ``i`` gets
+
+    h_i = H(h_{i-1} ‖ token_ids_of_block_i ‖ extra_keys)        h_{-1} = H(root_key)
+
+so equal hashes mean equal *whole* prefixes (the idea of vLLM v1's ``hash_block_tokens``).
+The root key serialises everything outside the tokens that changes K/V: the model fingerprint
+and the request's ``cache_salt``. Only full blocks are hashed; a partial tail block has no hash.
+
+Invariants:
+- ``len(block_hashes) == num_tokens // block_size`` after every :meth:`BlockHasher.extend`.
+- Every block hash is computed exactly once per request, as its block fills (prompt and decode).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Sequence
+from typing import NewType
+
+import xxhash
+
+BlockHash = NewType("BlockHash", bytes)
+
+HASH_ALGOS = ("xxh64", "sha256")
+
+
+def make_root_key(model_fingerprint: bytes, cache_salt: str | None = None) -> bytes:
+    """Serialises the non-token inputs of the cache key, unambiguously.
+
+    Args:
+        model_fingerprint: digest identifying the weights, config, tokenizer and template.
+        cache_salt: optional per-request namespace; ``None`` means no salt.
+
+    Returns:
+        Bytes that differ whenever any component differs (JSON keeps the fields apart).
+    """
+    return json.dumps([model_fingerprint.hex(), cache_salt]).encode()
+
+
+class BlockHasher:
+    """Computes chained block hashes with xxh64 (default) or sha256.
+
+    Args:
+        block_size: tokens per block.
+        hash_algo: ``"xxh64"`` or ``"sha256"``.
+
+    Raises:
+        ValueError: unknown ``hash_algo`` or ``block_size`` < 1.
+    """
+
+    def __init__(self, block_size: int, hash_algo: str = "xxh64") -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if hash_algo not in HASH_ALGOS:
+            raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {hash_algo!r}")
+        self.block_size = block_size
+        self.hash_algo = hash_algo
+        self._digest = xxhash.xxh64_digest if hash_algo == "xxh64" else _sha256
+        self._pack = struct.Struct(f"<{block_size}I").pack
+
+    def root_hash(self, root_key: bytes) -> BlockHash:
+        """h_{-1}: the parent hash of a request's first block."""
+        return BlockHash(self._digest(b"root" + root_key))
+
+    def hash_block(
+        self, parent: BlockHash, token_ids: Sequence[int], extra_keys: bytes = b""
+    ) -> BlockHash:
+        """h_i = H(parent ‖ token ids as little-endian uint32 ‖ extra_keys) for one full block."""
+        return BlockHash(self._digest(parent + self._pack(*token_ids) + extra_keys))
+
+    def extend(
+        self, block_hashes: list[BlockHash], token_ids: Sequence[int], root_key: bytes
+    ) -> None:
+        """Appends the hashes of blocks that became full since the last call.
+
+        Args:
+            block_hashes: the request's hashes so far; extended in place.
+            token_ids: all of the request's tokens (prompt + output).
+            root_key: the request's :func:`make_root_key`.
+        """
+        bs = self.block_size
+        num_full = len(token_ids) // bs
+        parent = block_hashes[-1] if block_hashes else self.root_hash(root_key)
+        for i in range(len(block_hashes), num_full):
+            parent = self.hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            block_hashes.append(parent)
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()

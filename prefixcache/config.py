@@ -1,0 +1,79 @@
+"""Engine configuration: one frozen dataclass, built from keyword arguments (nano-vllm's way)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from prefixcache.cache.hashing import HASH_ALGOS
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB when neither num_blocks nor a budget is given
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of :class:`prefixcache.engine.llm_engine.LLMEngine` (and ``LLM``).
+
+    Raises:
+        ValueError: from :meth:`validate`, naming the invalid field.
+    """
+
+    model: str = DEFAULT_MODEL  # built-in name, HF directory or .gguf file
+    dtype: str = "float32"  # weights and KV dtype
+    device: str | None = None  # "cpu", "cuda", ...; None picks CUDA when present
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # KV pool size in blocks; overrides the memory budget
+    kv_cache_memory_bytes: int | None = None  # KV pool budget in bytes (default 1 GiB)
+    max_num_seqs: int = 32  # requests running at once
+    max_num_batched_tokens: int = 2048  # tokens per forward pass (prefill chunks + decodes)
+    max_model_len: int | None = None  # context limit in tokens; default the model's
+    enable_prefix_caching: bool = True  # look up and cache full blocks
+    hash_algo: str = "xxh64"  # block hash: "xxh64" or "sha256"
+    num_threads: int | None = None  # torch CPU threads; default the available cores
+    seed: int = 0  # RNG seed for requests that give no seed of their own
+
+    def validate(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _positive_int("block_size", self.block_size)
+        if self.num_blocks is not None:
+            _positive_int("num_blocks", self.num_blocks)
+        if self.kv_cache_memory_bytes is not None:
+            _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        if self.hash_algo not in HASH_ALGOS:
+            raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
+        if self.num_threads is not None:
+            _positive_int("num_threads", self.num_threads)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Builds a validated config; unknown keyword → ValueError listing the valid ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; valid options: {sorted(names)}")
+        config = cls(**kwargs)
+        config.validate()
+        return config
+
+    def resolved_num_threads(self) -> int:
+        if self.num_threads is not None:
+            return self.num_threads
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

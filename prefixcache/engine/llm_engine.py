@@ -1,0 +1,264 @@
+"""The engine: add requests, step (schedule → run model → postprocess), collect outputs."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from prefixcache.cache.hashing import BlockHasher, make_root_key
+from prefixcache.cache.kv_cache_manager import KVCacheManager
+from prefixcache.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from prefixcache.engine.request import Request, RequestStatus
+from prefixcache.engine.scheduler import Scheduler
+from prefixcache.models.loader import LoadedModel, load_model
+from prefixcache.outputs import RequestOutput
+from prefixcache.runner.kv_pool import kv_cache_bytes_per_block, num_blocks_for_memory
+from prefixcache.runner.model_runner import ModelRunner
+from prefixcache.sampling_params import SamplingParams
+
+MAX_CACHE_SALT_CHARS = 1024
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """A snapshot of the engine's counters. Token counts are in tokens, blocks in blocks."""
+
+    num_requests: int  # requests admitted (each counted once)
+    num_hit_requests: int  # of those, requests with >= 1 cached token
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens served from the cache
+    prompt_tokens_computed: int  # prompt tokens run through the model (recomputes included)
+    num_preemptions: int
+    num_evictions: int  # cached blocks evicted to make room
+    num_blocks_total: int
+    num_blocks_in_use: int  # ref_cnt > 0
+    num_blocks_cached: int  # holding a hash (in use or free)
+    num_blocks_free: int  # ref_cnt == 0 (cached or not)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV pool with automatic prefix caching.
+
+    Args:
+        config: validated engine options.
+        loaded: an already loaded model (tests reuse one); loaded from ``config.model`` if None.
+
+    Raises:
+        ValueError: bad options; ``ModelLoadError`` (a ValueError) when the model can't be loaded.
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        config.validate()
+        self.config = config
+        if config.device is None:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            device = torch.device(config.device)
+        if device.type == "cpu":
+            torch.set_num_threads(config.resolved_num_threads())
+        self.device = device
+        self.loaded = loaded or load_model(config.model, dtype=_DTYPES[config.dtype], device=device)
+        self.tokenizer = self.loaded.tokenizer
+        mcfg = self.loaded.config
+        self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
+        self.num_blocks = self._num_blocks()
+        self.block_hasher = BlockHasher(config.block_size, config.hash_algo)
+        self.kv_cache_manager = KVCacheManager(
+            self.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.loaded, self.num_blocks, config.block_size, device, config.seed)
+        self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
+        self.vocab_size = mcfg.vocab_size
+        self._prompts: dict[str, str | None] = {}
+        self._counter = itertools.count()
+
+    def _num_blocks(self) -> int:
+        cfg, mcfg = self.config, self.loaded.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        dtype = next(self.loaded.model.parameters()).dtype
+        budget = cfg.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+        return num_blocks_for_memory(
+            budget, mcfg.num_hidden_layers, cfg.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype
+        )
+
+    @property
+    def kv_cache_bytes_per_block(self) -> int:
+        mcfg = self.loaded.config
+        dtype = next(self.loaded.model.parameters()).dtype
+        return kv_cache_bytes_per_block(
+            mcfg.num_hidden_layers, self.config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype
+        )
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validates and queues a request.
+
+        Args:
+            prompt: text (tokenized with the model's tokenizer) or token ids.
+            sampling_params: defaults to ``SamplingParams()``.
+            cache_salt: isolates this request's cache entries; equal salts share.
+            request_id: defaults to a fresh counter value.
+
+        Returns:
+            The request id.
+
+        Raises:
+            ValueError: naming the field: empty/oversized prompt, token id outside the vocabulary,
+                bad cache_salt, a request the KV pool can never hold, duplicate request_id.
+        """
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if cache_salt is not None and (
+            not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > MAX_CACHE_SALT_CHARS
+        ):
+            raise ValueError(
+                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters"
+            )
+        prompt_text, token_ids = self._tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
+                "(the prompt plus at least one generated token must fit)"
+            )
+        max_len = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        needed = math.ceil(max_len / self.config.block_size)
+        if needed > self.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens ({max_len} tokens) needs {needed} KV blocks but the pool has "
+                f"{self.num_blocks}; lower max_tokens or raise num_blocks / kv_cache_memory_bytes"
+            )
+        if request_id is None:
+            request_id = str(next(self._counter))
+        elif request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request = Request(
+            request_id,
+            token_ids,
+            params,
+            self.block_hasher,
+            make_root_key(self.loaded.fingerprint, cache_salt),
+        )
+        self._prompts[request_id] = prompt_text
+        self.scheduler.add_request(request)
+        return request_id
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {t!r}")
+        return None, list(prompt)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stops a request and frees its blocks; unknown or finished ids → None."""
+        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        return None if request is None else self._make_output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step; returns the outputs of requests that finished in it."""
+        scheduler_output = self.scheduler.schedule()
+        sampled = self.runner.execute_model(scheduler_output)
+        updated = self.scheduler.update_from_output(scheduler_output, sampled)
+        now = time.monotonic()
+        finished = []
+        for request in updated:
+            if request.first_token_s is None:
+                request.first_token_s = now
+            status = self._check_stop(request)
+            if status is not None:
+                self.scheduler.finish_request(request.request_id, status)
+                request.finish_s = now
+                finished.append(self._make_output(request))
+        return finished
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            request.stop_reason = token if token in params.stop_token_ids else None
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop:
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            # Only the tail can hold a new match: the text before it was checked last step.
+            window = max(len(s) for s in params.stop) + 16
+            for stop in params.stop:
+                idx = text.find(stop, max(0, len(text) - window - len(stop)))
+                if idx >= 0:
+                    request.stop_reason = stop
+                    request.stop_text_end = idx + (len(stop) if params.include_stop_str_in_output else 0)
+                    return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        if request.stop_text_end is not None:
+            text = text[: request.stop_text_end]
+        finish_s = request.finish_s or time.monotonic()
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=self._prompts.pop(request.request_id, None),
+            prompt_token_ids=request.prompt_token_ids,
+            text=text,
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            ttft_s=None if request.first_token_s is None else request.first_token_s - request.arrival_s,
+            e2e_s=finish_s - request.arrival_s,
+        )
+
+    # ------------------------------------------------------------------ cache control
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached block; refused (False) while any request holds blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def get_metrics(self) -> EngineMetrics:
+        kv = self.kv_cache_manager
+        stats = kv.stats
+        free = kv.num_free_blocks
+        return EngineMetrics(
+            num_requests=stats.num_requests,
+            num_hit_requests=stats.num_hit_requests,
+            prefix_cache_queries=stats.queries,
+            prefix_cache_hits=stats.hits,
+            prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_evictions=kv.block_pool.num_evictions,
+            num_blocks_total=self.num_blocks,
+            num_blocks_in_use=self.num_blocks - free,
+            num_blocks_cached=kv.num_cached_blocks,
+            num_blocks_free=free,
+        )
+

@@ -1,0 +1,113 @@
+"""A request's state as the scheduler and the KV cache manager see it.
+
+Token ranges of a request (vLLM v1's picture)::
+
+    | prompt                                  | output          |
+    | num_computed_tokens   | scheduled now   | not yet         |
+
+``block_hashes`` holds one hash per *full* block of ``all_token_ids`` and grows as tokens are
+appended, so each block is hashed exactly once.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from prefixcache.cache.hashing import BlockHash, BlockHasher
+from prefixcache.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self)
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One generation request.
+
+    Args:
+        request_id: unique id.
+        prompt_token_ids: the prompt, ``len >= 1``.
+        sampling_params: validated sampling parameters.
+        block_hasher: computes the chained block hashes.
+        root_key: the request's cache-key root (model fingerprint + cache_salt).
+        arrival_s: arrival time (``time.monotonic()`` seconds).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        block_hasher: BlockHasher,
+        root_key: bytes,
+        arrival_s: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Tokens served from the prefix cache at first admission; None until admitted.
+        self.num_cached_tokens: int | None = None
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.root_key = root_key
+        self.block_hashes: list[BlockHash] = []
+        self._block_hasher = block_hasher
+        block_hasher.extend(self.block_hashes, self.all_token_ids, root_key)
+        self.arrival_s = time.monotonic() if arrival_s is None else arrival_s
+        self.first_token_s: float | None = None
+        self.finish_s: float | None = None
+        # Where the text ends when a stop string matched (characters of the decoded output).
+        self.stop_text_end: int | None = None
+        # Sampling RNG, created by the runner on first use when a seed is given.
+        self.generator = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_id: int) -> None:
+        """Appends one sampled token and hashes any block it completes."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self._block_hasher.extend(self.block_hashes, self.all_token_ids, self.root_key)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,262 @@
+"""Paged attention over the KV pool, on top of `torch.nn.functional.scaled_dot_product_attention`.
+
+A step's batch lays the new tokens of its sequences one sequence after another. For each sequence:
+
+    | computed (cached in the pool) | new (this step) |
+    0                     num_computed_tokens        context_len = num_computed_tokens + num_new_tokens
+
+Each new token attends causally to every token of its own sequence up to and including itself.
+
+Invariants:
+- Every layer first writes the K/V of ALL new tokens of the batch into the pool at `slot_mapping`, then
+  reads each sequence's whole context back from the pool. A sequence may therefore read blocks another
+  sequence of the same batch writes in this very step.
+- Everything that depends only on the batch (slots, masks, groups) is built once per step by
+  `build_attention_metadata`; the per-layer work is tensor ops only.
+- Sequences with one new token (decode) are grouped into one padded SDPA call with a key-padding mask;
+  each sequence with more new tokens (a prefill chunk) gets its own SDPA call with a causal mask offset by
+  its cached length (or `is_causal=True` when nothing is cached).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(slots=True)
+class PrefillMetadata:
+    """One sequence with more than one new token."""
+
+    token_start: int  # index of its first new token in the batch
+    token_end: int  # one past its last new token in the batch
+    context_len: int  # cached + new tokens
+    block_ids: torch.Tensor  # [ceil(context_len / block_size)] int64 blocks holding its context, in order
+    attn_mask: torch.Tensor | None  # [num_new_tokens, context_len] bool, True = attend; None = plain causal
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step inputs of every attention layer, built once by `build_attention_metadata`."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64; pool slot of each new token
+    prefills: list[PrefillMetadata]  # sequences with more than one new token, in batch order
+    decode_token_indices: torch.Tensor | None  # [num_decodes] int64 batch index of each decode token; None
+    # when the decodes are the whole batch, in order (no gather/scatter needed)
+    decode_block_table: torch.Tensor | None  # [num_decodes, max_decode_blocks] int64, padded with block 0;
+    # None: no decodes. K/V are gathered a whole block at a time, keys = max_decode_blocks * block_size.
+    decode_attn_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_decode_blocks * block_size] bool, True =
+    # a real context token; None when every decode's context fills exactly max_decode_blocks blocks
+    num_tokens: int  # new tokens in the batch
+
+
+def build_attention_metadata(
+    seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device | str
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Builds a step's attention metadata and token positions.
+
+    Args:
+        seqs: Per sequence (num_computed_tokens, num_new_tokens, block_ids). The batch's new tokens are laid
+            out sequence after sequence in this order. block_ids covers at least
+            num_computed_tokens + num_new_tokens tokens.
+        block_size: Tokens per KV block.
+        device: Device of the model.
+
+    Returns:
+        (metadata, positions), positions shape = [num_tokens] int64, num_computed_tokens +
+        arange(num_new_tokens) per sequence.
+
+    Raises:
+        ValueError: Empty batch, a sequence with no new token or negative computed tokens, or block_ids too
+            short for the sequence's context.
+    """
+    if not seqs:
+        raise ValueError("build_attention_metadata needs at least one sequence")
+    num_seqs = len(seqs)
+    num_blocks_per_seq = []
+    for i, (num_computed, num_new, block_ids) in enumerate(seqs):
+        if num_new < 1 or num_computed < 0:
+            raise ValueError(f"sequence {i}: num_new_tokens={num_new} must be >= 1, num_computed_tokens >= 0")
+        num_blocks = -(-(num_computed + num_new) // block_size)
+        if len(block_ids) < num_blocks:
+            raise ValueError(
+                f"sequence {i}: {len(block_ids)} block_ids cannot hold {num_computed + num_new} tokens "
+                f"(block_size={block_size})"
+            )
+        num_blocks_per_seq.append(num_blocks)
+    max_num_blocks = max(num_blocks_per_seq)
+    block_table = torch.tensor(
+        [list(ids[:nb]) + [0] * (max_num_blocks - nb) for (_, _, ids), nb in zip(seqs, num_blocks_per_seq)],
+        dtype=torch.int64,
+    )  # [num_seqs, max_num_blocks], padded with block 0 (masked out below)
+    num_computed = torch.tensor([s[0] for s in seqs], dtype=torch.int64)  # [num_seqs]
+    context_lens_list = [s[0] + s[1] for s in seqs]
+    context_lens = torch.tensor(context_lens_list, dtype=torch.int64)  # [num_seqs]
+    max_context_len = max(context_lens_list)
+    offsets = torch.arange(block_size, dtype=torch.int64)
+    slots = block_table[:, :, None] * block_size + offsets  # [num_seqs, max_num_blocks, block_size]
+    slots = slots.reshape(num_seqs, max_num_blocks * block_size)  # [num_seqs, max_num_blocks * block_size]
+    slots = slots[:, :max_context_len]  # [num_seqs, max_context_len]
+    token_pos = torch.arange(max_context_len, dtype=torch.int64).expand(num_seqs, max_context_len)
+    is_valid = token_pos < context_lens[:, None]  # [num_seqs, max_context_len]
+    is_new = is_valid & (token_pos >= num_computed[:, None])
+    # Boolean indexing is row-major: sequence after sequence, as the batch is laid out.
+    slot_mapping = slots[is_new]  # [num_tokens]
+    positions = token_pos[is_new]  # [num_tokens]
+
+    prefills = []
+    decode_rows = []
+    decode_token_indices = []
+    token_start = 0
+    for i, (num_comp, num_new, _) in enumerate(seqs):
+        context_len = num_comp + num_new
+        if num_new == 1:
+            decode_rows.append(i)
+            decode_token_indices.append(token_start)
+        else:
+            attn_mask = None
+            if num_comp > 0:
+                query_pos = num_comp + torch.arange(num_new, dtype=torch.int64)
+                key_pos = torch.arange(context_len, dtype=torch.int64)
+                attn_mask = (key_pos[None, :] <= query_pos[:, None]).to(device)  # [num_new, context_len]
+            prefills.append(
+                PrefillMetadata(
+                    token_start=token_start,
+                    token_end=token_start + num_new,
+                    context_len=context_len,
+                    block_ids=block_table[i, : num_blocks_per_seq[i]].to(device),
+                    attn_mask=attn_mask,
+                )
+            )
+        token_start += num_new
+
+    decode_block_table = None
+    decode_attn_mask = None
+    decode_index_tensor = None
+    if decode_rows:
+        max_decode_blocks = max(num_blocks_per_seq[i] for i in decode_rows)
+        max_keys = max_decode_blocks * block_size
+        rows = torch.tensor(decode_rows, dtype=torch.int64)
+        decode_block_table = block_table[rows, :max_decode_blocks].contiguous().to(device)
+        if any(context_lens_list[i] != max_keys for i in decode_rows):
+            key_pos = torch.arange(max_keys, dtype=torch.int64)
+            mask = key_pos[None, :] < context_lens[rows, None]  # [num_decodes, max_keys]
+            decode_attn_mask = mask[:, None, None, :].to(device)  # [num_decodes, 1, 1, max_keys]
+        if len(decode_rows) != num_seqs:
+            decode_index_tensor = torch.tensor(decode_token_indices, dtype=torch.int64, device=device)
+
+    metadata = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        prefills=prefills,
+        decode_token_indices=decode_index_tensor,
+        decode_block_table=decode_block_table,
+        decode_attn_mask=decode_attn_mask,
+        num_tokens=token_start,
+    )
+    return metadata, positions.to(device)
+
+
+class Attention(nn.Module):
+    """Paged causal self-attention with grouped KV heads (no parameters).
+
+    Args:
+        num_heads: Query heads.
+        num_kv_heads: KV heads; divides num_heads.
+        head_dim: Dimension per head.
+        scale: Softmax scale, usually 1 / sqrt(head_dim).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Writes k/v of the new tokens into the pool, then attends over each sequence's context.
+
+        Args:
+            q: shape = [num_tokens, num_heads, head_dim], RoPE applied.
+            k: shape = [num_tokens, num_kv_heads, head_dim], RoPE applied.
+            v: shape = [num_tokens, num_kv_heads, head_dim].
+            kv_cache: This layer's pool, shape = [2, num_blocks, block_size, num_kv_heads, head_dim].
+            attn_metadata: The step's metadata.
+
+        Returns:
+            shape = [num_tokens, num_heads * head_dim].
+        """
+        num_tokens = q.shape[0]
+        _, num_blocks, block_size = kv_cache.shape[:3]
+        slots_shape = (num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        md = attn_metadata
+        kv_cache[0].view(slots_shape).index_copy_(0, md.slot_mapping, k)  # view: [num_slots, kv_heads, head_dim]
+        kv_cache[1].view(slots_shape).index_copy_(0, md.slot_mapping, v)  # view: [num_slots, kv_heads, head_dim]
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
+
+        if not md.prefills:  # decode-only batch: the decodes are the whole batch, in order
+            out = self._decode_attention(q, k_cache, v_cache, md)  # [num_tokens, num_heads, head_dim]
+        else:
+            out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+            for p in md.prefills:
+                out[p.token_start : p.token_end] = self._prefill_attention(q, k_cache, v_cache, p)
+            if md.decode_block_table is not None:
+                q_dec = q.index_select(0, md.decode_token_indices)  # [num_decodes, num_heads, head_dim]
+                out.index_copy_(0, md.decode_token_indices, self._decode_attention(q_dec, k_cache, v_cache, md))
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [num_tokens, num_heads * head_dim]
+
+    def _prefill_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: PrefillMetadata
+    ) -> torch.Tensor:
+        """One sequence's chunk: shape = [num_new_tokens, num_heads, head_dim]."""
+        q_seq = q[p.token_start : p.token_end].transpose(0, 1)  # [num_heads, num_new, head_dim]
+        num_keys = p.block_ids.shape[0] * k_cache.shape[1]
+        kv_shape = (num_keys, self.num_kv_heads, self.head_dim)
+        k_seq = k_cache.index_select(0, p.block_ids).view(kv_shape)[: p.context_len]  # [context_len, kv_heads, hd]
+        v_seq = v_cache.index_select(0, p.block_ids).view(kv_shape)[: p.context_len]  # [context_len, kv_heads, hd]
+        k_seq, v_seq = k_seq.transpose(0, 1), v_seq.transpose(0, 1)  # [kv_heads, context_len, head_dim]
+        o = F.scaled_dot_product_attention(
+            q_seq.unsqueeze(0),
+            k_seq.unsqueeze(0),
+            v_seq.unsqueeze(0),
+            attn_mask=p.attn_mask,
+            is_causal=p.attn_mask is None,
+            scale=self.scale,
+            enable_gqa=True,
+        )  # [1, num_heads, num_new, head_dim]
+        return o[0].transpose(0, 1)
+
+    def _decode_attention(
+        self, q_dec: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        """All decode tokens in one padded call.
+
+        Args:
+            q_dec: shape = [num_decodes, num_heads, head_dim].
+
+        Returns:
+            shape = [num_decodes, num_heads, head_dim].
+        """
+        num_decodes, max_blocks = md.decode_block_table.shape
+        max_len = max_blocks * k_cache.shape[1]
+        flat_blocks = md.decode_block_table.view(num_decodes * max_blocks)  # [num_decodes * max_blocks]
+        kv_shape = (num_decodes, max_len, self.num_kv_heads, self.head_dim)
+        k_dec = k_cache.index_select(0, flat_blocks).view(kv_shape)  # [num_decodes, max_len, kv_heads, head_dim]
+        v_dec = v_cache.index_select(0, flat_blocks).view(kv_shape)  # [num_decodes, max_len, kv_heads, head_dim]
+        o = F.scaled_dot_product_attention(
+            q_dec.unsqueeze(2),  # [num_decodes, num_heads, 1, head_dim]
+            k_dec.transpose(1, 2),  # [num_decodes, kv_heads, max_len, head_dim]
+            v_dec.transpose(1, 2),
+            attn_mask=md.decode_attn_mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )  # [num_decodes, num_heads, 1, head_dim]
+        return o.squeeze(2)

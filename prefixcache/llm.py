@@ -1,0 +1,137 @@
+"""Offline API: ``LLM(model, **engine_options).generate(...)`` / ``.chat(...)`` (vLLM's shape)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from prefixcache.config import DEFAULT_MODEL, EngineConfig
+from prefixcache.engine.llm_engine import EngineMetrics, LLMEngine
+from prefixcache.models.loader import LoadedModel
+from prefixcache.outputs import RequestOutput
+from prefixcache.sampling_params import SamplingParams
+
+Message = dict[str, str]
+
+
+class LLM:
+    """Offline batch inference with automatic prefix caching.
+
+    Args:
+        model: ``"smollm2-135m"`` (fetched and converted once), an HF model directory or a .gguf file.
+        loaded: an already loaded model to reuse (skips loading ``model``).
+        **engine_options: fields of :class:`prefixcache.config.EngineConfig`
+            (block_size, num_blocks, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens,
+            enable_prefix_caching, hash_algo, dtype, device, num_threads, seed, max_model_len).
+
+    Raises:
+        ValueError: unknown or invalid option, or a model that can't be loaded.
+
+    Example::
+
+        llm = LLM("smollm2-135m")
+        outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+        print(outs[0].text, outs[0].num_cached_tokens)
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, loaded: LoadedModel | None = None, **engine_options: Any):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options), loaded=loaded)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for a batch of prompts, all scheduled together.
+
+        Args:
+            prompts: one prompt or a list; each is text or a list of token ids.
+            sampling_params: one for all prompts or one per prompt; default ``SamplingParams()``.
+            cache_salt: namespace for this batch's cache entries (see ``LLMEngine.add_request``).
+            use_tqdm: show a progress bar for batches of more than one prompt.
+
+        Returns:
+            One :class:`RequestOutput` per prompt, in input order.
+
+        Raises:
+            ValueError: naming the field, for any invalid prompt or parameter; nothing is queued then.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts must contain at least one prompt")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params)} entries but there are {len(prompts)} prompts"
+                )
+        return self._run([(p, sp, cache_salt) for p, sp in zip(prompts, params)], use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates replies to one conversation or a list of them, via the model's chat template.
+
+        Args:
+            messages: ``[{"role": ..., "content": ...}, ...]`` or a list of such conversations.
+
+        Raises:
+            ValueError: malformed messages or anything ``generate`` rejects.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, cache_salt=cache_salt, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, conversation: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        """Renders one conversation with the model's chat template → prompt token ids."""
+        if not isinstance(conversation, list) or not conversation:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        for m in conversation:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"each message needs string 'role' and 'content', got {m!r}")
+        text = self.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _run(self, items: list[tuple[Any, SamplingParams, str | None]], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids: list[str] = []
+        try:
+            for prompt, params, salt in items:
+                ids.append(engine.add_request(prompt, params, cache_salt=salt))
+        except ValueError:
+            for req_id in ids:  # all or nothing: don't leave half a batch queued
+                engine.abort_request(req_id)
+            raise
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < 2) as bar:
+            while len(results) < len(ids):
+                for out in engine.step():
+                    results[out.request_id] = out
+                    bar.update(1)
+        return [results[i] for i in ids]
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops all cached blocks; returns False (and does nothing) while requests hold blocks."""
+        return self.engine.reset_prefix_cache()
+
+    def get_metrics(self) -> EngineMetrics:
+        return self.engine.get_metrics()

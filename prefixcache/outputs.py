@@ -1,0 +1,36 @@
+"""What a finished request returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request.
+
+    Attributes:
+        request_id: the engine's id of the request.
+        prompt: the prompt text, when the request was given as text.
+        prompt_token_ids: the prompt's tokens.
+        text: generated text (special tokens skipped, stop string removed unless asked to keep it).
+        token_ids: generated token ids (an EOS or stop token that ended generation included).
+        finish_reason: "stop" (EOS, stop token or stop string), "length" or "abort".
+        stop_reason: the stop string or stop token id that matched, if any.
+        num_prompt_tokens: prompt length in tokens.
+        num_cached_tokens: prompt tokens served from the prefix cache at admission.
+        ttft_s: seconds from arrival to the first generated token.
+        e2e_s: seconds from arrival to finish.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    ttft_s: float | None
+    e2e_s: float | None

@@ -1,0 +1,88 @@
+"""Turns a :class:`SchedulerOutput` into tensors, runs the model, samples tokens.
+
+The runner makes no scheduling decision. It owns the KV pool (one tensor per layer) and the
+per-request sampling generators; everything else comes in the step's ``SchedulerOutput``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixcache.engine.scheduler import SchedulerOutput
+from prefixcache.layers.attention import build_attention_metadata
+from prefixcache.layers.sampler import sample
+from prefixcache.models.loader import LoadedModel
+from prefixcache.runner.kv_pool import allocate_kv_caches
+
+
+class ModelRunner:
+    """Runs forward passes over the paged KV pool.
+
+    Args:
+        loaded: the model and its config.
+        num_blocks: KV pool size in blocks.
+        block_size: tokens per block.
+        device: where the model and pool live.
+        seed: seed of the generator used by sampled requests that give no seed.
+    """
+
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, block_size: int, device: torch.device, seed: int
+    ) -> None:
+        self.model = loaded.model
+        self.block_size = block_size
+        self.device = device
+        cfg = loaded.config
+        dtype = next(self.model.parameters()).dtype
+        self.kv_caches = allocate_kv_caches(
+            cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, device
+        )
+        self._default_generator = torch.Generator(device="cpu").manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
+        """Runs one step.
+
+        Returns:
+            request id → sampled token id, for each sequence that completed its tokens this step.
+        """
+        for req_id in scheduler_output.finished_req_ids:
+            self._generators.pop(req_id, None)
+        seqs = scheduler_output.seqs
+        if not seqs:
+            return {}
+        input_ids = torch.tensor(
+            [t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device
+        )  # [num_tokens]
+        attn_metadata, positions = build_attention_metadata(
+            [(s.num_computed_tokens, len(s.token_ids), s.block_ids) for s in seqs],
+            self.block_size,
+            self.device,
+        )
+        hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)  # [num_tokens, hidden]
+
+        # Logits only at each sampling sequence's last new token.
+        rows, sampling = [], []
+        end = 0
+        for s in seqs:
+            end += len(s.token_ids)
+            if s.sampling_params is not None:
+                rows.append(end - 1)
+                sampling.append(s)
+        if not rows:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        logits = logits.float().cpu()  # [num_sampling, vocab_size]
+        params = [s.sampling_params for s in sampling]
+        generators = [self._generator(s.request_id, s.sampling_params) for s in sampling]
+        tokens = sample(logits, params, generators)
+        return {s.request_id: t for s, t in zip(sampling, tokens)}
+
+    def _generator(self, request_id: str, params) -> torch.Generator:
+        if params.seed is None:
+            return self._default_generator
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = self._generators[request_id] = torch.Generator(device="cpu").manual_seed(params.seed)
+        return gen

@@ -1,0 +1,231 @@
+"""Stateful property test of KVCacheManager + BlockPool against a model of the KV content.
+
+The model records, for every block, which prefix (root key + tokens) its K/V was computed for when
+a request wrote it. A lookup is correct iff every hit block's recorded prefix equals the request's
+own prefix up to the end of that block; this oracle does not trust the hash map at all. The test
+runs once with the real hash and once with a hash that maps every block to the same value (C4).
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from prefixcache.cache.hashing import BlockHash, BlockHasher, make_root_key
+from prefixcache.cache.kv_cache_manager import KVCacheManager
+from prefixcache.engine.request import Request
+from prefixcache.sampling_params import SamplingParams
+
+B = 4
+NUM_BLOCKS = 8
+ALPHABET = st.integers(0, 1)  # tiny alphabet: shared prefixes and equal blocks are common
+SALTS = st.sampled_from([None, None, None, "s"])
+# Prompts built from a few whole blocks share prefixes and differ at later blocks very often.
+_BLOCKS = st.sampled_from([(0, 0, 0, 0), (0, 0, 0, 1), (1, 1, 1, 1)])
+PROMPTS = st.one_of(
+    st.lists(ALPHABET, min_size=1, max_size=14),
+    st.builds(
+        lambda blocks, tail: [t for b in blocks for t in b] + tail,
+        st.lists(_BLOCKS, max_size=3),
+        st.lists(ALPHABET, min_size=1, max_size=3),
+    ),
+)
+
+
+class CollidingHasher(BlockHasher):
+    """Every root and every block hashes to the same value."""
+
+    def root_hash(self, root_key: bytes) -> BlockHash:
+        return BlockHash(b"\0" * 8)
+
+    def hash_block(self, parent, token_ids, extra_keys=b"") -> BlockHash:
+        return BlockHash(b"\0" * 8)
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    hasher_cls: type[BlockHasher] = BlockHasher
+
+    @initialize()
+    def setup(self) -> None:
+        self.hasher = self.hasher_cls(B)
+        self.manager = KVCacheManager(NUM_BLOCKS, B)
+        self.running: dict[str, Request] = {}
+        self.content: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block id -> computed prefix
+        self.next_id = 0
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def make_request(self, prompt: list[int], salt: str | None) -> Request:
+        self.next_id += 1
+        return Request(
+            f"r{self.next_id}", prompt, SamplingParams(max_tokens=64, temperature=0),
+            self.hasher, make_root_key(b"test-model", salt),
+        )
+
+    def write(self, request: Request, num_new_tokens: int) -> None:
+        """The forward pass: writes K/V for the request's next ``num_new_tokens`` tokens."""
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        table = self.manager.req_to_blocks[request.request_id]
+        for j in range(start // B, -(-end // B)):
+            prefix = tuple(request.all_token_ids[: min(end, (j + 1) * B)])
+            self.content[table[j].block_id] = (request.root_key, prefix)
+        request.num_computed_tokens = end
+
+    def check_hits(self, request: Request, hits, num_hit_tokens: int) -> None:
+        assert num_hit_tokens == len(hits) * B
+        assert num_hit_tokens <= request.num_tokens - 1
+        for i, block in enumerate(hits):
+            expected = (request.root_key, tuple(request.all_token_ids[: (i + 1) * B]))
+            assert self.content[block.block_id] == expected, f"hit {i} serves wrong K/V"
+
+    def pick(self, index: int) -> Request:
+        return list(self.running.values())[index % len(self.running)]
+
+    # -- rules ------------------------------------------------------------------------------------
+
+    @rule(prompt=PROMPTS, salt=SALTS, chunk=st.integers(1, 16))
+    def admit(self, prompt, salt, chunk) -> None:
+        request = self.make_request(prompt, salt)
+        hits, num_hit_tokens = self.manager.get_computed_blocks(request)
+        self.check_hits(request, hits, num_hit_tokens)
+        num_new_tokens = min(chunk, request.num_tokens - num_hit_tokens)
+        before = [b.ref_cnt for b in self.manager.block_pool.blocks]
+        new_blocks = self.manager.allocate_slots(request, num_new_tokens, hits, num_hit_tokens)
+        if new_blocks is None:
+            assert [b.ref_cnt for b in self.manager.block_pool.blocks] == before
+            assert request.request_id not in self.manager.req_to_blocks
+            return
+        self.manager.stats.record(request.num_tokens, num_hit_tokens)
+        request.num_computed_tokens = num_hit_tokens
+        self.write(request, num_new_tokens)
+        self.running[request.request_id] = request
+
+    @precondition(lambda self: any(r.num_computed_tokens < r.num_tokens for r in self.running.values()))
+    @rule(index=st.integers(0, 50), chunk=st.integers(1, 16))
+    def continue_prefill(self, index, chunk) -> None:
+        prefilling = [r for r in self.running.values() if r.num_computed_tokens < r.num_tokens]
+        request = prefilling[index % len(prefilling)]
+        num_new_tokens = min(chunk, request.num_tokens - request.num_computed_tokens)
+        if self.manager.allocate_slots(request, num_new_tokens) is not None:
+            self.write(request, num_new_tokens)
+
+    @precondition(lambda self: any(r.num_computed_tokens == r.num_tokens for r in self.running.values()))
+    @rule(index=st.integers(0, 50), token=ALPHABET)
+    def decode(self, index, token) -> None:
+        decoding = [r for r in self.running.values() if r.num_computed_tokens == r.num_tokens]
+        request = decoding[index % len(decoding)]
+        # The sampled token of the last step is appended, then one slot is allocated for it.
+        request.append_output_token_ids(token)
+        if self.manager.allocate_slots(request, 1) is None:  # preempted by the scheduler
+            self.manager.free(request)
+            del self.running[request.request_id]
+            return
+        self.write(request, 1)
+
+    @precondition(lambda self: self.running)
+    @rule(index=st.integers(0, 50))
+    def free(self, index) -> None:
+        request = self.pick(index)
+        self.manager.free(request)
+        del self.running[request.request_id]
+        self.manager.free(request)  # idempotent
+
+    @precondition(lambda self: self.running)
+    @rule(index=st.integers(0, 50), extra=st.lists(ALPHABET, min_size=1, max_size=3))
+    def probe_running_prefix(self, index, extra) -> None:
+        """A running request's cached blocks are pinned, so its own prefix must be found."""
+        owner = self.pick(index)
+        probe = Request("probe", owner.all_token_ids[: owner.num_computed_tokens] + extra,
+                        SamplingParams(temperature=0), self.hasher, owner.root_key)
+        hits, num_hit_tokens = self.manager.get_computed_blocks(probe)
+        self.check_hits(probe, hits, num_hit_tokens)
+        num_cached = self.manager.num_cached_block[owner.request_id]
+        assert len(hits) >= min(num_cached, (probe.num_tokens - 1) // B)
+
+    @rule(roll=st.integers(0, 9))
+    def reset(self, roll) -> None:
+        if roll != 5:  # reset rarely, so the cache fills up and evicts
+            return
+        in_use = any(self.manager.req_to_blocks.values())
+        assert self.manager.reset_prefix_cache() is (not in_use)
+        if not in_use:
+            assert self.manager.num_cached_blocks == 0
+
+    # -- invariants -------------------------------------------------------------------------------
+
+    @invariant()
+    def accounting(self) -> None:
+        pool = self.manager.block_pool
+        free = pool.free_block_queue.get_all_free_blocks()
+        in_use = [b for b in pool.blocks if b.ref_cnt > 0]
+        assert len(free) + len(in_use) == NUM_BLOCKS == pool.get_num_free_blocks() + len(in_use)
+        free_set = {b.block_id for b in free}
+        assert len(free_set) == len(free)
+        expected_refs = [0] * NUM_BLOCKS
+        for table in self.manager.req_to_blocks.values():
+            for block in table:
+                expected_refs[block.block_id] += 1
+        for block in pool.blocks:
+            assert block.ref_cnt >= 0
+            assert block.ref_cnt == expected_refs[block.block_id]
+            assert (block.ref_cnt == 0) == (block.block_id in free_set)
+        assert self.manager.usage == len(in_use) / NUM_BLOCKS
+
+    @invariant()
+    def hash_map(self) -> None:
+        pool = self.manager.block_pool
+        mapped = [(h, b) for h, same in pool.cached_block_hash_to_block.items() for b in same.values()]
+        assert all(same for same in pool.cached_block_hash_to_block.values())
+        assert len(mapped) == pool.num_cached_blocks
+        assert {b.block_id for _, b in mapped} == {b.block_id for b in pool.blocks if b.block_hash is not None}
+        for key, block in mapped:
+            assert block.block_hash == key
+            assert block.token_ids is not None and len(block.token_ids) == B
+            chain = [block]
+            while chain[-1].parent is not None:
+                chain.append(chain[-1].parent)
+            chain.reverse()
+            live = all(c.parent_generation == c.parent.generation for c in chain[1:])
+            if not live:
+                continue  # a stale chain can never be hit (generations only grow)
+            assert chain[0].root_key is not None
+            h = self.hasher.root_hash(chain[0].root_key)
+            for c in chain:
+                h = self.hasher.hash_block(h, c.token_ids)
+                assert c.block_hash == h
+            # A live cached block holds the K/V of exactly its chain's tokens.
+            tokens = tuple(t for c in chain for t in c.token_ids)
+            assert self.content[block.block_id] == (chain[0].root_key, tokens)
+
+    @invariant()
+    def block_tables(self) -> None:
+        for rid, request in self.running.items():
+            table = self.manager.req_to_blocks[rid]
+            assert len(table) == -(-request.num_computed_tokens // B)
+            num_cached = self.manager.num_cached_block[rid]
+            assert num_cached == min(request.num_computed_tokens // B, len(request.block_hashes))
+            for j, block in enumerate(table):
+                end = min(request.num_computed_tokens, (j + 1) * B)
+                assert self.content[block.block_id] == (request.root_key, tuple(request.all_token_ids[:end]))
+                if j < num_cached:
+                    assert block.block_hash == request.block_hashes[j]
+        assert set(self.manager.req_to_blocks) == set(self.running)
+
+    @invariant()
+    def stats(self) -> None:
+        s = self.manager.stats
+        assert 0 <= s.hits <= s.queries and s.num_hit_requests <= s.num_requests
+
+
+class CollidingKVCacheMachine(KVCacheMachine):
+    hasher_cls = CollidingHasher
+
+
+_settings = settings(max_examples=100, stateful_step_count=40, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+TestKVCacheMachine = KVCacheMachine.TestCase
+TestKVCacheMachine.settings = _settings
+TestCollidingKVCacheMachine = CollidingKVCacheMachine.TestCase
+TestCollidingKVCacheMachine.settings = _settings

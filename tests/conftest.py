@@ -1,0 +1,39 @@
+"""Shared fixtures: the real default model, loaded once per test session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--regen-golden", action="store_true", default=False,
+        help="recompute golden token ids with transformers and rewrite tests/engine/golden/*.json",
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _threads():
+    # CI has 2 cores; fixed threads keep fp32 results reproducible run to run.
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The default model (SmolLM2-135M-Instruct, fp32), fetched by `prefixcache fetch` in setup."""
+    from prefixcache.models.loader import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def make_llm(smollm2):
+    """Builds an LLM on the already loaded default model; engine options as keywords."""
+    from prefixcache.llm import LLM
+
+    def make(**options):
+        options.setdefault("num_threads", 2)
+        return LLM("smollm2-135m", loaded=smollm2, **options)
+
+    return make

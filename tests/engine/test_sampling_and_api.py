@@ -1,0 +1,150 @@
+"""Sampling, stop conditions, the offline API and its input validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixcache.layers.sampler import apply_top_k_top_p
+from prefixcache.sampling_params import SamplingParams
+
+PROMPT = "Write a short poem about the ocean and the moon."
+
+
+def test_top_k_top_p_masks():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    assert torch.isinf(apply_top_k_top_p(logits, 2, 1.0)).tolist() == [False, False, True, True]
+    probs = logits.softmax(-1)  # [0.61, 0.22, 0.14, 0.03]
+    assert probs[0] < 0.7 < probs[0] + probs[1]
+    assert torch.isinf(apply_top_k_top_p(logits, 0, 0.7)).tolist() == [False, False, True, True]
+    assert torch.isinf(apply_top_k_top_p(logits, 0, 0.5)).tolist() == [False, True, True, True]
+    assert not torch.isinf(apply_top_k_top_p(logits, 0, 1.0)).any()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("max_tokens", 0),
+    ("max_tokens", -3), ("seed", "x"), ("stop", [""]), ("stop_token_ids", [-1]),
+])
+def test_sampling_params_errors_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(make_llm):
+    llm = make_llm()
+    p = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=24, seed=1234, ignore_eos=True)
+    alone = llm.generate(PROMPT, p, use_tqdm=False)[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=24, seed=s, ignore_eos=True) for s in (1, 2)]
+    batch = llm.generate([PROMPT, "Hello there", PROMPT], [p] + others, use_tqdm=False)
+    assert batch[0].token_ids == alone
+    assert batch[2].token_ids != alone  # same prompt, other seed
+    assert make_llm().generate(PROMPT, p, use_tqdm=False)[0].token_ids == alone
+
+
+def test_top_k_1_equals_greedy(make_llm):
+    llm = make_llm()
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    topk1 = llm.generate(PROMPT, SamplingParams(temperature=0.8, top_k=1, max_tokens=16, seed=7), use_tqdm=False)[0]
+    assert topk1.token_ids == greedy.token_ids
+
+
+def test_stop_token_ids_stop_strings_eos_and_length(make_llm):
+    llm = make_llm()
+    base = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 20
+
+    stop_id = base.token_ids[5]
+    first = base.token_ids.index(stop_id)
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0]
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+
+    word = base.text.split()[3]
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, stop=[word]), use_tqdm=False)[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", word)
+    assert out.text == base.text[: base.text.index(word)]
+    kept = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, stop=[word],
+                                               include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept.text == base.text[: base.text.index(word) + len(word)]
+
+
+def test_eos_stops_unless_ignored(make_llm):
+    llm = make_llm()
+    conv = [{"role": "user", "content": "Say just the word yes."}]
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
+    assert len(out.token_ids) < 64
+    ignored = llm.chat(conv, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)[0]
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == 64
+    assert ignored.token_ids[: len(out.token_ids)] == out.token_ids
+
+
+def test_output_fields(make_llm):
+    llm = make_llm()
+    (out,) = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    ids = llm.tokenizer.encode(PROMPT)
+    assert out.prompt == PROMPT and out.prompt_token_ids == ids and out.num_prompt_tokens == len(ids)
+    assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert out.ttft_s is not None and 0 < out.ttft_s <= out.e2e_s
+
+
+def test_invalid_input_raises_value_error_and_leaks_nothing(make_llm):
+    llm = make_llm(num_blocks=64)
+    vocab = llm.engine.vocab_size
+    cases = [
+        ("prompt", lambda: llm.generate("", use_tqdm=False)),
+        ("prompt", lambda: llm.generate([[]], use_tqdm=False)),
+        ("prompt token ids", lambda: llm.generate([[1, vocab]], use_tqdm=False)),
+        ("prompt token ids", lambda: llm.generate([[1, -5]], use_tqdm=False)),
+        ("max_model_len", lambda: llm.generate([[1] * 9000], use_tqdm=False)),
+        ("KV blocks", lambda: llm.generate([[1] * 1000], SamplingParams(max_tokens=100), use_tqdm=False)),
+        ("sampling_params has 1", lambda: llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)),
+        ("messages", lambda: llm.chat([], use_tqdm=False)),
+        ("role", lambda: llm.chat([{"content": "hi"}], use_tqdm=False)),
+    ]
+    for what, call in cases:
+        with pytest.raises(ValueError, match=what):
+            call()
+    # A bad prompt in a batch queues nothing from that batch.
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(["fine prompt", ""], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.get_metrics().num_blocks_in_use == 0
+    out = llm.generate("The sun is", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    assert len(out.token_ids) == 3
+
+
+def test_engine_options_are_validated(make_llm):
+    for opts, field in [({"block_size": 0}, "block_size"), ({"hash_algo": "md5"}, "hash_algo"),
+                        ({"max_num_seqs": 0}, "max_num_seqs"), ({"bogus": 1}, "bogus"),
+                        ({"dtype": "int8"}, "dtype")]:
+        with pytest.raises(ValueError, match=field):
+            make_llm(**opts)
+
+
+def test_abort_frees_blocks(make_llm):
+    llm = make_llm()
+    engine = llm.engine
+    rid = engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=50))
+    engine.step()
+    assert llm.get_metrics().num_blocks_in_use > 0
+    out = engine.abort_request(rid)
+    assert out.finish_reason == "abort" and len(out.token_ids) == 1
+    assert llm.get_metrics().num_blocks_in_use == 0 and not engine.has_unfinished_requests()
+    assert engine.abort_request(rid) is None
+
+
+def test_reset_prefix_cache(make_llm):
+    llm = make_llm()
+    p = SamplingParams(temperature=0, max_tokens=4)
+    prompt = "A long sentence about trains, stations, platforms and timetables in the morning rush."
+    llm.generate(prompt, p, use_tqdm=False)
+    assert llm.get_metrics().num_blocks_cached > 0
+    rid = llm.engine.add_request(prompt, p)
+    llm.engine.step()
+    assert llm.reset_prefix_cache() is False  # refused while a request holds blocks
+    llm.engine.abort_request(rid)
+    assert llm.reset_prefix_cache() is True
+    assert llm.get_metrics().num_blocks_cached == 0
+    assert llm.generate(prompt, p, use_tqdm=False)[0].num_cached_tokens == 0
