@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from prefixcache.layers.rotary import compute_inv_freq
 from prefixcache.models import fetch
 from prefixcache.models.registry import resolve_model_class
 
@@ -115,8 +116,6 @@ class ModelConfig:
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             qk_norm=architecture == "Qwen3ForCausalLM",
         )
-        from prefixcache.layers.rotary import compute_inv_freq
-
         compute_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)  # validates rope_type early
         return config
 

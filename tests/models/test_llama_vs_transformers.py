@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import PagedDriver, make_tiny_checkpoint
+from model_testlib import PagedDriver, make_tiny_checkpoint
 
 from prefixcache.layers.rotary import compute_inv_freq
 from prefixcache.models.loader import load_model

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import make_tiny_checkpoint
+from model_testlib import make_tiny_checkpoint
 
 from prefixcache.models.loader import ModelLoadError, ModelConfig, compute_fingerprint, load_model
 from prefixcache.models.registry import resolve_model_class, supported_architectures

@@ -1,21 +1,22 @@
-"""The real built-in model: fetched (downloads once; CI fetches beforehand), loaded, and checked against
-transformers on the same directory."""
+"""The real built-in model, checked against transformers on the same directory.
+
+Uses the session fixture `smollm2` of tests/conftest.py (`load_model("smollm2-135m")`, which fetches the
+model on first use; CI fetches it beforehand with `prefixcache fetch`).
+"""
 
 import pytest
 import torch
-from conftest import PagedDriver
+from model_testlib import PagedDriver
 from transformers import AutoModelForCausalLM
 
 from prefixcache.models.fetch import fetch_default_model, is_complete
-from prefixcache.models.loader import LoadedModel, load_model, resolve_model_dir
+from prefixcache.models.loader import resolve_model_dir
 
-
-@pytest.fixture(scope="session")
-def smollm2() -> LoadedModel:
-    return load_model(str(fetch_default_model()))
+pytestmark = pytest.mark.slow
 
 
 def test_fetched_dir_is_complete_and_resolves_by_name(smollm2):
+    assert fetch_default_model() == smollm2.model_dir  # already complete: no download
     assert is_complete(smollm2.model_dir)
     assert resolve_model_dir("smollm2-135m") == smollm2.model_dir
 
