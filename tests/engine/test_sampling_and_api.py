@@ -8,7 +8,7 @@ import torch
 from prefixcache.layers.sampler import apply_top_k_top_p
 from prefixcache.sampling_params import SamplingParams
 
-PROMPT = "Write a short poem about the ocean and the moon."
+PROMPT = "Once upon a time, in a small village by the sea,"
 
 
 def test_top_k_top_p_masks():
@@ -55,16 +55,17 @@ def test_stop_token_ids_stop_strings_eos_and_length(make_llm):
 
     stop_id = base.token_ids[5]
     first = base.token_ids.index(stop_id)
-    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id]),
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id], ignore_eos=True),
                        use_tqdm=False)[0]
     assert out.token_ids == base.token_ids[: first + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
 
     word = base.text.split()[3]
-    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, stop=[word]), use_tqdm=False)[0]
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, stop=[word], ignore_eos=True),
+                       use_tqdm=False)[0]
     assert (out.finish_reason, out.stop_reason) == ("stop", word)
     assert out.text == base.text[: base.text.index(word)]
-    kept = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, stop=[word],
+    kept = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, stop=[word], ignore_eos=True,
                                                include_stop_str_in_output=True), use_tqdm=False)[0]
     assert kept.text == base.text[: base.text.index(word) + len(word)]
 
@@ -100,7 +101,7 @@ def test_invalid_input_raises_value_error_and_leaks_nothing(make_llm):
         ("max_model_len", lambda: llm.generate([[1] * 9000], use_tqdm=False)),
         ("KV blocks", lambda: llm.generate([[1] * 1000], SamplingParams(max_tokens=100), use_tqdm=False)),
         ("sampling_params has 1", lambda: llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)),
-        ("messages", lambda: llm.chat([], use_tqdm=False)),
+        ("messages", lambda: llm.chat([[]], use_tqdm=False)),
         ("role", lambda: llm.chat([{"content": "hi"}], use_tqdm=False)),
     ]
     for what, call in cases:
