@@ -125,8 +125,9 @@ class LLM:
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < 2) as bar:
             while len(results) < len(ids):
                 for out in engine.step():
-                    results[out.request_id] = out
-                    bar.update(1)
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
         return [results[i] for i in ids]
 
     def reset_prefix_cache(self) -> bool:

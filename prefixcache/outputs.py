@@ -1,4 +1,4 @@
-"""What a finished request returns."""
+"""What a request returns: once when it finishes, or after every step when it streams."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ class RequestOutput:
         num_prompt_tokens: prompt length in tokens.
         num_cached_tokens: prompt tokens served from the prefix cache at admission.
         ttft_s: seconds from arrival to the first generated token.
-        e2e_s: seconds from arrival to finish.
+        e2e_s: seconds from arrival to finish (None while unfinished).
+        finished: False only for the intermediate outputs of a streaming request.
     """
 
     request_id: str
@@ -34,3 +35,4 @@ class RequestOutput:
     num_cached_tokens: int
     ttft_s: float | None
     e2e_s: float | None
+    finished: bool = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import time
@@ -78,6 +79,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.loaded, self.num_blocks, config.block_size, device, config.seed)
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
+        # The cache key's model part: the files' fingerprint and the dtype the KV is computed in.
+        model_dtype = str(next(self.loaded.model.parameters()).dtype)
+        self.cache_fingerprint = hashlib.sha256(self.loaded.fingerprint + model_dtype.encode()).digest()
         self.vocab_size = mcfg.vocab_size
         self._prompts: dict[str, str | None] = {}
         self._counter = itertools.count()
@@ -107,6 +111,7 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         cache_salt: str | None = None,
         request_id: str | None = None,
+        stream: bool = False,
     ) -> str:
         """Validates and queues a request.
 
@@ -115,6 +120,7 @@ class LLMEngine:
             sampling_params: defaults to ``SamplingParams()``.
             cache_salt: isolates this request's cache entries; equal salts share.
             request_id: defaults to a fresh counter value.
+            stream: have :meth:`step` report this request's progress after every token.
 
         Returns:
             The request id.
@@ -154,7 +160,8 @@ class LLMEngine:
             token_ids,
             params,
             self.block_hasher,
-            make_root_key(self.loaded.fingerprint, cache_salt),
+            make_root_key(self.cache_fingerprint, cache_salt),
+            stream=stream,
         )
         self._prompts[request_id] = prompt_text
         self.scheduler.add_request(request)
@@ -177,19 +184,27 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stops a request and frees its blocks; unknown or finished ids → None."""
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        return None if request is None else self._make_output(request)
+        if request is None:
+            return None
+        request.finish_s = time.monotonic()
+        return self._make_output(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Runs one engine step; returns the outputs of requests that finished in it."""
+        """Runs one engine step.
+
+        Returns:
+            Outputs of the requests that finished in this step, and (with ``finished=False``) of
+            streaming requests that got a token and go on.
+        """
         scheduler_output = self.scheduler.schedule()
         sampled = self.runner.execute_model(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, sampled)
         now = time.monotonic()
-        finished = []
+        outputs = []
         for request in updated:
             if request.first_token_s is None:
                 request.first_token_s = now
@@ -197,8 +212,10 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish_request(request.request_id, status)
                 request.finish_s = now
-                finished.append(self._make_output(request))
-        return finished
+                outputs.append(self._make_output(request))
+            elif request.stream:
+                outputs.append(self._make_output(request))
+        return outputs
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
@@ -224,7 +241,6 @@ class LLMEngine:
         text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
         if request.stop_text_end is not None:
             text = text[: request.stop_text_end]
-        finish_s = request.finish_s or time.monotonic()
         return RequestOutput(
             request_id=request.request_id,
             prompt=self._prompts.pop(request.request_id, None),
@@ -236,7 +252,8 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens or 0,
             ttft_s=None if request.first_token_s is None else request.first_token_s - request.arrival_s,
-            e2e_s=finish_s - request.arrival_s,
+            e2e_s=None if request.finish_s is None else request.finish_s - request.arrival_s,
+            finished=request.is_finished,
         )
 
     # ------------------------------------------------------------------ cache control

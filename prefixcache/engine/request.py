@@ -53,6 +53,7 @@ class Request:
         block_hasher: computes the chained block hashes.
         root_key: the request's cache-key root (model fingerprint + cache_salt).
         arrival_s: arrival time (``time.monotonic()`` seconds).
+        stream: report an output after every step that adds a token, not only at the finish.
     """
 
     def __init__(
@@ -63,8 +64,10 @@ class Request:
         block_hasher: BlockHasher,
         root_key: bytes,
         arrival_s: float | None = None,
+        stream: bool = False,
     ) -> None:
         self.request_id = request_id
+        self.stream = stream
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -67,10 +67,24 @@ def test_shared_system_prompt_batch_equals_cold_and_hits(make_llm):
 
 def test_chunked_prefill_and_small_batches_equal_cold(make_llm):
     llm = make_llm(max_num_batched_tokens=40, max_num_seqs=3)
+    runner = llm.engine.runner
+    steps = []
+    execute = runner.execute_model
+
+    def spy(scheduler_output):
+        steps.append([(s.request_id, len(s.token_ids), s.sampling_params is not None) for s in scheduler_output.seqs])
+        return execute(scheduler_output)
+
+    runner.execute_model = spy
     prompts = chat_ids(llm, QUESTIONS)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == cold(make_llm, prompts)
     assert all(o.num_cached_tokens > 0 for o in outs[1:])
+    assert max(sum(n for _, n, _ in step) for step in steps) == 40
+    assert max(len(step) for step in steps) == 3
+    # The first prompt (> 40 tokens) is split into chunks; only its last chunk samples.
+    first = [(n, samples) for step in steps for rid, n, samples in step if rid == outs[0].request_id]
+    assert first[0] == (40, False) and sum(n for n, _ in first[:-GREEDY.max_tokens + 1]) == len(prompts[0])
 
 
 def test_block_sizes_equal_cold(make_llm):
@@ -115,7 +129,7 @@ def test_c3_hit_blocks_hold_the_kv_of_their_tokens(make_llm):
     warm.generate(p1, params, use_tqdm=False)
     manager = warm.engine.kv_cache_manager
     # Look up p2 the way admission does.
-    probe = Request("probe", p2, params, warm.engine.block_hasher, make_root_key(warm.engine.loaded.fingerprint))
+    probe = Request("probe", p2, params, warm.engine.block_hasher, make_root_key(warm.engine.cache_fingerprint))
     blocks, num_hit = manager.get_computed_blocks(probe)
     assert num_hit == 40 and len(blocks) == 5
     ref = make_llm(block_size=8, num_blocks=64, enable_prefix_caching=False)

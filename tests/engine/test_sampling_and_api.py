@@ -149,3 +149,29 @@ def test_reset_prefix_cache(make_llm):
     assert llm.reset_prefix_cache() is True
     assert llm.get_metrics().num_blocks_cached == 0
     assert llm.generate(prompt, p, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_streaming_request_reports_every_token(make_llm):
+    llm = make_llm()
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    full = llm.generate(PROMPT, params, use_tqdm=False)[0]
+    rid = engine.add_request(PROMPT, params, stream=True)
+    seen = []
+    while engine.has_unfinished_requests():
+        seen.extend(engine.step())
+    assert [o.request_id for o in seen] == [rid] * 6
+    assert [o.token_ids for o in seen] == [full.token_ids[:i] for i in range(1, 7)]
+    assert [o.finished for o in seen] == [False] * 5 + [True]
+    assert seen[-1].text == full.text and seen[-1].e2e_s is not None and seen[0].e2e_s is None
+
+
+def test_dtype_is_part_of_the_cache_key(make_llm):
+    from prefixcache import LLM
+
+    fp32 = make_llm().engine.cache_fingerprint
+    bf16 = LLM("smollm2-135m", dtype="bfloat16", num_blocks=16, num_threads=2)
+    assert next(bf16.engine.loaded.model.parameters()).dtype == torch.bfloat16
+    assert bf16.engine.cache_fingerprint != fp32
+    out = bf16.generate("The sun is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert len(out.token_ids) == 4
