@@ -1,9 +1,20 @@
-"""``prefixcache`` command line: ``demo``, ``fetch``."""
+"""``prefixcache`` command line: ``demo``, ``fetch``, ``serve``, ``bench``.
+
+Each subcommand's options live beside its code: ``add_cli_args(parser)`` and ``run_cli(args)`` in
+``entrypoints/openai_server.py`` (serve) and ``bench/runner.py`` (bench), imported lazily so that
+``prefixcache demo`` doesn't pay for the server's imports.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+_SUBCOMMAND_MODULES = {
+    "serve": ("prefixcache.entrypoints.openai_server", "OpenAI-compatible HTTP server"),
+    "bench": ("prefixcache.bench.runner", "prefix-caching benchmarks vs transformers"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +29,19 @@ def main(argv: list[str] | None = None) -> int:
     fetch = sub.add_parser("fetch", help="download and convert the default model into $PREFIXCACHE_HOME")
     fetch.add_argument("--home", default=None, help="cache folder (default $PREFIXCACHE_HOME or ~/.cache/prefixcache)")
 
+    requested = argv if argv is not None else sys.argv[1:]
+    modules = {}
+    for name, (module_name, help_text) in _SUBCOMMAND_MODULES.items():
+        if requested[:1] != [name]:
+            sub.add_parser(name, help=help_text, add_help=False)
+            continue
+        try:
+            modules[name] = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            print(f"prefixcache: error: `{name}` is not available ({e})", file=sys.stderr)
+            return 2
+        modules[name].add_cli_args(sub.add_parser(name, help=help_text))
+
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
@@ -30,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
             from prefixcache.models.fetch import fetch_default_model
 
             print(fetch_default_model(Path(args.home) if args.home else None))
+        else:
+            return modules[args.command].run_cli(args) or 0
     except ValueError as e:  # bad options or a model that can't be loaded: one clear line
         print(f"prefixcache: error: {e}", file=sys.stderr)
         return 2
