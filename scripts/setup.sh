@@ -6,7 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 . .venv/bin/activate
-python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
 python -m pip install --quiet -e ".[test]"
 python -m prefixcache fetch
