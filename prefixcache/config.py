@@ -33,6 +33,7 @@ class EngineConfig:
     max_model_len: int | None = None  # context limit in tokens; default the model's
     enable_prefix_caching: bool = True  # look up and cache full blocks
     hash_algo: str = "xxh64"  # block hash: "xxh64" or "sha256"
+    hash_seed: int | None = None  # mixed into every block hash; None = random per process
     num_threads: int | None = None  # torch CPU threads; default the available cores
     seed: int = 0  # RNG seed for requests that give no seed of their own
 
@@ -52,6 +53,10 @@ class EngineConfig:
             _positive_int("max_model_len", self.max_model_len)
         if self.hash_algo not in HASH_ALGOS:
             raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
+        if self.hash_seed is not None and (
+            isinstance(self.hash_seed, bool) or not isinstance(self.hash_seed, int) or not 0 <= self.hash_seed < 2**64
+        ):
+            raise ValueError(f"hash_seed must be an integer in [0, 2**64), got {self.hash_seed!r}")
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
         if not isinstance(self.enable_prefix_caching, bool):
@@ -69,6 +74,10 @@ class EngineConfig:
         return config
 
     def resolved_num_threads(self) -> int:
+        if self.hash_seed is not None and (
+            isinstance(self.hash_seed, bool) or not isinstance(self.hash_seed, int) or not 0 <= self.hash_seed < 2**64
+        ):
+            raise ValueError(f"hash_seed must be an integer in [0, 2**64), got {self.hash_seed!r}")
         if self.num_threads is not None:
             return self.num_threads
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

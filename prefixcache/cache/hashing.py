@@ -6,7 +6,11 @@ A request's tokens are cut into full blocks of ``block_size`` tokens. Block ``i`
 
 so equal hashes mean equal *whole* prefixes (the idea of vLLM v1's ``hash_block_tokens``).
 The root key serialises everything outside the tokens that changes K/V: the model fingerprint
-and the request's ``cache_salt``. Only full blocks are hashed; a partial tail block has no hash.
+and the request's ``cache_salt``, plus a hash seed. The seed is random per process unless the
+user fixes it (``hash_seed``), so nobody outside the process can precompute block hashes to aim
+collisions at (vLLM's ``PYTHONHASHSEED``-style fix for its predictable ``NONE_HASH``); a fixed
+seed makes keys reproducible across processes. Only full blocks are hashed; a partial tail
+block has no hash.
 
 Invariants:
 - ``len(block_hashes) == num_tokens // block_size`` after every :meth:`BlockHasher.extend`.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from collections.abc import Sequence
 from typing import NewType
@@ -27,18 +32,29 @@ BlockHash = NewType("BlockHash", bytes)
 
 HASH_ALGOS = ("xxh64", "sha256")
 
+# Drawn once at import: the default hash seed of this process (immutable).
+_PROCESS_HASH_SEED = os.urandom(16)
 
-def make_root_key(model_fingerprint: bytes, cache_salt: str | None = None) -> bytes:
+
+def hash_seed_bytes(hash_seed: int | None) -> bytes:
+    """The seed mixed into every root key: ``hash_seed`` as 8 bytes, or this process's random seed."""
+    if hash_seed is None:
+        return _PROCESS_HASH_SEED
+    return hash_seed.to_bytes(8, "little", signed=False)
+
+
+def make_root_key(model_fingerprint: bytes, cache_salt: str | None = None, seed: bytes = b"") -> bytes:
     """Serialises the non-token inputs of the cache key, unambiguously.
 
     Args:
-        model_fingerprint: digest identifying the weights, config, tokenizer and template.
+        model_fingerprint: digest identifying the weights, config, tokenizer, template and dtype.
         cache_salt: optional per-request namespace; ``None`` means no salt.
+        seed: :func:`hash_seed_bytes`.
 
     Returns:
         Bytes that differ whenever any component differs (JSON keeps the fields apart).
     """
-    return json.dumps([model_fingerprint.hex(), cache_salt]).encode()
+    return json.dumps([model_fingerprint.hex(), cache_salt, seed.hex()]).encode()
 
 
 class BlockHasher:

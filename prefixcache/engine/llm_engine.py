@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixcache.cache.hashing import BlockHasher, make_root_key
+from prefixcache.cache.hashing import BlockHasher, hash_seed_bytes, make_root_key
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from prefixcache.engine.request import Request, RequestStatus
@@ -82,6 +82,7 @@ class LLMEngine:
         # The cache key's model part: the files' fingerprint and the dtype the KV is computed in.
         model_dtype = str(next(self.loaded.model.parameters()).dtype)
         self.cache_fingerprint = hashlib.sha256(self.loaded.fingerprint + model_dtype.encode()).digest()
+        self._hash_seed = hash_seed_bytes(config.hash_seed)
         self.vocab_size = mcfg.vocab_size
         self._prompts: dict[str, str | None] = {}
         self._counter = itertools.count()
@@ -160,12 +161,16 @@ class LLMEngine:
             token_ids,
             params,
             self.block_hasher,
-            make_root_key(self.cache_fingerprint, cache_salt),
+            self.root_key(cache_salt),
             stream=stream,
         )
         self._prompts[request_id] = prompt_text
         self.scheduler.add_request(request)
         return request_id
+
+    def root_key(self, cache_salt: str | None = None) -> bytes:
+        """The cache-key root of a request: model fingerprint, dtype, hash seed and cache_salt."""
+        return make_root_key(self.cache_fingerprint, cache_salt, self._hash_seed)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

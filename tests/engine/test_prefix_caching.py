@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from prefixcache.cache.hashing import BlockHash, BlockHasher, make_root_key
+from prefixcache.cache.hashing import BlockHash, BlockHasher
 from prefixcache.engine.request import Request
 from prefixcache.sampling_params import SamplingParams
 
@@ -129,7 +129,7 @@ def test_c3_hit_blocks_hold_the_kv_of_their_tokens(make_llm):
     warm.generate(p1, params, use_tqdm=False)
     manager = warm.engine.kv_cache_manager
     # Look up p2 the way admission does.
-    probe = Request("probe", p2, params, warm.engine.block_hasher, make_root_key(warm.engine.cache_fingerprint))
+    probe = Request("probe", p2, params, warm.engine.block_hasher, warm.engine.root_key())
     blocks, num_hit = manager.get_computed_blocks(probe)
     assert num_hit == 40 and len(blocks) == 5
     ref = make_llm(block_size=8, num_blocks=64, enable_prefix_caching=False)
@@ -260,3 +260,17 @@ def test_sha256_hash_algo_hits_the_same(make_llm):
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert outs[1].num_cached_tokens > 0
     assert [o.token_ids for o in outs] == cold(make_llm, prompts)
+
+
+def test_hash_seed_fixes_block_hashes_default_is_random(make_llm):
+    def hashes(llm):
+        probe = Request("p", list(range(100, 140)), GREEDY, llm.engine.block_hasher, llm.engine.root_key())
+        return probe.block_hashes
+
+    a, b = make_llm(hash_seed=11, num_blocks=8), make_llm(hash_seed=11, num_blocks=8)
+    assert len(hashes(a)) == 2 and hashes(a) == hashes(b)
+    assert hashes(make_llm(hash_seed=12, num_blocks=8)) != hashes(a)
+    # Without hash_seed the root mixes this process's random seed: stable within the process.
+    assert hashes(make_llm(num_blocks=8)) == hashes(make_llm(num_blocks=8)) != hashes(a)
+    with pytest.raises(ValueError, match="hash_seed"):
+        make_llm(hash_seed=-1)

@@ -1,0 +1,269 @@
+"""Asyncio front of :class:`LLMEngine`: one background loop steps the engine for all requests.
+
+The engine is not thread-safe, so every engine call (add, abort, step, metrics, reset) runs on one
+dedicated thread, a single-worker executor; calls queue there in order and run between steps. The
+event loop never touches engine state, it only routes each step's outputs to per-request queues::
+
+    HTTP handlers ──add/abort──▶ [engine thread: add | step | step | abort | step ...]
+         ▲                                         │
+         └──── per-request asyncio.Queue ◀──outputs┘   (dispatched on the event loop)
+
+Many concurrent requests are thus batched by the scheduler, never served one at a time.
+
+Invariants:
+- a request id is in ``_queues`` from just before its add is submitted until its stream ends;
+- a stream that ends early (client gone, task cancelled) submits an abort, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from prefixcache.engine.llm_engine import EngineMetrics, LLMEngine
+from prefixcache.outputs import RequestOutput
+from prefixcache.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The background loop stopped on an unexpected error; the engine serves no more requests."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Engine counters plus the scheduler's queue lengths, taken together on the engine thread."""
+
+    metrics: EngineMetrics
+    num_running: int  # requests in the running batch
+    num_waiting: int  # requests queued (new or preempted)
+
+
+class AsyncLLMEngine:
+    """Serves many concurrent requests from one :class:`LLMEngine`.
+
+    Args:
+        engine: the engine to drive; only this object's thread may call it from now on.
+        on_finish: called on the event loop with each finished request's output (metrics hook).
+
+    Call :meth:`start` from the event loop that will serve requests, :meth:`shutdown` at the end.
+    """
+
+    def __init__(
+        self, engine: LLMEngine, on_finish: Callable[[RequestOutput], None] | None = None
+    ) -> None:
+        self.engine = engine
+        self.on_finish = on_finish
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="prefixcache-engine", initializer=self._init_thread
+        )
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._counter = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._wakeup: asyncio.Event | None = None
+        self.error: BaseException | None = None
+        # Requests that ran in the last engine step, and the most seen in one step (batching check).
+        self.last_step_num_reqs = 0
+        self.max_step_num_reqs = 0
+
+    def _init_thread(self) -> None:
+        if self.engine.device.type == "cpu":  # torch's thread count is per calling thread
+            torch.set_num_threads(self.engine.config.resolved_num_threads())
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done() and self.error is None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Starts the background step loop on the running event loop (idempotent)."""
+        if self._task is not None and not self._task.done():
+            return
+        self._loop = asyncio.get_running_loop()
+        self._wakeup = asyncio.Event()
+        self._task = self._loop.create_task(self._run_loop(), name="prefixcache-engine-loop")
+
+    async def shutdown(self) -> None:
+        """Stops the loop, aborts what is left and releases the engine thread."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for request_id in list(self._queues):
+            self._queues.pop(request_id).put_nowait(EngineDeadError("server is shutting down"))
+            self._executor.submit(self.engine.abort_request, request_id)
+        self._executor.shutdown(wait=True)
+
+    async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if not self._queues:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                outputs = await loop.run_in_executor(self._executor, self._step)
+                for out in outputs:
+                    self._dispatch(out)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a bug in the engine: fail every stream rather than hang
+            self.error = e
+            for queue in self._queues.values():
+                queue.put_nowait(EngineDeadError(f"engine loop failed: {e!r}"))
+            self._queues.clear()
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step, on the engine thread; idles briefly when nothing is scheduled."""
+        engine = self.engine
+        if not engine.has_unfinished_requests():
+            # Every queued request finished or was aborted; the loop sleeps once its queues drain.
+            self.last_step_num_reqs = 0
+            time.sleep(0.001)  # an add is about to land; don't spin the thread
+            return []
+        outputs = engine.step()
+        n = len(engine.scheduler.running) + sum(o.finished for o in outputs)
+        self.last_step_num_reqs = n
+        self.max_step_num_reqs = max(self.max_step_num_reqs, n)
+        return outputs
+
+    def _dispatch(self, out: RequestOutput) -> None:
+        queue = self._queues.get(out.request_id)
+        if out.finished:
+            self._queues.pop(out.request_id, None)
+            if self.on_finish is not None:
+                self.on_finish(out)
+        if queue is not None:
+            queue.put_nowait(out)
+
+    # ------------------------------------------------------------------ requests
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.error is not None:
+            raise EngineDeadError(f"engine loop failed: {self.error!r}")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, lambda: fn(*args, **kwargs)
+        )
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+        stream: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """Adds a request and returns its outputs as an async stream.
+
+        The request is added (and validated) before this returns, so bad input raises here, not
+        while iterating. Leaving the stream before its final output aborts the request.
+
+        Args:
+            prompt: text or token ids.
+            sampling_params: validated sampling parameters.
+            cache_salt: the request's cache namespace (see ``LLMEngine.add_request``).
+            request_id: defaults to a fresh ``"req-N"``.
+            stream: yield an output after every new token (cumulative text and token ids);
+                otherwise only the final output.
+
+        Returns:
+            An async iterator of :class:`RequestOutput`; the last one has ``finished=True``.
+
+        Raises:
+            ValueError: naming the field, as ``LLMEngine.add_request``.
+            EngineDeadError: the background loop has failed.
+        """
+        if self._task is None:
+            self.start()
+        request_id = request_id if request_id is not None else f"req-{next(self._counter)}"
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue  # before the add: the next step may already output
+        try:
+            await self._call(
+                self.engine.add_request, prompt, sampling_params,
+                cache_salt=cache_salt, request_id=request_id, stream=stream,
+            )
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        self._wakeup.set()
+        return self._stream(request_id, queue)
+
+    async def _stream(
+        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
+    ) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # the consumer left early: free the request's blocks
+                self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Queues an abort of ``request_id`` on the engine thread without waiting for it."""
+        if self._queues.pop(request_id, None) is None:
+            return
+        if self.error is not None or self._loop is None:
+            return
+        future = self._executor.submit(self.engine.abort_request, request_id)
+        future.add_done_callback(self._on_abort_done)
+
+    def _on_abort_done(self, future: concurrent.futures.Future) -> None:
+        out = None if future.cancelled() or future.exception() else future.result()
+        if out is not None and self.on_finish is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.on_finish, out)
+
+    async def abort(self, request_id: str) -> None:
+        """Aborts a request and waits until its blocks are freed; unknown ids are ignored."""
+        queue = self._queues.pop(request_id, None)
+        out = await self._call(self.engine.abort_request, request_id)
+        if queue is not None and out is not None:
+            queue.put_nowait(out)
+            if self.on_finish is not None:
+                self.on_finish(out)
+
+    # ------------------------------------------------------------------ engine state
+    async def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Renders a conversation with the model's chat template (on the engine thread: the
+        tokenizer is shared with detokenization there).
+
+        Raises:
+            ValueError: the template rejects the conversation.
+        """
+
+        def render() -> list[int]:
+            tokenizer = self.engine.tokenizer
+            try:
+                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # jinja raises its own errors for conversations it can't render
+                raise ValueError(f"messages could not be rendered with the chat template: {e}") from e
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        return await self._call(render)
+
+    async def get_stats(self) -> EngineStats:
+        def take() -> EngineStats:
+            scheduler = self.engine.scheduler
+            return EngineStats(self.engine.get_metrics(), len(scheduler.running), len(scheduler.waiting))
+
+        return await self._call(take)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drops every cached block; False (nothing done) while any request holds blocks."""
+        return await self._call(self.engine.reset_prefix_cache)

@@ -1,0 +1,114 @@
+"""Prometheus metrics of the server, named after vLLM's (``vllm:`` → ``prefixcache:``).
+
+Each app owns its own :class:`CollectorRegistry` (no global state). Two sources feed it:
+
+- engine counters and gauges (prefix-cache queries/hits, blocks, evictions, queue lengths) are read
+  from an :class:`EngineStats` snapshot taken on the engine thread when ``/metrics`` is scraped;
+- per-request counters and histograms (tokens, finish reasons, TTFT, end-to-end latency) are
+  observed by :meth:`ServerMetrics.observe_finished` as each request finishes or is aborted.
+
+Token counters count tokens; ``*_seconds`` histograms are in seconds.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from prefixcache.engine.async_engine import EngineStats
+from prefixcache.outputs import RequestOutput
+
+PREFIX = "prefixcache:"
+_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class _EngineCollector:
+    """Yields engine metrics from the latest snapshot (set just before each scrape)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: EngineStats | None = None
+
+    def collect(self):
+        stats = self.stats
+        if stats is None:
+            return
+        m = stats.metrics
+        labels = ["model_name"]
+        values = [self.model_name]
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", m.prefix_cache_hits)
+        yield gauge("prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries since start.", m.hit_rate)
+        yield counter("prefix_cache_hit_requests", "Requests with at least one cached token.", m.num_hit_requests)
+        yield counter("prompt_tokens_computed", "Prompt tokens run through the model (recomputes included).",
+                      m.prompt_tokens_computed)
+        yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", m.num_preemptions)
+        yield counter("kv_block_evictions", "Cached KV blocks evicted to make room.", m.num_evictions)
+        yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
+        yield gauge("kv_blocks_total", "KV pool size in blocks.", m.num_blocks_total)
+        yield gauge("kv_blocks_in_use", "KV blocks held by requests (ref_cnt > 0).", m.num_blocks_in_use)
+        yield gauge("kv_blocks_cached", "KV blocks holding a prefix hash (in use or free).", m.num_blocks_cached)
+        yield gauge("kv_blocks_free", "KV blocks with ref_cnt == 0 (cached or not).", m.num_blocks_free)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use, 0..1.",
+                    m.num_blocks_in_use / m.num_blocks_total if m.num_blocks_total else 0.0)
+
+
+class ServerMetrics:
+    """The metrics of one server app.
+
+    Args:
+        model_name: the served model name, the ``model_name`` label of every series.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._engine = _EngineCollector(model_name)
+        self.registry.register(self._engine)
+        labels = ["model_name"]
+        self._model_name = model_name
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", labels, registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Generated tokens of finished requests.", labels, registry=self.registry
+        )
+        self.request_success = Counter(
+            PREFIX + "request_success", "Finished requests by finish reason (stop, length, abort).",
+            labels + ["finished_reason"], registry=self.registry,
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Seconds from arrival to the first generated token.",
+            labels, buckets=_LATENCY_BUCKETS_S, registry=self.registry,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Seconds from arrival to finish.",
+            labels, buckets=_LATENCY_BUCKETS_S, registry=self.registry,
+        )
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Records one finished (or aborted) request."""
+        name = self._model_name
+        self.prompt_tokens.labels(name).inc(out.num_prompt_tokens)
+        self.generation_tokens.labels(name).inc(len(out.token_ids))
+        self.request_success.labels(name, out.finish_reason or "abort").inc()
+        if out.ttft_s is not None:
+            self.ttft.labels(name).observe(out.ttft_s)
+        if out.e2e_s is not None:
+            self.e2e.labels(name).observe(out.e2e_s)
+
+    def render(self, stats: EngineStats) -> bytes:
+        """The Prometheus text exposition, engine metrics taken from ``stats``."""
+        self._engine.stats = stats
+        return generate_latest(self.registry)

@@ -1,0 +1,459 @@
+"""OpenAI-compatible HTTP server: ``prefixcache serve [MODEL] --host 127.0.0.1 --port 8000``.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE streams ending with
+``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``POST /reset_prefix_cache``,
+``GET /metrics`` (Prometheus). ``usage.prompt_tokens_details.cached_tokens`` is the request's real
+number of prompt tokens served from the prefix cache; ``cache_salt`` in the body isolates a
+request's cache namespace.
+
+Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid input
+(the field in ``param``), 401 for a missing/wrong API key, 404 for an unknown model or route, 409 for
+``/reset_prefix_cache`` while requests hold KV blocks. A request that fails validation never
+reaches the engine, so no block leaks; a client that disconnects aborts its request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import re
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from prefixcache.config import DEFAULT_MODEL, EngineConfig
+from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from prefixcache.engine.llm_engine import LLMEngine
+from prefixcache.entrypoints.metrics import ServerMetrics
+from prefixcache.entrypoints.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    ResponseMessage,
+    Usage,
+)
+from prefixcache.outputs import RequestOutput
+from prefixcache.sampling_params import SamplingParams
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHAT_DEFAULT_MAX_TOKENS = 512  # chat default: the rest of the context, capped at this
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+_REQUEST_FIELDS = frozenset(
+    "model prompt messages max_tokens max_completion_tokens temperature top_p top_k seed stop "
+    "stop_token_ids n stream stream_options cache_salt".split()
+)
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body.
+
+    Args:
+        status: HTTP status code.
+        message: what is wrong, naming the field.
+        param: the offending request field, if any.
+        code: a short machine-readable code (OpenAI's ``error.code``).
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def _error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    body = ErrorResponse(
+        error=ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "api_error"), param=param, code=code)
+    )
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _param_of(message: str, prompt_field: str) -> str | None:
+    """The request field a ``ValueError`` message from the engine or SamplingParams names."""
+    if re.match(r"prompt \+ max_tokens", message):  # the request can't fit in the KV pool
+        return "max_tokens"
+    m = re.match(r"([a-z_]+)", message)
+    if m is None or m.group(1) not in _REQUEST_FIELDS:
+        return None
+    return prompt_field if m.group(1) == "prompt" else m.group(1)
+
+
+def _usage(out: RequestOutput) -> Usage:
+    return Usage(
+        prompt_tokens=out.num_prompt_tokens,
+        completion_tokens=len(out.token_ids),
+        total_tokens=out.num_prompt_tokens + len(out.token_ids),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens),
+    )
+
+
+def _stream_text(out: RequestOutput, stops: tuple[str, ...]) -> str:
+    """The part of a streaming output's text that is safe to send.
+
+    Until the request finishes, hold back a trailing incomplete UTF-8 character and any tail that
+    could still grow into a stop string (which the final text drops), so the concatenated deltas
+    equal the non-streamed text.
+    """
+    text = out.text
+    if out.finished:
+        return text
+    text = text.rstrip("\ufffd")
+    hold = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:k]):
+                hold = k
+                break
+    return text[: len(text) - hold]
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _message_text(content: str | list[dict] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, "messages: only text content parts are supported", "messages")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+async def _wait_disconnect(raw_request: Request) -> None:
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _final_output(stream: AsyncIterator[RequestOutput], raw_request: Request) -> RequestOutput | None:
+    """The last output of ``stream``; None (and the request aborted) if the client disconnects."""
+
+    async def last() -> RequestOutput:
+        out = None
+        async for out in stream:
+            pass
+        return out
+
+    task = asyncio.ensure_future(last())
+    disconnect = asyncio.ensure_future(_wait_disconnect(raw_request))
+    try:
+        await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()  # the stream's cleanup aborts the request and frees its blocks
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
+    """Builds the FastAPI app serving ``engine``.
+
+    Args:
+        engine: an engine (wrapped in an :class:`AsyncLLMEngine`) or an async engine not yet
+            serving another app. The app starts its loop on startup and stops it on shutdown.
+        served_model_name: the model name clients send and ``/v1/models`` lists.
+        api_key: when set, ``/v1/*`` and ``/reset_prefix_cache`` need ``Authorization: Bearer KEY``.
+
+    Returns:
+        The app; ``app.state.engine`` is the async engine, ``app.state.metrics`` its metrics.
+    """
+    async_engine = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
+    llm_engine = async_engine.engine
+    metrics = ServerMetrics(served_model_name)
+    async_engine.on_finish = metrics.observe_finished
+    pool_tokens = llm_engine.num_blocks * llm_engine.config.block_size
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        yield
+        await async_engine.shutdown()
+
+    app = FastAPI(title="prefixcache", lifespan=lifespan)
+    app.state.engine = async_engine
+    app.state.metrics = metrics
+
+    # ------------------------------------------------------------------ errors and auth
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return _error_response(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0]
+        if err.get("type") == "json_invalid":
+            return _error_response(400, f"malformed JSON body: {err.get('msg')}", None, "invalid_json")
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = loc[0] if loc else None
+        where = ".".join(loc[:1] + [x for x in loc[1:] if x.isdigit()]) or "body"
+        return _error_response(400, f"{where}: {err.get('msg')}", param, "invalid_type")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _error_response(e.status_code, str(e.detail), None, None)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        return _error_response(503, str(e), None, "engine_dead")
+
+    if api_key is not None:
+
+        @app.middleware("http")
+        async def _check_api_key(request: Request, call_next):
+            path = request.url.path
+            if path.startswith("/v1") or path == "/reset_prefix_cache":
+                header = request.headers.get("authorization", "")
+                if not secrets.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
+                    return _error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                           None, "invalid_api_key")
+            return await call_next(request)
+
+    # ------------------------------------------------------------------ helpers
+    def check_model(model: str | None) -> None:
+        if model is not None and model != served_model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {served_model_name!r}",
+                           "model", "model_not_found")
+
+    def sampling_params(req, max_tokens: int | None, default_max_tokens: int, prompt_field: str) -> SamplingParams:
+        if req.n != 1:
+            raise APIError(400, f"n must be 1 (n > 1 is not supported yet), got {req.n}", "n")
+        try:
+            return SamplingParams(
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+                seed=req.seed,
+                stop=req.stop or (),
+                stop_token_ids=req.stop_token_ids or (),
+                ignore_eos=req.ignore_eos,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), _param_of(str(e), prompt_field)) from e
+
+    async def start(prompt, params: SamplingParams, req, request_id: str, prompt_field: str):
+        try:
+            return await async_engine.generate(
+                prompt, params, cache_salt=req.cache_salt, request_id=request_id, stream=req.stream
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), _param_of(str(e), prompt_field)) from e
+
+    def include_usage(req) -> bool:
+        return req.stream_options is not None and req.stream_options.include_usage
+
+    async def sse(stream: AsyncIterator[RequestOutput], stops: tuple[str, ...], make_chunk, usage_chunk):
+        sent = 0
+        try:
+            async for out in stream:
+                text = _stream_text(out, stops)
+                delta, sent = text[sent:], max(sent, len(text))
+                if delta or out.finished:
+                    yield _sse(make_chunk(delta, out.finish_reason if out.finished else None))
+                if out.finished and usage_chunk is not None:
+                    yield _sse(usage_chunk(out))
+        except EngineDeadError as e:
+            yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type=_ERROR_TYPES[503])).model_dump())
+        yield "data: [DONE]\n\n"
+
+    def stream_response(gen: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    # ------------------------------------------------------------------ endpoints
+    @app.get("/health")
+    async def health() -> Response:
+        if async_engine.error is not None:
+            return _error_response(503, f"engine loop failed: {async_engine.error!r}", None, "engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=llm_engine.max_model_len)])
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        stats = await async_engine.get_stats()
+        return Response(metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        if not await async_engine.reset_prefix_cache():
+            raise APIError(409, "the prefix cache can't be reset while requests hold KV blocks; "
+                                "retry when the server is idle", None, "requests_in_flight")
+        return Response(status_code=200)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw_request: Request):
+        check_model(req.model)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, f"prompt: a batch of {len(prompt)} prompts is not supported yet; "
+                                    "send one prompt per request", "prompt")
+            prompt = prompt[0]
+        params = sampling_params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        stream = await start(prompt, params, req, request_id, "prompt")
+
+        if req.stream:
+            with_usage = include_usage(req)
+
+            def chunk(delta: str, finish_reason: str | None) -> dict:
+                data = {"id": request_id, "object": "text_completion", "created": created,
+                        "model": served_model_name,
+                        "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                if with_usage:
+                    data["usage"] = None
+                return data
+
+            def usage_chunk(out: RequestOutput) -> dict:
+                return {"id": request_id, "object": "text_completion", "created": created,
+                        "model": served_model_name, "choices": [], "usage": _usage(out).model_dump()}
+
+            return stream_response(sse(stream, params.stop, chunk, usage_chunk if with_usage else None))
+
+        out = await _final_output(stream, raw_request)
+        if out is None:
+            return Response(status_code=499)
+        return CompletionResponse(
+            id=request_id, created=created, model=served_model_name, usage=_usage(out),
+            choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason, stop_reason=out.stop_reason)],
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw_request: Request):
+        check_model(req.model)
+        if not req.messages:
+            raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+        conversation = [{"role": m.role, "content": _message_text(m.content)} for m in req.messages]
+        try:
+            prompt_ids = await async_engine.apply_chat_template(conversation)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from e
+        room = min(llm_engine.max_model_len, pool_tokens) - len(prompt_ids)
+        default_max_tokens = max(1, min(MAX_CHAT_DEFAULT_MAX_TOKENS, room))
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = sampling_params(req, max_tokens, default_max_tokens, "messages")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        stream = await start(prompt_ids, params, req, request_id, "messages")
+
+        if req.stream:
+            with_usage = include_usage(req)
+            first = True
+
+            def chunk(delta: str, finish_reason: str | None) -> dict:
+                nonlocal first
+                message = {"content": delta}
+                if first:
+                    message["role"] = "assistant"
+                    first = False
+                data = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                        "model": served_model_name,
+                        "choices": [{"index": 0, "delta": message, "logprobs": None, "finish_reason": finish_reason}]}
+                if with_usage:
+                    data["usage"] = None
+                return data
+
+            def usage_chunk(out: RequestOutput) -> dict:
+                return {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                        "model": served_model_name, "choices": [], "usage": _usage(out).model_dump()}
+
+            return stream_response(sse(stream, params.stop, chunk, usage_chunk if with_usage else None))
+
+        out = await _final_output(stream, raw_request)
+        if out is None:
+            return Response(status_code=499)
+        return ChatCompletionResponse(
+            id=request_id, created=created, model=served_model_name, usage=_usage(out),
+            choices=[ChatChoice(message=ResponseMessage(content=out.text), finish_reason=out.finish_reason,
+                                stop_reason=out.stop_reason)],
+        )
+
+    return app
+
+
+# ---------------------------------------------------------------------------- CLI
+def _memory_bytes(text: str) -> int:
+    """``"2GiB"``, ``"512MiB"``, ``"1e9"`` or ``"1073741824"`` → bytes."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B?)?\s*", text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 2GiB, 512MiB, 1073741824)")
+    unit = (m.group(2) or "").rstrip("B").rstrip("i")
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Adds ``prefixcache serve``'s options (server and engine) to ``parser``."""
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="built-in name, HF directory or .gguf file")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="name clients send (default: MODEL)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    e = parser.add_argument_group("engine")
+    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    e.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
+    e.add_argument("--kv-cache-memory", type=_memory_bytes, default=None, help="KV pool budget, e.g. 2GiB")
+    e.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per forward pass")
+    e.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--hash-algo", default="xxh64", choices=["xxh64", "sha256"])
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    e.add_argument("--device", default=None, help="cpu, cuda, ... (default: CUDA if present)")
+    e.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    e.add_argument("--seed", type=int, default=0)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Loads the model and serves until interrupted.
+
+    Raises:
+        ValueError: bad engine options or a model that can't be loaded.
+    """
+    import uvicorn
+
+    config = EngineConfig.from_kwargs(
+        model=args.model, block_size=args.block_size, num_blocks=args.num_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching, hash_algo=args.hash_algo, dtype=args.dtype,
+        device=args.device, num_threads=args.num_threads, seed=args.seed,
+    )
+    app = build_app(LLMEngine(config), args.served_model_name or args.model, api_key=args.api_key)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
