@@ -130,6 +130,10 @@ class LLM:
                         bar.update(1)
         return [results[i] for i in ids]
 
+    def load_weights(self, weights) -> None:
+        """Swaps in new weights (a model directory or ``{name: tensor}``); see ``LLMEngine.load_weights``."""
+        self.engine.load_weights(weights)
+
     def reset_prefix_cache(self) -> bool:
         """Drops all cached blocks; returns False (and does nothing) while requests hold blocks."""
         return self.engine.reset_prefix_cache()

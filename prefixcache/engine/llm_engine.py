@@ -8,14 +8,18 @@ import math
 import time
 from dataclasses import dataclass
 
+from collections.abc import Mapping
+from pathlib import Path
+
 import torch
+import xxhash
 
 from prefixcache.cache.hashing import BlockHasher, hash_seed_bytes, make_root_key
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from prefixcache.engine.request import Request, RequestStatus
 from prefixcache.engine.scheduler import Scheduler
-from prefixcache.models.loader import LoadedModel, load_model
+from prefixcache.models.loader import LoadedModel, compute_fingerprint, load_model, load_weights, resolve_model_dir
 from prefixcache.outputs import RequestOutput
 from prefixcache.runner.kv_pool import kv_cache_bytes_per_block, num_blocks_for_memory
 from prefixcache.runner.model_runner import ModelRunner
@@ -262,6 +266,47 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------ cache control
+    def load_weights(self, weights: str | Path | Mapping[str, torch.Tensor]) -> None:
+        """Replaces model weights in place and makes every cached block unreachable.
+
+        The cache key's model part is re-derived from the new weights' content, and all cached
+        blocks are dropped at once (not left to age out of the LRU), so no request ever reads K/V
+        computed with the old weights (../shared/cases C2).
+
+        Args:
+            weights: an HF model directory with *.safetensors of the same architecture, or a
+                mapping ``parameter name -> tensor`` (a partial update is fine).
+
+        Raises:
+            ValueError: requests are still running or waiting (finish or abort them first), an
+                unknown parameter name, or a shape mismatch.
+        """
+        if self.has_unfinished_requests():
+            raise ValueError("load_weights: requests are still in flight; wait for them or abort them first")
+        model = self.loaded.model
+        if isinstance(weights, Mapping):
+            params = dict(model.named_parameters())
+            digest = xxhash.xxh3_128()
+            for name in sorted(weights):
+                tensor, param = weights[name], params.get(name)
+                if param is None:
+                    raise ValueError(f"load_weights: unknown parameter {name!r}")
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"load_weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                    )
+                with torch.no_grad():
+                    param.copy_(tensor)
+                digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+                digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            weights_digest = digest.digest()
+        else:
+            model_dir = resolve_model_dir(str(weights))
+            load_weights(model, model_dir, self.loaded.config.tie_word_embeddings)
+            weights_digest = compute_fingerprint(model_dir)
+        self.cache_fingerprint = hashlib.sha256(self.cache_fingerprint + b"weights" + weights_digest).digest()
+        self.kv_cache_manager.reset_prefix_cache()
+
     def reset_prefix_cache(self) -> bool:
         """Drops every cached block; refused (False) while any request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()

@@ -103,6 +103,15 @@ def _param_of(message: str, prompt_field: str) -> str | None:
     return prompt_field if m.group(1) == "prompt" else m.group(1)
 
 
+def _value_error(e: ValueError, prompt_field: str) -> APIError:
+    """A 400 for an engine/SamplingParams ``ValueError``; the message starts with the field."""
+    message = str(e)
+    param = _param_of(message, prompt_field)
+    if param is not None and not message.startswith(param):
+        message = f"{param}: {message}"
+    return APIError(400, message, param)
+
+
 def _usage(out: RequestOutput) -> Usage:
     return Usage(
         prompt_tokens=out.num_prompt_tokens,
@@ -260,7 +269,7 @@ def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str, api_ke
                 include_stop_str_in_output=req.include_stop_str_in_output,
             )
         except ValueError as e:
-            raise APIError(400, str(e), _param_of(str(e), prompt_field)) from e
+            raise _value_error(e, prompt_field) from e
 
     async def start(prompt, params: SamplingParams, req, request_id: str, prompt_field: str):
         try:
@@ -268,7 +277,7 @@ def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str, api_ke
                 prompt, params, cache_salt=req.cache_salt, request_id=request_id, stream=req.stream
             )
         except ValueError as e:
-            raise APIError(400, str(e), _param_of(str(e), prompt_field)) from e
+            raise _value_error(e, prompt_field) from e
 
     def include_usage(req) -> bool:
         return req.stream_options is not None and req.stream_options.include_usage

@@ -1,0 +1,157 @@
+"""The six prefix-sharing workloads, as rounds of token-id prompts.
+
+A workload is a number of rounds; the prompts of a round arrive together, and a round may depend
+on the outputs of the rounds before it (``multi-turn`` resends each chat's history, model replies
+included). Every other workload is one round.
+
+========== =========================================================== ===================
+name       prompts                                                     shared
+========== =========================================================== ===================
+seed       the demo's ~100-token system prompt + one question each      system prompt
+system-    a ~1600-token support policy + one ~150-token customer       system prompt
+prompt     message each
+few-shot   ~560 tokens of worked word problems + one ~70-token problem  examples
+rag-doc    a ~2700-token report + one question about it each            document
+multi-turn N chats with the library assistant, one turn per round,      system prompt, and
+           each turn resending the whole history                       each chat's history
+no-sharing N unrelated plain-text prompts (no chat template)            nothing
+========== =========================================================== ===================
+
+When more requests are asked for than there are written texts, the texts repeat with a
+``(request k)`` tag in front, so prompts stay distinct.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from prefixcache.bench import texts
+from prefixcache.entrypoints.demo import QUESTIONS as SEED_QUESTIONS
+from prefixcache.entrypoints.demo import SYSTEM_PROMPT as SEED_SYSTEM_PROMPT
+
+Prompt = list[int]
+Message = dict[str, str]
+# (round index, outputs of the earlier rounds: per round, per request, token ids) -> the round's prompts
+RoundBuilder = Callable[[int, Sequence[Sequence[Sequence[int]]]], list[Prompt]]
+
+WORKLOAD_NAMES = ("seed", "system-prompt", "few-shot", "rag-doc", "multi-turn", "no-sharing")
+DEFAULT_NUM_REQUESTS = {"seed": 10, "system-prompt": 6, "few-shot": 6, "rag-doc": 6, "multi-turn": 4,
+                        "no-sharing": 6}
+DEFAULT_NUM_TURNS = 6
+MAX_NUM_TURNS = len(texts.LIBRARY_CHATS[0])
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Rounds of prompts.
+
+    Attributes:
+        name: one of :data:`WORKLOAD_NAMES`.
+        description: one line for the report.
+        num_requests: requests per round.
+        num_rounds: rounds (1 except for ``multi-turn``).
+        build_round: makes round ``k``'s prompts from the earlier rounds' outputs.
+        sharing: whether prompts are meant to share a prefix (``no-sharing`` is the 0 % case).
+    """
+
+    name: str
+    description: str
+    num_requests: int
+    num_rounds: int
+    build_round: RoundBuilder
+    sharing: bool = True
+
+
+def _pick(items: Sequence[str], n: int) -> list[str]:
+    """``n`` texts: the written ones in order, then repeats tagged ``(request k)``."""
+    return [items[i] if i < len(items) else f"(request {i + 1}) {items[i % len(items)]}" for i in range(n)]
+
+
+def _static(prompts: list[Prompt]) -> RoundBuilder:
+    return lambda k, outputs: prompts
+
+
+def build_workload(
+    name: str,
+    tokenizer,
+    eos_token_ids: Sequence[int],
+    num_requests: int | None = None,
+    num_turns: int = DEFAULT_NUM_TURNS,
+) -> Workload:
+    """Builds one workload for a model's tokenizer and chat template.
+
+    Args:
+        name: one of :data:`WORKLOAD_NAMES`.
+        tokenizer: the model's tokenizer (with a chat template).
+        eos_token_ids: where a reply ends, for ``multi-turn``'s history.
+        num_requests: requests per round, ``>= 1``; ``None`` = :data:`DEFAULT_NUM_REQUESTS`.
+        num_turns: ``multi-turn`` only: turns per chat, 1..:data:`MAX_NUM_TURNS`.
+
+    Raises:
+        ValueError: unknown name, ``num_requests < 1`` or ``num_turns`` out of range.
+    """
+    if name not in WORKLOAD_NAMES:
+        raise ValueError(f"workload must be one of {WORKLOAD_NAMES} or 'all', got {name!r}")
+    n = DEFAULT_NUM_REQUESTS[name] if num_requests is None else num_requests
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_requests must be a positive integer, got {n!r}")
+    if not 1 <= num_turns <= MAX_NUM_TURNS:
+        raise ValueError(f"num_turns must be in [1, {MAX_NUM_TURNS}], got {num_turns}")
+
+    def chat(conversation: list[Message]) -> Prompt:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def system_chats(system: str, users: list[str]) -> list[Prompt]:
+        return [chat([{"role": "system", "content": system}, {"role": "user", "content": u}]) for u in users]
+
+    if name == "seed":
+        prompts = system_chats(SEED_SYSTEM_PROMPT, _pick(SEED_QUESTIONS, n))
+        return Workload(name, "~100-token system prompt + short library questions (the demo)", n, 1,
+                        _static(prompts))
+    if name == "system-prompt":
+        prompts = system_chats(texts.SUPPORT_POLICY, _pick(texts.SUPPORT_MESSAGES, n))
+        return Workload(name, "~1600-token support policy + ~150-token customer messages", n, 1,
+                        _static(prompts))
+    if name == "few-shot":
+        users = [texts.FEW_SHOT_EXAMPLES + "Problem: " + q + "\nSolution:" for q in _pick(texts.WORD_PROBLEMS, n)]
+        prompts = [chat([{"role": "user", "content": u}]) for u in users]
+        return Workload(name, "~560 tokens of worked examples + a ~70-token word problem", n, 1, _static(prompts))
+    if name == "rag-doc":
+        users = [f"Read this report and answer the question below.\n\n{texts.RAG_DOCUMENT}\nQuestion: {q}"
+                 for q in _pick(texts.RAG_QUESTIONS, n)]
+        prompts = [chat([{"role": "user", "content": u}]) for u in users]
+        return Workload(name, "one ~2700-token report + a different question each", n, 1, _static(prompts))
+    if name == "no-sharing":
+        prompts = [tokenizer.encode(t, add_special_tokens=False) for t in _pick(texts.UNRELATED_PROMPTS, n)]
+        return Workload(name, "unrelated plain-text prompts (0 % hits expected)", n, 1, _static(prompts),
+                        sharing=False)
+    # multi-turn
+    chats = [texts.LIBRARY_CHATS[i % len(texts.LIBRARY_CHATS)] for i in range(n)]
+    openers = _pick([c[0] for c in texts.LIBRARY_CHATS], n)  # tags repeated chats apart
+    eos = frozenset(eos_token_ids)
+
+    def build(k: int, outputs: Sequence[Sequence[Sequence[int]]]) -> list[Prompt]:
+        prompts = []
+        for i in range(n):
+            conv = [{"role": "system", "content": SEED_SYSTEM_PROMPT}]
+            for turn in range(k + 1):
+                conv.append({"role": "user", "content": openers[i] if turn == 0 else chats[i][turn]})
+                if turn < k:
+                    conv.append({"role": "assistant", "content": _reply_text(tokenizer, outputs[turn][i], eos)})
+            prompts.append(chat(conv))
+        return prompts
+
+    return Workload(name, f"{n} library chats x {num_turns} turns, each turn resending the history",
+                    n, num_turns, build)
+
+
+def _reply_text(tokenizer, token_ids: Sequence[int], eos: frozenset[int]) -> str:
+    """What a chat client shows and sends back: the reply up to its first EOS."""
+    ids = list(token_ids)
+    for i, t in enumerate(ids):
+        if t in eos:
+            ids = ids[:i]
+            break
+    return tokenizer.decode(ids, skip_special_tokens=True).strip()

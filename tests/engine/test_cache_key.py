@@ -1,0 +1,81 @@
+"""Everything that changes K/V is in the cache key: weights, tokenizer, chat template (case C2)."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+
+from prefixcache import LLM, SamplingParams
+from prefixcache.models.loader import load_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+LAYER = "model.layers.3.mlp.down_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def own_model():
+    """A private copy of the default model: these tests change its weights in place."""
+    return load_model("smollm2-135m")
+
+
+def test_c2_new_weights_never_reuse_old_kv(own_model):
+    rng = random.Random(2)
+    p = [rng.randrange(200, 40000) for _ in range(2 * 16 + 7)]
+    llm = LLM(loaded=own_model, num_threads=2, num_blocks=64)
+    before = llm.generate(p, GREEDY, use_tqdm=False)[0]
+    assert llm.generate(p, GREEDY, use_tqdm=False)[0].num_cached_tokens == 32
+    old_key = llm.engine.root_key()
+
+    original = dict(own_model.model.named_parameters())[LAYER].detach().clone()
+    llm.load_weights({LAYER: original * 1.5})
+    assert llm.engine.root_key() != old_key
+    assert llm.get_metrics().num_blocks_cached == 0  # old entries dropped at once, not aged out
+    after = llm.generate(p, GREEDY, use_tqdm=False)[0]
+    assert after.num_cached_tokens == 0
+    cold = LLM(loaded=own_model, num_threads=2, num_blocks=64, enable_prefix_caching=False)
+    assert after.token_ids == cold.generate(p, GREEDY, use_tqdm=False)[0].token_ids
+    assert llm.generate(p, GREEDY, use_tqdm=False)[0].num_cached_tokens == 32  # new weights cache anew
+
+    # Loading a checkpoint directory (the original weights) also invalidates, and restores the outputs.
+    llm.load_weights(own_model.model_dir)
+    restored = llm.generate(p, GREEDY, use_tqdm=False)[0]
+    assert restored.num_cached_tokens == 0 and restored.token_ids == before.token_ids
+
+
+def test_load_weights_refused_while_requests_run(own_model):
+    llm = LLM(loaded=own_model, num_threads=2, num_blocks=64)
+    rid = llm.engine.add_request("Hello there", GREEDY)
+    with pytest.raises(ValueError, match="in flight"):
+        llm.load_weights({})
+    llm.engine.abort_request(rid)
+    with pytest.raises(ValueError, match="unknown parameter"):
+        llm.load_weights({"no.such.weight": next(own_model.model.parameters()).detach()})
+
+
+@pytest.mark.parametrize("change", ["chat_template", "tokenizer"])
+def test_c2_changed_template_or_tokenizer_changes_the_key(own_model, tmp_path, change):
+    src = own_model.model_dir
+    dst = tmp_path / "model"
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            (dst / f.name).symlink_to(f)
+        elif f.is_file():
+            shutil.copy(f, dst / f.name)
+    if change == "chat_template":
+        template = dst / "chat_template.jinja"
+        template.write_text(template.read_text().replace("You are a helpful AI assistant", "You are an AI"))
+    else:
+        cfg = json.loads((dst / "tokenizer_config.json").read_text())
+        cfg["clean_up_tokenization_spaces"] = not cfg.get("clean_up_tokenization_spaces", False)
+        (dst / "tokenizer_config.json").write_text(json.dumps(cfg))
+    other = load_model(str(dst))
+    a = LLM(loaded=own_model, num_threads=2, num_blocks=8, hash_seed=1)
+    b = LLM(loaded=other, num_threads=2, num_blocks=8, hash_seed=1)
+    assert a.engine.root_key() != b.engine.root_key()
+    # Sanity: an identical copy gives the identical key.
+    same = LLM(loaded=load_model(str(src)), num_threads=2, num_blocks=8, hash_seed=1)
+    assert same.engine.root_key() == a.engine.root_key()
