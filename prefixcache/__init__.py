@@ -1,9 +1,10 @@
 """prefixcache: LLM inference with a paged KV cache and automatic prefix caching."""
 
 from prefixcache.config import EngineConfig
+from prefixcache.layers.lora import LoRARequest
 from prefixcache.llm import LLM
 from prefixcache.outputs import RequestOutput
 from prefixcache.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "LoRARequest", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

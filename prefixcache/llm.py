@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from prefixcache.config import DEFAULT_MODEL, EngineConfig
 from prefixcache.engine.llm_engine import EngineMetrics, LLMEngine
+from prefixcache.layers.lora import LoRARequest
 from prefixcache.models.loader import LoadedModel
 from prefixcache.outputs import RequestOutput
 from prefixcache.sampling_params import SamplingParams
@@ -49,6 +50,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
         use_tqdm: bool = True,
+        lora: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for a batch of prompts, all scheduled together.
 
@@ -57,6 +59,7 @@ class LLM:
             sampling_params: one for all prompts or one per prompt; default ``SamplingParams()``.
             cache_salt: namespace for this batch's cache entries (see ``LLMEngine.add_request``).
             use_tqdm: show a progress bar for batches of more than one prompt.
+            lora: a LoRA adapter for all prompts, or one (or None) per prompt.
 
         Returns:
             One :class:`RequestOutput` per prompt, in input order.
@@ -77,7 +80,10 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params)} entries but there are {len(prompts)} prompts"
                 )
-        return self._run([(p, sp, cache_salt) for p, sp in zip(prompts, params)], use_tqdm)
+        loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora has {len(loras)} entries but there are {len(prompts)} prompts")
+        return self._run([(p, sp, cache_salt, lr) for p, sp, lr in zip(prompts, params, loras)], use_tqdm)
 
     def chat(
         self,
@@ -86,6 +92,7 @@ class LLM:
         cache_salt: str | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of them, via the model's chat template.
 
@@ -97,7 +104,7 @@ class LLM:
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, cache_salt=cache_salt, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, cache_salt=cache_salt, use_tqdm=use_tqdm, lora=lora)
 
     def apply_chat_template(self, conversation: list[Message], add_generation_prompt: bool = True) -> list[int]:
         """Renders one conversation with the model's chat template → prompt token ids."""
@@ -111,12 +118,12 @@ class LLM:
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _run(self, items: list[tuple[Any, SamplingParams, str | None]], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, items: list[tuple[Any, SamplingParams, str | None, Any]], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         ids: list[str] = []
         try:
-            for prompt, params, salt in items:
-                ids.append(engine.add_request(prompt, params, cache_salt=salt))
+            for prompt, params, salt, lora in items:
+                ids.append(engine.add_request(prompt, params, cache_salt=salt, lora=lora))
         except ValueError:
             for req_id in ids:  # all or nothing: don't leave half a batch queued
                 engine.abort_request(req_id)

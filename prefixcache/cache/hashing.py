@@ -43,18 +43,21 @@ def hash_seed_bytes(hash_seed: int | None) -> bytes:
     return hash_seed.to_bytes(8, "little", signed=False)
 
 
-def make_root_key(model_fingerprint: bytes, cache_salt: str | None = None, seed: bytes = b"") -> bytes:
+def make_root_key(
+    model_fingerprint: bytes, cache_salt: str | None = None, seed: bytes = b"", adapter_digest: bytes = b""
+) -> bytes:
     """Serialises the non-token inputs of the cache key, unambiguously.
 
     Args:
         model_fingerprint: digest identifying the weights, config, tokenizer, template and dtype.
         cache_salt: optional per-request namespace; ``None`` means no salt.
         seed: :func:`hash_seed_bytes`.
+        adapter_digest: content digest of the request's LoRA adapter; empty for the base model.
 
     Returns:
         Bytes that differ whenever any component differs (JSON keeps the fields apart).
     """
-    return json.dumps([model_fingerprint.hex(), cache_salt, seed.hex()]).encode()
+    return json.dumps([model_fingerprint.hex(), cache_salt, seed.hex(), adapter_digest.hex()]).encode()
 
 
 class BlockHasher:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import math
@@ -19,6 +20,7 @@ from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from prefixcache.engine.request import Request, RequestStatus
 from prefixcache.engine.scheduler import Scheduler
+from prefixcache.layers.lora import LoRAAdapter, LoRARequest, load_lora_adapter
 from prefixcache.models.loader import LoadedModel, compute_fingerprint, load_model, load_weights, resolve_model_dir
 from prefixcache.outputs import RequestOutput
 from prefixcache.runner.kv_pool import kv_cache_bytes_per_block, num_blocks_for_memory
@@ -44,6 +46,10 @@ class EngineMetrics:
     num_blocks_in_use: int  # ref_cnt > 0
     num_blocks_cached: int  # holding a hash (in use or free)
     num_blocks_free: int  # ref_cnt == 0 (cached or not)
+    prefix_cache_partial_hits: int = 0  # prompt tokens copied from partial-block hits
+    evictions_by_reason: dict[str, int] = dataclasses.field(default_factory=dict)  # policy reason -> count
+    cached_bytes: int = 0  # KV bytes held by cached blocks
+    mean_evicted_age_s: float = 0.0  # mean seconds from caching to eviction
 
     @property
     def hit_rate(self) -> float:
@@ -78,7 +84,13 @@ class LLMEngine:
         self.num_blocks = self._num_blocks()
         self.block_hasher = BlockHasher(config.block_size, config.hash_algo)
         self.kv_cache_manager = KVCacheManager(
-            self.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+            self.num_blocks,
+            config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            eviction_policy=config.eviction_policy,
+            cache_ttl_s=config.cache_ttl_s,
+            bytes_per_block=self.kv_cache_bytes_per_block,
+            enable_partial_block_reuse=config.enable_partial_block_reuse,
         )
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.loaded, self.num_blocks, config.block_size, device, config.seed)
@@ -89,6 +101,8 @@ class LLMEngine:
         self._hash_seed = hash_seed_bytes(config.hash_seed)
         self.vocab_size = mcfg.vocab_size
         self._prompts: dict[str, str | None] = {}
+        # Loaded LoRA adapters by directory: (files' mtime/size signature, adapter).
+        self._lora_adapters: dict[Path, tuple[tuple, LoRAAdapter]] = {}
         self._counter = itertools.count()
 
     def _num_blocks(self) -> int:
@@ -117,6 +131,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         request_id: str | None = None,
         stream: bool = False,
+        lora: LoRARequest | None = None,
     ) -> str:
         """Validates and queues a request.
 
@@ -126,6 +141,7 @@ class LLMEngine:
             cache_salt: isolates this request's cache entries; equal salts share.
             request_id: defaults to a fresh counter value.
             stream: have :meth:`step` report this request's progress after every token.
+            lora: a LoRA adapter to apply (loaded on first use, reloaded when its files change).
 
         Returns:
             The request id.
@@ -143,6 +159,7 @@ class LLMEngine:
             raise ValueError(
                 f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters"
             )
+        adapter = self.get_lora_adapter(lora) if lora is not None else None
         prompt_text, token_ids = self._tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
@@ -165,16 +182,37 @@ class LLMEngine:
             token_ids,
             params,
             self.block_hasher,
-            self.root_key(cache_salt),
+            self.root_key(cache_salt, adapter),
             stream=stream,
+            lora=adapter,
         )
         self._prompts[request_id] = prompt_text
         self.scheduler.add_request(request)
         return request_id
 
-    def root_key(self, cache_salt: str | None = None) -> bytes:
-        """The cache-key root of a request: model fingerprint, dtype, hash seed and cache_salt."""
-        return make_root_key(self.cache_fingerprint, cache_salt, self._hash_seed)
+    def root_key(self, cache_salt: str | None = None, adapter: LoRAAdapter | None = None) -> bytes:
+        """The cache-key root of a request: model fingerprint, dtype, hash seed, cache_salt, adapter."""
+        digest = adapter.digest if adapter is not None else b""
+        return make_root_key(self.cache_fingerprint, cache_salt, self._hash_seed, digest)
+
+    def get_lora_adapter(self, lora: LoRARequest) -> LoRAAdapter:
+        """The loaded adapter for ``lora``, (re)loaded when its files are new or changed on disk.
+
+        Raises:
+            ValueError: not a LoRARequest, or an adapter that can't be loaded for this model.
+        """
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora must be a LoRARequest, got {type(lora).__name__}")
+        path = Path(lora.lora_path).expanduser().resolve()
+        try:
+            signature = tuple((f.stat().st_mtime_ns, f.stat().st_size) for f in sorted(path.iterdir()))
+        except OSError as e:
+            raise ValueError(f"lora: cannot read adapter directory {lora.lora_path!r}: {e}") from e
+        cached = self._lora_adapters.get(path)
+        if cached is None or cached[0] != signature:
+            adapter = load_lora_adapter(path, self.loaded.model, lora.lora_name)
+            cached = self._lora_adapters[path] = (signature, adapter)
+        return cached[1]
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -327,5 +365,9 @@ class LLMEngine:
             num_blocks_in_use=self.num_blocks - free,
             num_blocks_cached=kv.num_cached_blocks,
             num_blocks_free=free,
+            prefix_cache_partial_hits=stats.partial_hits,
+            evictions_by_reason=dict(kv.block_pool.evictions_by_reason),
+            cached_bytes=kv.block_pool.cached_bytes,
+            mean_evicted_age_s=kv.block_pool.mean_evicted_age_s,
         )
 

@@ -15,6 +15,7 @@ import enum
 import time
 
 from prefixcache.cache.hashing import BlockHash, BlockHasher
+from prefixcache.layers.lora import LoRAAdapter
 from prefixcache.sampling_params import SamplingParams
 
 
@@ -54,6 +55,7 @@ class Request:
         root_key: the request's cache-key root (model fingerprint + cache_salt).
         arrival_s: arrival time (``time.monotonic()`` seconds).
         stream: report an output after every step that adds a token, not only at the finish.
+        lora: the LoRA adapter applied to this request (its digest is part of ``root_key``).
     """
 
     def __init__(
@@ -65,9 +67,11 @@ class Request:
         root_key: bytes,
         arrival_s: float | None = None,
         stream: bool = False,
+        lora: LoRAAdapter | None = None,
     ) -> None:
         self.request_id = request_id
         self.stream = stream
+        self.lora = lora
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -23,8 +23,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from prefixcache.cache.kv_cache_manager import KVCacheManager
+from prefixcache.cache.kv_cache_manager import CopyOp, KVCacheManager
 from prefixcache.engine.request import Request, RequestStatus
+from prefixcache.layers.lora import LoRAAdapter
 from prefixcache.sampling_params import SamplingParams
 
 
@@ -41,6 +42,7 @@ class ScheduledSeq:
     num_computed_tokens: int
     block_ids: list[int]
     sampling_params: SamplingParams | None  # None: no token is sampled this step (mid-prefill)
+    lora: LoRAAdapter | None = None  # adapter applied to this request's tokens
 
 
 @dataclass
@@ -50,6 +52,8 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # finished since the last step
+    # Partial-block reuse: slot copies the runner does before the forward pass.
+    copy_ops: list[CopyOp] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -111,18 +115,21 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
                 hit_blocks, num_hit = kv.get_computed_blocks(request)
-                num_new = min(request.num_tokens - num_hit, budget)
-                if kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
+                partial = kv.get_partial_hit(request, hit_blocks)
+                num_partial = partial.num_tokens if partial is not None else 0
+                num_new = min(request.num_tokens - num_hit - num_partial, budget)
+                if kv.allocate_slots(request, num_new, hit_blocks, num_hit, partial) is None:
                     break
                 self.waiting.popleft()
                 if request.num_cached_tokens is None:  # first admission, not a recompute
-                    request.num_cached_tokens = num_hit
-                    kv.stats.record(request.num_tokens, num_hit)
-                request.num_computed_tokens = num_hit
+                    request.num_cached_tokens = num_hit + num_partial
+                    kv.stats.record(request.num_tokens, num_hit, num_partial)
+                request.num_computed_tokens = num_hit + num_partial
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 out.seqs.append(self._make_seq(request, num_new))
                 budget -= num_new
+        out.copy_ops = list(kv.pending_copy_ops)
         return out
 
     def _make_seq(self, request: Request, num_new: int) -> ScheduledSeq:
@@ -134,6 +141,7 @@ class Scheduler:
             num_computed_tokens=start,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             sampling_params=request.sampling_params if completes else None,
+            lora=request.lora,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -156,6 +164,7 @@ class Scheduler:
         Returns:
             The requests that received a new token (the caller checks their stop conditions).
         """
+        self.kv_cache_manager.end_step()  # the step's K/V is written: unpin partial-hit sources
         updated = []
         for seq in scheduler_output.seqs:
             request = self.requests[seq.request_id]

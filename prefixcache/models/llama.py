@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.layers.attention import Attention, AttentionMetadata
+from prefixcache.layers.lora import LoRABatch, LoRALinear
 from prefixcache.layers.norm import RMSNorm
 from prefixcache.layers.rotary import RotaryEmbedding, apply_rotary_emb
 
@@ -32,10 +33,10 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
+        self.q_proj = LoRALinear(hidden, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = LoRALinear(hidden, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = LoRALinear(hidden, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = LoRALinear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -50,6 +51,7 @@ class LlamaAttention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Args: hidden_states shape = [num_tokens, hidden_size]; cos_sin each [num_tokens, 1, head_dim].
 
@@ -57,9 +59,9 @@ class LlamaAttention(nn.Module):
             shape = [num_tokens, hidden_size].
         """
         num_tokens = hidden_states.shape[0]
-        q = self.q_proj(hidden_states).view(num_tokens, self.num_heads, self.head_dim)  # [T, heads, head_dim]
-        k = self.k_proj(hidden_states).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, hd]
-        v = self.v_proj(hidden_states).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, hd]
+        q = self.q_proj(hidden_states, lora).view(num_tokens, self.num_heads, self.head_dim)  # [T, heads, hd]
+        k = self.k_proj(hidden_states, lora).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, hd]
+        v = self.v_proj(hidden_states, lora).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, hd]
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -67,7 +69,7 @@ class LlamaAttention(nn.Module):
         q = apply_rotary_emb(q, cos, sin)
         k = apply_rotary_emb(k, cos, sin)
         out = self.attn(q, k, v, kv_cache, attn_metadata)  # [T, heads * head_dim]
-        return self.o_proj(out)
+        return self.o_proj(out, lora)
 
 
 class LlamaMLP(nn.Module):
@@ -75,13 +77,13 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_proj = LoRALinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = LoRALinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = LoRALinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """Args: x shape = [num_tokens, hidden_size]. Returns: shape = [num_tokens, hidden_size]."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.silu(self.gate_proj(x, lora)) * self.up_proj(x, lora), lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -100,13 +102,14 @@ class LlamaDecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Args: hidden_states shape = [num_tokens, hidden_size]. Returns: the same shape."""
         residual = hidden_states
-        hidden_states = self.self_attn(self.input_layernorm(hidden_states), cos_sin, kv_cache, attn_metadata)
+        hidden_states = self.self_attn(self.input_layernorm(hidden_states), cos_sin, kv_cache, attn_metadata, lora)
         hidden_states = residual + hidden_states
         residual = hidden_states
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states), lora)
         return residual + hidden_states
 
 
@@ -126,12 +129,13 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
         kv_caches: list[torch.Tensor],
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """See `LlamaForCausalLM.forward`."""
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos_sin = self.rotary_emb(positions, hidden_states.dtype)  # computed once, shared by all layers
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states = layer(hidden_states, cos_sin, kv_cache, attn_metadata)
+            hidden_states = layer(hidden_states, cos_sin, kv_cache, attn_metadata, lora)
         return self.norm(hidden_states)
 
 
@@ -149,6 +153,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        for name, module in self.named_modules():
+            if isinstance(module, LoRALinear):
+                module.module_name = name  # the key into LoRAAdapter.weights
 
     def tie_weights(self) -> None:
         """Makes lm_head share the embedding weight when the config ties them."""
@@ -161,6 +168,7 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
         kv_caches: list[torch.Tensor],
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Runs the new tokens of a batch through the decoder, writing their K/V into the pool.
 
@@ -170,11 +178,12 @@ class LlamaForCausalLM(nn.Module):
             attn_metadata: The step's metadata (from `build_attention_metadata`).
             kv_caches: One pool tensor per layer, each
                 shape = [2, num_blocks, block_size, num_kv_heads, head_dim].
+            lora: per-request LoRA adapters by token range; None when no request uses one.
 
         Returns:
             Final hidden states, shape = [num_tokens, hidden_size].
         """
-        return self.model(input_ids, positions, attn_metadata, kv_caches)
+        return self.model(input_ids, positions, attn_metadata, kv_caches, lora)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Args: hidden_states shape = [n, hidden_size]. Returns: float32 logits, shape = [n, vocab_size]."""

@@ -10,6 +10,7 @@ import torch
 
 from prefixcache.engine.scheduler import SchedulerOutput
 from prefixcache.layers.attention import build_attention_metadata
+from prefixcache.layers.lora import LoRABatch
 from prefixcache.layers.sampler import sample
 from prefixcache.models.loader import LoadedModel
 from prefixcache.runner.kv_pool import allocate_kv_caches
@@ -52,6 +53,9 @@ class ModelRunner:
         seqs = scheduler_output.seqs
         if not seqs:
             return {}
+        for op in scheduler_output.copy_ops:  # partial-block reuse, before anything reads the KV
+            for kv_cache in self.kv_caches:  # [2, num_blocks, block_size, kv_heads, head_dim]
+                kv_cache[:, op.dst_block_id, : op.num_tokens] = kv_cache[:, op.src_block_id, : op.num_tokens]
         input_ids = torch.tensor(
             [t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device
         )  # [num_tokens]
@@ -60,7 +64,13 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)  # [num_tokens, hidden]
+        lora_segments, start = [], 0
+        for s in seqs:
+            if s.lora is not None:
+                lora_segments.append((start, start + len(s.token_ids), s.lora))
+            start += len(s.token_ids)
+        lora = LoRABatch(lora_segments) if lora_segments else None
+        hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches, lora)  # [num_tokens, hidden]
 
         # Logits only at each sampling sequence's last new token.
         rows, sampling = [], []

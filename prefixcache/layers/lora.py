@@ -1,0 +1,134 @@
+"""LoRA adapters (PEFT format) applied per request inside a mixed batch.
+
+A LoRA adapter adds ``scaling * B @ A @ x`` to a target projection ``W @ x`` (Hu et al., 2021,
+"LoRA: Low-Rank Adaptation of Large Language Models"; ``scaling = lora_alpha / r``, or
+``lora_alpha / sqrt(r)`` with rsLoRA, as in PEFT). A step's batch lays each request's tokens out
+contiguously, so the adapter of each request covers one token range: the delta is computed per
+range, and tokens of requests without an adapter cost nothing extra.
+
+An adapter's identity is the digest of its config and weight files, never its name: two adapters
+called "a" with different weights never share cache entries (../shared/cases C9).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_UNSUPPORTED_OPTIONS = ("use_dora", "rank_pattern", "alpha_pattern", "layer_replication", "modules_to_save")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """Which adapter a request uses (vLLM's ``LoRARequest``, keyed by path; the name is a label).
+
+    Attributes:
+        lora_name: the name clients use (e.g. the server's ``model`` field).
+        lora_path: local directory with adapter_config.json and adapter_model.safetensors.
+    """
+
+    lora_name: str
+    lora_path: str
+
+
+@dataclass
+class LoRAAdapter:
+    """A loaded adapter.
+
+    Attributes:
+        name: label given when loading.
+        digest: sha256 of adapter_config.json and adapter_model.safetensors (the cache-key part).
+        rank: r.
+        scaling: lora_alpha / r (or / sqrt(r) with rsLoRA).
+        weights: module name (``model.layers.3.self_attn.q_proj``) → (A [r, in_features],
+            B [out_features, r]), on the model's device and dtype.
+    """
+
+    name: str
+    digest: bytes
+    rank: int
+    scaling: float
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    """A step's adapter layout: ``(token_start, token_end, adapter)`` per request that has one."""
+
+    segments: list[tuple[int, int, LoRAAdapter]]
+
+
+def load_lora_adapter(path: str | Path, model: nn.Module, name: str = "") -> LoRAAdapter:
+    """Loads a PEFT LoRA adapter for ``model`` (our LlamaForCausalLM).
+
+    Raises:
+        ValueError: missing files, not a LoRA adapter, an unsupported option (DoRA, per-module
+            ranks, modules_to_save), a target module the model doesn't have, or a shape mismatch.
+    """
+    path = Path(path)
+    config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not config_file.is_file() or not weights_file.is_file():
+        raise ValueError(f"lora: {path} needs adapter_config.json and adapter_model.safetensors")
+    config_bytes = config_file.read_bytes()
+    config = json.loads(config_bytes)
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"lora: {path} is a {config.get('peft_type')} adapter, only LORA is supported")
+    for option in _UNSUPPORTED_OPTIONS:
+        if config.get(option):
+            raise ValueError(f"lora: adapter option {option!r} is not supported")
+    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+    modules = dict(model.named_modules())
+    param = next(model.parameters())
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(str(weights_file), framework="pt", device="cpu") as f:
+        for key in f.keys():
+            # PEFT: base_model.model.<module>.lora_A.weight (older files: .lora_A.<adapter>.weight)
+            module_name, _, rest = key.removeprefix("base_model.model.").partition(".lora_")
+            if not rest:
+                raise ValueError(f"lora: unexpected tensor {key!r} in {weights_file}")
+            pairs.setdefault(module_name, {})[rest[0]] = f.get_tensor(key)
+    weights = {}
+    for module_name, ab in pairs.items():
+        base = modules.get(module_name)
+        if not isinstance(base, nn.Linear) or module_name.rsplit(".", 1)[-1] not in TARGETABLE:
+            raise ValueError(f"lora: target module {module_name!r} is not a supported projection of this model")
+        a, b = ab.get("A"), ab.get("B")
+        if a is None or b is None or a.shape != (rank, base.in_features) or b.shape != (base.out_features, rank):
+            raise ValueError(f"lora: {module_name} needs lora_A [{rank}, {base.in_features}] and "
+                             f"lora_B [{base.out_features}, {rank}]")
+        weights[module_name] = (a.to(param.device, param.dtype), b.to(param.device, param.dtype))
+    digest = hashlib.sha256(config_bytes + b"\0" + weights_file.read_bytes()).digest()
+    return LoRAAdapter(name=name, digest=digest, rank=rank, scaling=scaling, weights=weights)
+
+
+class LoRALinear(nn.Linear):
+    """``nn.Linear`` that adds each request's LoRA delta to its own token range.
+
+    ``module_name`` (set by the model after construction) is this layer's checkpoint path, the key
+    into ``LoRAAdapter.weights``.
+    """
+
+    module_name: str = ""
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        """Args: x shape = [num_tokens, in_features]. Returns: shape = [num_tokens, out_features]."""
+        y = F.linear(x, self.weight, self.bias)
+        if lora is None:
+            return y
+        for start, end, adapter in lora.segments:
+            ab = adapter.weights.get(self.module_name)
+            if ab is not None:
+                a, b = ab
+                y[start:end] += adapter.scaling * F.linear(F.linear(x[start:end], a), b)  # [n, out]
+        return y

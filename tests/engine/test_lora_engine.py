@@ -1,0 +1,106 @@
+"""LoRA through the engine on SmolLM2: golden vs peft, mixed batches, adapters keyed by content (C9)."""
+
+from __future__ import annotations
+
+import copy
+import random
+import shutil
+
+import pytest
+import torch
+
+from prefixcache import LoRARequest, SamplingParams
+
+peft = pytest.importorskip("peft")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(smollm2, tmp_path_factory):
+    """Two random adapters X and Y for SmolLM2, and the transformers+peft models that define them."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2.model_dir, dtype=torch.float32).eval()
+    out = {}
+    for name, seed in (("x", 1), ("y", 2)):
+        torch.manual_seed(seed)
+        cfg = peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
+                              target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])
+        model = peft.get_peft_model(copy.deepcopy(hf), cfg).eval()
+        with torch.no_grad():  # PEFT's random init is tiny on this model; make the adapter matter
+            for pname, p in model.named_parameters():
+                if "lora_B" in pname:
+                    p.mul_(20)
+        path = tmp_path_factory.mktemp(f"smol-adapter-{name}")
+        model.save_pretrained(path)
+        out[name] = (model, path)
+    return hf, out
+
+
+def prompt_ids(seed, n=37):
+    rng = random.Random(seed)
+    return [rng.randrange(200, 40000) for _ in range(n)]
+
+
+def test_adapter_greedy_matches_peft_generate(make_llm, adapters):
+    _, ad = adapters
+    model, path = ad["x"]
+    p = prompt_ids(1)
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)[0, len(p):]
+    llm = make_llm(num_blocks=64)
+    out = llm.generate(p, GREEDY, lora=LoRARequest("x", str(path)), use_tqdm=False)[0]
+    assert out.token_ids == ref.tolist()
+    base = llm.generate(p, GREEDY, use_tqdm=False)[0]
+    assert base.token_ids != out.token_ids  # the adapter changes the answer
+    assert base.num_cached_tokens == 0  # the base model never hits the adapter's blocks
+
+
+def test_mixed_batch_equals_each_alone_and_adapters_isolate(make_llm, adapters):
+    _, ad = adapters
+    rx, ry = LoRARequest("x", str(ad["x"][1])), LoRARequest("y", str(ad["y"][1]))
+    p = prompt_ids(2)
+    alone = {}
+    for key, lora in (("x", rx), ("y", ry), ("base", None)):
+        alone[key] = make_llm(num_blocks=64).generate(p, GREEDY, lora=lora, use_tqdm=False)[0].token_ids
+    llm = make_llm(num_blocks=64)
+    outs = llm.generate([p, p, p], GREEDY, lora=[rx, None, ry], use_tqdm=False)
+    assert [o.token_ids for o in outs] == [alone["x"], alone["base"], alone["y"]]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0]  # same tokens, three different keys
+    again = llm.generate([p, p, p], GREEDY, lora=[rx, None, ry], use_tqdm=False)
+    assert [o.num_cached_tokens for o in again] == [32, 32, 32]
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+
+
+def test_c9_same_name_other_weights_never_hits(make_llm, adapters, tmp_path):
+    _, ad = adapters
+    live = tmp_path / "a"
+    shutil.copytree(ad["x"][1], live)
+    lora = LoRARequest("a", str(live))
+    p = prompt_ids(3)
+    llm = make_llm(num_blocks=64)
+    first = llm.generate(p, GREEDY, lora=lora, use_tqdm=False)[0]
+    assert llm.generate(p, GREEDY, lora=lora, use_tqdm=False)[0].num_cached_tokens == 32
+    # Same name, same path, new weights (the adapter was retrained in place).
+    shutil.rmtree(live)
+    shutil.copytree(ad["y"][1], live)
+    second = llm.generate(p, GREEDY, lora=lora, use_tqdm=False)[0]
+    assert second.num_cached_tokens == 0
+    assert first.token_ids == make_llm(num_blocks=64).generate(p, GREEDY, lora=LoRARequest("x", str(ad["x"][1])),
+                                                  use_tqdm=False)[0].token_ids
+    assert second.token_ids == make_llm(num_blocks=64).generate(p, GREEDY, lora=LoRARequest("y", str(ad["y"][1])),
+                                                   use_tqdm=False)[0].token_ids
+    # Same name, another directory with other weights: also a miss.
+    other = llm.generate(p, GREEDY, lora=LoRARequest("a", str(ad["x"][1])), use_tqdm=False)[0]
+    assert other.token_ids == first.token_ids and other.num_cached_tokens == 32  # content == x's
+
+
+def test_bad_lora_argument(make_llm, tmp_path):
+    llm = make_llm(num_blocks=64)
+    with pytest.raises(ValueError, match="lora"):
+        llm.generate("hi", GREEDY, lora=LoRARequest("nope", str(tmp_path / "missing")), use_tqdm=False)
+    with pytest.raises(ValueError, match="lora"):
+        llm.generate("hi", GREEDY, lora="not-a-request", use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
