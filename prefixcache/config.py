@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from prefixcache.cache.eviction import EVICTION_POLICIES
 from prefixcache.cache.hashing import HASH_ALGOS
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -36,6 +37,9 @@ class EngineConfig:
     hash_seed: int | None = None  # mixed into every block hash; None = random per process
     num_threads: int | None = None  # torch CPU threads; default the available cores
     seed: int = 0  # RNG seed for requests that give no seed of their own
+    eviction_policy: str = "lru"  # which free cached block goes first: lru, lfu, ttl, cost
+    cache_ttl_s: float = 300.0  # ttl policy: free cached blocks idle longer than this expire
+    enable_partial_block_reuse: bool = True  # copy the matching first slots of a cached block
 
     def validate(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -61,6 +65,20 @@ class EngineConfig:
             _positive_int("num_threads", self.num_threads)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}, got {self.eviction_policy!r}"
+            )
+        if (
+            isinstance(self.cache_ttl_s, bool)
+            or not isinstance(self.cache_ttl_s, (int, float))
+            or not 0 < self.cache_ttl_s < float("inf")
+        ):
+            raise ValueError(f"cache_ttl_s must be a positive number of seconds, got {self.cache_ttl_s!r}")
+        if not isinstance(self.enable_partial_block_reuse, bool):
+            raise ValueError(
+                f"enable_partial_block_reuse must be a bool, got {self.enable_partial_block_reuse!r}"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -1,4 +1,4 @@
-"""The pool of KV-cache blocks: allocation, reference counts, LRU eviction and the prefix-cache index.
+"""The pool of KV-cache blocks: allocation, reference counts, eviction and the prefix-cache index.
 
 The mechanics behind :class:`~prefixcache.cache.kv_cache_manager.KVCacheManager` (vLLM v1's
 ``block_pool.py``). A block holds the K/V of ``block_size`` consecutive tokens of one request.
@@ -15,29 +15,34 @@ Life of a block::
                                                          in use, cached
 
 Invariants (checked by ``tests/cache/test_state_machine.py`` after every step):
-- ``ref_cnt >= 0``; a block is in the free queue iff its ``ref_cnt == 0``;
+- ``ref_cnt >= 0``; a block is in the free queue (the eviction policy) iff its ``ref_cnt == 0``;
   ``num_free_blocks + num_blocks_in_use == num_blocks``.
 - A block is in the hash map iff ``block_hash`` is set; then it is full and ``token_ids`` holds its
-  ``block_size`` tokens. A block is evicted only when it is popped from the free queue (lazily) or
-  by :meth:`BlockPool.reset_prefix_cache`; eviction clears it and bumps ``generation``.
+  ``block_size`` tokens. A block is evicted only when the policy chooses it (lazily, when a block
+  is needed) or by :meth:`BlockPool.reset_prefix_cache`; eviction clears it and bumps
+  ``generation``.
 - A hit is exact whatever the hash function does: :meth:`BlockPool.get_cached_block` returns a block
   only if its stored tokens equal the request's tokens of that block *and* its predecessor is the
   block matched just before (same ``generation`` as when cached), or, for a first block, its
   ``root_key`` equals the request's. By induction the whole prefix, and so the K/V, is the same.
   Equal blocks may be cached more than once, each with its own parent chain.
-  A cached block whose parent was evicted stays in the map until it is itself evicted, but can
-  never be hit again (``generation`` only grows).
-- The free queue is in LRU order: freed blocks go to the tail, eviction takes from the head.
-  Callers free a request's blocks tail first, so a prefix's tail is evicted before its head.
+- Children before parents: ``num_cached_children`` counts the cached blocks whose live parent is
+  this block, and no policy evicts a block while it is non-zero, so every cached block's parent is
+  cached at the recorded generation (no orphaned chains). ``cached_children`` indexes them by
+  (parent, first token) for partial-block reuse.
+- With ``lru`` (the default) the free queue is in LRU order: freed blocks go to the tail, eviction
+  takes from the head. Callers free a request's blocks tail first, so a prefix's tail is evicted
+  before its head. Other policies: see :mod:`prefixcache.cache.eviction`.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from prefixcache.cache.eviction import EvictionOptions, EvictionPolicy, LRUPolicy, make_eviction_policy
 from prefixcache.cache.hashing import BlockHash
 
 if TYPE_CHECKING:
@@ -61,6 +66,9 @@ class KVCacheBlock:
         root_key: for a chain's first block, the caching request's root key; else ``None``.
         generation: bumped each time the block is evicted or reset, i.e. each time its content
             stops being what was cached.
+        depth: blocks before this one in its chain when cached (0 for a first block).
+        cached_s: when the block was cached (the pool's clock, seconds).
+        num_cached_children: cached blocks whose live parent is this block.
     """
 
     block_id: int
@@ -71,6 +79,9 @@ class KVCacheBlock:
     parent_generation: int = 0
     root_key: bytes | None = None
     generation: int = 0
+    depth: int = 0
+    cached_s: float = 0.0
+    num_cached_children: int = 0
 
     def __repr__(self) -> str:
         cached = f", hash={self.block_hash.hex()[:8]}" if self.block_hash is not None else ""
@@ -81,80 +92,54 @@ class KVCacheBlock:
         )
 
 
-class FreeKVCacheBlockQueue:
-    """The free blocks in LRU order: O(1) popleft, append and removal from the middle.
-
-    An ``OrderedDict`` keyed by ``block_id`` plays the role of vLLM's doubly linked list.
-
-    Args:
-        blocks: the initial free blocks, head (evicted first) to tail.
-    """
-
-    def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
-        self._blocks: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in blocks)
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def __contains__(self, block: KVCacheBlock) -> bool:
-        return self._blocks.get(block.block_id) is block
-
-    def popleft(self) -> KVCacheBlock:
-        """Removes and returns the head (least recently freed) block.
-
-        Raises:
-            ValueError: the queue is empty.
-        """
-        if not self._blocks:
-            raise ValueError("no free blocks")
-        return self._blocks.popitem(last=False)[1]
-
-    def remove(self, block: KVCacheBlock) -> None:
-        """Removes ``block`` from anywhere in the queue in O(1).
-
-        Raises:
-            KeyError: ``block`` is not in the queue.
-        """
-        del self._blocks[block.block_id]
-
-    def append(self, block: KVCacheBlock) -> None:
-        """Puts ``block`` at the tail (evicted last).
-
-        Raises:
-            ValueError: ``block`` is already in the queue.
-        """
-        if block.block_id in self._blocks:
-            raise ValueError(f"block {block.block_id} is already free")
-        self._blocks[block.block_id] = block
-
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """Returns the free blocks head to tail (for tests and debugging)."""
-        return list(self._blocks.values())
+# The LRU policy is vLLM's free queue; the old name is kept for callers and tests.
+FreeKVCacheBlockQueue = LRUPolicy
 
 
 class BlockPool:
-    """Owns every KV-cache block, the LRU free queue and the prefix-cache hash map.
+    """Owns every KV-cache block, the free blocks (an eviction policy) and the prefix-cache map.
 
     Args:
         num_blocks: number of blocks in the pool, ``>= 1``.
         enable_caching: when ``False`` nothing is ever cached and every lookup misses.
+        eviction_policy: a name registered in :data:`prefixcache.cache.eviction.EVICTION_POLICIES`.
+        eviction_options: the policies' knobs (``bytes_per_block`` also feeds ``cached_bytes``).
+        clock: current time in seconds; ``time.monotonic`` by default, virtual in simulations.
 
     Raises:
-        ValueError: ``num_blocks < 1``.
+        ValueError: ``num_blocks < 1`` or an unknown ``eviction_policy``.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        eviction_policy: str = "lru",
+        eviction_options: EvictionOptions | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.eviction_policy = eviction_policy
+        self.eviction_options = eviction_options or EvictionOptions()
+        self.clock = clock
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        # The free blocks, held by the eviction policy (name kept from vLLM's free queue).
+        self.free_block_queue: EvictionPolicy = make_eviction_policy(
+            eviction_policy, self.blocks, clock, self.eviction_options
+        )
         # block hash -> {block_id: block}; several blocks may share a hash (two requests that
         # computed the same prefix in one step, or a hash collision).
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+        # (parent block id, or root key for a first block; first token) -> {block_id: block}:
+        # the cached children of a block, for partial-block reuse.
+        self.cached_children: dict[tuple[int | bytes, int], dict[int, KVCacheBlock]] = {}
         self.num_cached_blocks = 0
         self.num_evictions = 0
+        self.evictions_by_reason: dict[str, int] = {}
+        self.evicted_age_s_total = 0.0  # sum over evictions of (eviction time - caching time)
 
     # -- lookup ---------------------------------------------------------------------------------
 
@@ -210,11 +195,12 @@ class BlockPool:
         if not candidates:
             return []
         token_ids = tuple(token_ids)
+        allowed = self.free_block_queue.is_hit_allowed
         if parents is None:
             return [
                 b
                 for b in candidates.values()
-                if b.token_ids == token_ids and b.parent is None and b.root_key == root_key
+                if b.token_ids == token_ids and b.parent is None and b.root_key == root_key and allowed(b)
             ]
         parent_by_id = {p.block_id: p for p in parents}
         return [
@@ -224,7 +210,52 @@ class BlockPool:
             and b.parent is not None
             and parent_by_id.get(b.parent.block_id) is b.parent
             and b.parent_generation == b.parent.generation
+            and allowed(b)
         ]
+
+    def find_partial_block(
+        self,
+        parent: KVCacheBlock | None,
+        root_key: bytes,
+        token_ids: Sequence[int],
+        exclude: Callable[[KVCacheBlock], bool] = lambda block: False,
+    ) -> tuple[KVCacheBlock, int] | None:
+        """Finds the cached child of ``parent`` whose first tokens match ``token_ids`` the longest.
+
+        The child is verified like a full hit (its parent is ``parent`` at the same generation,
+        or, for a first block, it is a chain root with ``root_key``), then its stored token ids are
+        compared with ``token_ids`` from the start.
+
+        Args:
+            parent: the last block of the request's verified prefix; ``None`` if there is none.
+            root_key: the request's root key.
+            token_ids: the request's next tokens after that prefix, ``len < block_size``.
+            exclude: blocks not to use (e.g. cached this step, their K/V not yet written).
+
+        Returns:
+            ``(block, num_tokens)`` with ``1 <= num_tokens <= len(token_ids)`` matching tokens, or
+            ``None`` when no cached child matches even one token.
+        """
+        if not token_ids:
+            return None
+        key = (root_key if parent is None else parent.block_id, token_ids[0])
+        best: tuple[KVCacheBlock, int] | None = None
+        for block in self.cached_children.get(key, {}).values():
+            if parent is None:
+                if block.parent is not None or block.root_key != root_key:
+                    continue
+            elif block.parent is not parent or block.parent_generation != parent.generation:
+                continue
+            if exclude(block) or not self.free_block_queue.is_hit_allowed(block):
+                continue
+            n = 0
+            for a, b in zip(block.token_ids, token_ids):
+                if a != b:
+                    break
+                n += 1
+            if best is None or n > best[1]:
+                best = (block, n)
+        return best
 
     # -- allocation -----------------------------------------------------------------------------
 
@@ -248,8 +279,8 @@ class BlockPool:
             )
         blocks = []
         for _ in range(num_blocks):
-            block = self.free_block_queue.popleft()
-            self._evict(block)
+            block, reason = self.free_block_queue.choose_victim()
+            self._evict(block, reason)
             block.ref_cnt = 1
             blocks.append(block)
         return blocks
@@ -258,8 +289,13 @@ class BlockPool:
         """Adds one reference to each block (a cache hit); a free block leaves the free queue."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_block_queue.remove(block)
+                self.free_block_queue.on_touch(block)
             block.ref_cnt += 1
+
+    def record_hits(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Tells the eviction policy that these cached blocks served a request."""
+        for block in blocks:
+            self.free_block_queue.on_hit(block)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drops one reference from each block; blocks reaching 0 go to the free-queue tail.
@@ -275,7 +311,7 @@ class BlockPool:
                 raise ValueError(f"block {block.block_id} freed with ref_cnt {block.ref_cnt}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                self.free_block_queue.on_free(block)
 
     # -- caching --------------------------------------------------------------------------------
 
@@ -308,19 +344,28 @@ class BlockPool:
                 f"cannot cache {num_full_blocks} blocks: request {request.request_id!r} has "
                 f"{len(request.block_hashes)} block hashes and {len(blocks)} blocks"
             )
+        now = self.clock()
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.block_hash is not None:  # already cached (e.g. a hit): keep its chain
                 continue
             block.block_hash = request.block_hashes[i]
             block.token_ids = tuple(request.all_token_ids[i * block_size : (i + 1) * block_size])
+            block.cached_s = now
             if i == 0:
                 block.parent, block.parent_generation, block.root_key = None, 0, request.root_key
+                block.depth = 0
+                key: int | bytes = request.root_key
             else:
                 parent = blocks[i - 1]
                 block.parent, block.parent_generation, block.root_key = parent, parent.generation, None
+                block.depth = parent.depth + 1
+                parent.num_cached_children += 1
+                key = parent.block_id
             self.cached_block_hash_to_block.setdefault(block.block_hash, {})[block.block_id] = block
+            self.cached_children.setdefault((key, block.token_ids[0]), {})[block.block_id] = block
             self.num_cached_blocks += 1
+            self.free_block_queue.on_cache(block)
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache, unless a block is in use.
@@ -331,25 +376,51 @@ class BlockPool:
         """
         if len(self.free_block_queue) != self.num_blocks:
             return False
+        order = self.free_block_queue.get_all_free_blocks()
         for block in self.blocks:
-            self._clear(block)
+            self._clear(block, notify=False)
         self.cached_block_hash_to_block.clear()
+        self.cached_children.clear()
+        # A fresh policy over the same blocks, in the order they would have been taken.
+        self.free_block_queue = make_eviction_policy(
+            self.eviction_policy, order, self.clock, self.eviction_options
+        )
         return True
 
-    def _evict(self, block: KVCacheBlock) -> None:
-        """Evicts a block popped for reuse, counting it if it was cached."""
+    def _evict(self, block: KVCacheBlock, reason: str) -> None:
+        """Evicts a block popped for reuse, counting it (by reason and age) if it was cached."""
         if block.block_hash is not None:
+            self.evicted_age_s_total += self.clock() - block.cached_s
             self._clear(block)
             self.num_evictions += 1
+            self.evictions_by_reason[reason] = self.evictions_by_reason.get(reason, 0) + 1
 
-    def _clear(self, block: KVCacheBlock) -> None:
-        """Removes a cached block from the map, forgets its content and bumps its generation."""
+    def _clear(self, block: KVCacheBlock, notify: bool = True) -> None:
+        """Removes a cached block from the maps, forgets its content and bumps its generation.
+
+        Args:
+            block: the block; nothing happens if it is not cached.
+            notify: tell the eviction policy when the parent becomes a free leaf.
+        """
         if block.block_hash is None:
             return
         same_hash = self.cached_block_hash_to_block[block.block_hash]
         del same_hash[block.block_id]
         if not same_hash:
             del self.cached_block_hash_to_block[block.block_hash]
+        parent = block.parent
+        key = (block.root_key if parent is None else parent.block_id, block.token_ids[0])
+        siblings = self.cached_children.get(key)
+        if siblings is not None and siblings.get(block.block_id) is block:
+            del siblings[block.block_id]
+            if not siblings:
+                del self.cached_children[key]
+        if parent is not None and block.parent_generation == parent.generation:
+            parent.num_cached_children -= 1
+            if notify and parent.num_cached_children == 0 and parent.ref_cnt == 0:
+                self.free_block_queue.on_leaf(parent)
+        block.num_cached_children = 0
+        block.depth = 0
         block.block_hash = None
         block.token_ids = None
         block.parent = None
@@ -363,6 +434,16 @@ class BlockPool:
     def get_num_free_blocks(self) -> int:
         """Free blocks, cached or not (all can be allocated)."""
         return len(self.free_block_queue)
+
+    @property
+    def cached_bytes(self) -> int:
+        """KV bytes held by cached blocks (in use or free)."""
+        return self.num_cached_blocks * self.eviction_options.bytes_per_block
+
+    @property
+    def mean_evicted_age_s(self) -> float:
+        """Mean time between caching and eviction of the evicted blocks, in seconds (0.0 if none)."""
+        return self.evicted_age_s_total / self.num_evictions if self.num_evictions else 0.0
 
     def get_usage(self) -> float:
         """Fraction of blocks in use by requests, in ``[0, 1]``."""

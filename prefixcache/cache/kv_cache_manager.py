@@ -9,6 +9,14 @@ The scheduler admits a request in two calls, back to back::
 and each later step of a running request calls ``allocate_slots(request, num_new_tokens)``.
 ``free(request)`` releases everything when it finishes or is preempted.
 
+Partial-block reuse adds one call between the two: ``get_partial_hit(request, blocks)`` finds a
+cached full block whose first ``k < block_size`` tokens are the request's next tokens; passed to
+``allocate_slots`` it pins that block and the caller copies its first ``k`` slots into the
+request's first new block before the forward pass, then calls ``end_step()`` once the step ran::
+
+    | full-block hits | k copied | computed now ... |
+                      ^ first new block: slots [0, k) copied from the partial hit
+
 Invariants:
 - ``req_to_blocks[id]`` is the request's block table: block ``i`` holds the K/V of its tokens
   ``[i * block_size, (i + 1) * block_size)``, and it covers every token allocated so far.
@@ -17,15 +25,38 @@ Invariants:
 - A lookup never returns the block holding the request's last token, so at least one token is
   computed and yields logits.
 - ``allocate_slots`` either allocates everything asked for or changes nothing.
+- A partial hit's source is cached in an earlier step (its K/V is written) and stays pinned
+  (``ref_cnt`` held) from ``allocate_slots`` until ``end_step``, so nothing evicts it before the
+  copy. The copied tokens plus the full hits still leave the last prompt token to compute.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from prefixcache.cache.block_pool import BlockPool, KVCacheBlock
+from prefixcache.cache.eviction import EvictionOptions
 from prefixcache.cache.metrics import PrefixCacheStats
 from prefixcache.engine.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class PartialHit:
+    """A cached full block whose first ``num_tokens`` slots hold the request's next tokens' K/V."""
+
+    block: KVCacheBlock
+    num_tokens: int  # 1 <= num_tokens < block_size
+
+
+@dataclass(frozen=True, slots=True)
+class CopyOp:
+    """Copy slots ``[0, num_tokens)`` of ``src_block_id`` into ``dst_block_id``, all layers, K and V."""
+
+    src_block_id: int
+    dst_block_id: int
+    num_tokens: int
 
 
 class KVCacheManager:
@@ -35,20 +66,47 @@ class KVCacheManager:
         num_blocks: blocks in the pool, ``>= 1``.
         block_size: tokens per block, ``>= 1``; must match the requests' block hasher.
         enable_caching: automatic prefix caching on or off.
+        eviction_policy: name of a registered eviction policy (``lru``, ``lfu``, ``ttl``, ``cost``).
+        cache_ttl_s: idle time after which ``ttl`` expires a free cached block, seconds.
+        bytes_per_block: KV bytes of one block over all layers (for ``cost`` and ``cached_bytes``).
+        enable_partial_block_reuse: let :meth:`get_partial_hit` find partial hits.
+        clock: current time in seconds (``time.monotonic``; a virtual clock in simulations).
+        eviction_options: overrides ``cache_ttl_s`` and ``bytes_per_block`` when given.
 
     Raises:
-        ValueError: ``num_blocks < 1`` or ``block_size < 1``.
+        ValueError: ``num_blocks < 1``, ``block_size < 1`` or an unknown eviction policy.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        eviction_policy: str = "lru",
+        *,
+        cache_ttl_s: float = 300.0,
+        bytes_per_block: int = 0,
+        enable_partial_block_reuse: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        eviction_options: EvictionOptions | None = None,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.enable_partial_block_reuse = enable_partial_block_reuse
+        options = eviction_options or EvictionOptions(
+            block_size=block_size, bytes_per_block=bytes_per_block, cache_ttl_s=cache_ttl_s
+        )
+        self.block_pool = BlockPool(num_blocks, enable_caching, eviction_policy, options, clock)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        # Blocks cached since the last end_step (block id -> generation): K/V not written yet.
+        self._cached_this_step: dict[int, int] = {}
+        # Partial-hit sources pinned until end_step, and the copies the runner must do.
+        self._pinned_sources: list[KVCacheBlock] = []
+        self.pending_copy_ops: list[CopyOp] = []
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Finds the longest verified cached prefix of the request, in full blocks.
@@ -89,12 +147,50 @@ class KVCacheManager:
             blocks.reverse()
         return blocks, len(blocks) * bs
 
+    def get_partial_hit(
+        self, request: Request, computed_blocks: Sequence[KVCacheBlock]
+    ) -> PartialHit | None:
+        """Finds a cached full block that starts with the request's tokens after its full hits.
+
+        The block must be a verified child of ``computed_blocks[-1]`` (or a chain root with the
+        request's root key), cached before this step, and leave the last token to compute. No side
+        effect.
+
+        Args:
+            request: a request with no blocks allocated yet.
+            computed_blocks: its hits from :meth:`get_computed_blocks`.
+
+        Returns:
+            The partial hit, or ``None`` (also when caching or partial reuse is off).
+        """
+        if not (self.enable_caching and self.enable_partial_block_reuse):
+            return None
+        start = len(computed_blocks) * self.block_size
+        end = min(start + self.block_size - 1, request.num_tokens - 1)
+        if end <= start:
+            return None
+        found = self.block_pool.find_partial_block(
+            computed_blocks[-1] if computed_blocks else None,
+            request.root_key,
+            request.all_token_ids[start:end],
+            exclude=lambda b: self._cached_this_step.get(b.block_id) == b.generation,
+        )
+        return None if found is None else PartialHit(*found)
+
+    def end_step(self) -> None:
+        """Marks the step's K/V as written: unpins partial-hit sources, forgets pending copies."""
+        sources, self._pinned_sources = self._pinned_sources, []
+        self.block_pool.free_blocks(sources)
+        self._cached_this_step.clear()
+        self.pending_copy_ops = []
+
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
         num_new_computed_tokens: int = 0,
+        partial_hit: PartialHit | None = None,
     ) -> list[KVCacheBlock] | None:
         """Adds blocks for ``num_new_tokens`` more tokens, taking the cache hits first.
 
@@ -113,6 +209,10 @@ class KVCacheManager:
             new_computed_blocks: hits from :meth:`get_computed_blocks`, only for a request with
                 no blocks yet, passed right after the lookup.
             num_new_computed_tokens: tokens those hits cover (``len * block_size``).
+            partial_hit: from :meth:`get_partial_hit`, right after the lookup. Its tokens come
+                after the full hits and before ``num_new_tokens``; its block is pinned until
+                :meth:`end_step` and a :class:`CopyOp` into the first new block is appended to
+                ``pending_copy_ops``.
 
         Returns:
             The newly allocated blocks (not the hits), or ``None`` if the pool has too few free
@@ -136,24 +236,44 @@ class KVCacheManager:
                 )
         elif num_new_computed_tokens != 0:
             raise ValueError("num_new_computed_tokens given without new_computed_blocks")
+        num_partial = 0
+        if partial_hit is not None:
+            if req_blocks:
+                raise ValueError(f"request {rid!r} already has blocks; partial hits are for admission")
+            num_partial = partial_hit.num_tokens
+            if not 1 <= num_partial < self.block_size or num_new_tokens < 1:
+                raise ValueError(
+                    f"partial hit of {num_partial} tokens needs 1 <= tokens < block_size "
+                    f"{self.block_size} and num_new_tokens >= 1"
+                )
 
         num_blocks_held = len(req_blocks) if req_blocks else 0
-        num_total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_total_tokens = (
+            request.num_computed_tokens + num_new_computed_tokens + num_partial + num_new_tokens
+        )
         num_required = -(-num_total_tokens // self.block_size)
         num_new_blocks = max(0, num_required - num_blocks_held - len(new_computed_blocks))
-        # Hits that sit in the free queue stop being allocatable once touched.
-        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        # Hits (and a partial-hit source) that sit in the free queue stop being allocatable once
+        # touched.
+        pinned = [*new_computed_blocks, *([partial_hit.block] if partial_hit else [])]
+        num_free_hits = sum(1 for b in pinned if b.ref_cnt == 0)
         if num_new_blocks > self.block_pool.get_num_free_blocks() - num_free_hits:
             return None
 
         if req_blocks is None:
             req_blocks = self.req_to_blocks[rid] = []
             self.num_cached_block[rid] = len(new_computed_blocks)
-        if new_computed_blocks:
-            self.block_pool.touch(new_computed_blocks)  # before allocating: hits must not be evicted
+        if pinned:
+            self.block_pool.record_hits(pinned)
+            self.block_pool.touch(pinned)  # before allocating: hits must not be evicted
             req_blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
+        if partial_hit is not None:
+            self._pinned_sources.append(partial_hit.block)
+            self.pending_copy_ops.append(
+                CopyOp(partial_hit.block.block_id, new_blocks[0].block_id, num_partial)
+            )
 
         if self.enable_caching:
             num_full_blocks = min(num_total_tokens // self.block_size, len(request.block_hashes))
@@ -162,6 +282,8 @@ class KVCacheManager:
                 self.block_pool.cache_full_blocks(
                     request, req_blocks, num_cached, num_full_blocks, self.block_size
                 )
+                for block in req_blocks[num_cached:num_full_blocks]:
+                    self._cached_this_step[block.block_id] = block.generation
                 self.num_cached_block[rid] = num_full_blocks
         return new_blocks
 
@@ -181,7 +303,10 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache; refused (``False``) while any block is in use."""
-        return self.block_pool.reset_prefix_cache()
+        if self.block_pool.reset_prefix_cache():
+            self._cached_this_step.clear()
+            return True
+        return False
 
     @property
     def usage(self) -> float:

@@ -48,7 +48,9 @@ class _EngineCollector:
             return family
 
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m.prefix_cache_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", m.prefix_cache_hits)
+        yield counter("prefix_cache_hits", "Prompt tokens served from cached full blocks.", m.prefix_cache_hits)
+        yield counter("prefix_cache_partial_hits", "Prompt tokens copied from the first slots of a cached block.",
+                      m.prefix_cache_partial_hits)
         yield gauge("prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries since start.", m.hit_rate)
         yield counter("prefix_cache_hit_requests", "Requests with at least one cached token.", m.num_hit_requests)
         yield counter("prompt_tokens_computed", "Prompt tokens run through the model (recomputes included).",

@@ -22,7 +22,7 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -253,7 +253,10 @@ def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str, api_ke
             raise APIError(404, f"model {model!r} does not exist; this server serves {served_model_name!r}",
                            "model", "model_not_found")
 
-    def sampling_params(req, max_tokens: int | None, default_max_tokens: int, prompt_field: str) -> SamplingParams:
+    def sampling_params(
+        req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, default_max_tokens: int,
+        prompt_field: str,
+    ) -> SamplingParams:
         if req.n != 1:
             raise APIError(400, f"n must be 1 (n > 1 is not supported yet), got {req.n}", "n")
         try:
@@ -271,7 +274,10 @@ def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str, api_ke
         except ValueError as e:
             raise _value_error(e, prompt_field) from e
 
-    async def start(prompt, params: SamplingParams, req, request_id: str, prompt_field: str):
+    async def start(
+        prompt: str | list[int], params: SamplingParams, req: CompletionRequest | ChatCompletionRequest,
+        request_id: str, prompt_field: str,
+    ) -> AsyncIterator[RequestOutput]:
         try:
             return await async_engine.generate(
                 prompt, params, cache_salt=req.cache_salt, request_id=request_id, stream=req.stream
@@ -279,10 +285,16 @@ def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str, api_ke
         except ValueError as e:
             raise _value_error(e, prompt_field) from e
 
-    def include_usage(req) -> bool:
+    def include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
         return req.stream_options is not None and req.stream_options.include_usage
 
-    async def sse(stream: AsyncIterator[RequestOutput], stops: tuple[str, ...], make_chunk, usage_chunk):
+    async def sse(
+        stream: AsyncIterator[RequestOutput],
+        stops: tuple[str, ...],
+        make_chunk: Callable[[str, str | None], dict],
+        usage_chunk: Callable[[RequestOutput], dict] | None,
+    ) -> AsyncIterator[str]:
+        """SSE events: one chunk per text delta (the last one with finish_reason), then usage, [DONE]."""
         sent = 0
         try:
             async for out in stream:
@@ -446,6 +458,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--device", default=None, help="cpu, cuda, ... (default: CUDA if present)")
     e.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--hash-seed", type=int, default=None,
+                   help="fix the block-hash seed (reproducible keys across processes); default random per process")
+    e.add_argument("--eviction-policy", default="lru", help="lru, lfu, ttl or cost")
+    e.add_argument("--cache-ttl-s", type=float, default=300.0, help="idle seconds before a cached block expires (ttl)")
+    e.add_argument("--enable-partial-block-reuse", action=argparse.BooleanOptionalAction, default=True)
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -461,7 +478,9 @@ def run_cli(args: argparse.Namespace) -> int:
         kv_cache_memory_bytes=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, hash_algo=args.hash_algo, dtype=args.dtype,
-        device=args.device, num_threads=args.num_threads, seed=args.seed,
+        device=args.device, num_threads=args.num_threads, seed=args.seed, hash_seed=args.hash_seed,
+        eviction_policy=args.eviction_policy, cache_ttl_s=args.cache_ttl_s,
+        enable_partial_block_reuse=args.enable_partial_block_reuse,
     )
     app = build_app(LLMEngine(config), args.served_model_name or args.model, api_key=args.api_key)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

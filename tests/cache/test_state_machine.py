@@ -3,7 +3,10 @@
 The model records, for every block, which prefix (root key + tokens) its K/V was computed for when
 a request wrote it. A lookup is correct iff every hit block's recorded prefix equals the request's
 own prefix up to the end of that block; this oracle does not trust the hash map at all. The test
-runs once with the real hash and once with a hash that maps every block to the same value (C4).
+runs once with the real hash and once with a hash that maps every block to the same value (C4),
+and once per non-default eviction policy with a virtual clock. Admissions also take partial-block
+hits (the oracle checks the copied slots' prefix) and every step ends with ``end_step``. After every
+step: children before parents (no cached block outlives its cached parent).
 """
 
 from __future__ import annotations
@@ -45,11 +48,15 @@ class CollidingHasher(BlockHasher):
 
 class KVCacheMachine(RuleBasedStateMachine):
     hasher_cls: type[BlockHasher] = BlockHasher
+    policy: str = "lru"
 
     @initialize()
     def setup(self) -> None:
         self.hasher = self.hasher_cls(B)
-        self.manager = KVCacheManager(NUM_BLOCKS, B)
+        self.now = 0.0
+        self.manager = KVCacheManager(
+            NUM_BLOCKS, B, eviction_policy=self.policy, cache_ttl_s=5.0, clock=lambda: self.now
+        )
         self.running: dict[str, Request] = {}
         self.content: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block id -> computed prefix
         self.next_id = 0
@@ -90,17 +97,28 @@ class KVCacheMachine(RuleBasedStateMachine):
         request = self.make_request(prompt, salt)
         hits, num_hit_tokens = self.manager.get_computed_blocks(request)
         self.check_hits(request, hits, num_hit_tokens)
-        num_new_tokens = min(chunk, request.num_tokens - num_hit_tokens)
+        partial = self.manager.get_partial_hit(request, hits)
+        k = 0
+        if partial is not None:
+            k = partial.num_tokens
+            assert 1 <= k < B and num_hit_tokens + k <= request.num_tokens - 1
+            root, prefix = self.content[partial.block.block_id]
+            end = num_hit_tokens + k
+            assert root == request.root_key and prefix[:end] == tuple(request.all_token_ids[:end])
+        num_new_tokens = min(chunk, request.num_tokens - num_hit_tokens - k)
         before = [b.ref_cnt for b in self.manager.block_pool.blocks]
-        new_blocks = self.manager.allocate_slots(request, num_new_tokens, hits, num_hit_tokens)
+        new_blocks = self.manager.allocate_slots(request, num_new_tokens, hits, num_hit_tokens, partial)
         if new_blocks is None:
             assert [b.ref_cnt for b in self.manager.block_pool.blocks] == before
             assert request.request_id not in self.manager.req_to_blocks
             return
-        self.manager.stats.record(request.num_tokens, num_hit_tokens)
-        request.num_computed_tokens = num_hit_tokens
+        self.manager.stats.record(request.num_tokens, num_hit_tokens, k)
+        request.num_computed_tokens = num_hit_tokens + k
         self.write(request, num_new_tokens)
         self.running[request.request_id] = request
+        self.manager.end_step()
+        assert all(b.ref_cnt == len([t for t in self.manager.req_to_blocks.values() if b in t])
+                   for b in self.manager.block_pool.blocks)
 
     @precondition(lambda self: any(r.num_computed_tokens < r.num_tokens for r in self.running.values()))
     @rule(index=st.integers(0, 50), chunk=st.integers(1, 16))
@@ -143,6 +161,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.check_hits(probe, hits, num_hit_tokens)
         num_cached = self.manager.num_cached_block[owner.request_id]
         assert len(hits) >= min(num_cached, (probe.num_tokens - 1) // B)
+
+    @rule(dt=st.sampled_from([0.5, 1.0, 10.0]))
+    def advance_clock(self, dt) -> None:
+        self.now += dt
 
     @rule(roll=st.integers(0, 9))
     def reset(self, roll) -> None:
@@ -214,6 +236,18 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert set(self.manager.req_to_blocks) == set(self.running)
 
     @invariant()
+    def children_before_parents(self) -> None:
+        pool = self.manager.block_pool
+        children = [0] * NUM_BLOCKS
+        for block in pool.blocks:
+            if block.block_hash is not None and block.parent is not None:
+                assert block.parent.block_hash is not None, f"{block} outlived its parent"
+                assert block.parent_generation == block.parent.generation, f"{block} is orphaned"
+                children[block.parent.block_id] += 1
+        assert [b.num_cached_children for b in pool.blocks] == children
+        assert len(pool.free_block_queue.get_all_free_blocks()) == pool.get_num_free_blocks()
+
+    @invariant()
     def stats(self) -> None:
         s = self.manager.stats
         assert 0 <= s.hits <= s.queries and s.num_hit_requests <= s.num_requests
@@ -229,3 +263,12 @@ TestKVCacheMachine = KVCacheMachine.TestCase
 TestKVCacheMachine.settings = _settings
 TestCollidingKVCacheMachine = CollidingKVCacheMachine.TestCase
 TestCollidingKVCacheMachine.settings = _settings
+
+_policy_settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
+                            suppress_health_check=[HealthCheck.too_slow])
+for _policy in ("lfu", "ttl", "cost"):
+    _machine = type(f"{_policy.upper()}KVCacheMachine", (KVCacheMachine,), {"policy": _policy})
+    _case = _machine.TestCase
+    _case.settings = _policy_settings
+    globals()[f"Test{_policy.upper()}KVCacheMachine"] = _case
+del _policy, _machine, _case

@@ -24,7 +24,7 @@ def own_model():
 def test_c2_new_weights_never_reuse_old_kv(own_model):
     rng = random.Random(2)
     p = [rng.randrange(200, 40000) for _ in range(2 * 16 + 7)]
-    llm = LLM(loaded=own_model, num_threads=2, num_blocks=64)
+    llm = LLM(loaded=own_model, num_threads=2, num_blocks=64, enable_partial_block_reuse=False)
     before = llm.generate(p, GREEDY, use_tqdm=False)[0]
     assert llm.generate(p, GREEDY, use_tqdm=False)[0].num_cached_tokens == 32
     old_key = llm.engine.root_key()

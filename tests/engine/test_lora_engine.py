@@ -65,7 +65,7 @@ def test_mixed_batch_equals_each_alone_and_adapters_isolate(make_llm, adapters):
     alone = {}
     for key, lora in (("x", rx), ("y", ry), ("base", None)):
         alone[key] = make_llm(num_blocks=64).generate(p, GREEDY, lora=lora, use_tqdm=False)[0].token_ids
-    llm = make_llm(num_blocks=64)
+    llm = make_llm(num_blocks=64, enable_partial_block_reuse=False)  # exact full-block counts below
     outs = llm.generate([p, p, p], GREEDY, lora=[rx, None, ry], use_tqdm=False)
     assert [o.token_ids for o in outs] == [alone["x"], alone["base"], alone["y"]]
     assert [o.num_cached_tokens for o in outs] == [0, 0, 0]  # same tokens, three different keys
@@ -80,7 +80,7 @@ def test_c9_same_name_other_weights_never_hits(make_llm, adapters, tmp_path):
     shutil.copytree(ad["x"][1], live)
     lora = LoRARequest("a", str(live))
     p = prompt_ids(3)
-    llm = make_llm(num_blocks=64)
+    llm = make_llm(num_blocks=64, enable_partial_block_reuse=False)  # exact full-block counts below
     first = llm.generate(p, GREEDY, lora=lora, use_tqdm=False)[0]
     assert llm.generate(p, GREEDY, lora=lora, use_tqdm=False)[0].num_cached_tokens == 32
     # Same name, same path, new weights (the adapter was retrained in place).

@@ -90,7 +90,8 @@ def test_chunked_prefill_and_small_batches_equal_cold(make_llm):
 def test_block_sizes_equal_cold(make_llm):
     llm_ref = cold(make_llm, chat_ids(make_llm(), QUESTIONS[:3]))
     for block_size in (1, 4, 32):
-        llm = make_llm(block_size=block_size)
+        # Full-block counts only; partial reuse is covered in tests/engine/test_eviction_and_partial.py.
+        llm = make_llm(block_size=block_size, enable_partial_block_reuse=False)
         prompts = chat_ids(llm, QUESTIONS[:3])
         first = llm.generate(prompts, GREEDY, use_tqdm=False)
         again = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -188,7 +189,7 @@ def test_c6_warm_equals_cold(make_llm):
 
 
 def test_c7_decode_output_is_cached_for_the_next_turn(make_llm):
-    llm = make_llm()
+    llm = make_llm(enable_partial_block_reuse=False)  # full blocks only (partial: separate test)
     conv = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
     p1 = llm.apply_chat_template(conv)
     r1 = llm.generate(p1, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
@@ -212,7 +213,7 @@ def test_c8_shared_partial_block_is_not_a_shared_prefix(make_llm):
     rng = random.Random(8)
     s = rand_ids(rng, 24)  # 1.5 blocks
     a, b = s + rand_ids(rng, 9), s + rand_ids(rng, 9)
-    llm = make_llm()
+    llm = make_llm(enable_partial_block_reuse=False)  # with it on: 24 cached, see test_eviction_and_partial
     out_a = llm.generate(a, GREEDY, use_tqdm=False)[0]
     out_b = llm.generate(b, GREEDY, use_tqdm=False)[0]
     assert (out_a.num_cached_tokens, out_b.num_cached_tokens) == (0, 16)
@@ -222,7 +223,7 @@ def test_c8_shared_partial_block_is_not_a_shared_prefix(make_llm):
 def test_last_prompt_token_always_computed(make_llm):
     rng = random.Random(9)
     p = rand_ids(rng, 32)  # exactly two blocks
-    llm = make_llm()
+    llm = make_llm(enable_partial_block_reuse=False)  # with it on: 31 cached, see test_eviction_and_partial
     first = llm.generate(p, GREEDY, use_tqdm=False)[0]
     again = llm.generate(p, GREEDY, use_tqdm=False)[0]
     assert again.num_cached_tokens == 16  # block 2 holds the last token: recomputed for logits
@@ -243,7 +244,7 @@ def test_salts_isolate_and_equal_salts_share(make_llm):
     """C1's offline half (the server half belongs to the server issue)."""
     rng = random.Random(1)
     p = rand_ids(rng, 3 * 16 + 5)
-    llm = make_llm()
+    llm = make_llm(enable_partial_block_reuse=False)  # the case's values count full blocks
     got = [llm.generate(p, GREEDY, cache_salt=s, use_tqdm=False)[0] for s in ("alpha", "beta", "alpha", None)]
     assert [o.num_cached_tokens for o in got] == [0, 0, 48, 0]
     assert len({tuple(o.token_ids) for o in got}) == 1
