@@ -24,8 +24,9 @@ blocks have the same key iff their K/V is identical):
   every shared prompt block stored once: ``|distinct keys among the cacheable blocks| + sum of
   (ceil((L + len(o) - 1) / B) - c)``. The peak of a run is the largest round's.
 
-The engine with caching on must compute exactly ``ideal`` tokens when its pool never evicts; more
-means a missed hit, fewer is impossible.
+The engine with caching on and full-block sharing only (``enable_partial_block_reuse=False``) must
+compute exactly ``ideal`` tokens when its pool never evicts; more means a missed hit. Partial-block
+reuse copies the matching first slots of a cached block too, so it may compute fewer.
 """
 
 from __future__ import annotations

@@ -149,12 +149,14 @@ class HFBaselines:
         prefix_cache = None
         if n_prefix > 0:
             prefix_cache = DynamicCache(config=self.model.config)
-            self.model(torch.tensor([prompts[0][:n_prefix]]), past_key_values=prefix_cache, use_cache=True)
+            self.model(torch.tensor([prompts[0][:n_prefix]]), cache=prefix_cache, use_cache=True)
+            if prefix_cache.get_seq_length() != n_prefix:
+                raise RuntimeError(f"prefix cache holds {prefix_cache.get_seq_length()} tokens, expected {n_prefix}")
         for prompt in prompts:
             ids = torch.tensor([prompt])
             clock = _FirstTokenClock()
             t0 = time.perf_counter()
-            kw = {"past_key_values": copy.deepcopy(prefix_cache)} if prefix_cache is not None else {}
+            kw = {"cache": copy.deepcopy(prefix_cache)} if prefix_cache is not None else {}
             out = self._generate(ids, torch.ones_like(ids), max_tokens, streamer=clock, **kw)
             run.ttft_s.append(clock.first_token_s - t0)
             run.output_token_ids.append(out[0, len(prompt):].tolist())

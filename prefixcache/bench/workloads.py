@@ -17,6 +17,9 @@ multi-turn N chats with the library assistant, one turn per round,      system p
 no-sharing N unrelated plain-text prompts (no chat template)            nothing
 ========== =========================================================== ===================
 
+``text_scale`` < 1 keeps only that fraction of the words of the long shared texts (policy, worked
+examples, report), for quick runs and tests.
+
 When more requests are asked for than there are written texts, the texts repeat with a
 ``(request k)`` tag in front, so prompts stay distinct.
 """
@@ -78,6 +81,7 @@ def build_workload(
     eos_token_ids: Sequence[int],
     num_requests: int | None = None,
     num_turns: int = DEFAULT_NUM_TURNS,
+    text_scale: float = 1.0,
 ) -> Workload:
     """Builds one workload for a model's tokenizer and chat template.
 
@@ -87,9 +91,10 @@ def build_workload(
         eos_token_ids: where a reply ends, for ``multi-turn``'s history.
         num_requests: requests per round, ``>= 1``; ``None`` = :data:`DEFAULT_NUM_REQUESTS`.
         num_turns: ``multi-turn`` only: turns per chat, 1..:data:`MAX_NUM_TURNS`.
+        text_scale: fraction of the long shared texts' words to keep, in (0, 1].
 
     Raises:
-        ValueError: unknown name, ``num_requests < 1`` or ``num_turns`` out of range.
+        ValueError: unknown name, ``num_requests < 1``, ``num_turns`` or ``text_scale`` out of range.
     """
     if name not in WORKLOAD_NAMES:
         raise ValueError(f"workload must be one of {WORKLOAD_NAMES} or 'all', got {name!r}")
@@ -98,6 +103,14 @@ def build_workload(
         raise ValueError(f"num_requests must be a positive integer, got {n!r}")
     if not 1 <= num_turns <= MAX_NUM_TURNS:
         raise ValueError(f"num_turns must be in [1, {MAX_NUM_TURNS}], got {num_turns}")
+    if not 0 < text_scale <= 1:
+        raise ValueError(f"text_scale must be in (0, 1], got {text_scale}")
+
+    def scaled(text: str) -> str:
+        if text_scale == 1:
+            return text
+        words = text.split(" ")
+        return " ".join(words[: max(1, round(len(words) * text_scale))]) + "\n\n"
 
     def chat(conversation: list[Message]) -> Prompt:
         text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
@@ -111,15 +124,16 @@ def build_workload(
         return Workload(name, "~100-token system prompt + short library questions (the demo)", n, 1,
                         _static(prompts))
     if name == "system-prompt":
-        prompts = system_chats(texts.SUPPORT_POLICY, _pick(texts.SUPPORT_MESSAGES, n))
+        prompts = system_chats(scaled(texts.SUPPORT_POLICY), _pick(texts.SUPPORT_MESSAGES, n))
         return Workload(name, "~1600-token support policy + ~150-token customer messages", n, 1,
                         _static(prompts))
     if name == "few-shot":
-        users = [texts.FEW_SHOT_EXAMPLES + "Problem: " + q + "\nSolution:" for q in _pick(texts.WORD_PROBLEMS, n)]
+        examples = scaled(texts.FEW_SHOT_EXAMPLES)
+        users = [f"{examples}Problem: {q}\nSolution:" for q in _pick(texts.WORD_PROBLEMS, n)]
         prompts = [chat([{"role": "user", "content": u}]) for u in users]
         return Workload(name, "~560 tokens of worked examples + a ~70-token word problem", n, 1, _static(prompts))
     if name == "rag-doc":
-        users = [f"Read this report and answer the question below.\n\n{texts.RAG_DOCUMENT}\nQuestion: {q}"
+        users = [f"Read this report and answer the question below.\n\n{scaled(texts.RAG_DOCUMENT)}\nQuestion: {q}"
                  for q in _pick(texts.RAG_QUESTIONS, n)]
         prompts = [chat([{"role": "user", "content": u}]) for u in users]
         return Workload(name, "one ~2700-token report + a different question each", n, 1, _static(prompts))

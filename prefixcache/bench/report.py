@@ -1,0 +1,166 @@
+"""The benchmark's outputs: ``bench.json``, ``bench.md`` (tables) and three PNG plots (Agg backend)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _f(x, spec: str = ".2f", none: str = "–") -> str:
+    return none if x is None else format(x, spec)
+
+
+def _ms(x) -> str:
+    return "–" if x is None else f"{x * 1e3:.0f}"
+
+
+def markdown(result: dict) -> str:
+    """All tables of a run as one Markdown document."""
+    ws = result["workloads"]
+    m = result["machine"]
+    lines = [
+        f"# prefixcache bench — {result['model']}, {result['date']}",
+        "",
+        f"Machine: {m['cpu_cores']} CPU cores, {m['threads']} torch threads, torch {m['torch']}; load average "
+        f"{_f(m['load_average_start'][0])} at start, {_f(m['load_average_end'][0])} at end."
+        + (f" Command: `{result['command']}`." if result.get("command") else ""),
+        "",
+        "## Prefill and cache",
+        "",
+        "| workload | requests | prompt tok | computed, off | computed, on | ideal | on / ideal | hit rate "
+        "| hit requests | peak blocks on / ideal / off | outputs on = off |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for w in ws:
+        p, kv = w["prefill"], w["kv"]
+        lines.append(
+            f"| {w['name']} | {w['num_requests']} | {w['prompt_tokens']} | {p['computed_cache_off']} "
+            f"| {p['computed_cache_on']} | {p['ideal']} | {_f(p['computed_over_ideal'])} | {p['hit_rate']:.1%} "
+            f"| {p['hit_requests']}/{w['num_requests']} | {kv['peak_blocks_cache_on']} / {kv['ideal_peak_blocks']} / "
+            f"{kv['peak_blocks_cache_off']} | {'yes' if w['outputs_equal_on_off'] else 'NO'} |"
+        )
+    lines += [
+        "",
+        "## Latency and throughput (TTFT of a request alone; throughput of all requests at once)",
+        "",
+        "| workload | TTFT cold med / p90 (ms) | TTFT warm med / p90 (ms) | warm / cold | wall off / on (s) "
+        "| out tok/s off / on | on / off |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for w in ws:
+        t, th = w["ttft"], w["throughput"]
+        lines.append(
+            f"| {w['name']} | {_ms(t['cold_median_s'])} / {_ms(t['cold_p90_s'])} | {_ms(t['warm_median_s'])} / "
+            f"{_ms(t['warm_p90_s'])} | {_f(t['warm_over_cold'])} | {th['wall_s_cache_off']:.2f} / "
+            f"{th['wall_s_cache_on']:.2f} | {th['output_tokens_per_s_cache_off']:.1f} / "
+            f"{th['output_tokens_per_s_cache_on']:.1f} | {th['on_over_off']:.2f} |"
+        )
+    if any("hf" in w for w in ws):
+        lines += [
+            "",
+            "## Versus transformers (same weights, threads, prompts; output tokens/s over the workload)",
+            "",
+            "| workload | ours, cache on | HF no reuse | HF DynamicCache copy | HF batched | ours / best HF "
+            "| TTFT warm ours / HF copy (ms) | same tokens as HF |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for w in ws:
+            if "hf" not in w:
+                continue
+            h = w["hf"]
+            lines.append(
+                f"| {w['name']} | {w['throughput']['output_tokens_per_s_cache_on']:.1f} "
+                f"| {h['no_reuse']['output_tokens_per_s']:.1f} | {h['prefix_copy']['output_tokens_per_s']:.1f} "
+                f"| {h['batched']['output_tokens_per_s']:.1f} | {h['ours_over_best']:.2f}× ({h['best_variant']}) "
+                f"| {_ms(w['ttft']['warm_median_s'])} / {_ms(h['prefix_copy']['ttft_median_s'])} "
+                f"| {h['same_outputs_as_no_reuse']:.0%} |"
+            )
+    lines += [
+        "",
+        "## Is prefix caching worth enabling?",
+        "",
+        "| workload | verdict | block repeat rate | mean hit (tok) | prefill saved / request (ms) "
+        "| saved s per s of traffic | KV held (MiB) | reason |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for w in ws:
+        v = w["worth"]
+        lines.append(
+            f"| {w['name']} | **{v['verdict']}** | {v['block_repeat_rate']:.2f} | {v['mean_hit_tokens']:.0f} "
+            f"| {v['saved_prefill_s_per_request'] * 1e3:.0f} | {v['saved_prefill_s_per_s']:.3f} "
+            f"| {v['kv_bytes_held'] / 2**20:.1f} | {v['reason']} |"
+        )
+    if result.get("micro"):
+        lines += ["", "## Chain hash + verify + lookup (fully cached 4096-token prompt)", "",
+                  "| block size | hash (M tok/s) | lookup + verify (M tok/s) | total (M tok/s) |", "|---|---|---|---|"]
+        for mm in result["micro"]:
+            lines.append(f"| {mm['block_size']} | {mm['hash_tokens_per_s'] / 1e6:.1f} "
+                         f"| {mm['lookup_verify_tokens_per_s'] / 1e6:.1f} | {mm['total_tokens_per_s'] / 1e6:.1f} |")
+    lines += ["", "## Goals", "", "| workload | goal | target | measured | met |", "|---|---|---|---|---|"]
+    for g in result["goals"]:
+        met = "–" if g["met"] is None else ("yes" if g["met"] else "**no**")
+        value = g["value"]
+        shown = "–" if value is None else (f"{value / 1e6:.1f} M" if value >= 1e5 else f"{value:.3f}")
+        lines.append(f"| {g['workload']} | {g['goal']} | {g['target']} | {shown} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(result: dict, out_dir: str | Path, plots: bool = True) -> list[Path]:
+    """Writes bench.json, bench.md and (with ``plots``) the PNGs; returns the paths written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "bench.json", out / "bench.md"]
+    paths[0].write_text(json.dumps(result, indent=2))
+    paths[1].write_text(markdown(result))
+    if plots:
+        paths += write_plots(result, out)
+    return paths
+
+
+def write_plots(result: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    ws = result["workloads"]
+    names = [w["name"] for w in ws]
+    x = np.arange(len(ws))
+    paths = []
+
+    def bars(series: dict[str, list[float]], ylabel: str, title: str, filename: str, log: bool = False) -> None:
+        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(ws)), 4))
+        width = 0.8 / len(series)
+        for i, (label, ys) in enumerate(series.items()):
+            ax.bar(x + (i - (len(series) - 1) / 2) * width, [np.nan if y is None else y for y in ys], width,
+                   label=label)
+        ax.set_xticks(x, names, rotation=15)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        if log:
+            ax.set_yscale("log")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / filename, dpi=110)
+        plt.close(fig)
+        paths.append(out / filename)
+
+    ttft = {"cold (empty cache)": [w["ttft"]["cold_median_s"] for w in ws],
+            "warm (prefix cached)": [w["ttft"]["warm_median_s"] for w in ws]}
+    if all("hf" in w for w in ws):
+        ttft["transformers no reuse"] = [w["hf"]["no_reuse"]["ttft_median_s"] for w in ws]
+        ttft["transformers DynamicCache copy"] = [w["hf"]["prefix_copy"]["ttft_median_s"] for w in ws]
+    bars(ttft, "median TTFT (s, log)", "TTFT of a request alone", "ttft_cold_vs_warm.png", log=True)
+    bars({"caching off": [w["prefill"]["computed_cache_off"] for w in ws],
+          "caching on": [w["prefill"]["computed_cache_on"] for w in ws],
+          "ideal minimum": [w["prefill"]["ideal"] for w in ws]},
+         "prompt tokens computed", "Prefill tokens computed vs ideal", "prefill_vs_ideal.png")
+    tput = {"ours, caching on": [w["throughput"]["output_tokens_per_s_cache_on"] for w in ws],
+            "ours, caching off": [w["throughput"]["output_tokens_per_s_cache_off"] for w in ws]}
+    if all("hf" in w for w in ws):
+        for v, label in (("no_reuse", "HF no reuse"), ("prefix_copy", "HF DynamicCache copy"),
+                         ("batched", "HF batched, padded")):
+            tput[label] = [w["hf"][v]["output_tokens_per_s"] for w in ws]
+    bars(tput, "output tokens/s", "Throughput vs transformers", "throughput_vs_transformers.png")
+    return paths
