@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import random
 import shlex
@@ -475,7 +476,8 @@ def run_bench(opts: BenchOptions, loaded: LoadedModel | None = None, log=print) 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="all",
-                   help=f"'all' or a comma-separated list of: {', '.join(WORKLOAD_NAMES)}")
+                   help=f"'all' or a comma-separated list of: {', '.join(WORKLOAD_NAMES)}, "
+                        "or 'trace' (eviction-policy trace simulation, no model)")
     p.add_argument("--model", default="smollm2-135m", help="built-in name, HF directory or .gguf file")
     p.add_argument("--num-requests", type=int, default=None,
                    help="requests per workload (per round for multi-turn); default: seed 10, multi-turn 4, others 6")
@@ -495,8 +497,28 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="full-block sharing only (then computed must equal the ideal exactly)")
 
 
+def run_trace_cli(out_dir: str | None, block_size: int) -> None:
+    """``--workload trace``: the eviction-policy trace simulation (no model), JSON into ``out_dir``."""
+    from prefixcache.bench.trace import run_trace_benchmark
+
+    rows = run_trace_benchmark(block_size=block_size)
+    for r in rows:
+        print(f"{r['trace']:8s} seed {r['seed']} {r['policy']:5s} hit rate {r['hit_rate']:.3f} "
+              f"prefill saved {r['prefill_tokens_saved']:8d} ({r.get('saved_vs_lru', 0.0):+.1%} vs lru) "
+              f"evictions {r['num_evictions']:6d} {r['requests_per_s']:6.0f} req/s")
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "trace.json"), "w") as f:
+            json.dump(rows, f, indent=2)
+
+
 def run_cli(args: argparse.Namespace) -> int:
     names = WORKLOAD_NAMES if args.workload == "all" else tuple(w.strip() for w in args.workload.split(","))
+    if "trace" in names:  # simulation only; `all` means the model workloads
+        run_trace_cli(args.out, args.block_size)
+        names = tuple(n for n in names if n != "trace")
+        if not names:
+            return 0
     threads = args.num_threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                    else os.cpu_count() or 1)
     opts = BenchOptions(
