@@ -67,7 +67,10 @@ class LLM:
         Raises:
             ValueError: naming the field, for any invalid prompt or parameter; nothing is queued then.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if not isinstance(prompts, (str, list, tuple)):
+            raise ValueError(f"prompts must be a string, a list of token ids or a list of those, "
+                             f"got {type(prompts).__name__}")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if not prompts:
@@ -102,6 +105,9 @@ class LLM:
         Raises:
             ValueError: malformed messages or anything ``generate`` rejects.
         """
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts (or a list of such lists), "
+                             f"got {type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, cache_salt=cache_salt, use_tqdm=use_tqdm, lora=lora)

@@ -23,7 +23,8 @@ def test_top_k_top_p_masks():
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("max_tokens", 0),
-    ("max_tokens", -3), ("seed", "x"), ("stop", [""]), ("stop_token_ids", [-1]),
+    ("max_tokens", -3), ("seed", "x"), ("seed", 2**70), ("stop", [""]), ("stop_token_ids", [-1]),
+    ("temperature", float("inf")), ("ignore_eos", "yes"), ("include_stop_str_in_output", None),
 ])
 def test_sampling_params_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -102,6 +103,10 @@ def test_invalid_input_raises_value_error_and_leaks_nothing(make_llm):
         ("KV blocks", lambda: llm.generate([[1] * 1000], SamplingParams(max_tokens=100), use_tqdm=False)),
         ("sampling_params has 1", lambda: llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)),
         ("messages", lambda: llm.chat([[]], use_tqdm=False)),
+        ("messages", lambda: llm.chat(None, use_tqdm=False)),
+        ("prompts", lambda: llm.generate(None, use_tqdm=False)),
+        ("prompts", lambda: llm.generate(5, use_tqdm=False)),
+        ("prompts", lambda: llm.generate({"a": 1}, use_tqdm=False)),
         ("role", lambda: llm.chat([{"content": "hi"}], use_tqdm=False)),
     ]
     for what, call in cases:

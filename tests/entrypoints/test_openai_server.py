@@ -183,6 +183,7 @@ C10 = [
     ("completions", {"prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "cache_salt": "s" * 1025}, 400,
      "cache_salt"),
+    ("completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),  # would overflow torch's generator
     ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("completions", b'{"prompt": "hi", ', 400, None),  # malformed JSON
 ]
