@@ -137,7 +137,16 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < 2) as bar:
             while len(results) < len(ids):
-                for out in engine.step():
+                try:
+                    outputs = engine.step()
+                except BaseException:
+                    # A failed step may have cached blocks whose K/V was never written: drop the
+                    # batch and the cache rather than ever serve them.
+                    for req_id in ids:
+                        engine.abort_request(req_id)
+                    engine.reset_prefix_cache()
+                    raise
+                for out in outputs:
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)

@@ -248,7 +248,11 @@ class LLMEngine:
             streaming requests that got a token and go on.
         """
         scheduler_output = self.scheduler.schedule()
-        sampled = self.runner.execute_model(scheduler_output)
+        try:
+            sampled = self.runner.execute_model(scheduler_output)
+        except BaseException:
+            self.kv_cache_manager.end_step()  # release partial-hit sources pinned for this step
+            raise
         updated = self.scheduler.update_from_output(scheduler_output, sampled)
         now = time.monotonic()
         outputs = []

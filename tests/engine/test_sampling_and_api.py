@@ -180,3 +180,24 @@ def test_dtype_is_part_of_the_cache_key(make_llm):
     assert bf16.engine.cache_fingerprint != fp32
     out = bf16.generate("The sun is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert len(out.token_ids) == 4
+
+
+def test_failed_step_drops_the_batch_and_the_cache(make_llm, monkeypatch):
+    llm = make_llm(num_blocks=64)
+    prompt = "A sentence that is long enough to fill at least one block of sixteen tokens, surely."
+    # 16 new tokens fill the prompt's second block, so the repeat below takes a partial hit (a pinned source).
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert llm.get_metrics().num_blocks_cached > 0
+
+    def boom(scheduler_output):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(llm.engine.runner, "execute_model", boom)
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate([prompt, "Another prompt"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    m = llm.get_metrics()
+    assert not llm.engine.has_unfinished_requests()
+    assert (m.num_blocks_in_use, m.num_blocks_cached) == (0, 0)
+    monkeypatch.undo()
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and len(out.token_ids) == 2
