@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from prefixcache.engine.llm_engine import EngineMetrics, LLMEngine
+from prefixcache.layers.lora import LoRARequest
 from prefixcache.outputs import RequestOutput
 from prefixcache.sampling_params import SamplingParams
 
@@ -160,6 +161,7 @@ class AsyncLLMEngine:
         cache_salt: str | None = None,
         request_id: str | None = None,
         stream: bool = True,
+        lora: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Adds a request and returns its outputs as an async stream.
 
@@ -173,6 +175,7 @@ class AsyncLLMEngine:
             request_id: defaults to a fresh ``"req-N"``.
             stream: yield an output after every new token (cumulative text and token ids);
                 otherwise only the final output.
+            lora: a LoRA adapter for this request.
 
         Returns:
             An async iterator of :class:`RequestOutput`; the last one has ``finished=True``.
@@ -191,7 +194,7 @@ class AsyncLLMEngine:
         try:
             await self._call(
                 self.engine.add_request, prompt, sampling_params,
-                cache_salt=cache_salt, request_id=request_id, stream=stream,
+                cache_salt=cache_salt, request_id=request_id, stream=stream, lora=lora,
             )
         except BaseException:
             self._queues.pop(request_id, None)

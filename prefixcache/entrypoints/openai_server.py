@@ -48,6 +48,7 @@ from prefixcache.entrypoints.protocol import (
     ResponseMessage,
     Usage,
 )
+from prefixcache.layers.lora import LoRARequest
 from prefixcache.outputs import RequestOutput
 from prefixcache.sampling_params import SamplingParams
 
@@ -184,13 +185,20 @@ async def _final_output(stream: AsyncIterator[RequestOutput], raw_request: Reque
     return None
 
 
-def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(
+    engine: LLMEngine | AsyncLLMEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    lora_modules: dict[str, str] | None = None,
+) -> FastAPI:
     """Builds the FastAPI app serving ``engine``.
 
     Args:
         engine: an engine (wrapped in an :class:`AsyncLLMEngine`) or an async engine not yet
             serving another app. The app starts its loop on startup and stops it on shutdown.
         served_model_name: the model name clients send and ``/v1/models`` lists.
+        lora_modules: adapter name → PEFT adapter directory; a request whose ``model`` is one of
+            these names runs with that adapter (vLLM's ``--lora-modules``).
         api_key: when set, ``/v1/*`` and ``/reset_prefix_cache`` need ``Authorization: Bearer KEY``.
 
     Returns:
@@ -248,10 +256,17 @@ def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str, api_ke
             return await call_next(request)
 
     # ------------------------------------------------------------------ helpers
-    def check_model(model: str | None) -> None:
-        if model is not None and model != served_model_name:
-            raise APIError(404, f"model {model!r} does not exist; this server serves {served_model_name!r}",
-                           "model", "model_not_found")
+    adapters = dict(lora_modules or {})
+
+    def check_model(model: str | None) -> LoRARequest | None:
+        """The request's adapter (None for the base model); 404 for an unknown model name."""
+        if model is None or model == served_model_name:
+            return None
+        if model in adapters:
+            return LoRARequest(model, adapters[model])
+        names = [served_model_name, *adapters]
+        raise APIError(404, f"model {model!r} does not exist; this server serves {names}", "model",
+                       "model_not_found")
 
     def sampling_params(
         req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, default_max_tokens: int,
@@ -276,11 +291,11 @@ def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str, api_ke
 
     async def start(
         prompt: str | list[int], params: SamplingParams, req: CompletionRequest | ChatCompletionRequest,
-        request_id: str, prompt_field: str,
+        request_id: str, prompt_field: str, lora: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         try:
             return await async_engine.generate(
-                prompt, params, cache_salt=req.cache_salt, request_id=request_id, stream=req.stream
+                prompt, params, cache_salt=req.cache_salt, request_id=request_id, stream=req.stream, lora=lora
             )
         except ValueError as e:
             raise _value_error(e, prompt_field) from e
@@ -320,7 +335,10 @@ def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str, api_ke
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=llm_engine.max_model_len)])
+        cards = [ModelCard(id=served_model_name, max_model_len=llm_engine.max_model_len)]
+        cards += [ModelCard(id=name, parent=served_model_name, max_model_len=llm_engine.max_model_len)
+                  for name in adapters]
+        return ModelList(data=cards)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -336,7 +354,8 @@ def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str, api_ke
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw_request: Request):
-        check_model(req.model)
+        lora = check_model(req.model)
+        model_name = req.model or served_model_name
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -346,14 +365,14 @@ def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str, api_ke
         params = sampling_params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream = await start(prompt, params, req, request_id, "prompt")
+        stream = await start(prompt, params, req, request_id, "prompt", lora)
 
         if req.stream:
             with_usage = include_usage(req)
 
             def chunk(delta: str, finish_reason: str | None) -> dict:
                 data = {"id": request_id, "object": "text_completion", "created": created,
-                        "model": served_model_name,
+                        "model": model_name,
                         "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}]}
                 if with_usage:
                     data["usage"] = None
@@ -361,7 +380,7 @@ def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str, api_ke
 
             def usage_chunk(out: RequestOutput) -> dict:
                 return {"id": request_id, "object": "text_completion", "created": created,
-                        "model": served_model_name, "choices": [], "usage": _usage(out).model_dump()}
+                        "model": model_name, "choices": [], "usage": _usage(out).model_dump()}
 
             return stream_response(sse(stream, params.stop, chunk, usage_chunk if with_usage else None))
 
@@ -369,13 +388,14 @@ def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str, api_ke
         if out is None:
             return Response(status_code=499)
         return CompletionResponse(
-            id=request_id, created=created, model=served_model_name, usage=_usage(out),
+            id=request_id, created=created, model=model_name, usage=_usage(out),
             choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason, stop_reason=out.stop_reason)],
         )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw_request: Request):
-        check_model(req.model)
+        lora = check_model(req.model)
+        model_name = req.model or served_model_name
         if not req.messages:
             raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
         conversation = [{"role": m.role, "content": _message_text(m.content)} for m in req.messages]
@@ -389,7 +409,7 @@ def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str, api_ke
         params = sampling_params(req, max_tokens, default_max_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream = await start(prompt_ids, params, req, request_id, "messages")
+        stream = await start(prompt_ids, params, req, request_id, "messages", lora)
 
         if req.stream:
             with_usage = include_usage(req)
@@ -402,7 +422,7 @@ def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str, api_ke
                     message["role"] = "assistant"
                     first = False
                 data = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                        "model": served_model_name,
+                        "model": model_name,
                         "choices": [{"index": 0, "delta": message, "logprobs": None, "finish_reason": finish_reason}]}
                 if with_usage:
                     data["usage"] = None
@@ -410,7 +430,7 @@ def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str, api_ke
 
             def usage_chunk(out: RequestOutput) -> dict:
                 return {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                        "model": served_model_name, "choices": [], "usage": _usage(out).model_dump()}
+                        "model": model_name, "choices": [], "usage": _usage(out).model_dump()}
 
             return stream_response(sse(stream, params.stop, chunk, usage_chunk if with_usage else None))
 
@@ -418,7 +438,7 @@ def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str, api_ke
         if out is None:
             return Response(status_code=499)
         return ChatCompletionResponse(
-            id=request_id, created=created, model=served_model_name, usage=_usage(out),
+            id=request_id, created=created, model=model_name, usage=_usage(out),
             choices=[ChatChoice(message=ResponseMessage(content=out.text), finish_reason=out.finish_reason,
                                 stop_reason=out.stop_reason)],
         )
@@ -444,6 +464,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="name clients send (default: MODEL)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT directories) clients select with the model field")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     e = parser.add_argument_group("engine")
     e.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -465,6 +487,21 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--enable-partial-block-reuse", action=argparse.BooleanOptionalAction, default=True)
 
 
+def parse_lora_modules(items: list[str]) -> dict[str, str]:
+    """``["name=path", ...]`` → ``{name: path}``.
+
+    Raises:
+        ValueError: an item without ``=``, an empty name, or a duplicate name.
+    """
+    modules: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path or name in modules:
+            raise ValueError(f"--lora-modules expects distinct NAME=PATH entries, got {item!r}")
+        modules[name] = path
+    return modules
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Loads the model and serves until interrupted.
 
@@ -482,6 +519,7 @@ def run_cli(args: argparse.Namespace) -> int:
         eviction_policy=args.eviction_policy, cache_ttl_s=args.cache_ttl_s,
         enable_partial_block_reuse=args.enable_partial_block_reuse,
     )
-    app = build_app(LLMEngine(config), args.served_model_name or args.model, api_key=args.api_key)
+    app = build_app(LLMEngine(config), args.served_model_name or args.model, api_key=args.api_key,
+                    lora_modules=parse_lora_modules(args.lora_modules))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -112,6 +112,7 @@ class ModelCard(_Model):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "prefixcache"
+    parent: str | None = None  # the base model, for a LoRA adapter
     max_model_len: int
 
 
