@@ -192,23 +192,19 @@ class LRUPolicy(EvictionPolicy):
         return list(self._blocks.values())
 
 
-class TTLPolicy(EvictionPolicy):
-    """Uncached blocks first, then cached blocks least recently freed first.
+class _UncachedFirstPolicy(EvictionPolicy):
+    """Shared bookkeeping of the policies that hand out uncached free blocks before cached ones.
 
-    A free cached block idle longer than ``cache_ttl_s`` is expired: lookups skip it and it is
-    evicted with reason ``"ttl"``. Blocks enter the cached queue in free-time order, so the expired
-    ones are always its head and ``ttl`` evicts them before any live block, in O(1).
+    Free blocks live in ``_uncached`` (FIFO) or ``_cached``; subclasses order the cached ones via
+    :meth:`_on_free_cached` / :meth:`_on_touch_cached`.
     """
-
-    name = "ttl"
 
     def __init__(
         self, blocks: Iterable[KVCacheBlock], clock: Callable[[], float], options: EvictionOptions
     ) -> None:
         super().__init__(blocks, clock, options)
         self._uncached: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in blocks)
-        self._cached: OrderedDict[int, KVCacheBlock] = OrderedDict()
-        self._free_s: dict[int, float] = {}  # block id -> when it became free (cached blocks)
+        self._cached: OrderedDict[int, KVCacheBlock] = OrderedDict()  # free cached blocks
 
     def __len__(self) -> int:
         return len(self._uncached) + len(self._cached)
@@ -224,12 +220,43 @@ class TTLPolicy(EvictionPolicy):
             self._uncached[block.block_id] = block
         else:
             self._cached[block.block_id] = block
-            self._free_s[block.block_id] = self.clock()
+            self._on_free_cached(block)
 
     def on_touch(self, block: KVCacheBlock) -> None:
         if self._uncached.pop(block.block_id, None) is None:
             del self._cached[block.block_id]
-            del self._free_s[block.block_id]
+            self._on_touch_cached(block)
+
+    @abstractmethod
+    def _on_free_cached(self, block: KVCacheBlock) -> None:
+        """A cached block became free (it is already in ``_cached``)."""
+
+    @abstractmethod
+    def _on_touch_cached(self, block: KVCacheBlock) -> None:
+        """A free cached block got a reference again (it has left ``_cached``)."""
+
+
+class TTLPolicy(_UncachedFirstPolicy):
+    """Uncached blocks first, then cached blocks least recently freed first.
+
+    A free cached block idle longer than ``cache_ttl_s`` is expired: lookups skip it and it is
+    evicted with reason ``"ttl"``. Blocks enter the cached queue in free-time order, so the expired
+    ones are always its head and ``ttl`` evicts them before any live block, in O(1).
+    """
+
+    name = "ttl"
+
+    def __init__(
+        self, blocks: Iterable[KVCacheBlock], clock: Callable[[], float], options: EvictionOptions
+    ) -> None:
+        super().__init__(blocks, clock, options)
+        self._free_s: dict[int, float] = {}  # block id -> when it became free (cached blocks)
+
+    def _on_free_cached(self, block: KVCacheBlock) -> None:
+        self._free_s[block.block_id] = self.clock()
+
+    def _on_touch_cached(self, block: KVCacheBlock) -> None:
+        del self._free_s[block.block_id]
 
     def choose_victim(self) -> tuple[KVCacheBlock, str]:
         if self._uncached:
@@ -251,7 +278,7 @@ class TTLPolicy(EvictionPolicy):
         return [*self._uncached.values(), *self._cached.values()]
 
 
-class _LeafHeapPolicy(EvictionPolicy):
+class _LeafHeapPolicy(_UncachedFirstPolicy):
     """Uncached blocks first (FIFO), then childless cached blocks by a key from :meth:`priority`.
 
     Only free cached blocks without cached children are in the heap; a parent enters it when its
@@ -263,8 +290,6 @@ class _LeafHeapPolicy(EvictionPolicy):
         self, blocks: Iterable[KVCacheBlock], clock: Callable[[], float], options: EvictionOptions
     ) -> None:
         super().__init__(blocks, clock, options)
-        self._uncached: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in blocks)
-        self._cached: dict[int, KVCacheBlock] = {}  # free cached blocks, leaves or not
         self._free_seq: dict[int, int] = {}  # block id -> free order (ties: least recent first)
         self._heap: list[tuple] = []  # (*priority, free_seq, stamp, block_id)
         self._stamp: dict[int, int] = {}  # block id -> stamp of its live heap entry
@@ -274,29 +299,14 @@ class _LeafHeapPolicy(EvictionPolicy):
     def priority(self, block: KVCacheBlock) -> tuple:
         """Heap key of a free cached block: the lowest is evicted first. Fixed while free."""
 
-    def __len__(self) -> int:
-        return len(self._uncached) + len(self._cached)
-
-    def __contains__(self, block: KVCacheBlock) -> bool:
-        bid = block.block_id
-        return self._uncached.get(bid) is block or self._cached.get(bid) is block
-
-    def on_free(self, block: KVCacheBlock) -> None:
-        if block in self:
-            raise ValueError(f"block {block.block_id} is already free")
-        if block.block_hash is None:
-            self._uncached[block.block_id] = block
-            return
-        self._cached[block.block_id] = block
+    def _on_free_cached(self, block: KVCacheBlock) -> None:
         self._free_seq[block.block_id] = next(self._counter)
         if block.num_cached_children == 0:
             self._push(block)
 
-    def on_touch(self, block: KVCacheBlock) -> None:
-        if self._uncached.pop(block.block_id, None) is None:
-            del self._cached[block.block_id]
-            del self._free_seq[block.block_id]
-            self._stamp.pop(block.block_id, None)
+    def _on_touch_cached(self, block: KVCacheBlock) -> None:
+        del self._free_seq[block.block_id]
+        self._stamp.pop(block.block_id, None)
 
     def on_leaf(self, block: KVCacheBlock) -> None:
         if self._cached.get(block.block_id) is block and block.block_id not in self._stamp:
