@@ -51,6 +51,7 @@ class LLM:
         cache_salt: str | None = None,
         use_tqdm: bool = True,
         lora: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tenant: str | None = None,
     ) -> list[RequestOutput]:
         """Generates for a batch of prompts, all scheduled together.
 
@@ -60,6 +61,8 @@ class LLM:
             cache_salt: namespace for this batch's cache entries (see ``LLMEngine.add_request``).
             use_tqdm: show a progress bar for batches of more than one prompt.
             lora: a LoRA adapter for all prompts, or one (or None) per prompt.
+            tenant: the batch's tenant namespace; only approved prefixes are shared across
+                tenants (see :meth:`add_approved_prefix`).
 
         Returns:
             One :class:`RequestOutput` per prompt, in input order.
@@ -86,7 +89,9 @@ class LLM:
         loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"lora has {len(loras)} entries but there are {len(prompts)} prompts")
-        return self._run([(p, sp, cache_salt, lr) for p, sp, lr in zip(prompts, params, loras)], use_tqdm)
+        return self._run(
+            [(p, sp, cache_salt, lr, tenant) for p, sp, lr in zip(prompts, params, loras)], use_tqdm
+        )
 
     def chat(
         self,
@@ -96,6 +101,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         lora: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tenant: str | None = None,
     ) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of them, via the model's chat template.
 
@@ -110,26 +116,28 @@ class LLM:
                              f"got {type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, cache_salt=cache_salt, use_tqdm=use_tqdm, lora=lora)
+        return self.generate(
+            prompts, sampling_params, cache_salt=cache_salt, use_tqdm=use_tqdm, lora=lora, tenant=tenant
+        )
 
     def apply_chat_template(self, conversation: list[Message], add_generation_prompt: bool = True) -> list[int]:
         """Renders one conversation with the model's chat template → prompt token ids."""
-        if not isinstance(conversation, list) or not conversation:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-        for m in conversation:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"each message needs string 'role' and 'content', got {m!r}")
-        text = self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.engine.apply_chat_template(conversation, add_generation_prompt)
 
-    def _run(self, items: list[tuple[Any, SamplingParams, str | None, Any]], use_tqdm: bool) -> list[RequestOutput]:
+    def add_approved_prefix(self, prompt: str | list[int]) -> int:
+        """Declares public text (or token ids) that every tenant may share; returns its tokens."""
+        return self.engine.add_approved_prefix(prompt)
+
+    def add_approved_system_prompt(self, content: str) -> int:
+        """Declares a public chat system message that every tenant may share; returns its tokens."""
+        return self.engine.add_approved_system_prompt(content)
+
+    def _run(self, items: list[tuple[Any, SamplingParams, str | None, Any, str | None]], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         ids: list[str] = []
         try:
-            for prompt, params, salt, lora in items:
-                ids.append(engine.add_request(prompt, params, cache_salt=salt, lora=lora))
+            for prompt, params, salt, lora, tenant in items:
+                ids.append(engine.add_request(prompt, params, cache_salt=salt, lora=lora, tenant=tenant))
         except ValueError:
             for req_id in ids:  # all or nothing: don't leave half a batch queued
                 engine.abort_request(req_id)

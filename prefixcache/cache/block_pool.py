@@ -24,7 +24,9 @@ Invariants (checked by ``tests/cache/test_state_machine.py`` after every step):
 - A hit is exact whatever the hash function does: :meth:`BlockPool.get_cached_block` returns a block
   only if its stored tokens equal the request's tokens of that block *and* its predecessor is the
   block matched just before (same ``generation`` as when cached), or, for a first block, its
-  ``root_key`` equals the request's. By induction the whole prefix, and so the K/V, is the same.
+  ``root_key`` equals the request's; and its ``extra_key`` (tenant namespace) equals the request's
+  for that block. By induction the whole prefix, and so the K/V, is the same, and a block beyond an
+  approved shared prefix is only ever served within its tenant.
   Equal blocks may be cached more than once, each with its own parent chain.
 - Children before parents: ``num_cached_children`` counts the cached blocks whose live parent is
   this block, and no policy evicts a block while it is non-zero, so every cached block's parent is
@@ -64,6 +66,7 @@ class KVCacheBlock:
         parent: the previous block of the chain when cached; ``None`` for a first block.
         parent_generation: ``parent.generation`` at caching time.
         root_key: for a chain's first block, the caching request's root key; else ``None``.
+        extra_key: the caching request's extra key for this block (tenant namespace, or ``b""``).
         generation: bumped each time the block is evicted or reset, i.e. each time its content
             stops being what was cached.
         depth: blocks before this one in its chain when cached (0 for a first block).
@@ -78,6 +81,7 @@ class KVCacheBlock:
     parent: KVCacheBlock | None = None
     parent_generation: int = 0
     root_key: bytes | None = None
+    extra_key: bytes = b""
     generation: int = 0
     depth: int = 0
     cached_s: float = 0.0
@@ -149,6 +153,7 @@ class BlockPool:
         token_ids: Sequence[int],
         parent: KVCacheBlock | None,
         root_key: bytes,
+        extra_key: bytes = b"",
     ) -> KVCacheBlock | None:
         """Finds a cached block holding exactly ``token_ids`` after ``parent``'s prefix.
 
@@ -158,13 +163,14 @@ class BlockPool:
             parent: the block matched for the previous block of the request; ``None`` for the
                 first block.
             root_key: the request's root key (checked for a first block).
+            extra_key: the request's extra key for this block (checked on every block).
 
         Returns:
             A verified block (see the module invariants), or ``None`` on a miss. Its ref count is
             not changed.
         """
         matches = self.find_cached_blocks(
-            block_hash, token_ids, None if parent is None else [parent], root_key
+            block_hash, token_ids, None if parent is None else [parent], root_key, extra_key
         )
         return matches[0] if matches else None
 
@@ -174,6 +180,7 @@ class BlockPool:
         token_ids: Sequence[int],
         parents: Sequence[KVCacheBlock] | None,
         root_key: bytes,
+        extra_key: bytes = b"",
     ) -> list[KVCacheBlock]:
         """Finds every cached block holding exactly ``token_ids`` after one of ``parents``.
 
@@ -187,6 +194,7 @@ class BlockPool:
             parents: the blocks matched for the previous block of the request; ``None`` for the
                 first block.
             root_key: the request's root key (checked for a first block).
+            extra_key: the request's extra key for this block (checked on every block).
 
         Returns:
             The verified blocks, in caching order; empty on a miss. Ref counts are not changed.
@@ -200,13 +208,21 @@ class BlockPool:
             # The common case (one copy cached, one parent matched): no dict, no list building.
             (block,) = candidates.values()
             parent = parents[0]
-            ok = block.parent is parent and block.parent_generation == parent.generation
+            ok = (
+                block.parent is parent
+                and block.parent_generation == parent.generation
+                and block.extra_key == extra_key
+            )
             return [block] if ok and block.token_ids == token_ids and allowed(block) else []
         if parents is None:
             return [
                 b
                 for b in candidates.values()
-                if b.token_ids == token_ids and b.parent is None and b.root_key == root_key and allowed(b)
+                if b.token_ids == token_ids
+                and b.parent is None
+                and b.root_key == root_key
+                and b.extra_key == extra_key
+                and allowed(b)
             ]
         parent_by_id = {p.block_id: p for p in parents}
         return [
@@ -216,6 +232,7 @@ class BlockPool:
             and b.parent is not None
             and parent_by_id.get(b.parent.block_id) is b.parent
             and b.parent_generation == b.parent.generation
+            and b.extra_key == extra_key
             and allowed(b)
         ]
 
@@ -225,18 +242,21 @@ class BlockPool:
         root_key: bytes,
         token_ids: Sequence[int],
         exclude: Callable[[KVCacheBlock], bool] = lambda block: False,
+        extra_key: bytes = b"",
     ) -> tuple[KVCacheBlock, int] | None:
         """Finds the cached child of ``parent`` whose first tokens match ``token_ids`` the longest.
 
         The child is verified like a full hit (its parent is ``parent`` at the same generation,
-        or, for a first block, it is a chain root with ``root_key``), then its stored token ids are
-        compared with ``token_ids`` from the start.
+        or, for a first block, it is a chain root with ``root_key``; its ``extra_key`` equals the
+        request's for that block), then its stored token ids are compared with ``token_ids`` from
+        the start.
 
         Args:
             parent: the last block of the request's verified prefix; ``None`` if there is none.
             root_key: the request's root key.
             token_ids: the request's next tokens after that prefix, ``len < block_size``.
             exclude: blocks not to use (e.g. cached this step, their K/V not yet written).
+            extra_key: the request's extra key for the block (tenant namespace or ``b""``).
 
         Returns:
             ``(block, num_tokens)`` with ``1 <= num_tokens <= len(token_ids)`` matching tokens, or
@@ -252,7 +272,7 @@ class BlockPool:
                     continue
             elif block.parent is not parent or block.parent_generation != parent.generation:
                 continue
-            if exclude(block) or not self.free_block_queue.is_hit_allowed(block):
+            if block.extra_key != extra_key or exclude(block) or not self.free_block_queue.is_hit_allowed(block):
                 continue
             n = 0
             for a, b in zip(block.token_ids, token_ids):
@@ -358,6 +378,7 @@ class BlockPool:
             block.block_hash = request.block_hashes[i]
             block.token_ids = tuple(request.all_token_ids[i * block_size : (i + 1) * block_size])
             block.cached_s = now
+            block.extra_key = request.block_extra_key(i)
             if i == 0:
                 block.parent, block.parent_generation, block.root_key = None, 0, request.root_key
                 block.depth = 0
@@ -432,6 +453,7 @@ class BlockPool:
         block.parent = None
         block.parent_generation = 0
         block.root_key = None
+        block.extra_key = b""
         block.generation += 1
         self.num_cached_blocks -= 1
 

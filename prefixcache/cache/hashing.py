@@ -6,7 +6,9 @@ A request's tokens are cut into full blocks of ``block_size`` tokens. Block ``i`
 
 so equal hashes mean equal *whole* prefixes (the idea of vLLM v1's ``hash_block_tokens``).
 The root key serialises everything outside the tokens that changes K/V: the model fingerprint
-and the request's ``cache_salt``, plus a hash seed. The seed is random per process unless the
+and the request's ``cache_salt``, plus a hash seed. ``extra_keys`` carries a tenant namespace
+(:func:`tenant_extra_key`) on every block except those lying entirely inside an operator-approved
+shared prefix, so a tenant's blocks beyond the public prefix never match another tenant's. The seed is random per process unless the
 user fixes it (``hash_seed``), so nobody outside the process can precompute block hashes to aim
 collisions at (vLLM's ``PYTHONHASHSEED``-style fix for its predictable ``NONE_HASH``); a fixed
 seed makes keys reproducible across processes. Only full blocks are hashed; a partial tail
@@ -60,6 +62,11 @@ def make_root_key(
     return json.dumps([model_fingerprint.hex(), cache_salt, seed.hex(), adapter_digest.hex()]).encode()
 
 
+def tenant_extra_key(tenant: str | None) -> bytes:
+    """The per-block extra key of a tenant namespace; ``b""`` (no namespace) for ``None``."""
+    return b"" if tenant is None else b"tenant\x00" + tenant.encode("utf-8")
+
+
 class BlockHasher:
     """Computes chained block hashes with xxh64 (default) or sha256.
 
@@ -92,7 +99,12 @@ class BlockHasher:
         return BlockHash(self._digest(parent + self._pack(*token_ids) + extra_keys))
 
     def extend(
-        self, block_hashes: list[BlockHash], token_ids: Sequence[int], root_key: bytes
+        self,
+        block_hashes: list[BlockHash],
+        token_ids: Sequence[int],
+        root_key: bytes,
+        extra_key: bytes = b"",
+        num_unkeyed_blocks: int = 0,
     ) -> None:
         """Appends the hashes of blocks that became full since the last call.
 
@@ -100,12 +112,16 @@ class BlockHasher:
             block_hashes: the request's hashes so far; extended in place.
             token_ids: all of the request's tokens (prompt + output).
             root_key: the request's :func:`make_root_key`.
+            extra_key: mixed into every block from ``num_unkeyed_blocks`` on (a tenant namespace).
+            num_unkeyed_blocks: leading blocks hashed without ``extra_key`` (an approved shared
+                prefix).
         """
         bs = self.block_size
         num_full = len(token_ids) // bs
         parent = block_hashes[-1] if block_hashes else self.root_hash(root_key)
         for i in range(len(block_hashes), num_full):
-            parent = self.hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            extra = extra_key if i >= num_unkeyed_blocks else b""
+            parent = self.hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra)
             block_hashes.append(parent)
 
 

@@ -133,7 +133,11 @@ class KVCacheManager:
         matches: list[KVCacheBlock] | None = None
         for i in range(max_blocks):
             level = self.block_pool.find_cached_blocks(
-                request.block_hashes[i], tokens[i * bs : (i + 1) * bs], matches, request.root_key
+                request.block_hashes[i],
+                tokens[i * bs : (i + 1) * bs],
+                matches,
+                request.root_key,
+                request.block_extra_key(i),
             )
             if not level:
                 break
@@ -174,6 +178,7 @@ class KVCacheManager:
             request.root_key,
             request.all_token_ids[start:end],
             exclude=lambda b: self._cached_this_step.get(b.block_id) == b.generation,
+            extra_key=request.block_extra_key(len(computed_blocks)),
         )
         return None if found is None else PartialHit(*found)
 

@@ -162,6 +162,7 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         stream: bool = True,
         lora: LoRARequest | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Adds a request and returns its outputs as an async stream.
 
@@ -176,6 +177,7 @@ class AsyncLLMEngine:
             stream: yield an output after every new token (cumulative text and token ids);
                 otherwise only the final output.
             lora: a LoRA adapter for this request.
+            tenant: the request's tenant namespace (see ``LLMEngine.add_request``).
 
         Returns:
             An async iterator of :class:`RequestOutput`; the last one has ``finished=True``.
@@ -195,6 +197,7 @@ class AsyncLLMEngine:
             await self._call(
                 self.engine.add_request, prompt, sampling_params,
                 cache_salt=cache_salt, request_id=request_id, stream=stream, lora=lora,
+                tenant=tenant,
             )
         except BaseException:
             self._queues.pop(request_id, None)
@@ -250,15 +253,7 @@ class AsyncLLMEngine:
             ValueError: the template rejects the conversation.
         """
 
-        def render() -> list[int]:
-            tokenizer = self.engine.tokenizer
-            try:
-                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            except Exception as e:  # jinja raises its own errors for conversations it can't render
-                raise ValueError(f"messages could not be rendered with the chat template: {e}") from e
-            return tokenizer.encode(text, add_special_tokens=False)
-
-        return await self._call(render)
+        return await self._call(self.engine.apply_chat_template, messages)
 
     async def get_stats(self) -> EngineStats:
         def take() -> EngineStats:

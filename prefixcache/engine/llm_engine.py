@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 import xxhash
 
-from prefixcache.cache.hashing import BlockHasher, hash_seed_bytes, make_root_key
+from prefixcache.cache.hashing import BlockHasher, hash_seed_bytes, make_root_key, tenant_extra_key
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from prefixcache.engine.request import Request, RequestStatus
 from prefixcache.engine.scheduler import Scheduler
+from prefixcache.engine.tenancy import ApprovedPrefixes, validate_tenant
 from prefixcache.layers.lora import LoRAAdapter, LoRARequest, load_lora_adapter
 from prefixcache.models.loader import LoadedModel, compute_fingerprint, load_model, load_weights, resolve_model_dir
 from prefixcache.outputs import RequestOutput
@@ -104,6 +105,7 @@ class LLMEngine:
         # Loaded LoRA adapters by directory: (files' mtime/size signature, adapter).
         self._lora_adapters: dict[Path, tuple[tuple, LoRAAdapter]] = {}
         self._counter = itertools.count()
+        self.approved_prefixes = ApprovedPrefixes()
 
     def _num_blocks(self) -> int:
         cfg, mcfg = self.config, self.loaded.config
@@ -132,6 +134,7 @@ class LLMEngine:
         request_id: str | None = None,
         stream: bool = False,
         lora: LoRARequest | None = None,
+        tenant: str | None = None,
     ) -> str:
         """Validates and queues a request.
 
@@ -142,13 +145,17 @@ class LLMEngine:
             request_id: defaults to a fresh counter value.
             stream: have :meth:`step` report this request's progress after every token.
             lora: a LoRA adapter to apply (loaded on first use, reloaded when its files change).
+            tenant: the request's tenant namespace: its blocks are shared only within the tenant,
+                except full blocks inside an approved shared prefix (:meth:`add_approved_prefix`),
+                which every tenant shares. ``None``: no namespace.
 
         Returns:
             The request id.
 
         Raises:
             ValueError: naming the field: empty/oversized prompt, token id outside the vocabulary,
-                bad cache_salt, a request the KV pool can never hold, duplicate request_id.
+                bad cache_salt or tenant, a request the KV pool can never hold, duplicate
+                request_id.
         """
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -159,6 +166,7 @@ class LLMEngine:
             raise ValueError(
                 f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters"
             )
+        validate_tenant(tenant)
         adapter = self.get_lora_adapter(lora) if lora is not None else None
         prompt_text, token_ids = self._tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
@@ -185,6 +193,10 @@ class LLMEngine:
             self.root_key(cache_salt, adapter),
             stream=stream,
             lora=adapter,
+            tenant_key=tenant_extra_key(tenant),
+            num_shared_blocks=(
+                0 if tenant is None else self.approved_prefixes.shared_length(token_ids) // self.config.block_size
+            ),
         )
         self._prompts[request_id] = prompt_text
         self.scheduler.add_request(request)
@@ -194,6 +206,56 @@ class LLMEngine:
         """The cache-key root of a request: model fingerprint, dtype, hash seed, cache_salt, adapter."""
         digest = adapter.digest if adapter is not None else b""
         return make_root_key(self.cache_fingerprint, cache_salt, self._hash_seed, digest)
+
+    def add_approved_prefix(self, prompt: str | list[int]) -> int:
+        """Declares a public prefix that every tenant may share (see :mod:`prefixcache.engine.tenancy`).
+
+        Args:
+            prompt: text (tokenized as a completion prompt is) or token ids.
+
+        Returns:
+            Its length in tokens.
+
+        Raises:
+            ValueError: an empty prompt or token ids outside the vocabulary.
+        """
+        _, token_ids = self._tokenize(prompt)
+        self.approved_prefixes.add(token_ids)
+        return len(token_ids)
+
+    def add_approved_system_prompt(self, content: str) -> int:
+        """Approves a chat system message: the template's rendering of it, as a chat request's head.
+
+        Returns:
+            Its length in tokens.
+
+        Raises:
+            ValueError: empty content, or the template can't render a lone system message.
+        """
+        if not isinstance(content, str) or not content:
+            raise ValueError("an approved system prompt must be a non-empty string")
+        token_ids = self.apply_chat_template([{"role": "system", "content": content}], add_generation_prompt=False)
+        self.approved_prefixes.add(token_ids)
+        return len(token_ids)
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Renders one conversation with the model's chat template → prompt token ids.
+
+        Raises:
+            ValueError: malformed messages, or a conversation the template can't render.
+        """
+        if not isinstance(conversation, list) or not conversation:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        for m in conversation:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"each message needs string 'role' and 'content', got {m!r}")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as e:  # jinja raises its own errors for conversations it can't render
+            raise ValueError(f"messages could not be rendered with the chat template: {e}") from e
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def get_lora_adapter(self, lora: LoRARequest) -> LoRAAdapter:
         """The loaded adapter for ``lora``, (re)loaded when its files are new or changed on disk.

@@ -56,6 +56,10 @@ class Request:
         arrival_s: arrival time (``time.monotonic()`` seconds).
         stream: report an output after every step that adds a token, not only at the finish.
         lora: the LoRA adapter applied to this request (its digest is part of ``root_key``).
+        tenant_key: the tenant namespace (:func:`~prefixcache.cache.hashing.tenant_extra_key`),
+            mixed into the hash of, and verified on, every block from ``num_shared_blocks`` on.
+        num_shared_blocks: leading full blocks that lie inside an approved shared prefix and are
+            keyed without ``tenant_key``.
     """
 
     def __init__(
@@ -68,6 +72,8 @@ class Request:
         arrival_s: float | None = None,
         stream: bool = False,
         lora: LoRAAdapter | None = None,
+        tenant_key: bytes = b"",
+        num_shared_blocks: int = 0,
     ) -> None:
         self.request_id = request_id
         self.stream = stream
@@ -84,9 +90,11 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.root_key = root_key
+        self.tenant_key = tenant_key
+        self.num_shared_blocks = num_shared_blocks
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
-        block_hasher.extend(self.block_hashes, self.all_token_ids, root_key)
+        block_hasher.extend(self.block_hashes, self.all_token_ids, root_key, tenant_key, num_shared_blocks)
         self.arrival_s = time.monotonic() if arrival_s is None else arrival_s
         self.first_token_s: float | None = None
         self.finish_s: float | None = None
@@ -107,11 +115,17 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def block_extra_key(self, block_index: int) -> bytes:
+        """The extra key of block ``block_index``: the tenant's, unless inside the shared prefix."""
+        return self.tenant_key if block_index >= self.num_shared_blocks else b""
+
     def append_output_token_ids(self, token_id: int) -> None:
         """Appends one sampled token and hashes any block it completes."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        self._block_hasher.extend(self.block_hashes, self.all_token_ids, self.root_key)
+        self._block_hasher.extend(
+            self.block_hashes, self.all_token_ids, self.root_key, self.tenant_key, self.num_shared_blocks
+        )
 
     def __repr__(self) -> str:
         return (

@@ -4,11 +4,15 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE 
 ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``POST /reset_prefix_cache``,
 ``GET /metrics`` (Prometheus). ``usage.prompt_tokens_details.cached_tokens`` is the request's real
 number of prompt tokens served from the prefix cache; ``cache_salt`` in the body isolates a
-request's cache namespace.
+request's cache namespace. With ``--tenant-isolation`` every API key belongs to a tenant and each
+tenant gets its own cache namespace automatically; only operator-approved shared prefixes
+(``--approved-prefix``, ``--approved-system-prompt``) are shared across tenants
+(:mod:`prefixcache.engine.tenancy`).
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid input
-(the field in ``param``), 401 for a missing/wrong API key, 404 for an unknown model or route, 409 for
-``/reset_prefix_cache`` while requests hold KV blocks. A request that fails validation never
+(the field in ``param``), 401 for a missing/wrong API key, 403 for ``/reset_prefix_cache`` under
+tenant isolation, 404 for an unknown model or route, 409 for ``/reset_prefix_cache`` while requests
+hold KV blocks. A request that fails validation never
 reaches the engine, so no block leaks; a client that disconnects aborts its request.
 """
 
@@ -17,12 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import re
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prefixcache.config import DEFAULT_MODEL, EngineConfig
 from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from prefixcache.engine.llm_engine import LLMEngine
+from prefixcache.engine.tenancy import validate_tenant
 from prefixcache.entrypoints.metrics import ServerMetrics
 from prefixcache.entrypoints.protocol import (
     ChatChoice,
@@ -57,6 +63,7 @@ MAX_CHAT_DEFAULT_MAX_TOKENS = 512  # chat default: the rest of the context, capp
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     409: "conflict_error",
@@ -190,6 +197,11 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     lora_modules: dict[str, str] | None = None,
+    *,
+    api_keys: Mapping[str, str] | None = None,
+    tenant_isolation: bool = False,
+    approved_prefixes: Sequence[str] = (),
+    approved_system_prompts: Sequence[str] = (),
 ) -> FastAPI:
     """Builds the FastAPI app serving ``engine``.
 
@@ -200,12 +212,31 @@ def build_app(
         lora_modules: adapter name → PEFT adapter directory; a request whose ``model`` is one of
             these names runs with that adapter (vLLM's ``--lora-modules``).
         api_key: when set, ``/v1/*`` and ``/reset_prefix_cache`` need ``Authorization: Bearer KEY``.
+        api_keys: more accepted keys, ``key -> tenant name`` (several keys may name one tenant).
+            ``api_key`` joins them as its own tenant, named after a digest of the key.
+        tenant_isolation: give every tenant its own cache namespace; needs at least one key.
+            ``/reset_prefix_cache`` is then refused (403): one tenant must not flush the others.
+        approved_prefixes: public prompt texts every tenant may share (tokenized as completion
+            prompts are).
+        approved_system_prompts: public chat system messages every tenant may share.
 
     Returns:
         The app; ``app.state.engine`` is the async engine, ``app.state.metrics`` its metrics.
+
+    Raises:
+        ValueError: ``tenant_isolation`` without keys, a bad tenant name, or an empty approved
+            prefix.
     """
     async_engine = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
     llm_engine = async_engine.engine
+    key_to_tenant = tenants_by_key(api_key, api_keys)
+    if tenant_isolation and not key_to_tenant:
+        raise ValueError("tenant isolation needs API keys: give --api-key or --tenant-api-key TENANT=KEY")
+    # The engine loop is not running yet, so the engine can be called directly here.
+    for text in approved_prefixes:
+        llm_engine.add_approved_prefix(text)
+    for content in approved_system_prompts:
+        llm_engine.add_approved_system_prompt(content)
     metrics = ServerMetrics(served_model_name)
     async_engine.on_finish = metrics.observe_finished
     pool_tokens = llm_engine.num_blocks * llm_engine.config.block_size
@@ -243,17 +274,26 @@ def build_app(
     async def _engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
         return _error_response(503, str(e), None, "engine_dead")
 
-    if api_key is not None:
+    if key_to_tenant:
+        bearers = [(f"Bearer {key}".encode(), tenant) for key, tenant in key_to_tenant.items()]
 
         @app.middleware("http")
         async def _check_api_key(request: Request, call_next):
             path = request.url.path
             if path.startswith("/v1") or path == "/reset_prefix_cache":
-                header = request.headers.get("authorization", "")
-                if not secrets.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
+                header = request.headers.get("authorization", "").encode()
+                tenant = None
+                for bearer, name in bearers:  # compare with every key: time doesn't tell which matched
+                    if secrets.compare_digest(header, bearer):
+                        tenant = name
+                if tenant is None:
                     return _error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
                                            None, "invalid_api_key")
+                request.state.tenant = tenant
             return await call_next(request)
+
+    def tenant_of(raw_request: Request) -> str | None:
+        return getattr(raw_request.state, "tenant", None) if tenant_isolation else None
 
     # ------------------------------------------------------------------ helpers
     adapters = dict(lora_modules or {})
@@ -291,11 +331,12 @@ def build_app(
 
     async def start(
         prompt: str | list[int], params: SamplingParams, req: CompletionRequest | ChatCompletionRequest,
-        request_id: str, prompt_field: str, lora: LoRARequest | None = None,
+        request_id: str, prompt_field: str, lora: LoRARequest | None, tenant: str | None,
     ) -> AsyncIterator[RequestOutput]:
         try:
             return await async_engine.generate(
-                prompt, params, cache_salt=req.cache_salt, request_id=request_id, stream=req.stream, lora=lora
+                prompt, params, cache_salt=req.cache_salt, request_id=request_id, stream=req.stream, lora=lora,
+                tenant=tenant,
             )
         except ValueError as e:
             raise _value_error(e, prompt_field) from e
@@ -347,6 +388,10 @@ def build_app(
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
+        if tenant_isolation:
+            raise APIError(403, "/reset_prefix_cache is disabled under --tenant-isolation (one tenant "
+                                "would flush every tenant's cache); restart the server to reset", None,
+                           "forbidden")
         if not await async_engine.reset_prefix_cache():
             raise APIError(409, "the prefix cache can't be reset while requests hold KV blocks; "
                                 "retry when the server is idle", None, "requests_in_flight")
@@ -365,7 +410,7 @@ def build_app(
         params = sampling_params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream = await start(prompt, params, req, request_id, "prompt", lora)
+        stream = await start(prompt, params, req, request_id, "prompt", lora, tenant_of(raw_request))
 
         if req.stream:
             with_usage = include_usage(req)
@@ -409,7 +454,7 @@ def build_app(
         params = sampling_params(req, max_tokens, default_max_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream = await start(prompt_ids, params, req, request_id, "messages", lora)
+        stream = await start(prompt_ids, params, req, request_id, "messages", lora, tenant_of(raw_request))
 
         if req.stream:
             with_usage = include_usage(req)
@@ -464,6 +509,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="name clients send (default: MODEL)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    t = parser.add_argument_group("tenants")
+    t.add_argument("--tenant-api-key", action="append", default=[], metavar="TENANT=KEY",
+                   help="accept KEY as tenant TENANT (repeat for more keys/tenants)")
+    t.add_argument("--api-keys-file", default=None, metavar="PATH",
+                   help='JSON {"TENANT": "KEY" or ["KEY", ...], ...}: keys out of the process list')
+    t.add_argument("--tenant-isolation", action="store_true",
+                   help="a cache namespace per tenant; only approved prefixes are shared across tenants")
+    t.add_argument("--approved-prefix", action="append", default=[], metavar="TEXT",
+                   help="public prompt text every tenant may share (repeatable)")
+    t.add_argument("--approved-system-prompt", action="append", default=[], metavar="TEXT",
+                   help="public chat system message every tenant may share (repeatable)")
+    t.add_argument("--approved-prefixes-file", default=None, metavar="PATH",
+                   help='JSON [{"text": ...} or {"system": ...}, ...]: long approved prefixes')
     parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
                         help="LoRA adapters (PEFT directories) clients select with the model field")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -502,6 +560,79 @@ def parse_lora_modules(items: list[str]) -> dict[str, str]:
     return modules
 
 
+def tenants_by_key(api_key: str | None, api_keys: Mapping[str, str] | None) -> dict[str, str]:
+    """All accepted keys → tenant name; ``api_key`` is a tenant named after its digest.
+
+    Raises:
+        ValueError: an empty key, a key given twice, or a bad tenant name.
+    """
+    keys: dict[str, str] = {}
+    items = [] if api_key is None else [(api_key, "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:12])]
+    for key, tenant in [*items, *(api_keys or {}).items()]:
+        if not isinstance(key, str) or not key:
+            raise ValueError("API keys must be non-empty strings")
+        if key in keys:
+            raise ValueError("an API key is given twice; each key belongs to one tenant")
+        keys[key] = validate_tenant(tenant)
+    return keys
+
+
+def parse_tenant_args(args: argparse.Namespace) -> tuple[dict[str, str], list[str], list[str]]:
+    """``--tenant-api-key``, ``--api-keys-file`` and the approved-prefix flags → build_app inputs.
+
+    Returns:
+        ``(api_keys key -> tenant, approved prefix texts, approved system prompts)``.
+
+    Raises:
+        ValueError: a malformed flag or file, naming it.
+    """
+    api_keys: dict[str, str] = {}
+
+    def add(tenant: object, key: object, where: str) -> None:
+        if not isinstance(tenant, str) or not tenant or not isinstance(key, str) or not key:
+            raise ValueError(f"{where}: tenant names and keys must be non-empty strings")
+        if key in api_keys:
+            raise ValueError(f"{where}: an API key is given twice")
+        api_keys[key] = tenant
+
+    for item in args.tenant_api_key:
+        tenant, sep, key = item.partition("=")
+        if not sep:
+            raise ValueError(f"--tenant-api-key expects TENANT=KEY, got {item!r}")
+        add(tenant, key, "--tenant-api-key")
+    if args.api_keys_file:
+        data = _read_json(args.api_keys_file, "--api-keys-file")
+        if not isinstance(data, dict):
+            raise ValueError('--api-keys-file must hold a JSON object {"TENANT": "KEY" or ["KEY", ...]}')
+        for tenant, keys in data.items():
+            for key in [keys] if isinstance(keys, str) else keys if isinstance(keys, list) else [None]:
+                add(tenant, key, "--api-keys-file")
+    texts, systems = list(args.approved_prefix), list(args.approved_system_prompt)
+    if args.approved_prefixes_file:
+        data = _read_json(args.approved_prefixes_file, "--approved-prefixes-file")
+        if not isinstance(data, list):
+            raise ValueError('--approved-prefixes-file must hold a JSON list of {"text": ...} / {"system": ...}')
+        for entry in data:
+            if not isinstance(entry, dict) or len(entry) != 1 or not isinstance(next(iter(entry.values())), str):
+                raise ValueError(f"--approved-prefixes-file: each entry is {{'text': str}} or {{'system': str}}, "
+                                 f"got {entry!r}")
+            if "text" in entry:
+                texts.append(entry["text"])
+            elif "system" in entry:
+                systems.append(entry["system"])
+            else:
+                raise ValueError(f"--approved-prefixes-file: unknown entry {entry!r} (use 'text' or 'system')")
+    return api_keys, texts, systems
+
+
+def _read_json(path: str, flag: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag}: cannot read JSON from {path!r}: {e}") from e
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Loads the model and serves until interrupted.
 
@@ -519,7 +650,13 @@ def run_cli(args: argparse.Namespace) -> int:
         eviction_policy=args.eviction_policy, cache_ttl_s=args.cache_ttl_s,
         enable_partial_block_reuse=args.enable_partial_block_reuse,
     )
+    api_keys, approved_texts, approved_systems = parse_tenant_args(args)
+    lora_modules = parse_lora_modules(args.lora_modules)
+    tenants_by_key(args.api_key, api_keys)  # bad keys fail before the model loads
+    if args.tenant_isolation and not (args.api_key or api_keys):
+        raise ValueError("--tenant-isolation needs API keys: give --tenant-api-key TENANT=KEY or --api-keys-file")
     app = build_app(LLMEngine(config), args.served_model_name or args.model, api_key=args.api_key,
-                    lora_modules=parse_lora_modules(args.lora_modules))
+                    lora_modules=lora_modules, api_keys=api_keys, tenant_isolation=args.tenant_isolation,
+                    approved_prefixes=approved_texts, approved_system_prompts=approved_systems)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prefixcache.cache.hashing import BlockHasher, make_root_key
+from prefixcache.cache.hashing import BlockHasher, make_root_key, tenant_extra_key
 from prefixcache.engine.request import Request
 from prefixcache.sampling_params import SamplingParams
 
@@ -15,14 +15,21 @@ def make_request(
     block_size: int = 4,
     cache_salt: str | None = None,
     max_tokens: int = 16,
+    tenant: str | None = None,
+    num_shared_blocks: int = 0,
 ) -> Request:
-    """A real greedy :class:`Request` with chained block hashes over ``prompt_token_ids``."""
+    """A real greedy :class:`Request` with chained block hashes over ``prompt_token_ids``.
+
+    ``tenant`` keys every block from ``num_shared_blocks`` on (an approved shared prefix before).
+    """
     return Request(
         request_id,
         prompt_token_ids,
         SamplingParams(max_tokens=max_tokens, temperature=0),
         BlockHasher(block_size),
         make_root_key(MODEL_FINGERPRINT, cache_salt),
+        tenant_key=tenant_extra_key(tenant),
+        num_shared_blocks=num_shared_blocks,
     )
 
 

@@ -1,8 +1,8 @@
 """Property: requests differing in exactly one cache-key component share no block; equal ones share.
 
 Components: weights/model fingerprint (covers config, tokenizer and chat template files), dtype is
-folded into the fingerprint by the engine, hash seed, cache_salt, LoRA adapter digest. Tenant
-namespaces will join this list with the server's tenant isolation.
+folded into the fingerprint by the engine, hash seed, cache_salt, LoRA adapter digest, tenant
+namespace. With an approved shared prefix, two tenants share exactly the full blocks inside it.
 """
 
 from __future__ import annotations
@@ -10,20 +10,22 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixcache.cache.hashing import BlockHasher, make_root_key
+from prefixcache.cache.hashing import BlockHasher, make_root_key, tenant_extra_key
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.engine.request import Request
 from prefixcache.sampling_params import SamplingParams
 
 BLOCK = 4
-COMPONENTS = ("fingerprint", "salt", "seed", "adapter")
-BASE = {"fingerprint": b"weights-v1", "salt": "tenant-a", "seed": b"\x01" * 8, "adapter": b""}
-ALTERNATIVES = {"fingerprint": b"weights-v2", "salt": None, "seed": b"\x02" * 8, "adapter": b"lora-digest"}
+COMPONENTS = ("fingerprint", "salt", "seed", "adapter", "tenant")
+BASE = {"fingerprint": b"weights-v1", "salt": "salt-a", "seed": b"\x01" * 8, "adapter": b"", "tenant": "acme"}
+ALTERNATIVES = {"fingerprint": b"weights-v2", "salt": None, "seed": b"\x02" * 8, "adapter": b"lora-digest",
+                "tenant": "globex"}
 
 
-def request(rid, tokens, key, hash_algo):
+def request(rid, tokens, key, hash_algo, num_shared_blocks=0):
     root = make_root_key(key["fingerprint"], key["salt"], key["seed"], key["adapter"])
-    return Request(rid, tokens, SamplingParams(temperature=0, max_tokens=4), BlockHasher(BLOCK, hash_algo), root)
+    return Request(rid, tokens, SamplingParams(temperature=0, max_tokens=4), BlockHasher(BLOCK, hash_algo), root,
+                   tenant_key=tenant_extra_key(key["tenant"]), num_shared_blocks=num_shared_blocks)
 
 
 @settings(max_examples=60, deadline=None)
@@ -47,3 +49,26 @@ def test_one_differing_component_shares_nothing(tokens, component, hash_algo):
     else:
         assert (hits, num_hit) == ([], 0)
         assert not set(second.block_hashes) & set(first.block_hashes)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 50), min_size=BLOCK * 2 + 1, max_size=BLOCK * 6),
+    approved_len=st.integers(0, BLOCK * 7),
+    hash_algo=st.sampled_from(("xxh64", "sha256")),
+)
+def test_two_tenants_share_exactly_the_approved_full_blocks(tokens, approved_len, hash_algo):
+    """The prompt's first ``approved_len`` tokens are approved: both tenants share its full blocks
+    (as far as the last-token cap allows) and nothing after them."""
+    num_shared = min(approved_len, len(tokens)) // BLOCK
+    manager = KVCacheManager(num_blocks=32, block_size=BLOCK)
+    first = request("a", tokens, BASE, hash_algo, num_shared)
+    assert manager.allocate_slots(first, first.num_tokens) is not None
+    manager.free(first)
+    second = request("b", tokens, {**BASE, "tenant": "globex"}, hash_algo, num_shared)
+    hits, num_hit = manager.get_computed_blocks(second)
+    expected = min(num_shared, (len(tokens) - 1) // BLOCK)
+    assert num_hit == expected * BLOCK
+    assert hits == manager.block_pool.blocks[:expected]  # the first request's blocks 0, 1, ...
+    assert second.block_hashes[:num_shared] == first.block_hashes[:num_shared]
+    assert not set(second.block_hashes[num_shared:]) & set(first.block_hashes)

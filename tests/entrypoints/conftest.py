@@ -51,11 +51,12 @@ class RunningServer:
 
 
 def start_server(loaded, api_key: str | None = None, lora_modules: dict[str, str] | None = None,
-                 **options) -> RunningServer:
+                 app_options: dict | None = None, **options) -> RunningServer:
+    """Serves SmolLM2 with engine ``options``; ``app_options`` go to ``build_app`` (tenants...)."""
     options = {"block_size": 16, "num_blocks": 160, "max_num_seqs": 16, "num_threads": 2, **options}
     engine = LLMEngine(EngineConfig(model=MODEL, **options), loaded=loaded)
     async_engine = AsyncLLMEngine(engine)
-    app = build_app(async_engine, MODEL, api_key=api_key, lora_modules=lora_modules)
+    app = build_app(async_engine, MODEL, api_key=api_key, lora_modules=lora_modules, **(app_options or {}))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
