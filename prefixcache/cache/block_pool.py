@@ -394,6 +394,42 @@ class BlockPool:
             self.num_cached_blocks += 1
             self.free_block_queue.on_cache(block)
 
+    def invalidate_chains(self, is_stale_root: Callable[[bytes], bool]) -> int:
+        """Evicts now every free cached block whose chain starts with a stale root key.
+
+        For content that can never be hit again (an adapter reloaded with new weights): such blocks
+        would otherwise wait for their LRU turn while useful blocks are evicted before them. The
+        evicted blocks go to the front of the free queue (handed out first), counted as evictions
+        with reason ``"invalidated"``. Blocks still in use, and the parents of blocks in use, stay
+        cached until freed and evicted normally (nobody can hit them: the root key is stale).
+
+        Args:
+            is_stale_root: tells from a chain's ``root_key`` whether it is stale.
+
+        Returns:
+            The number of blocks evicted.
+        """
+        cached = [b for same in self.cached_block_hash_to_block.values() for b in same.values()]
+        cached.sort(key=lambda b: b.depth)
+        stale: set[int] = set()
+        for block in cached:  # parents before children: a chain is stale iff its root is
+            parent = block.parent
+            if parent.block_id in stale if parent is not None else is_stale_root(block.root_key):
+                stale.add(block.block_id)
+        num_evicted = 0
+        now = self.clock()
+        for block in reversed(cached):  # children before parents
+            if block.block_id in stale and block.ref_cnt == 0 and block.num_cached_children == 0:
+                self.free_block_queue.on_touch(block)
+                self.evicted_age_s_total += now - block.cached_s
+                self._clear(block, notify=False)  # its parent is stale too and comes later
+                self.free_block_queue.on_free_first(block)
+                self.num_evictions += 1
+                num_evicted += 1
+        if num_evicted:
+            self.evictions_by_reason["invalidated"] = self.evictions_by_reason.get("invalidated", 0) + num_evicted
+        return num_evicted
+
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache, unless a block is in use.
 

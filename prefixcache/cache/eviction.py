@@ -116,6 +116,23 @@ class EvictionPolicy(ABC):
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """The free blocks in the order they would be taken now (for tests and debugging)."""
 
+    def on_free_first(self, block: KVCacheBlock) -> None:
+        """Adds a free *uncached* block to be handed out before every other free block.
+
+        Used for blocks invalidated on purpose (their chain can never be hit again).
+
+        Raises:
+            ValueError: the block is already free or still cached.
+        """
+        if block.block_hash is not None:
+            raise ValueError(f"block {block.block_id} is cached; only uncached blocks go first")
+        self.on_free(block)
+        self._move_to_front(block)
+
+    @abstractmethod
+    def _move_to_front(self, block: KVCacheBlock) -> None:
+        """Makes a free uncached block the next victim."""
+
     def on_hit(self, block: KVCacheBlock) -> None:
         """A cached block served a request (called before it is touched)."""
 
@@ -185,6 +202,9 @@ class LRUPolicy(EvictionPolicy):
     on_free = append
     on_touch = remove
 
+    def _move_to_front(self, block: KVCacheBlock) -> None:
+        self._blocks.move_to_end(block.block_id, last=False)
+
     def choose_victim(self) -> tuple[KVCacheBlock, str]:
         return self.popleft(), self.name
 
@@ -226,6 +246,9 @@ class _UncachedFirstPolicy(EvictionPolicy):
         if self._uncached.pop(block.block_id, None) is None:
             del self._cached[block.block_id]
             self._on_touch_cached(block)
+
+    def _move_to_front(self, block: KVCacheBlock) -> None:
+        self._uncached.move_to_end(block.block_id, last=False)
 
     @abstractmethod
     def _on_free_cached(self, block: KVCacheBlock) -> None:

@@ -62,6 +62,11 @@ def make_root_key(
     return json.dumps([model_fingerprint.hex(), cache_salt, seed.hex(), adapter_digest.hex()]).encode()
 
 
+def root_key_adapter_digest(root_key: bytes) -> bytes:
+    """The adapter digest inside a :func:`make_root_key` result (``b""`` for the base model)."""
+    return bytes.fromhex(json.loads(root_key)[3])
+
+
 def tenant_extra_key(tenant: str | None) -> bytes:
     """The per-block extra key of a tenant namespace; ``b""`` (no namespace) for ``None``."""
     return b"" if tenant is None else b"tenant\x00" + tenant.encode("utf-8")

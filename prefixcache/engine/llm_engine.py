@@ -15,7 +15,13 @@ from pathlib import Path
 import torch
 import xxhash
 
-from prefixcache.cache.hashing import BlockHasher, hash_seed_bytes, make_root_key, tenant_extra_key
+from prefixcache.cache.hashing import (
+    BlockHasher,
+    hash_seed_bytes,
+    make_root_key,
+    root_key_adapter_digest,
+    tenant_extra_key,
+)
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from prefixcache.engine.request import Request, RequestStatus
@@ -273,7 +279,15 @@ class LLMEngine:
         cached = self._lora_adapters.get(path)
         if cached is None or cached[0] != signature:
             adapter = load_lora_adapter(path, self.loaded.model, lora.lora_name)
+            old_digest = None if cached is None else cached[1].digest
             cached = self._lora_adapters[path] = (signature, adapter)
+            if old_digest is not None and old_digest != adapter.digest and old_digest not in {
+                a.digest for _, a in self._lora_adapters.values()
+            }:
+                # The old weights' blocks can't be hit any more: evict them first, not by age.
+                self.kv_cache_manager.block_pool.invalidate_chains(
+                    lambda root_key: root_key_adapter_digest(root_key) == old_digest
+                )
         return cached[1]
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

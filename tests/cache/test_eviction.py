@@ -206,3 +206,28 @@ def test_c3_evicted_blocks_are_gone_under_every_policy(policy):
     again = make_request("a2", a, block_size=B)
     hits, n = m.get_computed_blocks(again)
     assert (hits, n, m.get_partial_hit(again, hits)) == ([], 0, None)
+
+
+# -- invalidation: stale chains are evicted at once and their blocks handed out first -----------
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "ttl", "cost"])
+def test_invalidate_chains_evicts_stale_free_blocks_first(policy):
+    m = KVCacheManager(12, 4, eviction_policy=policy)
+    old = make_request("old", list(range(13)), cache_salt="old")  # blocks 0-3 (3 full + tail)
+    keep = make_request("keep", list(range(100, 109)), cache_salt="keep")  # blocks 4-6
+    running = make_request("run", list(range(200, 209)), cache_salt="old")  # blocks 7-9, stays in use
+    for r in (old, keep, running):
+        admit(m, r)
+    m.free(old)
+    m.free(keep)
+    pool = m.block_pool
+    evicted = pool.invalidate_chains(lambda root_key: b'"old"' in root_key)
+    assert evicted == 3  # old's 3 cached blocks; run's blocks are in use and stay
+    assert pool.evictions_by_reason == {"invalidated": 3}
+    assert [b.block_hash for b in pool.blocks[:3]] == [None, None, None]
+    # Handed out first: the invalidated blocks (children first), before anything else.
+    assert [b.block_id for b in pool.get_new_blocks(3)] == [0, 1, 2]
+    assert m.get_computed_blocks(make_request("k2", list(range(100, 109)), cache_salt="keep"))[1] == 8
+    m.free(running)
+    assert pool.invalidate_chains(lambda root_key: b'"old"' in root_key) == 2  # now free: evicted

@@ -15,7 +15,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from prefixcache.cache.hashing import BlockHash, BlockHasher, make_root_key
+from prefixcache.cache.hashing import BlockHash, BlockHasher, make_root_key, tenant_extra_key
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.engine.request import Request
 from prefixcache.sampling_params import SamplingParams
@@ -24,6 +24,7 @@ B = 4
 NUM_BLOCKS = 8
 ALPHABET = st.integers(0, 1)  # tiny alphabet: shared prefixes and equal blocks are common
 SALTS = st.sampled_from([None, None, None, "s"])
+TENANTS = st.sampled_from([None, None, "t", "u"])  # with 0-2 leading blocks of an approved prefix
 # Prompts built from a few whole blocks share prefixes and differ at later blocks very often.
 _BLOCKS = st.sampled_from([(0, 0, 0, 0), (0, 0, 0, 1), (1, 1, 1, 1)])
 PROMPTS = st.one_of(
@@ -58,16 +59,18 @@ class KVCacheMachine(RuleBasedStateMachine):
             NUM_BLOCKS, B, eviction_policy=self.policy, cache_ttl_s=5.0, clock=lambda: self.now
         )
         self.running: dict[str, Request] = {}
-        self.content: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block id -> computed prefix
+        # block id -> (root key, computed prefix, writer's extra key for that block)
+        self.content: dict[int, tuple[bytes, tuple[int, ...], bytes]] = {}
         self.next_id = 0
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def make_request(self, prompt: list[int], salt: str | None) -> Request:
+    def make_request(self, prompt: list[int], salt: str | None, tenant: str | None, shared: int) -> Request:
         self.next_id += 1
         return Request(
             f"r{self.next_id}", prompt, SamplingParams(max_tokens=64, temperature=0),
             self.hasher, make_root_key(b"test-model", salt),
+            tenant_key=tenant_extra_key(tenant), num_shared_blocks=shared,
         )
 
     def write(self, request: Request, num_new_tokens: int) -> None:
@@ -77,24 +80,24 @@ class KVCacheMachine(RuleBasedStateMachine):
         table = self.manager.req_to_blocks[request.request_id]
         for j in range(start // B, -(-end // B)):
             prefix = tuple(request.all_token_ids[: min(end, (j + 1) * B)])
-            self.content[table[j].block_id] = (request.root_key, prefix)
+            self.content[table[j].block_id] = (request.root_key, prefix, request.block_extra_key(j))
         request.num_computed_tokens = end
 
     def check_hits(self, request: Request, hits, num_hit_tokens: int) -> None:
         assert num_hit_tokens == len(hits) * B
         assert num_hit_tokens <= request.num_tokens - 1
         for i, block in enumerate(hits):
-            expected = (request.root_key, tuple(request.all_token_ids[: (i + 1) * B]))
-            assert self.content[block.block_id] == expected, f"hit {i} serves wrong K/V"
+            expected = (request.root_key, tuple(request.all_token_ids[: (i + 1) * B]), request.block_extra_key(i))
+            assert self.content[block.block_id] == expected, f"hit {i} serves wrong K/V or crosses a tenant"
 
     def pick(self, index: int) -> Request:
         return list(self.running.values())[index % len(self.running)]
 
     # -- rules ------------------------------------------------------------------------------------
 
-    @rule(prompt=PROMPTS, salt=SALTS, chunk=st.integers(1, 16))
-    def admit(self, prompt, salt, chunk) -> None:
-        request = self.make_request(prompt, salt)
+    @rule(prompt=PROMPTS, salt=SALTS, tenant=TENANTS, shared=st.integers(0, 2), chunk=st.integers(1, 16))
+    def admit(self, prompt, salt, tenant, shared, chunk) -> None:
+        request = self.make_request(prompt, salt, tenant, shared)
         hits, num_hit_tokens = self.manager.get_computed_blocks(request)
         self.check_hits(request, hits, num_hit_tokens)
         partial = self.manager.get_partial_hit(request, hits)
@@ -102,9 +105,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         if partial is not None:
             k = partial.num_tokens
             assert 1 <= k < B and num_hit_tokens + k <= request.num_tokens - 1
-            root, prefix = self.content[partial.block.block_id]
+            root, prefix, extra = self.content[partial.block.block_id]
             end = num_hit_tokens + k
             assert root == request.root_key and prefix[:end] == tuple(request.all_token_ids[:end])
+            assert extra == request.block_extra_key(num_hit_tokens // B), "partial hit crosses a tenant"
         num_new_tokens = min(chunk, request.num_tokens - num_hit_tokens - k)
         before = [b.ref_cnt for b in self.manager.block_pool.blocks]
         new_blocks = self.manager.allocate_slots(request, num_new_tokens, hits, num_hit_tokens, partial)
@@ -156,7 +160,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         """A running request's cached blocks are pinned, so its own prefix must be found."""
         owner = self.pick(index)
         probe = Request("probe", owner.all_token_ids[: owner.num_computed_tokens] + extra,
-                        SamplingParams(temperature=0), self.hasher, owner.root_key)
+                        SamplingParams(temperature=0), self.hasher, owner.root_key,
+                        tenant_key=owner.tenant_key, num_shared_blocks=owner.num_shared_blocks)
         hits, num_hit_tokens = self.manager.get_computed_blocks(probe)
         self.check_hits(probe, hits, num_hit_tokens)
         num_cached = self.manager.num_cached_block[owner.request_id]
@@ -165,6 +170,21 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(dt=st.sampled_from([0.5, 1.0, 10.0]))
     def advance_clock(self, dt) -> None:
         self.now += dt
+
+    @rule(salt=SALTS, roll=st.integers(0, 4))
+    def invalidate(self, salt, roll) -> None:
+        """Invalidates every chain of one salt (as an adapter reload does for its digest)."""
+        if roll != 0:
+            return
+        root = make_root_key(b"test-model", salt)
+        pool = self.manager.block_pool
+        pool.invalidate_chains(lambda root_key: root_key == root)
+        for block in pool.blocks:
+            if block.block_hash is not None and block.ref_cnt == 0 and block.num_cached_children == 0:
+                chain_root = block
+                while chain_root.parent is not None:
+                    chain_root = chain_root.parent
+                assert chain_root.root_key != root, f"{block} of a stale chain is still cached"
 
     @rule(roll=st.integers(0, 9))
     def reset(self, roll) -> None:
@@ -215,11 +235,11 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert chain[0].root_key is not None
             h = self.hasher.root_hash(chain[0].root_key)
             for c in chain:
-                h = self.hasher.hash_block(h, c.token_ids)
+                h = self.hasher.hash_block(h, c.token_ids, c.extra_key)
                 assert c.block_hash == h
             # A live cached block holds the K/V of exactly its chain's tokens.
             tokens = tuple(t for c in chain for t in c.token_ids)
-            assert self.content[block.block_id] == (chain[0].root_key, tokens)
+            assert self.content[block.block_id] == (chain[0].root_key, tokens, block.extra_key)
 
     @invariant()
     def block_tables(self) -> None:
@@ -230,7 +250,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert num_cached == min(request.num_computed_tokens // B, len(request.block_hashes))
             for j, block in enumerate(table):
                 end = min(request.num_computed_tokens, (j + 1) * B)
-                assert self.content[block.block_id] == (request.root_key, tuple(request.all_token_ids[:end]))
+                assert self.content[block.block_id] == (
+                    request.root_key, tuple(request.all_token_ids[:end]), request.block_extra_key(j))
                 if j < num_cached:
                     assert block.block_hash == request.block_hashes[j]
         assert set(self.manager.req_to_blocks) == set(self.running)

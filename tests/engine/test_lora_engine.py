@@ -86,15 +86,22 @@ def test_c9_same_name_other_weights_never_hits(make_llm, adapters, tmp_path):
     # Same name, same path, new weights (the adapter was retrained in place).
     shutil.rmtree(live)
     shutil.copytree(ad["y"][1], live)
+    num_old_blocks = llm.get_metrics().num_blocks_cached
+    assert num_old_blocks > 0
     second = llm.generate(p, GREEDY, lora=lora, use_tqdm=False)[0]
     assert second.num_cached_tokens == 0
+    # The old weights' blocks were evicted at reload, not left to age out.
+    assert llm.get_metrics().evictions_by_reason == {"invalidated": num_old_blocks}
     assert first.token_ids == make_llm(num_blocks=64).generate(p, GREEDY, lora=LoRARequest("x", str(ad["x"][1])),
                                                   use_tqdm=False)[0].token_ids
     assert second.token_ids == make_llm(num_blocks=64).generate(p, GREEDY, lora=LoRARequest("y", str(ad["y"][1])),
                                                    use_tqdm=False)[0].token_ids
-    # Same name, another directory with other weights: also a miss.
-    other = llm.generate(p, GREEDY, lora=LoRARequest("a", str(ad["x"][1])), use_tqdm=False)[0]
-    assert other.token_ids == first.token_ids and other.num_cached_tokens == 32  # content == x's
+    # x's content from another directory: its old blocks were evicted at the reload, so a miss,
+    # then its own blocks are hit (keyed by content, not by name or path).
+    lora_x = LoRARequest("a", str(ad["x"][1]))
+    other = llm.generate(p, GREEDY, lora=lora_x, use_tqdm=False)[0]
+    assert other.token_ids == first.token_ids and other.num_cached_tokens == 0
+    assert llm.generate(p, GREEDY, lora=lora_x, use_tqdm=False)[0].num_cached_tokens == 32
 
 
 def test_bad_lora_argument(make_llm, tmp_path):
