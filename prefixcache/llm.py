@@ -65,7 +65,9 @@ class LLM:
                 tenants (see :meth:`add_approved_prefix`).
 
         Returns:
-            One :class:`RequestOutput` per prompt, in input order.
+            One :class:`RequestOutput` per prompt and sample, in input order: a prompt whose
+            params have ``n > 1`` gives ``n`` consecutive outputs (``index`` 0..n-1). The samples
+            share the prompt's KV blocks (copy-on-write).
 
         Raises:
             ValueError: naming the field, for any invalid prompt or parameter; nothing is queued then.
@@ -142,9 +144,10 @@ class LLM:
             for req_id in ids:  # all or nothing: don't leave half a batch queued
                 engine.abort_request(req_id)
             raise
-        results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < 2) as bar:
-            while len(results) < len(ids):
+        keys = [(req_id, i) for req_id, (_, params, *_) in zip(ids, items) for i in range(params.n)]
+        results: dict[tuple[str, int], RequestOutput] = {}
+        with tqdm(total=len(keys), desc="Generating", disable=not use_tqdm or len(keys) < 2) as bar:
+            while len(results) < len(keys):
                 try:
                     outputs = engine.step()
                 except BaseException:
@@ -156,9 +159,9 @@ class LLM:
                     raise
                 for out in outputs:
                     if out.finished:
-                        results[out.request_id] = out
+                        results[out.request_id, out.index] = out
                         bar.update(1)
-        return [results[i] for i in ids]
+        return [results[key] for key in keys]
 
     def load_weights(self, weights) -> None:
         """Swaps in new weights (a model directory or ``{name: tensor}``); see ``LLMEngine.load_weights``."""

@@ -10,7 +10,8 @@ class RequestOutput:
     """The result of one request.
 
     Attributes:
-        request_id: the engine's id of the request.
+        request_id: the id given to ``add_request`` (shared by the samples of an ``n > 1`` request).
+        index: which sample of the request this is, ``0 <= index < n``.
         prompt: the prompt text, when the request was given as text.
         prompt_token_ids: the prompt's tokens.
         text: generated text (special tokens skipped, stop string removed unless asked to keep it).
@@ -25,6 +26,7 @@ class RequestOutput:
     """
 
     request_id: str
+    index: int
     prompt: str | None
     prompt_token_ids: list[int]
     text: str

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 16
+MAX_N = 64
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,9 @@ class SamplingParams:
         stop_token_ids: token ids that end generation besides EOS.
         ignore_eos: keep generating past the model's EOS tokens.
         include_stop_str_in_output: keep the matched stop string in the text.
+        n: parallel samples of the prompt (1..64). They share the prompt's KV blocks; sample ``i``
+            uses seed ``seed + i`` when a seed is given (vLLM v1's rule), so each sample equals the
+            same prompt run alone with that seed.
 
     Raises:
         ValueError: from :meth:`__post_init__`, naming the invalid field.
@@ -35,6 +39,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,10 +59,13 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check_int("n", self.n)
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.seed is not None:
             _check_int("seed", self.seed)
-            if not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed accepts
-                raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
+            if not -(2**63) <= self.seed <= 2**64 - self.n:  # what torch.Generator.manual_seed accepts
+                raise ValueError(f"seed must be in [-2**63, 2**64 - n], got {self.seed}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -17,6 +17,12 @@ request's first new block before the forward pass, then calls ``end_step()`` onc
     | full-block hits | k copied | computed now ... |
                       ^ first new block: slots [0, k) copied from the partial hit
 
+Parallel sampling (``n > 1``) forks a request once its prompt is computed: ``fork(parent, child)``
+gives the child the parent's whole block table by reference (``ref_cnt += 1``, zero copy). The
+prompt's full blocks stay shared for good; the last, partial block is shared until a sequence
+writes to it: ``allocate_slots`` then gives that sequence a fresh block and appends a
+:class:`CopyOp` of the slots written so far (copy-on-write). The last holder writes in place.
+
 Invariants:
 - ``req_to_blocks[id]`` is the request's block table: block ``i`` holds the K/V of its tokens
   ``[i * block_size, (i + 1) * block_size)``, and it covers every token allocated so far.
@@ -107,6 +113,8 @@ class KVCacheManager:
         # Partial-hit sources pinned until end_step, and the copies the runner must do.
         self._pinned_sources: list[KVCacheBlock] = []
         self.pending_copy_ops: list[CopyOp] = []
+        self.num_cow_forks = 0  # fork() calls
+        self.num_cow_copies = 0  # blocks copied on first write
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Finds the longest verified cached prefix of the request, in full blocks.
@@ -189,6 +197,26 @@ class KVCacheManager:
         self._cached_this_step.clear()
         self.pending_copy_ops = []
 
+    def fork(self, parent: Request, child: Request) -> None:
+        """Gives ``child`` the parent's block table by reference (parallel sampling).
+
+        Every block gets one more reference; nothing is copied. The first write into a shared,
+        not-yet-full block copies it (see :meth:`allocate_slots`).
+
+        Raises:
+            ValueError: the parent has no blocks or the child already has some.
+        """
+        blocks = self.req_to_blocks.get(parent.request_id)
+        if not blocks:
+            raise ValueError(f"request {parent.request_id!r} has no blocks to fork")
+        if child.request_id in self.req_to_blocks:
+            raise ValueError(f"request {child.request_id!r} already has blocks")
+        for block in blocks:
+            block.ref_cnt += 1
+        self.req_to_blocks[child.request_id] = list(blocks)
+        self.num_cached_block[child.request_id] = self.num_cached_block[parent.request_id]
+        self.num_cow_forks += 1
+
     def allocate_slots(
         self,
         request: Request,
@@ -219,9 +247,13 @@ class KVCacheManager:
                 :meth:`end_step` and a :class:`CopyOp` into the first new block is appended to
                 ``pending_copy_ops``.
 
+        A running request whose next token lands in a block it shares with a forked sequence
+        (``ref_cnt > 1``) first gets a private copy of that block (copy-on-write: one more block,
+        a :class:`CopyOp` of its written slots, one reference less on the source).
+
         Returns:
-            The newly allocated blocks (not the hits), or ``None`` if the pool has too few free
-            blocks, in which case nothing changed.
+            The newly allocated blocks (not the hits, not a copy-on-write block), or ``None`` if the
+            pool has too few free blocks, in which case nothing changed.
 
         Raises:
             ValueError: ``num_new_tokens < 0``, hits given for a request that already has
@@ -262,8 +294,29 @@ class KVCacheManager:
         # touched.
         pinned = [*new_computed_blocks, *([partial_hit.block] if partial_hit else [])]
         num_free_hits = sum(1 for b in pinned if b.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_free_hits:
+        # Copy-on-write: the block receiving this step's first token is shared with a fork.
+        cow_index = request.num_computed_tokens // self.block_size
+        cow = (
+            req_blocks is not None
+            and num_new_tokens > 0
+            and cow_index < len(req_blocks)
+            and req_blocks[cow_index].ref_cnt > 1
+        )
+        if num_new_blocks + cow > self.block_pool.get_num_free_blocks() - num_free_hits:
             return None
+
+        if cow:
+            shared = req_blocks[cow_index]
+            (copy,) = self.block_pool.get_new_blocks(1)
+            req_blocks[cow_index] = copy
+            # Drop this request's reference now, so the last holder writes in place. Even if the
+            # source reaches ref_cnt 0 and is reallocated this step, its copy runs first: the
+            # runner does the copies in order, before the forward pass writes any K/V.
+            self.block_pool.free_blocks([shared])
+            self.pending_copy_ops.append(
+                CopyOp(shared.block_id, copy.block_id, request.num_computed_tokens % self.block_size)
+            )
+            self.num_cow_copies += 1
 
         if req_blocks is None:
             req_blocks = self.req_to_blocks[rid] = []

@@ -65,6 +65,7 @@ class AsyncLLMEngine:
             max_workers=1, thread_name_prefix="prefixcache-engine", initializer=self._init_thread
         )
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._unfinished: dict[str, int] = {}  # request id -> samples not finished yet (n)
         self._counter = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
@@ -140,7 +141,12 @@ class AsyncLLMEngine:
     def _dispatch(self, out: RequestOutput) -> None:
         queue = self._queues.get(out.request_id)
         if out.finished:
-            self._queues.pop(out.request_id, None)
+            left = self._unfinished.get(out.request_id, 1) - 1
+            if left > 0:
+                self._unfinished[out.request_id] = left
+            else:  # every sample of the request is done
+                self._queues.pop(out.request_id, None)
+                self._unfinished.pop(out.request_id, None)
             if self.on_finish is not None:
                 self.on_finish(out)
         if queue is not None:
@@ -180,7 +186,8 @@ class AsyncLLMEngine:
             tenant: the request's tenant namespace (see ``LLMEngine.add_request``).
 
         Returns:
-            An async iterator of :class:`RequestOutput`; the last one has ``finished=True``.
+            An async iterator of :class:`RequestOutput`: with ``n > 1`` the samples' outputs
+            interleave (``index`` tells them apart); it ends once all ``n`` have ``finished=True``.
 
         Raises:
             ValueError: naming the field, as ``LLMEngine.add_request``.
@@ -193,6 +200,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue  # before the add: the next step may already output
+        self._unfinished[request_id] = sampling_params.n
         try:
             await self._call(
                 self.engine.add_request, prompt, sampling_params,
@@ -201,21 +209,24 @@ class AsyncLLMEngine:
             )
         except BaseException:
             self._queues.pop(request_id, None)
+            self._unfinished.pop(request_id, None)
             raise
         self._wakeup.set()
-        return self._stream(request_id, queue)
+        return self._stream(request_id, queue, sampling_params.n)
 
     async def _stream(
-        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
+        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException], n: int
     ) -> AsyncIterator[RequestOutput]:
         finished = False
+        num_finished = 0
         try:
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finished
+                num_finished += item.finished
+                finished = num_finished == n or item.finish_reason == "abort"
                 yield item
         finally:
             if not finished:  # the consumer left early: free the request's blocks
@@ -223,6 +234,7 @@ class AsyncLLMEngine:
 
     def abort_nowait(self, request_id: str) -> None:
         """Queues an abort of ``request_id`` on the engine thread without waiting for it."""
+        self._unfinished.pop(request_id, None)
         if self._queues.pop(request_id, None) is None:
             return
         if self.error is not None or self._loop is None:
@@ -238,6 +250,7 @@ class AsyncLLMEngine:
     async def abort(self, request_id: str) -> None:
         """Aborts a request and waits until its blocks are freed; unknown ids are ignored."""
         queue = self._queues.pop(request_id, None)
+        self._unfinished.pop(request_id, None)
         out = await self._call(self.engine.abort_request, request_id)
         if queue is not None and out is not None:
             queue.put_nowait(out)

@@ -24,7 +24,7 @@ from prefixcache.cache.hashing import (
 )
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
-from prefixcache.engine.request import Request, RequestStatus
+from prefixcache.engine.request import Request, RequestStatus, sample_request_id
 from prefixcache.engine.scheduler import Scheduler
 from prefixcache.engine.tenancy import ApprovedPrefixes, validate_tenant
 from prefixcache.layers.lora import LoRAAdapter, LoRARequest, load_lora_adapter
@@ -57,6 +57,8 @@ class EngineMetrics:
     evictions_by_reason: dict[str, int] = dataclasses.field(default_factory=dict)  # policy reason -> count
     cached_bytes: int = 0  # KV bytes held by cached blocks
     mean_evicted_age_s: float = 0.0  # mean seconds from caching to eviction
+    num_forks: int = 0  # samples forked from an n > 1 request (sharing its blocks)
+    num_cow_copies: int = 0  # shared blocks copied on a sample's first write (copy-on-write)
 
     @property
     def hit_rate(self) -> float:
@@ -107,7 +109,10 @@ class LLMEngine:
         self.cache_fingerprint = hashlib.sha256(self.loaded.fingerprint + model_dtype.encode()).digest()
         self._hash_seed = hash_seed_bytes(config.hash_seed)
         self.vocab_size = mcfg.vocab_size
-        self._prompts: dict[str, str | None] = {}
+        # Parallel sampling groups (n > 1): group id -> engine ids of its unfinished samples, and
+        # each sample id -> its group (also reserves the ids of samples not forked yet).
+        self._groups: dict[str, set[str]] = {}
+        self._sample_group: dict[str, str] = {}
         # Loaded LoRA adapters by directory: (files' mtime/size signature, adapter).
         self._lora_adapters: dict[Path, tuple[tuple, LoRAAdapter]] = {}
         self._counter = itertools.count()
@@ -181,16 +186,21 @@ class LLMEngine:
                 "(the prompt plus at least one generated token must fit)"
             )
         max_len = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        needed = math.ceil(max_len / self.config.block_size)
+        # The n samples share the prompt's full blocks; each needs its own blocks after them.
+        num_prompt_blocks = len(token_ids) // self.config.block_size
+        needed = num_prompt_blocks + params.n * (math.ceil(max_len / self.config.block_size) - num_prompt_blocks)
         if needed > self.num_blocks:
             raise ValueError(
-                f"prompt + max_tokens ({max_len} tokens) needs {needed} KV blocks but the pool has "
+                f"prompt + max_tokens ({max_len} tokens{f' x n={params.n} samples' if params.n > 1 else ''}) "
+                f"needs {needed} KV blocks but the pool has "
                 f"{self.num_blocks}; lower max_tokens or raise num_blocks / kv_cache_memory_bytes"
             )
         if request_id is None:
             request_id = str(next(self._counter))
-        elif request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        sample_ids = [sample_request_id(request_id, i) for i in range(params.n)]
+        for rid in sample_ids:
+            if rid in self.scheduler.requests or rid in self._sample_group:
+                raise ValueError(f"request_id {rid!r} is already in use")
         request = Request(
             request_id,
             token_ids,
@@ -203,8 +213,11 @@ class LLMEngine:
             num_shared_blocks=(
                 0 if tenant is None else self.approved_prefixes.shared_length(token_ids) // self.config.block_size
             ),
+            prompt=prompt_text,
         )
-        self._prompts[request_id] = prompt_text
+        if params.n > 1:
+            self._groups[request_id] = set(sample_ids)
+            self._sample_group.update((rid, request_id) for rid in sample_ids)
         self.scheduler.add_request(request)
         return request_id
 
@@ -305,12 +318,35 @@ class LLMEngine:
         return None, list(prompt)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stops a request and frees its blocks; unknown or finished ids → None."""
-        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        if request is None:
-            return None
-        request.finish_s = time.monotonic()
-        return self._make_output(request)
+        """Stops a request (all samples of an ``n > 1`` request) and frees its blocks.
+
+        Returns:
+            The aborted request's output (its first unfinished sample's), or None for unknown or
+            finished ids.
+        """
+        samples = sorted(self._groups.get(request_id, {request_id}))
+        outputs = []
+        for sample_id in samples:
+            request = self.scheduler.finish_request(sample_id, RequestStatus.FINISHED_ABORTED)
+            if request is not None:
+                request.finish_s = time.monotonic()
+                outputs.append(self._make_output(request))
+            self._sample_finished(sample_id)
+        return outputs[0] if outputs else None
+
+    def _sample_finished(self, sample_id: str) -> None:
+        group_id = self._sample_group.get(sample_id)
+        if group_id is None:
+            return
+        members = self._groups[group_id]
+        members.discard(sample_id)
+        if group_id == sample_id:  # the group's first sample: unforked samples will never run
+            for rid in [r for r in members if r not in self.scheduler.requests]:
+                members.discard(rid)
+                del self._sample_group[rid]
+        del self._sample_group[sample_id]
+        if not members:
+            del self._groups[group_id]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -338,6 +374,7 @@ class LLMEngine:
             status = self._check_stop(request)
             if status is not None:
                 self.scheduler.finish_request(request.request_id, status)
+                self._sample_finished(request.request_id)
                 request.finish_s = now
                 outputs.append(self._make_output(request))
             elif request.stream:
@@ -369,8 +406,9 @@ class LLMEngine:
         if request.stop_text_end is not None:
             text = text[: request.stop_text_end]
         return RequestOutput(
-            request_id=request.request_id,
-            prompt=self._prompts.pop(request.request_id, None),
+            request_id=request.group_id,
+            index=request.sample_index,
+            prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             text=text,
             token_ids=list(request.output_token_ids),
@@ -449,5 +487,7 @@ class LLMEngine:
             evictions_by_reason=dict(kv.block_pool.evictions_by_reason),
             cached_bytes=kv.block_pool.cached_bytes,
             mean_evicted_age_s=kv.block_pool.mean_evicted_age_s,
+            num_forks=kv.num_cow_forks,
+            num_cow_copies=kv.num_cow_copies,
         )
 

@@ -11,12 +11,18 @@ appended, so each block is hashed exactly once.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 
 from prefixcache.cache.hashing import BlockHash, BlockHasher
 from prefixcache.layers.lora import LoRAAdapter
 from prefixcache.sampling_params import SamplingParams
+
+
+def sample_request_id(group_id: str, sample_index: int) -> str:
+    """The engine's id of sample ``sample_index`` of a parallel-sampling group (0 is the group id)."""
+    return group_id if sample_index == 0 else f"{group_id}#{sample_index}"
 
 
 class RequestStatus(enum.Enum):
@@ -74,8 +80,20 @@ class Request:
         lora: LoRAAdapter | None = None,
         tenant_key: bytes = b"",
         num_shared_blocks: int = 0,
+        prompt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.prompt = prompt
+        # Parallel sampling (n > 1): this request is sample 0 of group ``group_id``; the other
+        # samples are forked from it once its prompt is computed (sharing its blocks).
+        self.group_id = request_id
+        self.sample_index = 0
+        self.fork_params: list[SamplingParams] = [
+            dataclasses.replace(
+                sampling_params, n=1, seed=None if sampling_params.seed is None else sampling_params.seed + i
+            )
+            for i in range(1, sampling_params.n)
+        ]
         self.stream = stream
         self.lora = lora
         self.prompt_token_ids = list(prompt_token_ids)
@@ -114,6 +132,24 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def fork(self, request_id: str, sampling_params: SamplingParams, sample_index: int) -> Request:
+        """A new sample of this request's group, at the same point (prompt computed, no output).
+
+        The child shares everything but its sampling params and id; its blocks are shared by the
+        KV cache manager (:meth:`KVCacheManager.fork`).
+        """
+        child = Request.__new__(Request)
+        child.__dict__.update(self.__dict__)
+        child.request_id = request_id
+        child.sampling_params = sampling_params
+        child.sample_index = sample_index
+        child.fork_params = []
+        child.all_token_ids = list(self.all_token_ids)
+        child.output_token_ids = list(self.output_token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.generator = None
+        return child
 
     def block_extra_key(self, block_index: int) -> bytes:
         """The extra key of block ``block_index``: the tenant's, unless inside the shared prefix."""

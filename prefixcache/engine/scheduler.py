@@ -16,6 +16,12 @@ Invariants:
 - every running request holds blocks covering ``num_computed_tokens`` and is scheduled at most once
   per step;
 - a request samples a token only in the step that computes its last token.
+
+Parallel sampling: a request with ``n > 1`` runs alone until its prompt is computed; in that step
+the runner samples ``n`` tokens from its last logits and :meth:`update_from_output` forks the other
+``n - 1`` samples, sharing its blocks (copy-on-write, see ``KVCacheManager.fork``). From then on
+each sample is an ordinary running request. Such a request is admitted only when its ``n`` seats
+fit under ``max_num_seqs`` (or nothing else runs).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from prefixcache.cache.kv_cache_manager import CopyOp, KVCacheManager
-from prefixcache.engine.request import Request, RequestStatus
+from prefixcache.engine.request import Request, RequestStatus, sample_request_id
 from prefixcache.layers.lora import LoRAAdapter
 from prefixcache.sampling_params import SamplingParams
 
@@ -43,6 +49,8 @@ class ScheduledSeq:
     block_ids: list[int]
     sampling_params: SamplingParams | None  # None: no token is sampled this step (mid-prefill)
     lora: LoRAAdapter | None = None  # adapter applied to this request's tokens
+    # Parallel sampling: (request id, params) of samples forked from this step's logits.
+    forks: list[tuple[str, SamplingParams]] = field(default_factory=list)
 
 
 @dataclass
@@ -112,8 +120,14 @@ class Scheduler:
                 i += 1
 
         if not out.preempted_req_ids:
+            # Seats: a request with n samples will run as n sequences once its prompt is done.
+            seats = len(self.running) + sum(len(r.fork_params) for r in self.running)
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
+                need = 1 + len(request.fork_params)
+                if self.running and seats + need > self.max_num_seqs:  # (alone, it may exceed)
+                    break
+                seats += need
                 hit_blocks, num_hit = kv.get_computed_blocks(request)
                 partial = kv.get_partial_hit(request, hit_blocks)
                 num_partial = partial.num_tokens if partial is not None else 0
@@ -135,6 +149,12 @@ class Scheduler:
     def _make_seq(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
         completes = start + num_new == request.num_tokens
+        forks = []
+        if completes and request.fork_params:
+            forks = [
+                (sample_request_id(request.group_id, i), params)
+                for i, params in enumerate(request.fork_params, start=1)
+            ]
         return ScheduledSeq(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new],
@@ -142,6 +162,7 @@ class Scheduler:
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             sampling_params=request.sampling_params if completes else None,
             lora=request.lora,
+            forks=forks,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -174,9 +195,25 @@ class Scheduler:
             )
             token = sampled.get(seq.request_id)
             if token is not None:
+                children = self._fork(request, seq.forks) if seq.forks else []
                 request.append_output_token_ids(token)
                 updated.append(request)
+                for child in children:
+                    child.append_output_token_ids(sampled[child.request_id])
+                    updated.append(child)
         return updated
+
+    def _fork(self, request: Request, forks: list[tuple[str, SamplingParams]]) -> list[Request]:
+        """Creates the other samples of ``request``'s group, sharing its blocks; they run next."""
+        children = []
+        for index, (child_id, params) in enumerate(forks, start=1):
+            child = request.fork(child_id, params, index)
+            self.kv_cache_manager.fork(request, child)
+            self.requests[child_id] = child
+            self.running.append(child)
+            children.append(child)
+        request.fork_params = []
+        return children
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Ends a request (stop, length or abort) and frees its blocks; unknown ids → None."""

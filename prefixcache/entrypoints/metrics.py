@@ -100,10 +100,13 @@ class ServerMetrics:
         )
 
     def observe_finished(self, out: RequestOutput) -> None:
-        """Records one finished (or aborted) request."""
+        """Records one finished (or aborted) request; of an ``n > 1`` request's other samples
+        (``index > 0``) only the generated tokens."""
         name = self._model_name
-        self.prompt_tokens.labels(name).inc(out.num_prompt_tokens)
         self.generation_tokens.labels(name).inc(len(out.token_ids))
+        if out.index != 0:
+            return
+        self.prompt_tokens.labels(name).inc(out.num_prompt_tokens)
         self.request_success.labels(name, out.finish_reason or "abort").inc()
         if out.ttft_s is not None:
             self.ttft.labels(name).observe(out.ttft_s)

@@ -120,12 +120,14 @@ def _value_error(e: ValueError, prompt_field: str) -> APIError:
     return APIError(400, message, param)
 
 
-def _usage(out: RequestOutput) -> Usage:
+def _usage(outs: list[RequestOutput]) -> Usage:
+    """Usage of a request from its samples' final outputs (the prompt counted once)."""
+    completion_tokens = sum(len(o.token_ids) for o in outs)
     return Usage(
-        prompt_tokens=out.num_prompt_tokens,
-        completion_tokens=len(out.token_ids),
-        total_tokens=out.num_prompt_tokens + len(out.token_ids),
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens),
+        prompt_tokens=outs[0].num_prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=outs[0].num_prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=outs[0].num_cached_tokens),
     )
 
 
@@ -169,14 +171,16 @@ async def _wait_disconnect(raw_request: Request) -> None:
         pass
 
 
-async def _final_output(stream: AsyncIterator[RequestOutput], raw_request: Request) -> RequestOutput | None:
-    """The last output of ``stream``; None (and the request aborted) if the client disconnects."""
+async def _final_outputs(stream: AsyncIterator[RequestOutput], raw_request: Request) -> list[RequestOutput] | None:
+    """Each sample's final output, by index; None (and the request aborted) if the client
+    disconnects."""
 
-    async def last() -> RequestOutput:
-        out = None
+    async def last() -> list[RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
         async for out in stream:
-            pass
-        return out
+            if out.finished:
+                finals[out.index] = out
+        return [finals[i] for i in sorted(finals)]
 
     task = asyncio.ensure_future(last())
     disconnect = asyncio.ensure_future(_wait_disconnect(raw_request))
@@ -312,8 +316,6 @@ def build_app(
         req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, default_max_tokens: int,
         prompt_field: str,
     ) -> SamplingParams:
-        if req.n != 1:
-            raise APIError(400, f"n must be 1 (n > 1 is not supported yet), got {req.n}", "n")
         try:
             return SamplingParams(
                 temperature=1.0 if req.temperature is None else req.temperature,
@@ -325,6 +327,7 @@ def build_app(
                 stop_token_ids=req.stop_token_ids or (),
                 ignore_eos=req.ignore_eos,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                n=req.n,
             )
         except ValueError as e:
             raise _value_error(e, prompt_field) from e
@@ -347,19 +350,24 @@ def build_app(
     async def sse(
         stream: AsyncIterator[RequestOutput],
         stops: tuple[str, ...],
-        make_chunk: Callable[[str, str | None], dict],
-        usage_chunk: Callable[[RequestOutput], dict] | None,
+        make_chunk: Callable[[int, str, str | None], dict],
+        usage_chunk: Callable[[list[RequestOutput]], dict] | None,
     ) -> AsyncIterator[str]:
-        """SSE events: one chunk per text delta (the last one with finish_reason), then usage, [DONE]."""
-        sent = 0
+        """SSE events: one chunk per text delta of each sample (its last one with finish_reason),
+        then usage once every sample finished, then [DONE]."""
+        sent: dict[int, int] = {}
+        finals: dict[int, RequestOutput] = {}
         try:
             async for out in stream:
                 text = _stream_text(out, stops)
-                delta, sent = text[sent:], max(sent, len(text))
+                done = sent.get(out.index, 0)
+                delta, sent[out.index] = text[done:], max(done, len(text))
                 if delta or out.finished:
-                    yield _sse(make_chunk(delta, out.finish_reason if out.finished else None))
-                if out.finished and usage_chunk is not None:
-                    yield _sse(usage_chunk(out))
+                    yield _sse(make_chunk(out.index, delta, out.finish_reason if out.finished else None))
+                if out.finished:
+                    finals[out.index] = out
+            if usage_chunk is not None and finals:
+                yield _sse(usage_chunk([finals[i] for i in sorted(finals)]))
         except EngineDeadError as e:
             yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type=_ERROR_TYPES[503])).model_dump())
         yield "data: [DONE]\n\n"
@@ -415,26 +423,27 @@ def build_app(
         if req.stream:
             with_usage = include_usage(req)
 
-            def chunk(delta: str, finish_reason: str | None) -> dict:
+            def chunk(index: int, delta: str, finish_reason: str | None) -> dict:
                 data = {"id": request_id, "object": "text_completion", "created": created,
                         "model": model_name,
-                        "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                        "choices": [{"index": index, "text": delta, "logprobs": None, "finish_reason": finish_reason}]}
                 if with_usage:
                     data["usage"] = None
                 return data
 
-            def usage_chunk(out: RequestOutput) -> dict:
+            def usage_chunk(outs: list[RequestOutput]) -> dict:
                 return {"id": request_id, "object": "text_completion", "created": created,
-                        "model": model_name, "choices": [], "usage": _usage(out).model_dump()}
+                        "model": model_name, "choices": [], "usage": _usage(outs).model_dump()}
 
             return stream_response(sse(stream, params.stop, chunk, usage_chunk if with_usage else None))
 
-        out = await _final_output(stream, raw_request)
-        if out is None:
+        outs = await _final_outputs(stream, raw_request)
+        if outs is None:
             return Response(status_code=499)
         return CompletionResponse(
-            id=request_id, created=created, model=model_name, usage=_usage(out),
-            choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason, stop_reason=out.stop_reason)],
+            id=request_id, created=created, model=model_name, usage=_usage(outs),
+            choices=[CompletionChoice(index=o.index, text=o.text, finish_reason=o.finish_reason,
+                                      stop_reason=o.stop_reason) for o in outs],
         )
 
     @app.post("/v1/chat/completions")
@@ -458,34 +467,34 @@ def build_app(
 
         if req.stream:
             with_usage = include_usage(req)
-            first = True
+            started: set[int] = set()  # samples whose first chunk (with the role) went out
 
-            def chunk(delta: str, finish_reason: str | None) -> dict:
-                nonlocal first
+            def chunk(index: int, delta: str, finish_reason: str | None) -> dict:
                 message = {"content": delta}
-                if first:
+                if index not in started:
                     message["role"] = "assistant"
-                    first = False
+                    started.add(index)
                 data = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                         "model": model_name,
-                        "choices": [{"index": 0, "delta": message, "logprobs": None, "finish_reason": finish_reason}]}
+                        "choices": [{"index": index, "delta": message, "logprobs": None,
+                                     "finish_reason": finish_reason}]}
                 if with_usage:
                     data["usage"] = None
                 return data
 
-            def usage_chunk(out: RequestOutput) -> dict:
+            def usage_chunk(outs: list[RequestOutput]) -> dict:
                 return {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                        "model": model_name, "choices": [], "usage": _usage(out).model_dump()}
+                        "model": model_name, "choices": [], "usage": _usage(outs).model_dump()}
 
             return stream_response(sse(stream, params.stop, chunk, usage_chunk if with_usage else None))
 
-        out = await _final_output(stream, raw_request)
-        if out is None:
+        outs = await _final_outputs(stream, raw_request)
+        if outs is None:
             return Response(status_code=499)
         return ChatCompletionResponse(
-            id=request_id, created=created, model=model_name, usage=_usage(out),
-            choices=[ChatChoice(message=ResponseMessage(content=out.text), finish_reason=out.finish_reason,
-                                stop_reason=out.stop_reason)],
+            id=request_id, created=created, model=model_name, usage=_usage(outs),
+            choices=[ChatChoice(index=o.index, message=ResponseMessage(content=o.text), finish_reason=o.finish_reason,
+                                stop_reason=o.stop_reason) for o in outs],
         )
 
     return app

@@ -46,14 +46,17 @@ class ModelRunner:
         """Runs one step.
 
         Returns:
-            request id → sampled token id, for each sequence that completed its tokens this step.
+            request id → sampled token id, for each sequence that completed its tokens this step,
+            and for each sample forked from such a sequence (its last logits, sampled again with
+            the fork's params and generator).
         """
         for req_id in scheduler_output.finished_req_ids:
             self._generators.pop(req_id, None)
         seqs = scheduler_output.seqs
         if not seqs:
             return {}
-        for op in scheduler_output.copy_ops:  # partial-block reuse, before anything reads the KV
+        # Partial-block reuse and copy-on-write, in order, before anything reads or writes the KV.
+        for op in scheduler_output.copy_ops:
             for kv_cache in self.kv_caches:  # [2, num_blocks, block_size, kv_heads, head_dim]
                 kv_cache[:, op.dst_block_id, : op.num_tokens] = kv_cache[:, op.src_block_id, : op.num_tokens]
         input_ids = torch.tensor(
@@ -73,21 +76,24 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches, lora)  # [num_tokens, hidden]
 
         # Logits only at each sampling sequence's last new token.
-        rows, sampling = [], []
+        rows, sampling = [], []  # sampling: (request id, params, index into rows)
         end = 0
         for s in seqs:
             end += len(s.token_ids)
             if s.sampling_params is not None:
                 rows.append(end - 1)
-                sampling.append(s)
+                sampling.append((s.request_id, s.sampling_params, len(rows) - 1))
+                sampling.extend((fork_id, params, len(rows) - 1) for fork_id, params in s.forks)
         if not rows:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
-        logits = logits.float().cpu()  # [num_sampling, vocab_size]
-        params = [s.sampling_params for s in sampling]
-        generators = [self._generator(s.request_id, s.sampling_params) for s in sampling]
+        logits = logits.float().cpu()  # [num_rows, vocab_size]
+        if len(sampling) > len(rows):  # forked samples reuse their parent's row
+            logits = logits[torch.tensor([row for _, _, row in sampling])]
+        params = [p for _, p, _ in sampling]
+        generators = [self._generator(rid, p) for rid, p, _ in sampling]
         tokens = sample(logits, params, generators)
-        return {s.request_id: t for s, t in zip(sampling, tokens)}
+        return {rid: t for (rid, _, _), t in zip(sampling, tokens)}
 
     def _generator(self, request_id: str, params) -> torch.Generator:
         if params.seed is None:

@@ -1,0 +1,50 @@
+"""n > 1 over HTTP: choices by index, each equal to the offline sample with seed + index."""
+
+from __future__ import annotations
+
+from prefixcache.sampling_params import SamplingParams
+from tests.entrypoints.conftest import MODEL
+
+PROMPT = "Three things every hiker should carry are"
+EXTRA = {"ignore_eos": True}
+
+
+def offline_texts(make_llm, prompt, seed, n, max_tokens):
+    llm = make_llm(enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.8, seed=seed, n=n, max_tokens=max_tokens, ignore_eos=True)
+    return [o.text for o in llm.generate(prompt, params, use_tqdm=False)]
+
+
+def test_completions_n3(client, server, make_llm):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, n=3, temperature=0.8, seed=5, max_tokens=8,
+                                  extra_body=EXTRA)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == offline_texts(make_llm, PROMPT, 5, 3, 8)
+    assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens == len(
+        server.engine.engine.tokenizer.encode(PROMPT))
+    assert server.wait_idle()["prefixcache:kv_blocks_in_use"] == 0
+
+
+def test_chat_n2_stream_equals_non_stream(client, server):
+    messages = [{"role": "user", "content": "Name a good book for a long train ride."}]
+    kwargs = dict(model=MODEL, messages=messages, n=2, temperature=0.8, seed=9, max_tokens=10, extra_body=EXTRA)
+    full = client.chat.completions.create(**kwargs)
+    texts = {0: "", 1: ""}
+    roles = []
+    finish = {}
+    usage = None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.delta.role:
+                roles.append(c.index)
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert [texts[0], texts[1]] == [c.message.content for c in full.choices]
+    assert sorted(roles) == [0, 1] and finish == {0: "length", 1: "length"}
+    assert usage.completion_tokens == full.usage.completion_tokens == 20
+    # The streamed request hit every full prompt block the first one cached (partial reuse off).
+    assert usage.prompt_tokens_details.cached_tokens == (full.usage.prompt_tokens - 1) // 16 * 16
+    assert server.wait_idle()["prefixcache:kv_blocks_in_use"] == 0
