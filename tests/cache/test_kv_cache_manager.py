@@ -6,7 +6,7 @@ import pytest
 from cache_test_utils import admit, ids, make_request
 
 from prefixcache.cache.hashing import BlockHash, BlockHasher
-from prefixcache.cache.kv_cache_manager import KVCacheManager
+from prefixcache.cache.kv_cache_manager import CopyOp, KVCacheManager
 from prefixcache.cache.metrics import PrefixCacheSnapshot, PrefixCacheStats
 
 B = 4
@@ -423,3 +423,51 @@ def test_stats_record_and_snapshot():
         m.stats.record(4, 5)
     with pytest.raises(ValueError):
         m.stats.record(-1, 0)
+
+
+# -- parallel sampling: fork and copy-on-write ------------------------------------------------
+
+
+def test_fork_shares_every_block_and_copies_the_partial_one_on_first_write():
+    m = KVCacheManager(20, B)
+    parent = make_request("p", list(range(10)), block_size=B)  # blocks 0, 1 full; block 2 holds 2
+    admit(m, parent)
+    m.end_step()
+    kids = [parent.fork(f"p#{i}", parent.sampling_params, i) for i in (1, 2)]
+    for kid in kids:
+        m.fork(parent, kid)
+    assert [m.get_block_ids(r) for r in ("p", "p#1", "p#2")] == [[0, 1, 2]] * 3
+    assert [b.ref_cnt for b in m.block_pool.blocks[:3]] == [3, 3, 3]
+    for i, r in enumerate([parent, *kids]):
+        r.append_output_token_ids(100 + i)
+    # First writer: a private copy of block 2 (slots 0..1), one reference less on the original.
+    assert m.allocate_slots(kids[0], 1) == []
+    assert m.pending_copy_ops == [CopyOp(2, 3, 2)] and m.get_block_ids("p#1") == [0, 1, 3]
+    assert [b.ref_cnt for b in m.block_pool.blocks[:4]] == [3, 3, 2, 1]
+    assert m.allocate_slots(kids[1], 1) == []
+    assert m.pending_copy_ops[-1] == CopyOp(2, 4, 2) and m.get_block_ids("p#2") == [0, 1, 4]
+    # The last holder writes in place: no copy.
+    assert m.allocate_slots(parent, 1) == [] and len(m.pending_copy_ops) == 2
+    assert m.get_block_ids("p") == [0, 1, 2] and m.block_pool.blocks[2].ref_cnt == 1
+    assert (m.num_cow_forks, m.num_cow_copies) == (2, 2)
+    m.end_step()
+    for r in (parent, *kids):
+        r.num_computed_tokens += 1
+    # Once private, later writes copy nothing; full blocks stay shared until all three finish.
+    kids[0].append_output_token_ids(7)
+    assert m.allocate_slots(kids[0], 1) == [] and m.pending_copy_ops == []
+    for r in (parent, *kids):
+        m.free(r)
+    assert m.usage == 0.0
+
+
+def test_copy_on_write_needs_a_free_block():
+    m = KVCacheManager(3, B)
+    parent = make_request("p", list(range(10)), block_size=B)
+    admit(m, parent)
+    kid = parent.fork("p#1", parent.sampling_params, 1)
+    m.fork(parent, kid)
+    kid.append_output_token_ids(5)
+    assert m.allocate_slots(kid, 1) is None  # the pool is full: nothing changes
+    assert m.get_block_ids("p#1") == [0, 1, 2] and m.block_pool.blocks[2].ref_cnt == 2
+    assert m.pending_copy_ops == []

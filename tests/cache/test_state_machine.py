@@ -74,10 +74,24 @@ class KVCacheMachine(RuleBasedStateMachine):
         )
 
     def write(self, request: Request, num_new_tokens: int) -> None:
-        """The forward pass: writes K/V for the request's next ``num_new_tokens`` tokens."""
+        """The forward pass: the step's slot copies, then K/V for the request's next tokens.
+
+        A block the request already wrote part of (its own earlier tokens, a partial-hit copy or
+        a copy-on-write copy) must hold exactly the request's tokens before ``start``: a sibling
+        sample writing into a shared block without copying it first is caught here.
+        """
+        for op in self.manager.pending_copy_ops:
+            root, prefix, extra = self.content[op.src_block_id]
+            block_start = (len(prefix) - 1) // B * B
+            self.content[op.dst_block_id] = (root, prefix[: block_start + op.num_tokens], extra)
+        self.manager.end_step()
         start = request.num_computed_tokens
         end = start + num_new_tokens
         table = self.manager.req_to_blocks[request.request_id]
+        if start % B:
+            j = start // B
+            expected = (request.root_key, tuple(request.all_token_ids[:start]), request.block_extra_key(j))
+            assert self.content[table[j].block_id] == expected, "a write lands in a block holding other K/V"
         for j in range(start // B, -(-end // B)):
             prefix = tuple(request.all_token_ids[: min(end, (j + 1) * B)])
             self.content[table[j].block_id] = (request.root_key, prefix, request.block_extra_key(j))
@@ -120,7 +134,6 @@ class KVCacheMachine(RuleBasedStateMachine):
         request.num_computed_tokens = num_hit_tokens + k
         self.write(request, num_new_tokens)
         self.running[request.request_id] = request
-        self.manager.end_step()
         assert all(b.ref_cnt == len([t for t in self.manager.req_to_blocks.values() if b in t])
                    for b in self.manager.block_pool.blocks)
 
@@ -145,6 +158,21 @@ class KVCacheMachine(RuleBasedStateMachine):
             del self.running[request.request_id]
             return
         self.write(request, 1)
+
+    @precondition(lambda self: any(r.num_computed_tokens == r.num_tokens for r in self.running.values()))
+    @rule(index=st.integers(0, 50), n=st.integers(1, 3))
+    def fork(self, index, n) -> None:
+        """Parallel sampling: n more samples share the request's blocks (copy-on-write)."""
+        done = [r for r in self.running.values() if r.num_computed_tokens == r.num_tokens]
+        parent = done[index % len(done)]
+        before = [b.ref_cnt for b in self.manager.req_to_blocks[parent.request_id]]
+        for i in range(n):
+            self.next_id += 1
+            child = parent.fork(f"r{self.next_id}", parent.sampling_params, i + 1)
+            self.manager.fork(parent, child)
+            self.running[child.request_id] = child
+        after = [b.ref_cnt for b in self.manager.req_to_blocks[parent.request_id]]
+        assert after == [c + n for c in before]
 
     @precondition(lambda self: self.running)
     @rule(index=st.integers(0, 50))
