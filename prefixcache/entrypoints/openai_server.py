@@ -28,6 +28,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -372,8 +373,40 @@ def build_app(
             yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type=_ERROR_TYPES[503])).model_dump())
         yield "data: [DONE]\n\n"
 
-    def stream_response(gen: AsyncIterator[str]) -> StreamingResponse:
-        return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    async def respond(
+        req: CompletionRequest | ChatCompletionRequest,
+        params: SamplingParams,
+        stream: AsyncIterator[RequestOutput],
+        raw_request: Request,
+        request_id: str,
+        model_name: str,
+        chunk_object: str,
+        stream_choice: Callable[[int, str, str | None], dict],
+        make_response: Callable[[list[RequestOutput], int], Any],
+    ) -> Any:
+        """The endpoint's answer: an SSE stream of ``chunk_object`` chunks (one choice each, from
+        ``stream_choice(index, delta, finish_reason)``), or ``make_response(final outputs, created)``;
+        499 if a non-streaming client went away."""
+        created = int(time.time())
+        if req.stream:
+            with_usage = include_usage(req)
+            head = {"id": request_id, "object": chunk_object, "created": created, "model": model_name}
+
+            def chunk(index: int, delta: str, finish_reason: str | None) -> dict:
+                data = {**head, "choices": [stream_choice(index, delta, finish_reason)]}
+                if with_usage:
+                    data["usage"] = None
+                return data
+
+            def usage_chunk(outs: list[RequestOutput]) -> dict:
+                return {**head, "choices": [], "usage": _usage(outs).model_dump()}
+
+            gen = sse(stream, params.stop, chunk, usage_chunk if with_usage else None)
+            return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        outs = await _final_outputs(stream, raw_request)
+        if outs is None:
+            return Response(status_code=499)
+        return make_response(outs, created)
 
     # ------------------------------------------------------------------ endpoints
     @app.get("/health")
@@ -417,34 +450,20 @@ def build_app(
             prompt = prompt[0]
         params = sampling_params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
         stream = await start(prompt, params, req, request_id, "prompt", lora, tenant_of(raw_request))
 
-        if req.stream:
-            with_usage = include_usage(req)
+        def choice(index: int, delta: str, finish_reason: str | None) -> dict:
+            return {"index": index, "text": delta, "logprobs": None, "finish_reason": finish_reason}
 
-            def chunk(index: int, delta: str, finish_reason: str | None) -> dict:
-                data = {"id": request_id, "object": "text_completion", "created": created,
-                        "model": model_name,
-                        "choices": [{"index": index, "text": delta, "logprobs": None, "finish_reason": finish_reason}]}
-                if with_usage:
-                    data["usage"] = None
-                return data
+        def response(outs: list[RequestOutput], created: int) -> CompletionResponse:
+            return CompletionResponse(
+                id=request_id, created=created, model=model_name, usage=_usage(outs),
+                choices=[CompletionChoice(index=o.index, text=o.text, finish_reason=o.finish_reason,
+                                          stop_reason=o.stop_reason) for o in outs],
+            )
 
-            def usage_chunk(outs: list[RequestOutput]) -> dict:
-                return {"id": request_id, "object": "text_completion", "created": created,
-                        "model": model_name, "choices": [], "usage": _usage(outs).model_dump()}
-
-            return stream_response(sse(stream, params.stop, chunk, usage_chunk if with_usage else None))
-
-        outs = await _final_outputs(stream, raw_request)
-        if outs is None:
-            return Response(status_code=499)
-        return CompletionResponse(
-            id=request_id, created=created, model=model_name, usage=_usage(outs),
-            choices=[CompletionChoice(index=o.index, text=o.text, finish_reason=o.finish_reason,
-                                      stop_reason=o.stop_reason) for o in outs],
-        )
+        return await respond(req, params, stream, raw_request, request_id, model_name, "text_completion",
+                             choice, response)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw_request: Request):
@@ -462,40 +481,25 @@ def build_app(
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params(req, max_tokens, default_max_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
         stream = await start(prompt_ids, params, req, request_id, "messages", lora, tenant_of(raw_request))
+        started: set[int] = set()  # samples whose first chunk (with the role) went out
 
-        if req.stream:
-            with_usage = include_usage(req)
-            started: set[int] = set()  # samples whose first chunk (with the role) went out
+        def choice(index: int, delta: str, finish_reason: str | None) -> dict:
+            message = {"content": delta}
+            if index not in started:
+                message["role"] = "assistant"
+                started.add(index)
+            return {"index": index, "delta": message, "logprobs": None, "finish_reason": finish_reason}
 
-            def chunk(index: int, delta: str, finish_reason: str | None) -> dict:
-                message = {"content": delta}
-                if index not in started:
-                    message["role"] = "assistant"
-                    started.add(index)
-                data = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                        "model": model_name,
-                        "choices": [{"index": index, "delta": message, "logprobs": None,
-                                     "finish_reason": finish_reason}]}
-                if with_usage:
-                    data["usage"] = None
-                return data
+        def response(outs: list[RequestOutput], created: int) -> ChatCompletionResponse:
+            return ChatCompletionResponse(
+                id=request_id, created=created, model=model_name, usage=_usage(outs),
+                choices=[ChatChoice(index=o.index, message=ResponseMessage(content=o.text),
+                                    finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in outs],
+            )
 
-            def usage_chunk(outs: list[RequestOutput]) -> dict:
-                return {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                        "model": model_name, "choices": [], "usage": _usage(outs).model_dump()}
-
-            return stream_response(sse(stream, params.stop, chunk, usage_chunk if with_usage else None))
-
-        outs = await _final_outputs(stream, raw_request)
-        if outs is None:
-            return Response(status_code=499)
-        return ChatCompletionResponse(
-            id=request_id, created=created, model=model_name, usage=_usage(outs),
-            choices=[ChatChoice(index=o.index, message=ResponseMessage(content=o.text), finish_reason=o.finish_reason,
-                                stop_reason=o.stop_reason) for o in outs],
-        )
+        return await respond(req, params, stream, raw_request, request_id, model_name, "chat.completion.chunk",
+                             choice, response)
 
     return app
 

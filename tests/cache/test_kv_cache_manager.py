@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from cache_test_utils import admit, ids, make_request
 
-from prefixcache.cache.hashing import BlockHash, BlockHasher
 from prefixcache.cache.kv_cache_manager import CopyOp, KVCacheManager
 from prefixcache.cache.metrics import PrefixCacheSnapshot, PrefixCacheStats
 
@@ -276,13 +275,6 @@ def test_cache_salt_isolates_and_equal_salts_share():
 
 # -- C4: a hash collision cannot serve wrong KV -------------------------------------------------
 
-
-@pytest.fixture
-def constant_hash(monkeypatch):
-    """Every block and every root hashes to the same value."""
-    constant = BlockHash(b"\0" * 8)
-    monkeypatch.setattr(BlockHasher, "hash_block", lambda self, parent, tokens, extra=b"": constant)
-    monkeypatch.setattr(BlockHasher, "root_hash", lambda self, root_key: constant)
 
 
 def test_c4_constant_hash_unrelated_prompts_and_shared_prefix(constant_hash):

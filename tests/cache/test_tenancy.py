@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from prefixcache.cache.hashing import BlockHash, BlockHasher
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.engine.tenancy import ApprovedPrefixes, validate_tenant
 from tests.cache.cache_test_utils import admit, ids, make_request
@@ -64,12 +63,6 @@ def test_no_approved_prefix_means_no_sharing():
     assert m.get_computed_blocks(req("b", "globex", shared=0)) == ([], 0)
     assert m.get_computed_blocks(req("a2", "acme", shared=0))[1] == 16
 
-
-@pytest.fixture
-def constant_hash(monkeypatch):
-    constant = BlockHash(b"\0" * 8)
-    monkeypatch.setattr(BlockHasher, "hash_block", lambda self, parent, tokens, extra=b"": constant)
-    monkeypatch.setattr(BlockHasher, "root_hash", lambda self, root_key: constant)
 
 
 def test_tenant_key_is_verified_even_under_hash_collision(constant_hash):
