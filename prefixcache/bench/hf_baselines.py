@@ -128,17 +128,21 @@ class HFBaselines:
 
     def _no_reuse(self, rounds, max_tokens: int) -> HFRun:
         run = HFRun("no_reuse", 0.0, 0)
-        start = time.perf_counter()
-        for prompt in (p for r in rounds for p in r):
+        self._one_by_one(run, [p for r in rounds for p in r], max_tokens, time.perf_counter(), None)
+        return run
+
+    def _one_by_one(self, run: HFRun, prompts, max_tokens: int, start: float, prefix_cache) -> None:
+        """Generates each prompt alone (from a copy of ``prefix_cache`` when given) into ``run``."""
+        for prompt in prompts:
             ids = torch.tensor([prompt])
             clock = _FirstTokenClock()
             t0 = time.perf_counter()
-            out = self._generate(ids, torch.ones_like(ids), max_tokens, streamer=clock)
+            kw = {"cache": copy.deepcopy(prefix_cache)} if prefix_cache is not None else {}
+            out = self._generate(ids, torch.ones_like(ids), max_tokens, streamer=clock, **kw)
             run.ttft_s.append(clock.first_token_s - t0)
             run.output_token_ids.append(out[0, len(prompt):].tolist())
         run.wall_s = time.perf_counter() - start
         run.num_output_tokens = sum(len(o) for o in run.output_token_ids)
-        return run
 
     def _prefix_copy(self, rounds, max_tokens: int) -> HFRun:
         prompts = [p for r in rounds for p in r]
@@ -152,16 +156,7 @@ class HFBaselines:
             self.model(torch.tensor([prompts[0][:n_prefix]]), cache=prefix_cache, use_cache=True)
             if prefix_cache.get_seq_length() != n_prefix:
                 raise RuntimeError(f"prefix cache holds {prefix_cache.get_seq_length()} tokens, expected {n_prefix}")
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            clock = _FirstTokenClock()
-            t0 = time.perf_counter()
-            kw = {"cache": copy.deepcopy(prefix_cache)} if prefix_cache is not None else {}
-            out = self._generate(ids, torch.ones_like(ids), max_tokens, streamer=clock, **kw)
-            run.ttft_s.append(clock.first_token_s - t0)
-            run.output_token_ids.append(out[0, len(prompt):].tolist())
-        run.wall_s = time.perf_counter() - start
-        run.num_output_tokens = sum(len(o) for o in run.output_token_ids)
+        self._one_by_one(run, prompts, max_tokens, start, prefix_cache)
         return run
 
     def _batched(self, rounds, max_tokens: int) -> HFRun:
