@@ -394,6 +394,20 @@ class BlockPool:
             self.num_cached_blocks += 1
             self.free_block_queue.on_cache(block)
 
+    def sweep_expired(self) -> int:
+        """Evicts now the free cached blocks the policy has expired (``ttl``: idle longer than
+        ``cache_ttl_s``), instead of when their memory is next needed, so ``cached_bytes`` and the
+        eviction counters say what is really reusable. O(1) when nothing expired.
+
+        Returns:
+            The number of blocks evicted (reason ``"ttl"``).
+        """
+        expired = self.free_block_queue.pop_expired()
+        for block in expired:  # children first: a parent is freed after its children
+            self._evict(block, "ttl")
+            self.free_block_queue.on_free(block)
+        return len(expired)
+
     def invalidate_chains(self, is_stale_root: Callable[[bytes], bool]) -> int:
         """Evicts now every free cached block whose chain starts with a stale root key.
 

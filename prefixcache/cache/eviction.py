@@ -133,6 +133,11 @@ class EvictionPolicy(ABC):
     def _move_to_front(self, block: KVCacheBlock) -> None:
         """Makes a free uncached block the next victim."""
 
+    def pop_expired(self) -> list[KVCacheBlock]:
+        """Removes and returns the free cached blocks that may no longer be hit (``ttl``), children
+        before parents; the caller evicts them and frees them again as uncached blocks."""
+        return []
+
     def on_hit(self, block: KVCacheBlock) -> None:
         """A cached block served a request (called before it is touched)."""
 
@@ -293,6 +298,16 @@ class TTLPolicy(_UncachedFirstPolicy):
     def is_hit_allowed(self, block: KVCacheBlock) -> bool:
         free_s = self._free_s.get(block.block_id)
         return block.ref_cnt > 0 or free_s is None or not self._is_expired(free_s)
+
+    def pop_expired(self) -> list[KVCacheBlock]:
+        expired = []
+        while self._cached:
+            bid, block = next(iter(self._cached.items()))
+            if not self._is_expired(self._free_s[bid]):
+                break  # free-time order: everything after is younger
+            del self._cached[bid], self._free_s[bid]
+            expired.append(block)
+        return expired
 
     def _is_expired(self, free_s: float) -> bool:
         return self.clock() - free_s > self.options.cache_ttl_s

@@ -359,6 +359,7 @@ class LLMEngine:
             Outputs of the requests that finished in this step, and (with ``finished=False``) of
             streaming requests that got a token and go on.
         """
+        self.kv_cache_manager.block_pool.sweep_expired()
         scheduler_output = self.scheduler.schedule()
         try:
             sampled = self.runner.execute_model(scheduler_output)
@@ -469,6 +470,7 @@ class LLMEngine:
 
     def get_metrics(self) -> EngineMetrics:
         kv = self.kv_cache_manager
+        kv.block_pool.sweep_expired()
         stats = kv.stats
         free = kv.num_free_blocks
         return EngineMetrics(

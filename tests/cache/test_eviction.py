@@ -99,6 +99,25 @@ def test_ttl_expired_blocks_miss_and_go_first():
     assert m.block_pool.mean_evicted_age_s == pytest.approx((120 * 2 + 20 * 2) / 4)
 
 
+def test_ttl_sweep_evicts_expired_blocks_without_waiting_for_a_victim():
+    clock = Clock()
+    m = scenario("ttl", clock, hit_times=(1.0,), c_time=100.0, cache_ttl_s=50.0)
+    pool = m.block_pool
+    assert pool.num_cached_blocks == 4
+    # t=100: a's blocks 0 <- 1 are idle 99 s > 50 s; c's 5 <- 4 were just freed.
+    assert pool.sweep_expired() == 2
+    assert pool.num_cached_blocks == 2 and pool.evictions_by_reason == {"ttl": 2}
+    assert pool.blocks[0].block_hash is None and pool.blocks[1].block_hash is None
+    assert pool.sweep_expired() == 0
+    assert m.get_computed_blocks(make_request("y", C[:8] + [7], block_size=B))[1] == 8
+    assert free_order(m) == [7, 2, 3, 6, 1, 0, 5, 4]  # the swept blocks are now plain free blocks
+    clock.now = 151.0  # c's blocks idle 51 s
+    assert pool.sweep_expired() == 2 and pool.num_cached_blocks == 0
+    assert pool.evictions_by_reason == {"ttl": 4}
+    lru = KVCacheManager(4, B)
+    assert lru.block_pool.sweep_expired() == 0  # no other policy expires anything
+
+
 def test_cost_keeps_frequent_chain_until_it_decays():
     clock = Clock()
     m = scenario("cost", clock, hit_times=(1.0, 2.0, 3.0), c_time=10.0)

@@ -199,6 +199,13 @@ class KVCacheMachine(RuleBasedStateMachine):
     def advance_clock(self, dt) -> None:
         self.now += dt
 
+    @rule()
+    def sweep_expired(self) -> None:
+        """The engine's per-step TTL sweep: expired blocks leave the cache, live ones stay."""
+        pool = self.manager.block_pool
+        before = pool.num_cached_blocks
+        assert pool.sweep_expired() == before - pool.num_cached_blocks
+
     @rule(salt=SALTS, roll=st.integers(0, 4))
     def invalidate(self, salt, roll) -> None:
         """Invalidates every chain of one salt (as an adapter reload does for its digest)."""
