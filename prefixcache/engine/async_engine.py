@@ -239,21 +239,23 @@ class AsyncLLMEngine:
             return
         if self.error is not None or self._loop is None:
             return
-        future = self._executor.submit(self.engine.abort_request, request_id)
+        future = self._executor.submit(self.engine.abort_request_samples, request_id)
         future.add_done_callback(self._on_abort_done)
 
     def _on_abort_done(self, future: concurrent.futures.Future) -> None:
-        out = None if future.cancelled() or future.exception() else future.result()
-        if out is not None and self.on_finish is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(self.on_finish, out)
+        outs = [] if future.cancelled() or future.exception() else future.result()
+        if self.on_finish is not None and self._loop is not None:
+            for out in outs:  # every sample of an n > 1 request
+                self._loop.call_soon_threadsafe(self.on_finish, out)
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request and waits until its blocks are freed; unknown ids are ignored."""
         queue = self._queues.pop(request_id, None)
         self._unfinished.pop(request_id, None)
-        out = await self._call(self.engine.abort_request, request_id)
-        if queue is not None and out is not None:
-            queue.put_nowait(out)
+        outs = await self._call(self.engine.abort_request_samples, request_id)
+        for out in outs:
+            if queue is not None:
+                queue.put_nowait(out)
             if self.on_finish is not None:
                 self.on_finish(out)
 

@@ -111,7 +111,7 @@ class LLMEngine:
         self.vocab_size = mcfg.vocab_size
         # Parallel sampling groups (n > 1): group id -> engine ids of its unfinished samples, and
         # each sample id -> its group (also reserves the ids of samples not forked yet).
-        self._groups: dict[str, set[str]] = {}
+        self._groups: dict[str, dict[str, None]] = {}  # ordered by sample index
         self._sample_group: dict[str, str] = {}
         # Loaded LoRA adapters by directory: (files' mtime/size signature, adapter).
         self._lora_adapters: dict[Path, tuple[tuple, LoRAAdapter]] = {}
@@ -216,7 +216,7 @@ class LLMEngine:
             prompt=prompt_text,
         )
         if params.n > 1:
-            self._groups[request_id] = set(sample_ids)
+            self._groups[request_id] = dict.fromkeys(sample_ids)
             self._sample_group.update((rid, request_id) for rid in sample_ids)
         self.scheduler.add_request(request)
         return request_id
@@ -324,7 +324,12 @@ class LLMEngine:
             The aborted request's output (its first unfinished sample's), or None for unknown or
             finished ids.
         """
-        samples = sorted(self._groups.get(request_id, {request_id}))
+        outputs = self.abort_request_samples(request_id)
+        return outputs[0] if outputs else None
+
+    def abort_request_samples(self, request_id: str) -> list[RequestOutput]:
+        """Like :meth:`abort_request`, returning the output of every sample it stopped."""
+        samples = list(self._groups.get(request_id, [request_id]))
         outputs = []
         for sample_id in samples:
             request = self.scheduler.finish_request(sample_id, RequestStatus.FINISHED_ABORTED)
@@ -332,17 +337,17 @@ class LLMEngine:
                 request.finish_s = time.monotonic()
                 outputs.append(self._make_output(request))
             self._sample_finished(sample_id)
-        return outputs[0] if outputs else None
+        return outputs
 
     def _sample_finished(self, sample_id: str) -> None:
         group_id = self._sample_group.get(sample_id)
         if group_id is None:
             return
         members = self._groups[group_id]
-        members.discard(sample_id)
+        members.pop(sample_id, None)
         if group_id == sample_id:  # the group's first sample: unforked samples will never run
             for rid in [r for r in members if r not in self.scheduler.requests]:
-                members.discard(rid)
+                del members[rid]
                 del self._sample_group[rid]
         del self._sample_group[sample_id]
         if not members:

@@ -25,6 +25,7 @@ import hashlib
 import json
 import re
 import secrets
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -244,7 +245,7 @@ def build_app(
         llm_engine.add_approved_system_prompt(content)
     metrics = ServerMetrics(served_model_name)
     async_engine.on_finish = metrics.observe_finished
-    pool_tokens = llm_engine.num_blocks * llm_engine.config.block_size
+    block_size = llm_engine.config.block_size
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -326,9 +327,9 @@ def build_app(
                 seed=req.seed,
                 stop=req.stop or (),
                 stop_token_ids=req.stop_token_ids or (),
-                ignore_eos=req.ignore_eos,
-                include_stop_str_in_output=req.include_stop_str_in_output,
-                n=req.n,
+                ignore_eos=bool(req.ignore_eos),
+                include_stop_str_in_output=bool(req.include_stop_str_in_output),
+                n=1 if req.n is None else req.n,
             )
         except ValueError as e:
             raise _value_error(e, prompt_field) from e
@@ -339,19 +340,19 @@ def build_app(
     ) -> AsyncIterator[RequestOutput]:
         try:
             return await async_engine.generate(
-                prompt, params, cache_salt=req.cache_salt, request_id=request_id, stream=req.stream, lora=lora,
+                prompt, params, cache_salt=req.cache_salt, request_id=request_id, stream=bool(req.stream), lora=lora,
                 tenant=tenant,
             )
         except ValueError as e:
             raise _value_error(e, prompt_field) from e
 
     def include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
-        return req.stream_options is not None and req.stream_options.include_usage
+        return bool(req.stream_options is not None and req.stream_options.include_usage)
 
     async def sse(
         stream: AsyncIterator[RequestOutput],
         stops: tuple[str, ...],
-        make_chunk: Callable[[int, str, str | None], dict],
+        make_chunk: Callable[[int, str, RequestOutput | None], dict],
         usage_chunk: Callable[[list[RequestOutput]], dict] | None,
     ) -> AsyncIterator[str]:
         """SSE events: one chunk per text delta of each sample (its last one with finish_reason),
@@ -364,7 +365,7 @@ def build_app(
                 done = sent.get(out.index, 0)
                 delta, sent[out.index] = text[done:], max(done, len(text))
                 if delta or out.finished:
-                    yield _sse(make_chunk(out.index, delta, out.finish_reason if out.finished else None))
+                    yield _sse(make_chunk(out.index, delta, out if out.finished else None))
                 if out.finished:
                     finals[out.index] = out
             if usage_chunk is not None and finals:
@@ -381,19 +382,24 @@ def build_app(
         request_id: str,
         model_name: str,
         chunk_object: str,
-        stream_choice: Callable[[int, str, str | None], dict],
+        stream_choice: Callable[[int, str], dict],
         make_response: Callable[[list[RequestOutput], int], Any],
     ) -> Any:
         """The endpoint's answer: an SSE stream of ``chunk_object`` chunks (one choice each, from
-        ``stream_choice(index, delta, finish_reason)``), or ``make_response(final outputs, created)``;
-        499 if a non-streaming client went away."""
+        ``stream_choice(index, delta)`` plus the finish and stop reasons), or
+        ``make_response(final outputs, created)``; 499 if a non-streaming client went away."""
         created = int(time.time())
         if req.stream:
             with_usage = include_usage(req)
             head = {"id": request_id, "object": chunk_object, "created": created, "model": model_name}
 
-            def chunk(index: int, delta: str, finish_reason: str | None) -> dict:
-                data = {**head, "choices": [stream_choice(index, delta, finish_reason)]}
+            def chunk(index: int, delta: str, final: RequestOutput | None) -> dict:
+                choice = stream_choice(index, delta)
+                choice["logprobs"] = None
+                choice["finish_reason"] = None if final is None else final.finish_reason
+                if final is not None:
+                    choice["stop_reason"] = final.stop_reason
+                data = {**head, "choices": [choice]}
                 if with_usage:
                     data["usage"] = None
                 return data
@@ -452,8 +458,8 @@ def build_app(
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await start(prompt, params, req, request_id, "prompt", lora, tenant_of(raw_request))
 
-        def choice(index: int, delta: str, finish_reason: str | None) -> dict:
-            return {"index": index, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+        def choice(index: int, delta: str) -> dict:
+            return {"index": index, "text": delta}
 
         def response(outs: list[RequestOutput], created: int) -> CompletionResponse:
             return CompletionResponse(
@@ -476,7 +482,12 @@ def build_app(
             prompt_ids = await async_engine.apply_chat_template(conversation)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from e
-        room = min(llm_engine.max_model_len, pool_tokens) - len(prompt_ids)
+        # Default: the rest of the context, as far as the pool can hold it for each of the n samples
+        # (they share the prompt's full blocks).
+        n = req.n if isinstance(req.n, int) and req.n >= 1 else 1
+        full = len(prompt_ids) // block_size
+        per_sample = max(0, llm_engine.num_blocks - full) // n
+        room = min(llm_engine.max_model_len, (full + per_sample) * block_size) - len(prompt_ids)
         default_max_tokens = max(1, min(MAX_CHAT_DEFAULT_MAX_TOKENS, room))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params(req, max_tokens, default_max_tokens, "messages")
@@ -484,12 +495,12 @@ def build_app(
         stream = await start(prompt_ids, params, req, request_id, "messages", lora, tenant_of(raw_request))
         started: set[int] = set()  # samples whose first chunk (with the role) went out
 
-        def choice(index: int, delta: str, finish_reason: str | None) -> dict:
+        def choice(index: int, delta: str) -> dict:
             message = {"content": delta}
             if index not in started:
                 message["role"] = "assistant"
                 started.add(index)
-            return {"index": index, "delta": message, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "delta": message}
 
         def response(outs: list[RequestOutput], created: int) -> ChatCompletionResponse:
             return ChatCompletionResponse(
@@ -577,16 +588,22 @@ def tenants_by_key(api_key: str | None, api_keys: Mapping[str, str] | None) -> d
     """All accepted keys → tenant name; ``api_key`` is a tenant named after its digest.
 
     Raises:
-        ValueError: an empty key, a key given twice, or a bad tenant name.
+        ValueError: a key that no client could send (empty, non-ASCII, control characters or
+            surrounding spaces, which HTTP headers can't carry), a key given twice, or a bad
+            tenant name.
     """
     keys: dict[str, str] = {}
     items = [] if api_key is None else [(api_key, "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:12])]
     for key, tenant in [*items, *(api_keys or {}).items()]:
-        if not isinstance(key, str) or not key:
-            raise ValueError("API keys must be non-empty strings")
+        if not isinstance(key, str) or not re.fullmatch(r"[\x21-\x7e]+(?: +[\x21-\x7e]+)*", key):
+            raise ValueError("API keys must be non-empty printable ASCII without surrounding spaces "
+                             "(an HTTP Authorization header can't carry anything else)")
         if key in keys:
             raise ValueError("an API key is given twice; each key belongs to one tenant")
-        keys[key] = validate_tenant(tenant)
+        try:
+            keys[key] = validate_tenant(tenant)
+        except ValueError as e:
+            raise ValueError(f"tenant {str(tenant)[:40]!r}: {e}") from e
     return keys
 
 
@@ -621,6 +638,8 @@ def parse_tenant_args(args: argparse.Namespace) -> tuple[dict[str, str], list[st
             for key in [keys] if isinstance(keys, str) else keys if isinstance(keys, list) else [None]:
                 add(tenant, key, "--api-keys-file")
     texts, systems = list(args.approved_prefix), list(args.approved_system_prompt)
+    if any(not t for t in texts) or any(not t for t in systems):
+        raise ValueError("--approved-prefix / --approved-system-prompt: must not be empty")
     if args.approved_prefixes_file:
         data = _read_json(args.approved_prefixes_file, "--approved-prefixes-file")
         if not isinstance(data, list):
@@ -629,12 +648,14 @@ def parse_tenant_args(args: argparse.Namespace) -> tuple[dict[str, str], list[st
             if not isinstance(entry, dict) or len(entry) != 1 or not isinstance(next(iter(entry.values())), str):
                 raise ValueError(f"--approved-prefixes-file: each entry is {{'text': str}} or {{'system': str}}, "
                                  f"got {entry!r}")
-            if "text" in entry:
-                texts.append(entry["text"])
-            elif "system" in entry:
-                systems.append(entry["system"])
-            else:
+            if "text" not in entry and "system" not in entry:
                 raise ValueError(f"--approved-prefixes-file: unknown entry {entry!r} (use 'text' or 'system')")
+            if not next(iter(entry.values())):
+                raise ValueError(f"--approved-prefixes-file: empty prefix in {entry!r}")
+            (texts if "text" in entry else systems).append(next(iter(entry.values())))
+    if (texts or systems) and not args.tenant_isolation:
+        raise ValueError("approved prefixes only matter with --tenant-isolation (without it every "
+                         "request may share every cached block); add --tenant-isolation or drop them")
     return api_keys, texts, systems
 
 
@@ -665,9 +686,15 @@ def run_cli(args: argparse.Namespace) -> int:
     )
     api_keys, approved_texts, approved_systems = parse_tenant_args(args)
     lora_modules = parse_lora_modules(args.lora_modules)
-    tenants_by_key(args.api_key, api_keys)  # bad keys fail before the model loads
+    try:  # bad keys fail before the model loads
+        tenants_by_key(args.api_key, api_keys)
+    except ValueError as e:
+        raise ValueError(f"--api-key / --tenant-api-key / --api-keys-file: {e}") from e
     if args.tenant_isolation and not (args.api_key or api_keys):
         raise ValueError("--tenant-isolation needs API keys: give --tenant-api-key TENANT=KEY or --api-keys-file")
+    if api_keys and not args.tenant_isolation:
+        print("prefixcache serve: tenant API keys authenticate, but without --tenant-isolation all tenants "
+              "share one cache namespace", file=sys.stderr)
     app = build_app(LLMEngine(config), args.served_model_name or args.model, api_key=args.api_key,
                     lora_modules=lora_modules, api_keys=api_keys, tenant_isolation=args.tenant_isolation,
                     approved_prefixes=approved_texts, approved_system_prompts=approved_systems)

@@ -1,7 +1,9 @@
 """OpenAI request and response models (the subset we serve), plus vLLM's extra fields.
 
 Unknown fields are ignored, as OpenAI-compatible servers do, so any client version works; a known
-field of the wrong type is a validation error naming that field (HTTP 400). Value checks (ranges,
+field of the wrong type is a validation error naming that field (HTTP 400): request models are
+strict, so ``"n": "3"``, ``"n": true`` or ``"n": 2.0`` are rejected rather than converted (an int
+is accepted where a float is expected). ``null`` means the default for every optional field. Value checks (ranges,
 prompt length) are left to :class:`SamplingParams` and the engine, which raise ``ValueError`` naming
 the field.
 """
@@ -18,12 +20,16 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
 # ---------------------------------------------------------------------------- requests
-class StreamOptions(_Model):
-    include_usage: bool = False
+class StreamOptions(_Request):
+    include_usage: bool | None = None  # default False
 
 
-class _SamplingFields(_Model):
+class _SamplingFields(_Request):
     """Fields shared by both endpoints. ``None`` means the server's default."""
 
     model: str | None = None
@@ -34,10 +40,10 @@ class _SamplingFields(_Model):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extra
-    ignore_eos: bool = False  # vLLM extra
-    include_stop_str_in_output: bool = False  # vLLM extra
-    n: int = 1
-    stream: bool = False
+    ignore_eos: bool | None = None  # vLLM extra; default False
+    include_stop_str_in_output: bool | None = None  # vLLM extra; default False
+    n: int | None = None  # default 1
+    stream: bool | None = None  # default False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None  # vLLM extra: the request's prefix-cache namespace
 
@@ -46,7 +52,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
 
 
-class ChatMessage(_Model):
+class ChatMessage(_Request):
     role: str
     content: str | list[dict] | None = None  # a string, or content parts ({"type": "text", ...})
 

@@ -94,8 +94,10 @@ def test_abort_frees_every_sample(make_llm):
     engine.step()
     engine.step()
     assert engine.scheduler.requests.keys() == {"g", "g#1", "g#2"}
-    out = engine.abort_request("g")
-    assert out is not None and out.finish_reason == "abort"
+    outs = engine.abort_request_samples("g")  # the server counts every sample's tokens
+    assert [(o.request_id, o.index, len(o.token_ids), o.finish_reason) for o in outs] == [
+        ("g", 0, 2, "abort"), ("g", 1, 2, "abort"), ("g", 2, 2, "abort")]
+    assert engine.abort_request("g") is None
     assert not engine.has_unfinished_requests() and engine.kv_cache_manager.usage == 0.0
     engine.add_request("again", SamplingParams(n=2, max_tokens=2), request_id="g")  # ids are free again
 

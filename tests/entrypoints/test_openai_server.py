@@ -116,9 +116,12 @@ def test_streaming_equals_non_streaming(server, client):
     assert stop.strip()
     stopped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stop=[stop])
     assert stopped.choices[0].text == plain[: plain.index(stop)]
-    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stop=[stop],
-                                         stream=True)
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                              stop=[stop], stream=True))
     assert "".join(c.choices[0].text for c in streamed) == stopped.choices[0].text
+    last = streamed[-1].choices[0]  # the final chunk says why it stopped, as the JSON answer does
+    assert (last.finish_reason, last.model_extra["stop_reason"]) == ("stop", stop) == (
+        stopped.choices[0].finish_reason, stopped.choices[0].model_extra["stop_reason"])
 
 
 def test_concurrent_requests_are_batched_and_equal_sequential(server, client):
@@ -180,6 +183,12 @@ C10 = [
     ("completions", {"prompt": [1, 2, 49152]}, 400, "prompt"),
     ("completions", {"prompt": [1, -1]}, 400, "prompt"),
     ("completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("completions", {"prompt": "hi", "n": "3"}, 400, "n"),  # strict types: no quiet conversion
+    ("completions", {"prompt": "hi", "n": True}, 400, "n"),
+    ("completions", {"prompt": "hi", "n": 2.0}, 400, "n"),
+    ("completions", {"prompt": "hi", "seed": "5"}, 400, "seed"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 65}, 400, "n"),
     ("completions", {"prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "cache_salt": "s" * 1025}, 400,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import httpx
+
 from prefixcache.sampling_params import SamplingParams
-from tests.entrypoints.conftest import MODEL
+from tests.entrypoints.conftest import MODEL, start_server, stop_server
 
 PROMPT = "Three things every hiker should carry are"
 EXTRA = {"ignore_eos": True}
@@ -48,3 +50,28 @@ def test_chat_n2_stream_equals_non_stream(client, server):
     # The streamed request hit every full prompt block the first one cached (partial reuse off).
     assert usage.prompt_tokens_details.cached_tokens == (full.usage.prompt_tokens - 1) // 16 * 16
     assert server.wait_idle()["prefixcache:kv_blocks_in_use"] == 0
+
+
+def test_null_n_and_stream_mean_the_defaults(server):
+    r = httpx.post(server.base_url + "/v1/completions", json={
+        "model": MODEL, "prompt": "Hi", "max_tokens": 2, "n": None, "stream": None, "ignore_eos": None})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1
+
+
+def test_chat_default_max_tokens_is_sized_for_n_samples(smollm2):
+    # 12 blocks of 16 tokens: the single-sample default (the rest of the pool) x 4 would not fit.
+    s = start_server(smollm2, num_blocks=12)
+    try:
+        body = {"model": MODEL, "n": 4, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "hello"}]}
+        r = httpx.post(s.base_url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        usage, choices = r.json()["usage"], r.json()["choices"]
+        p = usage["prompt_tokens"]
+        full = p // 16
+        room = (full + (12 - full) // 4) * 16 - p  # per sample: its share of the blocks after the prompt's
+        assert [c["index"] for c in choices] == [0, 1, 2, 3]
+        assert usage["completion_tokens"] == 4 * room
+        assert s.wait_idle()["prefixcache:kv_blocks_in_use"] == 0
+    finally:
+        stop_server(s)

@@ -83,6 +83,9 @@ def test_tenant_isolation_needs_keys(smollm2):
         build_app(engine, MODEL, tenant_isolation=True)
     with pytest.raises(ValueError, match="tenant must be"):
         build_app(engine, MODEL, api_keys={"k": ""})
+    for key in ("clé", " k", "k ", "", "a\tb"):  # no client could send these in a header
+        with pytest.raises(ValueError, match="printable ASCII"):
+            build_app(engine, MODEL, api_keys={key: "acme"})
 
 
 def parse(argv):
@@ -111,3 +114,10 @@ def test_tenant_flags_and_files(tmp_path):
         parse(["--approved-prefixes-file", str(prefixes)])
     with pytest.raises(ValueError, match="cannot read JSON"):
         parse(["--api-keys-file", str(tmp_path / "missing.json")])
+    with pytest.raises(ValueError, match="only matter with --tenant-isolation"):
+        parse(["--approved-prefix", "Doc"])
+    with pytest.raises(ValueError, match="must not be empty"):
+        parse(["--tenant-isolation", "--approved-system-prompt", ""])
+    prefixes.write_text(json.dumps([{"system": ""}]))
+    with pytest.raises(ValueError, match="approved-prefixes-file: empty prefix"):
+        parse(["--tenant-isolation", "--approved-prefixes-file", str(prefixes)])
