@@ -15,7 +15,8 @@ from prefixcache.cache.eviction import EVICTION_POLICIES
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policies", nargs="+", default=list(EVICTION_POLICIES), choices=list(EVICTION_POLICIES))
+    policies = [*EVICTION_POLICIES, "belady"]  # belady: offline reference (knows the future)
+    parser.add_argument("--policies", nargs="+", default=policies, choices=policies)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--num-requests", type=int, default=3000)
     parser.add_argument("--num-blocks", type=int, default=2048, help="KV budget in blocks")

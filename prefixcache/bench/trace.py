@@ -17,12 +17,17 @@ partial hit, allocation of prompt + output), holds its blocks for ``service_s`` 
 tail first. When the pool is full of running requests, the earliest-finishing ones finish first
 (the request would have waited for them). Thousands of requests replay in seconds.
 
+``belady`` is an offline reference, not a policy one could run: it knows the trace and evicts the
+childless free block whose next use is furthest away (Belady's MIN, restricted to leaves like every
+policy here), so ``cost``'s gain can be read against the gain still available.
+
 Invariants: the same ``TraceConfig`` always gives the same trace; replay is deterministic given
 the trace and policy (the wall clock only enters ``requests_per_s``).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import random
@@ -30,7 +35,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prefixcache.cache.eviction import EVICTION_POLICIES, EvictionOptions
+from prefixcache.cache.eviction import EVICTION_POLICIES, EvictionOptions, _LeafHeapPolicy
 from prefixcache.cache.hashing import BlockHasher, make_root_key
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.engine.request import Request
@@ -132,6 +137,31 @@ def generate_trace(config: TraceConfig) -> list[TraceRequest]:
     return trace
 
 
+class _Future:
+    """Which requests of a trace look up each block hash (the Belady reference's oracle)."""
+
+    def __init__(self, uses: dict[bytes, list[int]]) -> None:
+        self.uses = uses
+        self.now = 0  # index of the request being admitted
+
+    def next_use(self, block_hash: bytes | None) -> int:
+        uses = self.uses.get(block_hash, ())
+        i = bisect.bisect_right(uses, self.now)
+        return uses[i] if i < len(uses) else 1 << 62
+
+
+def _belady_policy(future: _Future) -> type[_LeafHeapPolicy]:
+    class BeladyPolicy(_LeafHeapPolicy):
+        """Furthest next use first, among childless free cached blocks (uncached ones before)."""
+
+        name = "belady"
+
+        def priority(self, block) -> tuple:
+            return (-future.next_use(block.block_hash),)  # fixed while free: a use would touch it
+
+    return BeladyPolicy
+
+
 @dataclass(frozen=True)
 class SimResult:
     """Replay result of one policy on one trace."""
@@ -161,7 +191,7 @@ def simulate(
 
     Args:
         trace: requests in arrival order.
-        policy: a registered eviction policy name.
+        policy: a registered eviction policy name, or ``"belady"`` (the offline reference).
         num_blocks: KV pool size in blocks (the memory budget).
         block_size: tokens per block.
         service_s: how long a request holds its blocks after arrival, seconds (virtual).
@@ -176,17 +206,28 @@ def simulate(
     """
     clock = [0.0]
     options = eviction_options or EvictionOptions(block_size=block_size)
-    kv = KVCacheManager(
-        num_blocks, block_size, eviction_policy=policy, clock=lambda: clock[0],
-        enable_partial_block_reuse=enable_partial_block_reuse,
-        eviction_options=dataclasses.replace(options, block_size=block_size),
-    )
     hasher = BlockHasher(block_size)
     roots = {t: make_root_key(b"trace-model", t) for t in {r.tenant for r in trace}}
+    future = None
+    if policy == "belady":
+        uses: dict[bytes, list[int]] = {}
+        for seq, item in enumerate(trace):
+            hashes: list = []
+            hasher.extend(hashes, item.prompt_token_ids, roots[item.tenant])
+            for h in hashes[: (len(item.prompt_token_ids) - 1) // block_size]:  # what a lookup can hit
+                uses.setdefault(h, []).append(seq)
+        future = _Future(uses)
+    kv = KVCacheManager(
+        num_blocks, block_size, eviction_policy=_belady_policy(future) if future else policy,
+        clock=lambda: clock[0], enable_partial_block_reuse=enable_partial_block_reuse,
+        eviction_options=dataclasses.replace(options, block_size=block_size),
+    )
     running: list[tuple[float, int, Request]] = []  # (finish_s, seq, request)
     start = time.perf_counter()
     for seq, item in enumerate(trace):
         clock[0] = item.arrival_s
+        if future is not None:
+            future.now = seq
         while running and running[0][0] <= item.arrival_s:
             kv.free(heapq.heappop(running)[2])
         request = Request(
@@ -233,7 +274,7 @@ def simulate(
 
 
 def run_trace_benchmark(
-    policies: Sequence[str] = tuple(EVICTION_POLICIES),
+    policies: Sequence[str] = (*EVICTION_POLICIES, "belady"),
     seeds: Sequence[int] = (0, 1, 2),
     skews: dict[str, float] | None = None,
     num_requests: int = 3000,
@@ -244,7 +285,7 @@ def run_trace_benchmark(
     """Replays the skewed and uniform traces for each seed under each policy.
 
     Args:
-        policies: eviction policies to compare.
+        policies: eviction policies to compare (``"belady"``: the offline reference).
         seeds: trace seeds.
         skews: trace name -> Zipf exponent; default ``{"skewed": 1.1, "uniform": 0.0}``.
         num_requests: requests per trace.

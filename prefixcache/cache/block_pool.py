@@ -106,7 +106,8 @@ class BlockPool:
     Args:
         num_blocks: number of blocks in the pool, ``>= 1``.
         enable_caching: when ``False`` nothing is ever cached and every lookup misses.
-        eviction_policy: a name registered in :data:`prefixcache.cache.eviction.EVICTION_POLICIES`.
+        eviction_policy: a name registered in :data:`prefixcache.cache.eviction.EVICTION_POLICIES`,
+            or an :class:`EvictionPolicy` subclass.
         eviction_options: the policies' knobs (``bytes_per_block`` also feeds ``cached_bytes``).
         clock: current time in seconds; ``time.monotonic`` by default, virtual in simulations.
 
@@ -118,7 +119,7 @@ class BlockPool:
         self,
         num_blocks: int,
         enable_caching: bool = True,
-        eviction_policy: str = "lru",
+        eviction_policy: str | type[EvictionPolicy] = "lru",
         eviction_options: EvictionOptions | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

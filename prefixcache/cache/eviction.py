@@ -462,16 +462,19 @@ EVICTION_POLICIES: MappingProxyType[str, type[EvictionPolicy]] = MappingProxyTyp
 
 
 def make_eviction_policy(
-    name: str,
+    name: str | type[EvictionPolicy],
     blocks: Iterable[KVCacheBlock],
     clock: Callable[[], float],
     options: EvictionOptions,
 ) -> EvictionPolicy:
-    """Builds the registered policy ``name`` holding ``blocks`` (head first).
+    """Builds the registered policy ``name`` (or an :class:`EvictionPolicy` subclass, as the trace
+    benchmark's offline reference) holding ``blocks`` (head first).
 
     Raises:
         ValueError: unknown name (the message lists the registered ones).
     """
+    if isinstance(name, type) and issubclass(name, EvictionPolicy):
+        return name(blocks, clock, options)
     cls = EVICTION_POLICIES.get(name)
     if cls is None:
         raise ValueError(f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}, got {name!r}")

@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from prefixcache.cache.block_pool import BlockPool, KVCacheBlock
-from prefixcache.cache.eviction import EvictionOptions
+from prefixcache.cache.eviction import EvictionOptions, EvictionPolicy
 from prefixcache.cache.metrics import PrefixCacheStats
 from prefixcache.engine.request import Request
 
@@ -72,7 +72,8 @@ class KVCacheManager:
         num_blocks: blocks in the pool, ``>= 1``.
         block_size: tokens per block, ``>= 1``; must match the requests' block hasher.
         enable_caching: automatic prefix caching on or off.
-        eviction_policy: name of a registered eviction policy (``lru``, ``lfu``, ``ttl``, ``cost``).
+        eviction_policy: name of a registered eviction policy (``lru``, ``lfu``, ``ttl``, ``cost``),
+            or an :class:`EvictionPolicy` subclass (simulations).
         cache_ttl_s: idle time after which ``ttl`` expires a free cached block, seconds.
         bytes_per_block: KV bytes of one block over all layers (for ``cost`` and ``cached_bytes``).
         enable_partial_block_reuse: let :meth:`get_partial_hit` find partial hits.
@@ -88,7 +89,7 @@ class KVCacheManager:
         num_blocks: int,
         block_size: int,
         enable_caching: bool = True,
-        eviction_policy: str = "lru",
+        eviction_policy: str | type[EvictionPolicy] = "lru",
         *,
         cache_ttl_s: float = 300.0,
         bytes_per_block: int = 0,

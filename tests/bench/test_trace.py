@@ -29,3 +29,11 @@ def test_without_memory_pressure_every_policy_saves_the_same():
         saved = {rows[(trace, 1, p)]["prefill_tokens_saved"] for p in POLICIES}
         assert len(saved) == 1 and saved.pop() > 0
         assert all(rows[(trace, 1, p)]["num_evictions"] == 0 for p in POLICIES)
+
+
+def test_belady_reference_is_an_upper_bound_on_the_toy_trace():
+    rows = by_key(run_trace_benchmark(("lru", "cost", "belady"), seeds=(0,), num_requests=300, num_blocks=256))
+    for trace in ("skewed", "uniform"):
+        saved = {p: rows[(trace, 0, p)]["prefill_tokens_saved"] for p in ("lru", "cost", "belady")}
+        assert saved["belady"] >= max(saved["lru"], saved["cost"]), saved
+        assert rows[(trace, 0, "belady")]["num_evictions"] > 0
