@@ -57,6 +57,21 @@ class _EngineCollector:
                       m.prompt_tokens_computed)
         yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", m.num_preemptions)
         yield counter("kv_block_evictions", "Cached KV blocks evicted to make room.", m.num_evictions)
+        by_reason = CounterMetricFamily(
+            PREFIX + "kv_block_evictions_by_reason",
+            "Cached KV blocks evicted, by the policy's reason (lru, lfu, ttl, cost, invalidated).",
+            labels=[*labels, "reason"],
+        )
+        for reason, count in sorted(m.evictions_by_reason.items()):
+            by_reason.add_metric([*values, reason], count)
+        yield by_reason
+        yield gauge("kv_cached_bytes", "KV bytes held by cached blocks (in use or free).", m.cached_bytes)
+        yield gauge("kv_evicted_block_mean_age_seconds", "Mean seconds from caching to eviction of evicted blocks.",
+                    m.mean_evicted_age_s)
+        yield counter("parallel_sampling_forks", "Samples forked from n > 1 requests (sharing their blocks).",
+                      m.num_forks)
+        yield counter("cow_block_copies", "Shared blocks copied on a sample's first write (copy-on-write).",
+                      m.num_cow_copies)
         yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
         yield gauge("kv_blocks_total", "KV pool size in blocks.", m.num_blocks_total)

@@ -7,6 +7,7 @@ import asyncio
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.entrypoints.conftest import MODEL, start_server, stop_server
 
@@ -269,3 +270,19 @@ def test_non_streaming_client_disconnect_aborts(server):
     assert after["prefixcache:kv_blocks_in_use"] == 0
     key = "prefixcache:request_success_total{abort}"
     assert after[key] - before.get(key, 0) == 1
+
+
+def test_eviction_metrics_by_reason_render():
+    from prefixcache.engine.async_engine import EngineStats
+    from prefixcache.engine.llm_engine import EngineMetrics
+    from prefixcache.entrypoints.metrics import ServerMetrics
+
+    m = EngineMetrics(1, 1, 10, 5, 5, 0, 3, 8, 2, 3, 6, evictions_by_reason={"lru": 2, "invalidated": 1},
+                      cached_bytes=4096, mean_evicted_age_s=1.5)
+    text = ServerMetrics("m").render(EngineStats(m, 0, 0)).decode()
+    samples = {(s.name, s.labels.get("reason")): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("prefixcache:kv_block_evictions_by_reason_total", "lru")] == 2
+    assert samples[("prefixcache:kv_block_evictions_by_reason_total", "invalidated")] == 1
+    assert samples[("prefixcache:kv_cached_bytes", None)] == 4096
+    assert samples[("prefixcache:kv_evicted_block_mean_age_seconds", None)] == 1.5

@@ -18,13 +18,18 @@ def offline_texts(make_llm, prompt, seed, n, max_tokens):
 
 
 def test_completions_n3(client, server, make_llm):
+    before = server.wait_idle()
     r = client.completions.create(model=MODEL, prompt=PROMPT, n=3, temperature=0.8, seed=5, max_tokens=8,
                                   extra_body=EXTRA)
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert [c.text for c in r.choices] == offline_texts(make_llm, PROMPT, 5, 3, 8)
     assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens == len(
         server.engine.engine.tokenizer.encode(PROMPT))
-    assert server.wait_idle()["prefixcache:kv_blocks_in_use"] == 0
+    after = server.wait_idle()
+    assert after["prefixcache:kv_blocks_in_use"] == 0
+    assert r.usage.prompt_tokens % 16  # the prompt ends mid-block: two of the three samples copy it
+    for name, expected in (("parallel_sampling_forks_total", 2), ("cow_block_copies_total", 2)):
+        assert after["prefixcache:" + name] - before.get("prefixcache:" + name, 0) == expected
 
 
 def test_chat_n2_stream_equals_non_stream(client, server):
