@@ -18,8 +18,9 @@ tail first. When the pool is full of running requests, the earliest-finishing on
 (the request would have waited for them). Thousands of requests replay in seconds.
 
 ``belady`` is an offline reference, not a policy one could run: it knows the trace and evicts the
-childless free block whose next use is furthest away (Belady's MIN, restricted to leaves like every
-policy here), so ``cost``'s gain can be read against the gain still available.
+childless free block whose next use is furthest away (a greedy Belady's MIN restricted to leaves
+like every policy here; its priority is fixed when a block is freed, so it is a strong reference,
+not a proven bound), so ``cost``'s gain can be read against the gain still available.
 
 Invariants: the same ``TraceConfig`` always gives the same trace; replay is deterministic given
 the trace and policy (the wall clock only enters ``requests_per_s``).

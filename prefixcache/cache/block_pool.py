@@ -412,8 +412,9 @@ class BlockPool:
     def invalidate_chains(self, is_stale_root: Callable[[bytes], bool]) -> int:
         """Evicts now every free cached block whose chain starts with a stale root key.
 
-        For content that can never be hit again (an adapter reloaded with new weights): such blocks
-        would otherwise wait for their LRU turn while useful blocks are evicted before them. The
+        For content new requests can't hit any more (an adapter reloaded with new weights; a request
+        queued before the reload still carries the old adapter and recomputes): such blocks would
+        otherwise wait for their LRU turn while useful blocks are evicted before them. The
         evicted blocks go to the front of the free queue (handed out first), counted as evictions
         with reason ``"invalidated"``. Blocks still in use, and the parents of blocks in use, stay
         cached until freed and evicted normally (nobody can hit them: the root key is stale).

@@ -51,13 +51,15 @@ class AsyncLLMEngine:
 
     Args:
         engine: the engine to drive; only this object's thread may call it from now on.
-        on_finish: called on the event loop with each finished request's output (metrics hook).
+        on_finish: called on the event loop as ``on_finish(out, request_done)`` with each finished
+            (or aborted) sample's output; ``request_done`` is True for the last one of a request
+            (metrics hook).
 
     Call :meth:`start` from the event loop that will serve requests, :meth:`shutdown` at the end.
     """
 
     def __init__(
-        self, engine: LLMEngine, on_finish: Callable[[RequestOutput], None] | None = None
+        self, engine: LLMEngine, on_finish: Callable[[RequestOutput, bool], None] | None = None
     ) -> None:
         self.engine = engine
         self.on_finish = on_finish
@@ -148,7 +150,7 @@ class AsyncLLMEngine:
                 self._queues.pop(out.request_id, None)
                 self._unfinished.pop(out.request_id, None)
             if self.on_finish is not None:
-                self.on_finish(out)
+                self.on_finish(out, left <= 0)
         if queue is not None:
             queue.put_nowait(out)
 
@@ -245,19 +247,19 @@ class AsyncLLMEngine:
     def _on_abort_done(self, future: concurrent.futures.Future) -> None:
         outs = [] if future.cancelled() or future.exception() else future.result()
         if self.on_finish is not None and self._loop is not None:
-            for out in outs:  # every sample of an n > 1 request
-                self._loop.call_soon_threadsafe(self.on_finish, out)
+            for i, out in enumerate(outs):  # every sample of an n > 1 request
+                self._loop.call_soon_threadsafe(self.on_finish, out, i == len(outs) - 1)
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request and waits until its blocks are freed; unknown ids are ignored."""
         queue = self._queues.pop(request_id, None)
         self._unfinished.pop(request_id, None)
         outs = await self._call(self.engine.abort_request_samples, request_id)
-        for out in outs:
+        for i, out in enumerate(outs):
             if queue is not None:
                 queue.put_nowait(out)
             if self.on_finish is not None:
-                self.on_finish(out)
+                self.on_finish(out, i == len(outs) - 1)
 
     # ------------------------------------------------------------------ engine state
     async def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:

@@ -109,9 +109,9 @@ class LLMEngine:
         self.cache_fingerprint = hashlib.sha256(self.loaded.fingerprint + model_dtype.encode()).digest()
         self._hash_seed = hash_seed_bytes(config.hash_seed)
         self.vocab_size = mcfg.vocab_size
-        # Parallel sampling groups (n > 1): group id -> engine ids of its unfinished samples, and
-        # each sample id -> its group (also reserves the ids of samples not forked yet).
-        self._groups: dict[str, dict[str, None]] = {}  # ordered by sample index
+        # Parallel sampling groups (n > 1): group id -> {sample id: finished?} in sample order, and
+        # sample id -> group id. Every sample id stays reserved until the whole group is done.
+        self._groups: dict[str, dict[str, bool]] = {}
         self._sample_group: dict[str, str] = {}
         # Loaded LoRA adapters by directory: (files' mtime/size signature, adapter).
         self._lora_adapters: dict[Path, tuple[tuple, LoRAAdapter]] = {}
@@ -216,7 +216,7 @@ class LLMEngine:
             prompt=prompt_text,
         )
         if params.n > 1:
-            self._groups[request_id] = dict.fromkeys(sample_ids)
+            self._groups[request_id] = dict.fromkeys(sample_ids, False)
             self._sample_group.update((rid, request_id) for rid in sample_ids)
         self.scheduler.add_request(request)
         return request_id
@@ -328,7 +328,11 @@ class LLMEngine:
         return outputs[0] if outputs else None
 
     def abort_request_samples(self, request_id: str) -> list[RequestOutput]:
-        """Like :meth:`abort_request`, returning the output of every sample it stopped."""
+        """Like :meth:`abort_request`, returning the output of every sample it stopped.
+
+        ``request_id`` is the id given to :meth:`add_request`; an engine-internal sample id
+        (``"id#i"``) stops that sample only, and only once it exists.
+        """
         samples = list(self._groups.get(request_id, [request_id]))
         outputs = []
         for sample_id in samples:
@@ -336,22 +340,23 @@ class LLMEngine:
             if request is not None:
                 request.finish_s = time.monotonic()
                 outputs.append(self._make_output(request))
-            self._sample_finished(sample_id)
+                self._sample_finished(request)
         return outputs
 
-    def _sample_finished(self, sample_id: str) -> None:
-        group_id = self._sample_group.get(sample_id)
+    def _sample_finished(self, request: Request) -> None:
+        """Marks a sample of an ``n > 1`` request finished; forgets the group once all are."""
+        group_id = self._sample_group.get(request.request_id)
         if group_id is None:
             return
-        members = self._groups[group_id]
-        members.pop(sample_id, None)
-        if group_id == sample_id:  # the group's first sample: unforked samples will never run
-            for rid in [r for r in members if r not in self.scheduler.requests]:
-                del members[rid]
-                del self._sample_group[rid]
-        del self._sample_group[sample_id]
-        if not members:
+        group = self._groups[group_id]
+        group[request.request_id] = True
+        if request.fork_params:  # it ended before forking (aborted): its other samples never exist
+            request.fork_params = []
+            group.update(dict.fromkeys(group, True))
+        if all(group.values()):
             del self._groups[group_id]
+            for sample_id in group:
+                del self._sample_group[sample_id]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -380,7 +385,7 @@ class LLMEngine:
             status = self._check_stop(request)
             if status is not None:
                 self.scheduler.finish_request(request.request_id, status)
-                self._sample_finished(request.request_id)
+                self._sample_finished(request)
                 request.finish_s = now
                 outputs.append(self._make_output(request))
             elif request.stream:

@@ -114,12 +114,13 @@ class ServerMetrics:
             labels, buckets=_LATENCY_BUCKETS_S, registry=self.registry,
         )
 
-    def observe_finished(self, out: RequestOutput) -> None:
-        """Records one finished (or aborted) request; of an ``n > 1`` request's other samples
-        (``index > 0``) only the generated tokens."""
+    def observe_finished(self, out: RequestOutput, request_done: bool = True) -> None:
+        """Records one finished (or aborted) sample: its generated tokens; and, for the last
+        sample of a request (``request_done``), the request: prompt tokens, finish reason, TTFT
+        and end-to-end latency (of its last sample)."""
         name = self._model_name
         self.generation_tokens.labels(name).inc(len(out.token_ids))
-        if out.index != 0:
+        if not request_done:
             return
         self.prompt_tokens.labels(name).inc(out.num_prompt_tokens)
         self.request_success.labels(name, out.finish_reason or "abort").inc()

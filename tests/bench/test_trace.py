@@ -31,7 +31,7 @@ def test_without_memory_pressure_every_policy_saves_the_same():
         assert all(rows[(trace, 1, p)]["num_evictions"] == 0 for p in POLICIES)
 
 
-def test_belady_reference_is_an_upper_bound_on_the_toy_trace():
+def test_belady_reference_beats_the_real_policies_on_the_toy_trace():
     rows = by_key(run_trace_benchmark(("lru", "cost", "belady"), seeds=(0,), num_requests=300, num_blocks=256))
     for trace in ("skewed", "uniform"):
         saved = {p: rows[(trace, 0, p)]["prefill_tokens_saved"] for p in ("lru", "cost", "belady")}

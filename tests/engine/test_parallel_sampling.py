@@ -141,3 +141,39 @@ def test_samples_survive_preemption_and_count_toward_max_num_seqs(make_llm):
     assert [r.request_id for r in engine.scheduler.running] == ["g", "g#1", "g#2", "g#3"]
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_sample_ids_stay_reserved_until_the_whole_request_is_done(make_llm):
+    # Found by a code review: ids were released when sample 0 ended, or when an unforked sample
+    # was "aborted", and could then collide with live samples.
+    engine = make_llm(num_blocks=64).engine
+    engine.add_request("Hello there", SamplingParams(temperature=0, n=3, max_tokens=4, ignore_eos=True),
+                       request_id="x")
+    assert engine.abort_request("x#1") is None  # not forked yet: nothing to stop, still reserved
+    with pytest.raises(ValueError, match="'x#1' is already in use"):
+        engine.add_request("Hi", SamplingParams(max_tokens=2), request_id="x#1")
+    engine.step()  # prompt computed: x#1 and x#2 forked
+    assert sorted(engine.scheduler.requests) == ["x", "x#1", "x#2"]
+    engine.abort_request("x#1")  # one live sample stops; the others go on
+    assert sorted(engine.scheduler.requests) == ["x", "x#2"]
+    # Sample 0 finishing (stop at max_tokens) does not release "x" while x#2 runs.
+    engine.scheduler.requests["x#2"].sampling_params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    while "x" in engine.scheduler.requests:
+        engine.step()
+    assert list(engine.scheduler.requests) == ["x#2"]
+    with pytest.raises(ValueError, match="'x' is already in use"):
+        engine.add_request("Hi", SamplingParams(max_tokens=2), request_id="x")
+    outs = engine.abort_request_samples("x")
+    assert [(o.request_id, o.index) for o in outs] == [("x", 2)]
+    assert not engine.has_unfinished_requests() and engine.kv_cache_manager.usage == 0.0
+    engine.add_request("Hi", SamplingParams(max_tokens=2), request_id="x")  # released now
+    engine.add_request("Hi", SamplingParams(max_tokens=2), request_id="x#1")
+
+
+def test_aborting_a_request_before_it_forks_releases_all_its_ids(make_llm):
+    engine = make_llm(num_blocks=64).engine
+    engine.add_request("Hello there", SamplingParams(n=3, max_tokens=4), request_id="y")
+    assert [o.index for o in engine.abort_request_samples("y")] == [0]
+    assert not engine.has_unfinished_requests()
+    for rid in ("y", "y#1", "y#2"):
+        engine.add_request("Hi", SamplingParams(max_tokens=2), request_id=rid)
