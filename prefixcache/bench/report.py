@@ -14,6 +14,12 @@ def _ms(x) -> str:
     return "–" if x is None else f"{x * 1e3:.0f}"
 
 
+def _table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    """A ``## title`` section with one Markdown table."""
+    return ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
 def markdown(result: dict) -> str:
     """All tables of a run as one Markdown document."""
     ws = result["workloads"]
@@ -24,84 +30,71 @@ def markdown(result: dict) -> str:
         f"Machine: {m['cpu_cores']} CPU cores, {m['threads']} torch threads, torch {m['torch']}; load average "
         f"{_f(m['load_average_start'][0])} at start, {_f(m['load_average_end'][0])} at end."
         + (f" Command: `{result['command']}`." if result.get("command") else ""),
-        "",
-        "## Prefill and cache",
-        "",
-        "| workload | requests | prompt tok | computed, off | computed, on | ideal | on / ideal | hit rate "
-        "| hit requests | peak blocks on / ideal / off | outputs on = off |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for w in ws:
         p, kv = w["prefill"], w["kv"]
-        lines.append(
-            f"| {w['name']} | {w['num_requests']} | {w['prompt_tokens']} | {p['computed_cache_off']} "
-            f"| {p['computed_cache_on']} | {p['ideal']} | {_f(p['computed_over_ideal'])} | {p['hit_rate']:.1%} "
-            f"| {p['hit_requests']}/{w['num_requests']} | {kv['peak_blocks_cache_on']} / {kv['ideal_peak_blocks']} / "
-            f"{kv['peak_blocks_cache_off']} | {'yes' if w['outputs_equal_on_off'] else 'NO'} |"
-        )
-    lines += [
-        "",
-        "## Latency and throughput (TTFT of a request alone; throughput of all requests at once)",
-        "",
-        "| workload | TTFT cold med / p90 (ms) | TTFT warm med / p90 (ms) | warm / cold | wall off / on (s) "
-        "| out tok/s off / on | on / off |",
-        "|---|---|---|---|---|---|---|",
-    ]
+        rows.append([
+            w["name"], str(w["num_requests"]), str(w["prompt_tokens"]), str(p["computed_cache_off"]),
+            str(p["computed_cache_on"]), str(p["ideal"]), _f(p["computed_over_ideal"]), f"{p['hit_rate']:.1%}",
+            f"{p['hit_requests']}/{w['num_requests']}",
+            f"{kv['peak_blocks_cache_on']} / {kv['ideal_peak_blocks']} / {kv['peak_blocks_cache_off']}",
+            "yes" if w["outputs_equal_on_off"] else "NO",
+        ])
+    lines += _table("Prefill and cache", [
+        "workload", "requests", "prompt tok", "computed, off", "computed, on", "ideal", "on / ideal", "hit rate",
+        "hit requests", "peak blocks on / ideal / off", "outputs on = off"], rows)
+    rows = []
     for w in ws:
         t, th = w["ttft"], w["throughput"]
-        lines.append(
-            f"| {w['name']} | {_ms(t['cold_median_s'])} / {_ms(t['cold_p90_s'])} | {_ms(t['warm_median_s'])} / "
-            f"{_ms(t['warm_p90_s'])} | {_f(t['warm_over_cold'])} | {th['wall_s_cache_off']:.2f} / "
-            f"{th['wall_s_cache_on']:.2f} | {th['output_tokens_per_s_cache_off']:.1f} / "
-            f"{th['output_tokens_per_s_cache_on']:.1f} | {th['on_over_off']:.2f} |"
-        )
+        rows.append([
+            w["name"], f"{_ms(t['cold_median_s'])} / {_ms(t['cold_p90_s'])}",
+            f"{_ms(t['warm_median_s'])} / {_ms(t['warm_p90_s'])}", _f(t["warm_over_cold"]),
+            f"{th['wall_s_cache_off']:.2f} / {th['wall_s_cache_on']:.2f}",
+            f"{th['output_tokens_per_s_cache_off']:.1f} / {th['output_tokens_per_s_cache_on']:.1f}",
+            f"{th['on_over_off']:.2f}",
+        ])
+    lines += _table("Latency and throughput (TTFT of a request alone; throughput of all requests at once)", [
+        "workload", "TTFT cold med / p90 (ms)", "TTFT warm med / p90 (ms)", "warm / cold", "wall off / on (s)",
+        "out tok/s off / on", "on / off"], rows)
     if any("hf" in w for w in ws):
-        lines += [
-            "",
-            "## Versus transformers (same weights, threads, prompts; output tokens/s over the workload)",
-            "",
-            "| workload | ours, cache on | HF no reuse | HF DynamicCache copy | HF batched | ours / best HF "
-            "| TTFT warm ours / HF copy (ms) | same tokens as HF |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for w in ws:
-            if "hf" not in w:
-                continue
+        rows = []
+        for w in (w for w in ws if "hf" in w):
             h = w["hf"]
-            lines.append(
-                f"| {w['name']} | {w['throughput']['output_tokens_per_s_cache_on']:.1f} "
-                f"| {h['no_reuse']['output_tokens_per_s']:.1f} | {h['prefix_copy']['output_tokens_per_s']:.1f} "
-                f"| {h['batched']['output_tokens_per_s']:.1f} | {h['ours_over_best']:.2f}× ({h['best_variant']}) "
-                f"| {_ms(w['ttft']['warm_median_s'])} / {_ms(h['prefix_copy']['ttft_median_s'])} "
-                f"| {h['same_outputs_as_no_reuse']:.0%} |"
-            )
-    lines += [
-        "",
-        "## Is prefix caching worth enabling?",
-        "",
-        "| workload | verdict | block repeat rate | mean hit (tok) | prefill saved / request (ms) "
-        "| saved s per s of traffic | KV held (MiB) | reason |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+            rows.append([
+                w["name"], f"{w['throughput']['output_tokens_per_s_cache_on']:.1f}",
+                f"{h['no_reuse']['output_tokens_per_s']:.1f}", f"{h['prefix_copy']['output_tokens_per_s']:.1f}",
+                f"{h['batched']['output_tokens_per_s']:.1f}", f"{h['ours_over_best']:.2f}× ({h['best_variant']})",
+                f"{_ms(w['ttft']['warm_median_s'])} / {_ms(h['prefix_copy']['ttft_median_s'])}",
+                f"{h['same_outputs_as_no_reuse']:.0%}",
+            ])
+        lines += _table("Versus transformers (same weights, threads, prompts; output tokens/s over the workload)", [
+            "workload", "ours, cache on", "HF no reuse", "HF DynamicCache copy", "HF batched", "ours / best HF",
+            "TTFT warm ours / HF copy (ms)", "same tokens as HF"], rows)
+    rows = []
     for w in ws:
         v = w["worth"]
-        lines.append(
-            f"| {w['name']} | **{v['verdict']}** | {v['block_repeat_rate']:.2f} | {v['mean_hit_tokens']:.0f} "
-            f"| {v['saved_prefill_s_per_request'] * 1e3:.0f} | {v['saved_prefill_s_per_s']:.3f} "
-            f"| {v['kv_bytes_held'] / 2**20:.1f} | {v['reason']} |"
-        )
+        rows.append([
+            w["name"], f"**{v['verdict']}**", f"{v['block_repeat_rate']:.2f}", f"{v['mean_hit_tokens']:.0f}",
+            f"{v['saved_prefill_s_per_request'] * 1e3:.0f}", f"{v['saved_prefill_s_per_s']:.3f}",
+            f"{v['kv_bytes_held'] / 2**20:.1f}", v["reason"],
+        ])
+    lines += _table("Is prefix caching worth enabling?", [
+        "workload", "verdict", "block repeat rate", "mean hit (tok)", "prefill saved / request (ms)",
+        "saved s per s of traffic", "KV held (MiB)", "reason"], rows)
     if result.get("micro"):
-        lines += ["", "## Chain hash + verify + lookup (fully cached 4096-token prompt)", "",
-                  "| block size | hash (M tok/s) | lookup + verify (M tok/s) | total (M tok/s) |", "|---|---|---|---|"]
-        for mm in result["micro"]:
-            lines.append(f"| {mm['block_size']} | {mm['hash_tokens_per_s'] / 1e6:.1f} "
-                         f"| {mm['lookup_verify_tokens_per_s'] / 1e6:.1f} | {mm['total_tokens_per_s'] / 1e6:.1f} |")
-    lines += ["", "## Goals", "", "| workload | goal | target | measured | met |", "|---|---|---|---|---|"]
+        rows = [[str(mm["block_size"]), f"{mm['hash_tokens_per_s'] / 1e6:.1f}",
+                 f"{mm['lookup_verify_tokens_per_s'] / 1e6:.1f}", f"{mm['total_tokens_per_s'] / 1e6:.1f}"]
+                for mm in result["micro"]]
+        lines += _table("Chain hash + verify + lookup (fully cached 4096-token prompt)", [
+            "block size", "hash (M tok/s)", "lookup + verify (M tok/s)", "total (M tok/s)"], rows)
+    rows = []
     for g in result["goals"]:
         met = "–" if g["met"] is None else ("yes" if g["met"] else "**no**")
         value = g["value"]
         shown = "–" if value is None else (f"{value / 1e6:.1f} M" if value >= 1e5 else f"{value:.3f}")
-        lines.append(f"| {g['workload']} | {g['goal']} | {g['target']} | {shown} | {met} |")
+        rows.append([g["workload"], g["goal"], str(g["target"]), shown, met])
+    lines += _table("Goals", ["workload", "goal", "target", "measured", "met"], rows)
     return "\n".join(lines) + "\n"
 
 

@@ -74,21 +74,27 @@ class Usage(_Model):
     prompt_tokens_details: PromptTokensDetails
 
 
-class CompletionChoice(_Model):
+class _Choice(_Model):
     index: int = 0
-    text: str
     logprobs: None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM extra: the stop string or token that matched
 
 
-class CompletionResponse(_Model):
+class _Response(_Model):
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class CompletionChoice(_Choice):
+    text: str
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class ResponseMessage(_Model):
@@ -96,21 +102,13 @@ class ResponseMessage(_Model):
     content: str
 
 
-class ChatChoice(_Model):
-    index: int = 0
+class ChatChoice(_Choice):
     message: ResponseMessage
-    logprobs: None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(_Model):
-    id: str
+class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
-    usage: Usage
 
 
 class ModelCard(_Model):
