@@ -25,6 +25,8 @@ import hashlib
 import json
 import os
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from typing import NewType
 
@@ -32,7 +34,14 @@ import xxhash
 
 BlockHash = NewType("BlockHash", bytes)
 
-HASH_ALGOS = ("xxh64", "sha256")
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+# The digest behind each hash_algo (tests swap in a constant one to force collisions).
+_DIGESTS = {"xxh64": xxhash.xxh64_digest, "sha256": _sha256}
+HASH_ALGOS = tuple(_DIGESTS)
+_UINT32 = next(code for code in "IL" if array(code).itemsize == 4)
 
 # Drawn once at import: the default hash seed of this process (immutable).
 _PROCESS_HASH_SEED = os.urandom(16)
@@ -90,7 +99,7 @@ class BlockHasher:
             raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {hash_algo!r}")
         self.block_size = block_size
         self.hash_algo = hash_algo
-        self._digest = xxhash.xxh64_digest if hash_algo == "xxh64" else _sha256
+        self._digest = _DIGESTS[hash_algo]
         self._pack = struct.Struct(f"<{block_size}I").pack
 
     def root_hash(self, root_key: bytes) -> BlockHash:
@@ -122,13 +131,16 @@ class BlockHasher:
                 prefix).
         """
         bs = self.block_size
-        num_full = len(token_ids) // bs
+        start, num_full = len(block_hashes), len(token_ids) // bs
+        if num_full <= start:
+            return
         parent = block_hashes[-1] if block_hashes else self.root_hash(root_key)
-        for i in range(len(block_hashes), num_full):
-            extra = extra_key if i >= num_unkeyed_blocks else b""
-            parent = self.hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra)
-            block_hashes.append(parent)
-
-
-def _sha256(data: bytes) -> bytes:
-    return hashlib.sha256(data).digest()
+        # Same bytes as hash_block, packed once for all new blocks (the hot path of admission).
+        packed = array(_UINT32, token_ids[start * bs : num_full * bs])
+        if sys.byteorder == "big":
+            packed.byteswap()
+        data = packed.tobytes()
+        digest, append, width = self._digest, block_hashes.append, 4 * bs
+        for i, off in zip(range(start, num_full), range(0, len(data), width)):
+            parent = digest(parent + data[off : off + width] + (extra_key if i >= num_unkeyed_blocks else b""))
+            append(parent)

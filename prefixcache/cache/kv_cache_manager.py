@@ -136,11 +136,38 @@ class KVCacheManager:
         bs = self.block_size
         max_blocks = min((request.num_tokens - 1) // bs, len(request.block_hashes))
         tokens = request.all_token_ids
-        # All verified copies matched at block i-1 are candidate parents at block i (duplicates
-        # of one block each carry their own chain); any block of the deepest level, followed
-        # back along its parents, is a longest verified prefix.
-        matches: list[KVCacheBlock] | None = None
-        for i in range(max_blocks):
+        hashes, root_key = request.block_hashes, request.root_key
+        tenant_key, num_shared = request.tenant_key, request.num_shared_blocks
+        pool = self.block_pool
+        table, allowed = pool.cached_block_hash_to_block, pool.free_block_queue.is_hit_allowed
+        # Fast path, the usual case: one cached copy per hash, verified inline as
+        # BlockPool.find_cached_blocks does (tokens, parent at its generation or root key, extra key).
+        blocks: list[KVCacheBlock] = []
+        parent: KVCacheBlock | None = None
+        i = 0
+        while i < max_blocks:
+            candidates = table.get(hashes[i])
+            if candidates is None or len(candidates) != 1:
+                break
+            (block,) = candidates.values()
+            if not (
+                (block.parent is None and block.root_key == root_key if parent is None
+                 else block.parent is parent and block.parent_generation == parent.generation)
+                and block.extra_key == (tenant_key if i >= num_shared else b"")
+                and block.token_ids == tuple(tokens[i * bs : (i + 1) * bs])
+                and allowed(block)
+            ):
+                return blocks, len(blocks) * bs  # the only copy doesn't verify: a miss
+            blocks.append(block)
+            parent = block
+            i += 1
+        if i == max_blocks or not table.get(hashes[i]):
+            return blocks, len(blocks) * bs
+        # Several copies of a block: all verified copies matched at block i-1 are candidate
+        # parents at block i (duplicates each carry their own chain); any block of the deepest
+        # level, followed back along its parents, is a longest verified prefix.
+        matches: list[KVCacheBlock] | None = [parent] if parent is not None else None
+        for i in range(i, max_blocks):
             level = self.block_pool.find_cached_blocks(
                 request.block_hashes[i],
                 tokens[i * bs : (i + 1) * bs],
@@ -151,7 +178,7 @@ class KVCacheManager:
             if not level:
                 break
             matches = level
-        blocks: list[KVCacheBlock] = []
+        blocks = []
         if matches:
             block: KVCacheBlock | None = matches[0]
             while block is not None:

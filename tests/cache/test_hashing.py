@@ -25,15 +25,23 @@ def test_chain_is_xxh64_of_parent_tokens_extra():
 def test_extend_hashes_full_blocks_once_and_equal_prefixes_share():
     h = BlockHasher(block_size=4)
     calls = []
-    real = h.hash_block
-    h.hash_block = lambda parent, toks, extra=b"": calls.append(tuple(toks)) or real(parent, toks, extra)
+    real = h._digest
+    h._digest = lambda data: calls.append(data) or real(data)
     hashes: list = []
     tokens = list(range(10))
     h.extend(hashes, tokens, ROOT)
-    assert len(hashes) == 2 and calls == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert len(hashes) == 2 and len(calls) == 3  # the root, then blocks 0 and 1 (not the partial 2)
+    root = h.root_hash(ROOT)
+    assert hashes == [h.hash_block(root, [0, 1, 2, 3]), h.hash_block(hashes[0], [4, 5, 6, 7])]
+    calls.clear()
+    h.extend(hashes, tokens + [10], ROOT)  # still no full block 2: nothing hashed
+    assert calls == []
     tokens += [10, 11]
     h.extend(hashes, tokens, ROOT)
-    assert len(hashes) == 3 and calls[2:] == [(8, 9, 10, 11)]
+    assert len(calls) == 1 and hashes[2] == h.hash_block(hashes[1], [8, 9, 10, 11])
+    keyed: list = []
+    h.extend(keyed, tokens, ROOT, b"tenant", num_unkeyed_blocks=1)
+    assert keyed[0] == hashes[0] and keyed[1] == h.hash_block(keyed[0], [4, 5, 6, 7], b"tenant") != hashes[1]
     other: list = []
     BlockHasher(4).extend(other, list(range(8)) + [99, 99, 99, 99], ROOT)
     assert other[:2] == hashes[:2] and other[2] != hashes[2]

@@ -463,3 +463,40 @@ def test_copy_on_write_needs_a_free_block():
     assert m.allocate_slots(kid, 1) is None  # the pool is full: nothing changes
     assert m.get_block_ids("p#1") == [0, 1, 2] and m.block_pool.blocks[2].ref_cnt == 2
     assert m.pending_copy_ops == []
+
+
+# -- the lookup's one-candidate fast path verifies everything the general path does -------------
+
+
+@pytest.fixture
+def parent_blind_hash(monkeypatch):
+    """Block hashes ignore the parent: equal blocks after different prefixes collide."""
+    import xxhash
+
+    from prefixcache.cache import hashing
+
+    monkeypatch.setitem(hashing._DIGESTS, "xxh64", lambda data: xxhash.xxh64_digest(data[8:]))
+
+
+def test_fast_path_checks_the_parent(parent_blind_hash):
+    m = KVCacheManager(20, B)
+    p, q, x, y = [1] * B, [2] * B, [3] * B, [4] * B
+    admit(m, make_request("qx", q + x, block_size=B))  # blocks 0 <- 1 (X after Q)
+    admit(m, make_request("py", p + y, block_size=B))  # blocks 2 <- 3
+    probe = make_request("px", p + x + [0], block_size=B)
+    assert probe.block_hashes[1] == make_request("r", q + x, block_size=B).block_hashes[1]  # X collides
+    hits, num_hit = m.get_computed_blocks(probe)
+    assert (ids(hits), num_hit) == ([2], B)  # P hits; Q's X block is refused (wrong parent)
+
+
+@pytest.mark.parametrize("field", ["root_key", "tenant", "tokens"])
+def test_fast_path_checks_root_tenant_and_tokens(constant_hash, field):
+    m = KVCacheManager(20, B)
+    admit(m, make_request("a", [1, 2, 3, 4, 0], block_size=B, cache_salt="alpha", tenant="acme"))
+    assert m.block_pool.num_cached_blocks == 1  # one candidate: the fast path decides
+    other = {"root_key": dict(cache_salt="beta", tenant="acme"), "tenant": dict(cache_salt="alpha", tenant="globex"),
+             "tokens": dict(cache_salt="alpha", tenant="acme")}[field]
+    prompt = [1, 2, 3, 5, 0] if field == "tokens" else [1, 2, 3, 4, 0]
+    assert m.get_computed_blocks(make_request("b", prompt, block_size=B, **other)) == ([], 0)
+    same = make_request("c", [1, 2, 3, 4, 0], block_size=B, cache_salt="alpha", tenant="acme")
+    assert ids(m.get_computed_blocks(same)[0]) == [0]
