@@ -63,6 +63,10 @@ class EngineConfig:
             raise ValueError(f"hash_seed must be an integer in [0, 2**64), got {self.hash_seed!r}")
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if self.device is not None and (not isinstance(self.device, str) or not self.device):
+            raise ValueError(f"device must be a torch device name such as 'cpu' or 'cuda', got {self.device!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.eviction_policy not in EVICTION_POLICIES:
@@ -92,10 +96,6 @@ class EngineConfig:
         return config
 
     def resolved_num_threads(self) -> int:
-        if self.hash_seed is not None and (
-            isinstance(self.hash_seed, bool) or not isinstance(self.hash_seed, int) or not 0 <= self.hash_seed < 2**64
-        ):
-            raise ValueError(f"hash_seed must be an integer in [0, 2**64), got {self.hash_seed!r}")
         if self.num_threads is not None:
             return self.num_threads
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

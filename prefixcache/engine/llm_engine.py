@@ -82,7 +82,15 @@ class LLMEngine:
         if config.device is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
-            device = torch.device(config.device)
+            try:
+                device = torch.device(config.device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"device must be a torch device name such as 'cpu' or 'cuda', "
+                                 f"got {config.device!r}") from e
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"device {config.device!r}: CUDA is not available on this machine")
+            if device.type not in ("cpu", "cuda"):
+                raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {config.device!r}")
         if device.type == "cpu":
             torch.set_num_threads(config.resolved_num_threads())
         self.device = device

@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--model", default="smollm2-135m", help="built-in name, HF directory or .gguf file")
     demo.add_argument("--json", action="store_true", help="print the report as one JSON object")
     demo.add_argument("--block-size", type=int, default=16)
+    demo.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
 
     fetch = sub.add_parser("fetch", help="download and convert the default model into $PREFIXCACHE_HOME")
     fetch.add_argument("--home", default=None, help="cache folder (default $PREFIXCACHE_HOME or ~/.cache/prefixcache)")
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from prefixcache.entrypoints.demo import print_report, run_demo
 
-            print_report(run_demo(args.model, block_size=args.block_size), args.json)
+            print_report(run_demo(args.model, block_size=args.block_size, num_threads=args.num_threads), args.json)
         elif args.command == "fetch":
             from pathlib import Path
 

@@ -122,9 +122,13 @@ def test_invalid_input_raises_value_error_and_leaks_nothing(make_llm):
 
 
 def test_engine_options_are_validated(make_llm):
-    for opts, field in [({"block_size": 0}, "block_size"), ({"hash_algo": "md5"}, "hash_algo"),
-                        ({"max_num_seqs": 0}, "max_num_seqs"), ({"bogus": 1}, "bogus"),
-                        ({"dtype": "int8"}, "dtype")]:
+    cases = [({"block_size": 0}, "block_size"), ({"hash_algo": "md5"}, "hash_algo"),
+             ({"max_num_seqs": 0}, "max_num_seqs"), ({"bogus": 1}, "bogus"),
+             ({"dtype": "int8"}, "dtype"), ({"seed": "x"}, "seed"), ({"seed": 2**64}, "seed"),
+             ({"device": "tpu"}, "device"), ({"device": 3}, "device"), ({"device": "nope:0"}, "device")]
+    if not torch.cuda.is_available():
+        cases.append(({"device": "cuda"}, "CUDA is not available"))
+    for opts, field in cases:
         with pytest.raises(ValueError, match=field):
             make_llm(**opts)
 
