@@ -205,16 +205,6 @@ class BlockPool:
             return []
         token_ids = tuple(token_ids)
         allowed = self.free_block_queue.is_hit_allowed
-        if parents is not None and len(parents) == 1 and len(candidates) == 1:
-            # The common case (one copy cached, one parent matched): no dict, no list building.
-            (block,) = candidates.values()
-            parent = parents[0]
-            ok = (
-                block.parent is parent
-                and block.parent_generation == parent.generation
-                and block.extra_key == extra_key
-            )
-            return [block] if ok and block.token_ids == token_ids and allowed(block) else []
         if parents is None:
             return [
                 b
