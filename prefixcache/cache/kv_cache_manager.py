@@ -153,7 +153,7 @@ class KVCacheManager:
             if not (
                 (block.parent is None and block.root_key == root_key if parent is None
                  else block.parent is parent and block.parent_generation == parent.generation)
-                and block.extra_key == (tenant_key if i >= num_shared else b"")
+                and block.extra_key == (tenant_key if i >= num_shared else b"")  # request.block_extra_key(i)
                 and block.token_ids == tuple(tokens[i * bs : (i + 1) * bs])
                 and allowed(block)
             ):
@@ -169,10 +169,10 @@ class KVCacheManager:
         matches: list[KVCacheBlock] | None = [parent] if parent is not None else None
         for i in range(i, max_blocks):
             level = self.block_pool.find_cached_blocks(
-                request.block_hashes[i],
+                hashes[i],
                 tokens[i * bs : (i + 1) * bs],
                 matches,
-                request.root_key,
+                root_key,
                 request.block_extra_key(i),
             )
             if not level:
