@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prefixcache.errors import InvalidInputError
+
 MAX_STOP_STRINGS = 16
 MAX_N = 64
 
@@ -49,35 +51,35 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         _check_number("temperature", self.temperature)
         if not 0 <= self.temperature < float("inf"):
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+            raise InvalidInputError("temperature", f"temperature must be finite and >= 0, got {self.temperature}")
         _check_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidInputError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k)
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
+            raise InvalidInputError("top_k", f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
         _check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise InvalidInputError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
         _check_int("n", self.n)
         if not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+            raise InvalidInputError("n", f"n must be in [1, {MAX_N}], got {self.n}")
         if self.seed is not None:
             _check_int("seed", self.seed)
             if not -(2**63) <= self.seed <= 2**64 - self.n:  # what torch.Generator.manual_seed accepts
-                raise ValueError(f"seed must be in [-2**63, 2**64 - n], got {self.seed}")
+                raise InvalidInputError("seed", f"seed must be in [-2**63, 2**64 - n], got {self.seed}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise InvalidInputError(name, f"{name} must be a bool, got {getattr(self, name)!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+            raise InvalidInputError("stop", f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop entries must be non-empty strings, got {s!r}")
+                raise InvalidInputError("stop", f"stop entries must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t)
             if t < 0:
-                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+                raise InvalidInputError("stop_token_ids", f"stop_token_ids must be >= 0, got {t}")
 
     @property
     def greedy(self) -> bool:
@@ -86,9 +88,9 @@ class SamplingParams:
 
 def _check_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise InvalidInputError(name, f"{name} must be a number, got {value!r}")
 
 
 def _check_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise InvalidInputError(name, f"{name} must be an integer, got {value!r}")

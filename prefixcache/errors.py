@@ -1,0 +1,24 @@
+"""Errors that carry what went wrong in a form callers can act on without parsing messages.
+
+:class:`InvalidInputError` is a ``ValueError`` (so ``except ValueError`` and
+``pytest.raises(ValueError)`` keep working) that names the offending input field. The server turns
+it into an HTTP 400 with that field as OpenAI's ``error.param``; the offline API raises it as is.
+"""
+
+from __future__ import annotations
+
+
+class InvalidInputError(ValueError):
+    """An invalid request or option value.
+
+    Args:
+        field: the input field at fault (``"temperature"``, ``"prompt"``, ``"max_tokens"``, ...),
+            or ``None`` when no single field is.
+        message: what is wrong; by convention it starts with the field's name.
+    """
+
+    def __init__(self, field: str | None, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
