@@ -1,0 +1,83 @@
+"""The prefix cache's options: one frozen dataclass, handed down whole to the cache.
+
+:class:`prefixcache.config.EngineConfig` inherits these fields, so each option is declared once
+(with its help text in the field's metadata, from which the command-line flags are generated) and
+the engine passes its config to :class:`~prefixcache.cache.kv_cache_manager.KVCacheManager` as is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from prefixcache.cache.hashing import HASH_ALGOS
+from prefixcache.errors import InvalidInputError
+
+DEFAULT_BLOCK_SIZE = 16  # tokens
+DEFAULT_CACHE_TTL_S = 300.0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Options of the paged KV pool's prefix cache.
+
+    Raises:
+        InvalidInputError: from :meth:`validate`, naming the invalid field.
+    """
+
+    block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "tokens per KV block"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "look up and cache full blocks"})
+    hash_algo: str = field(default="xxh64", metadata={"help": "block hash", "choices": HASH_ALGOS})
+    hash_seed: int | None = field(default=None, metadata={
+        "help": "mixed into every block hash; fix it for keys reproducible across processes "
+                "(default: random per process)"})
+    eviction_policy: str = field(default="lru", metadata={
+        "help": "which free cached block is evicted first (a name registered in cache/eviction.py)"})
+    cache_ttl_s: float = field(default=DEFAULT_CACHE_TTL_S, metadata={
+        "help": "ttl policy: free cached blocks idle longer than this many seconds expire"})
+    enable_partial_block_reuse: bool = field(default=True, metadata={
+        "help": "copy the matching first slots of a cached block instead of recomputing them"})
+    cost_half_life_s: float = field(default=60.0, metadata={
+        "help": "cost policy: a hit counts half as much after this many seconds"})
+    cost_attention_tokens: float = field(default=2048.0, metadata={
+        "help": "cost policy: context length (tokens) at which attention costs as much per token as "
+                "the rest of a layer"})
+
+    def validate(self) -> None:
+        """Checks every field.
+
+        Raises:
+            InvalidInputError: naming the first invalid field.
+        """
+        check_int("block_size", self.block_size, 1)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        if self.hash_algo not in HASH_ALGOS:
+            raise InvalidInputError("hash_algo", f"hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
+        if self.hash_seed is not None:
+            check_int("hash_seed", self.hash_seed, 0, 2**64 - 1)
+        if not isinstance(self.eviction_policy, (str, type)):
+            raise InvalidInputError("eviction_policy", f"eviction_policy must be a policy name, "
+                                                       f"got {self.eviction_policy!r}")
+        check_positive_float("cache_ttl_s", self.cache_ttl_s)
+        check_bool("enable_partial_block_reuse", self.enable_partial_block_reuse)
+        check_positive_float("cost_half_life_s", self.cost_half_life_s)
+        check_positive_float("cost_attention_tokens", self.cost_attention_tokens)
+
+
+def check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    """Raises :class:`InvalidInputError` unless ``value`` is an int (not a bool) in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise InvalidInputError(name, f"{name} must be an integer {bounds}, got {value!r}")
+
+
+def check_bool(name: str, value: object) -> None:
+    """Raises :class:`InvalidInputError` unless ``value`` is a bool."""
+    if not isinstance(value, bool):
+        raise InvalidInputError(name, f"{name} must be a bool, got {value!r}")
+
+
+def check_positive_float(name: str, value: object) -> None:
+    """Raises :class:`InvalidInputError` unless ``value`` is a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise InvalidInputError(name, f"{name} must be a finite number > 0, got {value!r}")
