@@ -16,13 +16,16 @@ class RequestOutput:
         prompt_token_ids: the prompt's tokens.
         text: generated text (special tokens skipped, stop string removed unless asked to keep it).
         token_ids: generated token ids (an EOS or stop token that ended generation included).
-        finish_reason: "stop" (EOS, stop token or stop string), "length" or "abort".
+        finish_reason: "stop" (EOS, stop token or stop string), "length", "abort", or "error" (the
+            engine step that ran this request failed; ``error`` says why, the engine goes on).
         stop_reason: the stop string or stop token id that matched, if any.
         num_prompt_tokens: prompt length in tokens.
         num_cached_tokens: prompt tokens served from the prefix cache at admission.
         ttft_s: seconds from arrival to the first generated token.
         e2e_s: seconds from arrival to finish (None while unfinished).
         finished: False only for the intermediate outputs of a streaming request.
+        error: with finish_reason "error", what failed (an internal fault, not the request's input:
+            bad input is refused before a request is queued).
     """
 
     request_id: str
@@ -38,3 +41,4 @@ class RequestOutput:
     ttft_s: float | None
     e2e_s: float | None
     finished: bool = True
+    error: str | None = None
