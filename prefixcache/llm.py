@@ -146,21 +146,19 @@ class LLM:
             raise
         keys = [(req_id, i) for req_id, (_, params, *_) in zip(ids, items) for i in range(params.n)]
         results: dict[tuple[str, int], RequestOutput] = {}
-        with tqdm(total=len(keys), desc="Generating", disable=not use_tqdm or len(keys) < 2) as bar:
-            while len(results) < len(keys):
-                try:
-                    outputs = engine.step()
-                except BaseException:
-                    # A failed step may have cached blocks whose K/V was never written: drop the
-                    # batch and the cache rather than ever serve them.
-                    for req_id in ids:
-                        engine.abort_request(req_id)
-                    engine.reset_prefix_cache()
-                    raise
-                for out in outputs:
-                    if out.finished:
-                        results[out.request_id, out.index] = out
-                        bar.update(1)
+        try:
+            with tqdm(total=len(keys), desc="Generating", disable=not use_tqdm or len(keys) < 2) as bar:
+                while len(results) < len(keys):
+                    for out in engine.step():
+                        if out.finish_reason == "error":
+                            raise RuntimeError(out.error)
+                        if out.finished:
+                            results[out.request_id, out.index] = out
+                            bar.update(1)
+        except BaseException:
+            for req_id in ids:  # the engine failed only the failed step's requests; drop the batch
+                engine.abort_request(req_id)
+            raise
         return [results[key] for key in keys]
 
     def load_weights(self, weights) -> None:

@@ -35,9 +35,10 @@ import torch
 from prefixcache.bench.accounting import ideal_accounting
 from prefixcache.bench.workloads import DEFAULT_NUM_TURNS, WORKLOAD_NAMES, Workload, build_workload
 from prefixcache.bench.worth import WorthInputs, estimate_worth
+from prefixcache.cache.config import CacheConfig
 from prefixcache.cache.hashing import BlockHasher, make_root_key
 from prefixcache.cache.kv_cache_manager import KVCacheManager
-from prefixcache.engine.request import Request
+from prefixcache.request import Request
 from prefixcache.llm import LLM
 from prefixcache.models.loader import LoadedModel, load_model
 from prefixcache.outputs import RequestOutput
@@ -390,7 +391,7 @@ def hash_lookup_throughput(block_size: int, num_tokens: int = 4096, seconds: flo
     hasher = BlockHasher(block_size)
     root = make_root_key(b"\0" * 32)
     params = SamplingParams(temperature=0, max_tokens=1)
-    manager = KVCacheManager(num_tokens // block_size + 2, block_size)
+    manager = KVCacheManager(num_tokens // block_size + 2, CacheConfig(block_size=block_size))
     first = Request("prime", tokens, params, hasher, root)
     manager.allocate_slots(first, num_tokens)
     manager.free(first)  # blocks stay cached, hit-able

@@ -36,10 +36,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prefixcache.cache.eviction import EVICTION_POLICIES, EvictionOptions, _LeafHeapPolicy
+from prefixcache.cache.config import CacheConfig
+from prefixcache.cache.eviction import EVICTION_POLICIES, LeafHeapPolicy
 from prefixcache.cache.hashing import BlockHasher, make_root_key
 from prefixcache.cache.kv_cache_manager import KVCacheManager
-from prefixcache.engine.request import Request
+from prefixcache.request import Request
 from prefixcache.sampling_params import SamplingParams
 
 VOCAB = 32_000  # synthetic token ids are drawn from [0, VOCAB)
@@ -151,8 +152,8 @@ class _Future:
         return uses[i] if i < len(uses) else 1 << 62
 
 
-def _belady_policy(future: _Future) -> type[_LeafHeapPolicy]:
-    class BeladyPolicy(_LeafHeapPolicy):
+def _belady_policy(future: _Future) -> type[LeafHeapPolicy]:
+    class BeladyPolicy(LeafHeapPolicy):
         """Furthest next use first, among childless free cached blocks (uncached ones before)."""
 
         name = "belady"
@@ -186,7 +187,7 @@ def simulate(
     block_size: int = 16,
     service_s: float = 2.0,
     enable_partial_block_reuse: bool = True,
-    eviction_options: EvictionOptions | None = None,
+    cache_config: CacheConfig | None = None,
 ) -> SimResult:
     """Replays ``trace`` through a KV cache manager with eviction ``policy`` (no model).
 
@@ -197,7 +198,8 @@ def simulate(
         block_size: tokens per block.
         service_s: how long a request holds its blocks after arrival, seconds (virtual).
         enable_partial_block_reuse: count partial-block hits too.
-        eviction_options: policy knobs; default ``EvictionOptions(block_size=block_size)``.
+        cache_config: the policies' knobs (``cost_*``, ``cache_ttl_s``); ``block_size``,
+            ``eviction_policy`` and ``enable_partial_block_reuse`` are set from the arguments.
 
     Returns:
         The counters of the replay.
@@ -206,7 +208,6 @@ def simulate(
         ValueError: a request needs more blocks than the whole pool, or an unknown policy.
     """
     clock = [0.0]
-    options = eviction_options or EvictionOptions(block_size=block_size)
     hasher = BlockHasher(block_size)
     roots = {t: make_root_key(b"trace-model", t) for t in {r.tenant for r in trace}}
     future = None
@@ -218,11 +219,11 @@ def simulate(
             for h in hashes[: (len(item.prompt_token_ids) - 1) // block_size]:  # what a lookup can hit
                 uses.setdefault(h, []).append(seq)
         future = _Future(uses)
-    kv = KVCacheManager(
-        num_blocks, block_size, eviction_policy=_belady_policy(future) if future else policy,
-        clock=lambda: clock[0], enable_partial_block_reuse=enable_partial_block_reuse,
-        eviction_options=dataclasses.replace(options, block_size=block_size),
+    config = dataclasses.replace(
+        cache_config or CacheConfig(), block_size=block_size, enable_partial_block_reuse=enable_partial_block_reuse,
+        eviction_policy=_belady_policy(future) if future else policy,
     )
+    kv = KVCacheManager(num_blocks, config, clock=lambda: clock[0])
     running: list[tuple[float, int, Request]] = []  # (finish_s, seq, request)
     start = time.perf_counter()
     for seq, item in enumerate(trace):
@@ -238,18 +239,11 @@ def simulate(
         total = request.num_tokens + len(item.output_token_ids)
         if -(-total // block_size) > num_blocks:
             raise ValueError(f"request {seq} needs {total} tokens; the pool holds {num_blocks * block_size}")
-        while True:
-            hits, num_hit = kv.get_computed_blocks(request)
-            partial = kv.get_partial_hit(request, hits)
-            num_partial = partial.num_tokens if partial is not None else 0
-            num_new = request.num_tokens - num_hit - num_partial
-            # Prompt and reply allocated at once: the request needs room for both.
-            if kv.allocate_slots(request, num_new + len(item.output_token_ids), hits, num_hit, partial) is not None:
-                break
+        # Prompt and reply allocated at once: the request needs room for both.
+        while kv.admit(request, request.num_tokens, num_lookahead_tokens=len(item.output_token_ids)) is None:
             if not running:
                 raise ValueError(f"request {seq} does not fit in an empty pool")
             kv.free(heapq.heappop(running)[2])  # wait for the earliest-finishing request
-        kv.stats.record(request.num_tokens, num_hit, num_partial)
         for token in item.output_token_ids:
             request.append_output_token_ids(token)
         # Re-run caching over the reply's full blocks (the tokens are now known).
@@ -258,7 +252,7 @@ def simulate(
         kv.end_step()
         heapq.heappush(running, (item.arrival_s + service_s, seq, request))
     elapsed = time.perf_counter() - start
-    s, pool = kv.stats, kv.block_pool
+    s, evictions = kv.stats, kv.block_pool.eviction_stats
     saved = s.hits + s.partial_hits
     return SimResult(
         policy=policy,
@@ -267,9 +261,9 @@ def simulate(
         prefill_tokens_saved=saved,
         partial_tokens_saved=s.partial_hits,
         hit_rate=saved / s.queries if s.queries else 0.0,
-        num_evictions=pool.num_evictions,
-        evictions_by_reason=dict(pool.evictions_by_reason),
-        mean_evicted_age_s=pool.mean_evicted_age_s,
+        num_evictions=evictions.num_evictions,
+        evictions_by_reason=dict(evictions.evictions_by_reason),
+        mean_evicted_age_s=evictions.mean_evicted_age_s,
         requests_per_s=len(trace) / elapsed if elapsed > 0 else float("inf"),
     )
 

@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from prefixcache.bench import texts
-from prefixcache.entrypoints.demo import QUESTIONS as SEED_QUESTIONS
-from prefixcache.entrypoints.demo import SYSTEM_PROMPT as SEED_SYSTEM_PROMPT
+from prefixcache.sample_texts import QUESTIONS as SEED_QUESTIONS
+from prefixcache.sample_texts import SYSTEM_PROMPT as SEED_SYSTEM_PROMPT
 
 Prompt = list[int]
 Message = dict[str, str]

@@ -41,25 +41,12 @@ import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
-if TYPE_CHECKING:
-    from prefixcache.cache.block_pool import KVCacheBlock
-
-
-@dataclass(frozen=True, slots=True)
-class EvictionOptions:
-    """Knobs shared by the policies (each reads the ones it needs)."""
-
-    block_size: int = 16  # tokens per block
-    bytes_per_block: int = 0  # KV bytes of one block over all layers; 0 = unknown (treated as 1)
-    cache_ttl_s: float = 300.0  # ttl: a free cached block idle longer than this is expired
-    cost_half_life_s: float = 60.0  # cost: a hit counts half as much after this many seconds
-    # cost: context length (tokens) at which attention costs as much per token as the rest of the
-    # layer, so a block at depth d saves block_size * (1 + (d + 0.5) * block_size / this).
-    cost_attention_tokens: float = 2048.0
+from prefixcache.cache.block import KVCacheBlock
+from prefixcache.cache.config import CacheConfig
+from prefixcache.errors import InvalidInputError
 
 
 class EvictionPolicy(ABC):
@@ -68,16 +55,22 @@ class EvictionPolicy(ABC):
     Args:
         blocks: the initial free blocks, in the order they should be taken (all uncached).
         clock: current time in seconds (``time.monotonic`` in the engine, virtual in simulations).
-        options: policy knobs.
+        config: the cache options (``block_size``, ``cache_ttl_s``, the ``cost_*`` knobs).
+        bytes_per_block: KV bytes of one block over all layers; 0 = unknown (treated as 1).
     """
 
     name: ClassVar[str]
 
     def __init__(
-        self, blocks: Iterable[KVCacheBlock], clock: Callable[[], float], options: EvictionOptions
+        self,
+        blocks: Iterable[KVCacheBlock],
+        clock: Callable[[], float],
+        config: CacheConfig,
+        bytes_per_block: int = 0,
     ) -> None:
         self.clock = clock
-        self.options = options
+        self.config = config
+        self.bytes_per_block = bytes_per_block
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -165,9 +158,10 @@ class LRUPolicy(EvictionPolicy):
         self,
         blocks: Iterable[KVCacheBlock] = (),
         clock: Callable[[], float] | None = None,
-        options: EvictionOptions | None = None,
+        config: CacheConfig | None = None,
+        bytes_per_block: int = 0,
     ) -> None:
-        super().__init__(blocks, clock or (lambda: 0.0), options or EvictionOptions())
+        super().__init__(blocks, clock or (lambda: 0.0), config or CacheConfig(), bytes_per_block)
         self._blocks: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in blocks)
 
     def __len__(self) -> int:
@@ -225,9 +219,9 @@ class _UncachedFirstPolicy(EvictionPolicy):
     """
 
     def __init__(
-        self, blocks: Iterable[KVCacheBlock], clock: Callable[[], float], options: EvictionOptions
+        self, blocks: Iterable[KVCacheBlock], clock: Callable[[], float], config: CacheConfig, bytes_per_block: int = 0
     ) -> None:
-        super().__init__(blocks, clock, options)
+        super().__init__(blocks, clock, config, bytes_per_block)
         self._uncached: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in blocks)
         self._cached: OrderedDict[int, KVCacheBlock] = OrderedDict()  # free cached blocks
 
@@ -275,9 +269,9 @@ class TTLPolicy(_UncachedFirstPolicy):
     name = "ttl"
 
     def __init__(
-        self, blocks: Iterable[KVCacheBlock], clock: Callable[[], float], options: EvictionOptions
+        self, blocks: Iterable[KVCacheBlock], clock: Callable[[], float], config: CacheConfig, bytes_per_block: int = 0
     ) -> None:
-        super().__init__(blocks, clock, options)
+        super().__init__(blocks, clock, config, bytes_per_block)
         self._free_s: dict[int, float] = {}  # block id -> when it became free (cached blocks)
 
     def _on_free_cached(self, block: KVCacheBlock) -> None:
@@ -310,13 +304,13 @@ class TTLPolicy(_UncachedFirstPolicy):
         return expired
 
     def _is_expired(self, free_s: float) -> bool:
-        return self.clock() - free_s > self.options.cache_ttl_s
+        return self.clock() - free_s > self.config.cache_ttl_s
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         return [*self._uncached.values(), *self._cached.values()]
 
 
-class _LeafHeapPolicy(_UncachedFirstPolicy):
+class LeafHeapPolicy(_UncachedFirstPolicy):
     """Uncached blocks first (FIFO), then childless cached blocks by a key from :meth:`priority`.
 
     Only free cached blocks without cached children are in the heap; a parent enters it when its
@@ -325,9 +319,9 @@ class _LeafHeapPolicy(_UncachedFirstPolicy):
     """
 
     def __init__(
-        self, blocks: Iterable[KVCacheBlock], clock: Callable[[], float], options: EvictionOptions
+        self, blocks: Iterable[KVCacheBlock], clock: Callable[[], float], config: CacheConfig, bytes_per_block: int = 0
     ) -> None:
-        super().__init__(blocks, clock, options)
+        super().__init__(blocks, clock, config, bytes_per_block)
         self._free_seq: dict[int, int] = {}  # block id -> free order (ties: least recent first)
         self._heap: list[tuple] = []  # (*priority, free_seq, stamp, block_id)
         self._stamp: dict[int, int] = {}  # block id -> stamp of its live heap entry
@@ -388,15 +382,15 @@ class _LeafHeapPolicy(_UncachedFirstPolicy):
         return order
 
 
-class LFUPolicy(_LeafHeapPolicy):
+class LFUPolicy(LeafHeapPolicy):
     """Fewest hits since the block was cached first; ties least recently freed first."""
 
     name = "lfu"
 
     def __init__(
-        self, blocks: Iterable[KVCacheBlock], clock: Callable[[], float], options: EvictionOptions
+        self, blocks: Iterable[KVCacheBlock], clock: Callable[[], float], config: CacheConfig, bytes_per_block: int = 0
     ) -> None:
-        super().__init__(blocks, clock, options)
+        super().__init__(blocks, clock, config, bytes_per_block)
         self._hits: dict[int, int] = {}
 
     def on_cache(self, block: KVCacheBlock) -> None:
@@ -409,7 +403,7 @@ class LFUPolicy(_LeafHeapPolicy):
         return (self._hits.get(block.block_id, 0),)
 
 
-class CostPolicy(_LeafHeapPolicy):
+class CostPolicy(LeafHeapPolicy):
     """Lowest ``reuse frequency * prefill time saved / bytes`` first.
 
     - Frequency: every use (the computation that cached the block, then each hit) adds 1 and
@@ -426,10 +420,10 @@ class CostPolicy(_LeafHeapPolicy):
     name = "cost"
 
     def __init__(
-        self, blocks: Iterable[KVCacheBlock], clock: Callable[[], float], options: EvictionOptions
+        self, blocks: Iterable[KVCacheBlock], clock: Callable[[], float], config: CacheConfig, bytes_per_block: int = 0
     ) -> None:
-        super().__init__(blocks, clock, options)
-        self._decay_rate = math.log(2) / options.cost_half_life_s  # [1/s]
+        super().__init__(blocks, clock, config, bytes_per_block)
+        self._decay_rate = math.log(2) / config.cost_half_life_s  # [1/s]
         self._log_freq_t: dict[int, float] = {}  # block id -> log(freq at t) + decay_rate * t
 
     def _add_use(self, block: KVCacheBlock) -> None:
@@ -450,9 +444,9 @@ class CostPolicy(_LeafHeapPolicy):
         self._add_use(block)
 
     def priority(self, block: KVCacheBlock) -> tuple:
-        opts = self.options
-        saved = opts.block_size * (1.0 + (block.depth + 0.5) * opts.block_size / opts.cost_attention_tokens)
-        value = self._log_freq_t.get(block.block_id, 0.0) + math.log(saved) - math.log(max(1, opts.bytes_per_block))
+        cfg = self.config
+        saved = cfg.block_size * (1.0 + (block.depth + 0.5) * cfg.block_size / cfg.cost_attention_tokens)
+        value = self._log_freq_t.get(block.block_id, 0.0) + math.log(saved) - math.log(max(1, self.bytes_per_block))
         return (value,)
 
 
@@ -465,7 +459,8 @@ def make_eviction_policy(
     name: str | type[EvictionPolicy],
     blocks: Iterable[KVCacheBlock],
     clock: Callable[[], float],
-    options: EvictionOptions,
+    config: CacheConfig,
+    bytes_per_block: int = 0,
 ) -> EvictionPolicy:
     """Builds the registered policy ``name`` (or an :class:`EvictionPolicy` subclass, as the trace
     benchmark's offline reference) holding ``blocks`` (head first).
@@ -474,8 +469,9 @@ def make_eviction_policy(
         ValueError: unknown name (the message lists the registered ones).
     """
     if isinstance(name, type) and issubclass(name, EvictionPolicy):
-        return name(blocks, clock, options)
+        return name(blocks, clock, config, bytes_per_block)
     cls = EVICTION_POLICIES.get(name)
     if cls is None:
-        raise ValueError(f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}, got {name!r}")
-    return cls(blocks, clock, options)
+        raise InvalidInputError("eviction_policy", f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}, "
+                                                   f"got {name!r}")
+    return cls(blocks, clock, config, bytes_per_block)

@@ -1,18 +1,18 @@
 """The scheduler's view of the paged KV cache (vLLM v1's ``KVCacheManager`` contract).
 
-The scheduler admits a request in two calls, back to back::
+The scheduler admits a waiting request with one call, and grows a running one with another::
 
-    blocks, num_hit_tokens = manager.get_computed_blocks(request)      # lookup, no side effect
-    new_blocks = manager.allocate_slots(request, num_new_tokens, blocks, num_hit_tokens)
-    if new_blocks is None: ...                                          # wait or preempt
+    admission = manager.admit(request, token_budget)   # lookup, partial hit, allocate, stats
+    if admission is None: ...                          # the pool can't hold it: wait
+    new_blocks = manager.allocate_slots(request, num_new_tokens)
+    if new_blocks is None: ...                         # preempt someone, then retry
 
-and each later step of a running request calls ``allocate_slots(request, num_new_tokens)``.
-``free(request)`` releases everything when it finishes or is preempted.
-
-Partial-block reuse adds one call between the two: ``get_partial_hit(request, blocks)`` finds a
-cached full block whose first ``k < block_size`` tokens are the request's next tokens; passed to
-``allocate_slots`` it pins that block and the caller copies its first ``k`` slots into the
-request's first new block before the forward pass, then calls ``end_step()`` once the step ran::
+``free(request)`` releases everything when it finishes or is preempted; ``end_step()`` after each
+forward pass. ``admit`` is built from three calls that tests and tools may also use one by one:
+``get_computed_blocks`` (the longest verified cached prefix, in full blocks), ``get_partial_hit``
+(a cached full block whose first ``k < block_size`` tokens are the request's next tokens: its first
+``k`` slots are copied into the request's first new block before the forward pass) and
+``allocate_slots`` with those hits::
 
     | full-block hits | k copied | computed now ... |
                       ^ first new block: slots [0, k) copied from the partial hit
@@ -26,14 +26,17 @@ writes to it: ``allocate_slots`` then gives that sequence a fresh block and appe
 Invariants:
 - ``req_to_blocks[id]`` is the request's block table: block ``i`` holds the K/V of its tokens
   ``[i * block_size, (i + 1) * block_size)``, and it covers every token allocated so far.
-- ``num_cached_block[id]`` blocks at the head of that table are in the prefix-cache map (or were
-  hits); a block is cached once its tokens are all known (its hash exists on the request).
+- ``req_to_num_cached_blocks[id]`` blocks at the head of that table have been through caching: each
+  is in the prefix-cache map, or an equal block already was (then the request holds a reference
+  on that one, ``req_to_pinned[id][i]``, and chains its later blocks to it: one prefix, one cached
+  copy). A block is cached once its tokens are all known (its hash exists on the request).
+- ``ref_cnt`` of a block = the block tables holding it + the requests pinning it.
 - A lookup never returns the block holding the request's last token, so at least one token is
   computed and yields logits.
-- ``allocate_slots`` either allocates everything asked for or changes nothing.
+- ``admit`` and ``allocate_slots`` either do everything asked for or change nothing.
 - A partial hit's source is cached in an earlier step (its K/V is written) and stays pinned
-  (``ref_cnt`` held) from ``allocate_slots`` until ``end_step``, so nothing evicts it before the
-  copy. The copied tokens plus the full hits still leave the last prompt token to compute.
+  (``ref_cnt`` held) from its admission until ``end_step``, so nothing evicts it before the copy.
+  The copied tokens plus the full hits still leave the last prompt token to compute.
 """
 
 from __future__ import annotations
@@ -41,11 +44,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from prefixcache.cache.block_pool import BlockPool, KVCacheBlock
-from prefixcache.cache.eviction import EvictionOptions, EvictionPolicy
-from prefixcache.cache.metrics import PrefixCacheStats
-from prefixcache.engine.request import Request
+from prefixcache.cache.block import KVCacheBlock, follows
+from prefixcache.cache.block_pool import BlockPool
+from prefixcache.cache.config import CacheConfig
+from prefixcache.cache.metrics import PrefixCacheSnapshot, PrefixCacheStats
+from prefixcache.scheduler_output import CopyOp
+
+if TYPE_CHECKING:
+    from prefixcache.request import Request
+
+__all__ = ["Admission", "CopyOp", "KVCacheManager", "PartialHit"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +67,24 @@ class PartialHit:
 
 
 @dataclass(frozen=True, slots=True)
-class CopyOp:
-    """Copy slots ``[0, num_tokens)`` of ``src_block_id`` into ``dst_block_id``, all layers, K and V."""
+class Admission:
+    """What :meth:`KVCacheManager.admit` did.
 
-    src_block_id: int
-    dst_block_id: int
-    num_tokens: int
+    Attributes:
+        num_hit_tokens: tokens served from cached full blocks (``len * block_size``).
+        num_partial_tokens: tokens copied from a partial hit, after the full blocks.
+        num_new_tokens: tokens to compute in this step, after those.
+        new_blocks: the blocks allocated for them (not the hits).
+    """
+
+    num_hit_tokens: int
+    num_partial_tokens: int
+    num_new_tokens: int
+    new_blocks: list[KVCacheBlock]
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.num_hit_tokens + self.num_partial_tokens
 
 
 class KVCacheManager:
@@ -70,44 +92,34 @@ class KVCacheManager:
 
     Args:
         num_blocks: blocks in the pool, ``>= 1``.
-        block_size: tokens per block, ``>= 1``; must match the requests' block hasher.
-        enable_caching: automatic prefix caching on or off.
-        eviction_policy: name of a registered eviction policy (``lru``, ``lfu``, ``ttl``, ``cost``),
-            or an :class:`EvictionPolicy` subclass (simulations).
-        cache_ttl_s: idle time after which ``ttl`` expires a free cached block, seconds.
+        config: the cache options, taken whole (``block_size`` must match the requests' hasher).
         bytes_per_block: KV bytes of one block over all layers (for ``cost`` and ``cached_bytes``).
-        enable_partial_block_reuse: let :meth:`get_partial_hit` find partial hits.
         clock: current time in seconds (``time.monotonic``; a virtual clock in simulations).
-        eviction_options: overrides ``cache_ttl_s`` and ``bytes_per_block`` when given.
 
     Raises:
-        ValueError: ``num_blocks < 1``, ``block_size < 1`` or an unknown eviction policy.
+        ValueError: ``num_blocks < 1``; InvalidInputError: a bad config field.
     """
 
     def __init__(
         self,
         num_blocks: int,
-        block_size: int,
-        enable_caching: bool = True,
-        eviction_policy: str | type[EvictionPolicy] = "lru",
+        config: CacheConfig | None = None,
         *,
-        cache_ttl_s: float = 300.0,
         bytes_per_block: int = 0,
-        enable_partial_block_reuse: bool = True,
         clock: Callable[[], float] = time.monotonic,
-        eviction_options: EvictionOptions | None = None,
     ) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.block_size = block_size
-        self.enable_caching = enable_caching
-        self.enable_partial_block_reuse = enable_partial_block_reuse
-        options = eviction_options or EvictionOptions(
-            block_size=block_size, bytes_per_block=bytes_per_block, cache_ttl_s=cache_ttl_s
-        )
-        self.block_pool = BlockPool(num_blocks, enable_caching, eviction_policy, options, clock)
+        config = config or CacheConfig()
+        config.validate()
+        self.config = config
+        self.block_size = config.block_size
+        self.enable_caching = config.enable_prefix_caching
+        self.enable_partial_block_reuse = config.enable_partial_block_reuse
+        self.block_pool = BlockPool(num_blocks, config, bytes_per_block=bytes_per_block, clock=clock)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.num_cached_block: dict[str, int] = {}
+        self.req_to_num_cached_blocks: dict[str, int] = {}
+        # Equal blocks cached before the request's own (one prefix, one cached copy): block index
+        # -> the cached block the request holds a reference on and chains its later blocks to.
+        self.req_to_pinned: dict[str, dict[int, KVCacheBlock]] = {}
         self.stats = PrefixCacheStats()
         # Blocks cached since the last end_step (block id -> generation): K/V not written yet.
         self._cached_this_step: dict[int, int] = {}
@@ -117,12 +129,45 @@ class KVCacheManager:
         self.num_cow_forks = 0  # fork() calls
         self.num_cow_copies = 0  # blocks copied on first write
 
+    # -- admission ------------------------------------------------------------------------------
+
+    def admit(self, request: Request, token_budget: int, num_lookahead_tokens: int = 0) -> Admission | None:
+        """Admits a waiting request: takes its longest cached prefix and allocates for the rest.
+
+        The one admission sequence: :meth:`get_computed_blocks` → :meth:`get_partial_hit` →
+        :meth:`allocate_slots` with both → on the request's first admission, the stats are recorded
+        and ``request.num_cached_tokens`` is set (a readmission after preemption may reuse its own
+        still-cached blocks, but that recompute is neither a query nor a hit). Sets
+        ``request.num_computed_tokens`` to the tokens served from the cache.
+
+        Args:
+            request: a request with no blocks (new, or preempted and freed).
+            token_budget: tokens it may compute in this step, ``>= 1``.
+            num_lookahead_tokens: slots to allocate beyond those (a simulation allocating a
+                known reply at once), ``>= 0``.
+
+        Returns:
+            What was done, or ``None`` when the pool can't hold it now (nothing changed).
+        """
+        hits, num_hit = self.get_computed_blocks(request)
+        partial = self.get_partial_hit(request, hits)
+        num_partial = partial.num_tokens if partial is not None else 0
+        num_new = min(request.num_tokens - num_hit - num_partial, token_budget)
+        new_blocks = self.allocate_slots(request, num_new + num_lookahead_tokens, hits, num_hit, partial)
+        if new_blocks is None:
+            return None
+        if request.num_cached_tokens is None:  # first admission
+            request.num_cached_tokens = num_hit + num_partial
+            self.stats.record(request.num_tokens, num_hit, num_partial)
+        request.num_computed_tokens = num_hit + num_partial
+        return Admission(num_hit, num_partial, num_new, new_blocks)
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Finds the longest verified cached prefix of the request, in full blocks.
 
         The last token is never served from the cache, so at most
         ``(request.num_tokens - 1) // block_size`` blocks are returned. Neither ref counts nor
-        stats change; the caller records stats once per admission with ``stats.record``.
+        stats change.
 
         Args:
             request: a request with no blocks allocated yet.
@@ -135,13 +180,10 @@ class KVCacheManager:
             return [], 0
         bs = self.block_size
         max_blocks = min((request.num_tokens - 1) // bs, len(request.block_hashes))
-        tokens = request.all_token_ids
-        hashes, root_key = request.block_hashes, request.root_key
+        tokens, hashes, root_key = request.all_token_ids, request.block_hashes, request.root_key
         tenant_key, num_shared = request.tenant_key, request.num_shared_blocks
-        pool = self.block_pool
-        table, allowed = pool.cached_block_hash_to_block, pool.free_block_queue.is_hit_allowed
-        # Fast path, the usual case: one cached copy per hash, verified inline as
-        # BlockPool.find_cached_blocks does (tokens, parent at its generation or root key, extra key).
+        table, allowed = self.block_pool.cached_block_hash_to_block, self.block_pool.evictor.is_hit_allowed
+        # Fast path, the usual case: one cached copy per hash.
         blocks: list[KVCacheBlock] = []
         parent: KVCacheBlock | None = None
         i = 0
@@ -151,9 +193,7 @@ class KVCacheManager:
                 break
             (block,) = candidates.values()
             if not (
-                (block.parent is None and block.root_key == root_key if parent is None
-                 else block.parent is parent and block.parent_generation == parent.generation)
-                and block.extra_key == (tenant_key if i >= num_shared else b"")  # request.block_extra_key(i)
+                follows(block, parent, root_key, tenant_key if i >= num_shared else b"")
                 and block.token_ids == tuple(tokens[i * bs : (i + 1) * bs])
                 and allowed(block)
             ):
@@ -163,29 +203,35 @@ class KVCacheManager:
             i += 1
         if i == max_blocks or not table.get(hashes[i]):
             return blocks, len(blocks) * bs
-        # Several copies of a block: all verified copies matched at block i-1 are candidate
-        # parents at block i (duplicates each carry their own chain); any block of the deepest
-        # level, followed back along its parents, is a longest verified prefix.
-        matches: list[KVCacheBlock] | None = [parent] if parent is not None else None
-        for i in range(i, max_blocks):
+        return self._find_longest_chain(request, blocks, max_blocks)
+
+    def _find_longest_chain(
+        self, request: Request, blocks: list[KVCacheBlock], max_blocks: int
+    ) -> tuple[list[KVCacheBlock], int]:
+        """The lookup's general path, from where the fast path stopped at several copies of a block.
+
+        All verified copies matched at block ``i - 1`` are candidate parents at block ``i``
+        (duplicates each carry their own chain); any block of the deepest level, followed back
+        along its parents, is a longest verified prefix.
+        """
+        bs = self.block_size
+        tokens = request.all_token_ids
+        matches: list[KVCacheBlock] | None = blocks[-1:] or None
+        for i in range(len(blocks), max_blocks):
             level = self.block_pool.find_cached_blocks(
-                hashes[i],
-                tokens[i * bs : (i + 1) * bs],
-                matches,
-                root_key,
+                request.block_hashes[i], tokens[i * bs : (i + 1) * bs], matches, request.root_key,
                 request.block_extra_key(i),
             )
             if not level:
                 break
             matches = level
-        blocks = []
-        if matches:
-            block: KVCacheBlock | None = matches[0]
-            while block is not None:
-                blocks.append(block)
-                block = block.parent
-            blocks.reverse()
-        return blocks, len(blocks) * bs
+        chain: list[KVCacheBlock] = []
+        block = matches[0] if matches else None
+        while block is not None:
+            chain.append(block)
+            block = block.parent
+        chain.reverse()
+        return chain, len(chain) * bs
 
     def get_partial_hit(
         self, request: Request, computed_blocks: Sequence[KVCacheBlock]
@@ -218,32 +264,7 @@ class KVCacheManager:
         )
         return None if found is None else PartialHit(*found)
 
-    def end_step(self) -> None:
-        """Marks the step's K/V as written: unpins partial-hit sources, forgets pending copies."""
-        sources, self._pinned_sources = self._pinned_sources, []
-        self.block_pool.free_blocks(sources)
-        self._cached_this_step.clear()
-        self.pending_copy_ops = []
-
-    def fork(self, parent: Request, child: Request) -> None:
-        """Gives ``child`` the parent's block table by reference (parallel sampling).
-
-        Every block gets one more reference; nothing is copied. The first write into a shared,
-        not-yet-full block copies it (see :meth:`allocate_slots`).
-
-        Raises:
-            ValueError: the parent has no blocks or the child already has some.
-        """
-        blocks = self.req_to_blocks.get(parent.request_id)
-        if not blocks:
-            raise ValueError(f"request {parent.request_id!r} has no blocks to fork")
-        if child.request_id in self.req_to_blocks:
-            raise ValueError(f"request {child.request_id!r} already has blocks")
-        for block in blocks:
-            block.ref_cnt += 1
-        self.req_to_blocks[child.request_id] = list(blocks)
-        self.num_cached_block[child.request_id] = self.num_cached_block[parent.request_id]
-        self.num_cow_forks += 1
+    # -- allocation -----------------------------------------------------------------------------
 
     def allocate_slots(
         self,
@@ -287,10 +308,55 @@ class KVCacheManager:
             ValueError: ``num_new_tokens < 0``, hits given for a request that already has
                 blocks, or ``num_new_computed_tokens`` inconsistent with the hits.
         """
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        num_partial = self._check_allocation(
+            request, req_blocks, num_new_tokens, new_computed_blocks, num_new_computed_tokens, partial_hit
+        )
+        num_total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_partial + num_new_tokens
+        num_required = -(-num_total_tokens // self.block_size)
+        num_held = len(req_blocks) if req_blocks else 0
+        num_new_blocks = max(0, num_required - num_held - len(new_computed_blocks))
+        # Hits (and a partial-hit source) that sit among the free blocks stop being allocatable
+        # once touched.
+        pinned = [*new_computed_blocks, *([partial_hit.block] if partial_hit else [])]
+        num_free_hits = sum(1 for b in pinned if b.ref_cnt == 0)
+        # Copy-on-write: the block receiving this step's first token is shared with a fork.
+        cow_index = request.num_computed_tokens // self.block_size
+        cow = bool(req_blocks) and num_new_tokens > 0 and cow_index < num_held and req_blocks[cow_index].ref_cnt > 1
+        if num_new_blocks + cow > self.block_pool.get_num_free_blocks() - num_free_hits:
+            return None
+
+        if cow:
+            self._copy_on_write(request, req_blocks, cow_index)
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request.request_id] = []
+            self.req_to_num_cached_blocks[request.request_id] = len(new_computed_blocks)
+        if pinned:
+            self.block_pool.record_hits(pinned)
+            self.block_pool.touch(pinned)  # before allocating: hits must not be evicted
+            req_blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+        if partial_hit is not None:
+            self._pinned_sources.append(partial_hit.block)
+            self.pending_copy_ops.append(CopyOp(partial_hit.block.block_id, new_blocks[0].block_id, num_partial))
+        if self.enable_caching:
+            self._cache_full_blocks(request, req_blocks, num_total_tokens)
+        return new_blocks
+
+    def _check_allocation(
+        self,
+        request: Request,
+        req_blocks: list[KVCacheBlock] | None,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_new_computed_tokens: int,
+        partial_hit: PartialHit | None,
+    ) -> int:
+        """Validates :meth:`allocate_slots`' arguments; returns the partial hit's token count."""
+        rid = request.request_id
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        rid = request.request_id
-        req_blocks = self.req_to_blocks.get(rid)
         if new_computed_blocks:
             if req_blocks:
                 raise ValueError(f"request {rid!r} already has blocks; cache hits are for admission")
@@ -301,91 +367,123 @@ class KVCacheManager:
                 )
         elif num_new_computed_tokens != 0:
             raise ValueError("num_new_computed_tokens given without new_computed_blocks")
-        num_partial = 0
-        if partial_hit is not None:
-            if req_blocks:
-                raise ValueError(f"request {rid!r} already has blocks; partial hits are for admission")
-            num_partial = partial_hit.num_tokens
-            if not 1 <= num_partial < self.block_size or num_new_tokens < 1:
-                raise ValueError(
-                    f"partial hit of {num_partial} tokens needs 1 <= tokens < block_size "
-                    f"{self.block_size} and num_new_tokens >= 1"
-                )
-
-        num_blocks_held = len(req_blocks) if req_blocks else 0
-        num_total_tokens = (
-            request.num_computed_tokens + num_new_computed_tokens + num_partial + num_new_tokens
-        )
-        num_required = -(-num_total_tokens // self.block_size)
-        num_new_blocks = max(0, num_required - num_blocks_held - len(new_computed_blocks))
-        # Hits (and a partial-hit source) that sit in the free queue stop being allocatable once
-        # touched.
-        pinned = [*new_computed_blocks, *([partial_hit.block] if partial_hit else [])]
-        num_free_hits = sum(1 for b in pinned if b.ref_cnt == 0)
-        # Copy-on-write: the block receiving this step's first token is shared with a fork.
-        cow_index = request.num_computed_tokens // self.block_size
-        cow = (
-            req_blocks is not None
-            and num_new_tokens > 0
-            and cow_index < len(req_blocks)
-            and req_blocks[cow_index].ref_cnt > 1
-        )
-        if num_new_blocks + cow > self.block_pool.get_num_free_blocks() - num_free_hits:
-            return None
-
-        if cow:
-            shared = req_blocks[cow_index]
-            (copy,) = self.block_pool.get_new_blocks(1)
-            req_blocks[cow_index] = copy
-            # Drop this request's reference now, so the last holder writes in place. Even if the
-            # source reaches ref_cnt 0 and is reallocated this step, its copy runs first: the
-            # runner does the copies in order, before the forward pass writes any K/V.
-            self.block_pool.free_blocks([shared])
-            self.pending_copy_ops.append(
-                CopyOp(shared.block_id, copy.block_id, request.num_computed_tokens % self.block_size)
+        if partial_hit is None:
+            return 0
+        if req_blocks:
+            raise ValueError(f"request {rid!r} already has blocks; partial hits are for admission")
+        if not 1 <= partial_hit.num_tokens < self.block_size or num_new_tokens < 1:
+            raise ValueError(
+                f"partial hit of {partial_hit.num_tokens} tokens needs 1 <= tokens < block_size "
+                f"{self.block_size} and num_new_tokens >= 1"
             )
-            self.num_cow_copies += 1
+        return partial_hit.num_tokens
 
-        if req_blocks is None:
-            req_blocks = self.req_to_blocks[rid] = []
-            self.num_cached_block[rid] = len(new_computed_blocks)
-        if pinned:
-            self.block_pool.record_hits(pinned)
-            self.block_pool.touch(pinned)  # before allocating: hits must not be evicted
-            req_blocks.extend(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        req_blocks.extend(new_blocks)
-        if partial_hit is not None:
-            self._pinned_sources.append(partial_hit.block)
-            self.pending_copy_ops.append(
-                CopyOp(partial_hit.block.block_id, new_blocks[0].block_id, num_partial)
-            )
+    def _copy_on_write(self, request: Request, req_blocks: list[KVCacheBlock], index: int) -> None:
+        """Gives the request a private copy of its shared block ``index`` (written slots copied)."""
+        shared = req_blocks[index]
+        (copy,) = self.block_pool.get_new_blocks(1)
+        req_blocks[index] = copy
+        # Drop this request's reference now, so the last holder writes in place. Even if the
+        # source reaches ref_cnt 0 and is reallocated this step, its copy runs first: the runner
+        # does the copies in order, before the forward pass writes any K/V.
+        self.block_pool.free_blocks([shared])
+        self.pending_copy_ops.append(
+            CopyOp(shared.block_id, copy.block_id, request.num_computed_tokens % self.block_size)
+        )
+        self.num_cow_copies += 1
 
-        if self.enable_caching:
-            num_full_blocks = min(num_total_tokens // self.block_size, len(request.block_hashes))
-            num_cached = self.num_cached_block[rid]
-            if num_full_blocks > num_cached:
-                self.block_pool.cache_full_blocks(
-                    request, req_blocks, num_cached, num_full_blocks, self.block_size
+    def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_total_tokens: int) -> None:
+        """Caches the request's blocks that became full, chaining each to the previous one's
+        cached block; an equal block cached before stands for the request's own (pinned)."""
+        rid, bs = request.request_id, self.block_size
+        num_full = min(num_total_tokens // bs, len(request.block_hashes))
+        num_cached = self.req_to_num_cached_blocks[rid]
+        if num_full <= num_cached:
+            return
+        pinned = self.req_to_pinned.get(rid, {})
+        parent = None if num_cached == 0 else pinned.get(num_cached - 1, req_blocks[num_cached - 1])
+        for i in range(num_cached, num_full):
+            block = req_blocks[i]
+            if block.block_hash is None:
+                cached = self.block_pool.cache_block(
+                    block, request.block_hashes[i], request.all_token_ids[i * bs : (i + 1) * bs], parent,
+                    request.root_key, request.block_extra_key(i),
                 )
-                for block in req_blocks[num_cached:num_full_blocks]:
+                if cached is block:
                     self._cached_this_step[block.block_id] = block.generation
-                self.num_cached_block[rid] = num_full_blocks
-        return new_blocks
+                else:
+                    self.block_pool.touch([cached])
+                    pinned = self.req_to_pinned.setdefault(rid, pinned)
+                    pinned[i] = cached
+                    block = cached
+            parent = block
+        self.req_to_num_cached_blocks[rid] = num_full
+
+    # -- step and request lifecycle -------------------------------------------------------------
+
+    def end_step(self) -> None:
+        """Marks the step's K/V as written: unpins partial-hit sources, forgets pending copies."""
+        sources, self._pinned_sources = self._pinned_sources, []
+        self.block_pool.free_blocks(sources)
+        self._cached_this_step.clear()
+        self.pending_copy_ops = []
+
+    def forget_step(self) -> None:
+        """After a failed step: evicts the blocks cached in it (their K/V was never written, or
+        only partly), then :meth:`end_step`. Blocks still in use stay uncached in their tables."""
+        blocks = self.block_pool.blocks
+        self.block_pool.uncache(
+            blocks[i] for i, generation in self._cached_this_step.items() if blocks[i].generation == generation
+        )
+        self.end_step()
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Gives ``child`` the parent's block table by reference (parallel sampling).
+
+        Every block gets one more reference; nothing is copied. The first write into a shared,
+        not-yet-full block copies it (see :meth:`allocate_slots`).
+
+        Raises:
+            ValueError: the parent has no blocks or the child already has some.
+        """
+        blocks = self.req_to_blocks.get(parent.request_id)
+        if not blocks:
+            raise ValueError(f"request {parent.request_id!r} has no blocks to fork")
+        if child.request_id in self.req_to_blocks:
+            raise ValueError(f"request {child.request_id!r} already has blocks")
+        pinned = self.req_to_pinned.get(parent.request_id)
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = list(blocks)
+        if pinned:
+            self.block_pool.touch(pinned.values())
+            self.req_to_pinned[child.request_id] = dict(pinned)
+        self.req_to_num_cached_blocks[child.request_id] = self.req_to_num_cached_blocks[parent.request_id]
+        self.num_cow_forks += 1
 
     def free(self, request: Request) -> None:
-        """Releases the request's blocks, tail first (so tails are evicted before heads).
-
-        Cached blocks stay hit-able until evicted. Unknown or already freed requests are ignored.
-        """
+        """Releases the request's blocks, tail first (so tails are evicted before heads); a block
+        it pinned in place of its own goes right after its own. Cached blocks stay hit-able until
+        evicted. Unknown or already freed requests are ignored."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
-        self.num_cached_block.pop(request.request_id, None)
-        if blocks:
+        self.req_to_num_cached_blocks.pop(request.request_id, None)
+        pinned = self.req_to_pinned.pop(request.request_id, None)
+        if not blocks:
+            return
+        if pinned:
+            ordered = []
+            for i in range(len(blocks) - 1, -1, -1):
+                ordered.append(blocks[i])
+                if i in pinned:
+                    ordered.append(pinned[i])
+            self.block_pool.free_blocks(ordered)
+        else:
             self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids; ``[]`` for an unknown request."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    # -- cache control --------------------------------------------------------------------------
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache; refused (``False``) while any block is in use."""
@@ -393,6 +491,36 @@ class KVCacheManager:
             self._cached_this_step.clear()
             return True
         return False
+
+    def sweep_expired(self) -> int:
+        """Evicts the free cached blocks the policy has expired; returns how many."""
+        return self.block_pool.sweep_expired()
+
+    def invalidate_chains(self, is_stale_root: Callable[[bytes], bool]) -> int:
+        """Evicts the free cached blocks of chains whose root key is stale; returns how many."""
+        return self.block_pool.invalidate_chains(is_stale_root)
+
+    def make_snapshot(self) -> PrefixCacheSnapshot:
+        """The cache's counters and the pool's state, frozen."""
+        pool, stats, evictions = self.block_pool, self.stats, self.block_pool.eviction_stats
+        num_free = pool.get_num_free_blocks()
+        return PrefixCacheSnapshot(
+            num_requests=stats.num_requests,
+            num_hit_requests=stats.num_hit_requests,
+            prefix_cache_queries=stats.queries,
+            prefix_cache_hits=stats.hits,
+            num_evictions=evictions.num_evictions,
+            num_blocks_total=pool.num_blocks,
+            num_blocks_in_use=pool.num_blocks - num_free,
+            num_blocks_cached=pool.num_cached_blocks,
+            num_blocks_free=num_free,
+            prefix_cache_partial_hits=stats.partial_hits,
+            evictions_by_reason=dict(evictions.evictions_by_reason),
+            cached_bytes=pool.cached_bytes,
+            mean_evicted_age_s=evictions.mean_evicted_age_s,
+            num_forks=self.num_cow_forks,
+            num_cow_copies=self.num_cow_copies,
+        )
 
     @property
     def usage(self) -> float:

@@ -1,18 +1,18 @@
-"""Prefix-cache counters (vLLM's ``PrefixCacheStats``: requests, queries, hits).
+"""Prefix-cache counters (vLLM's ``PrefixCacheStats``: requests, queries, hits) and evictions.
 
-Invariants: ``0 <= hits + partial_hits <= queries``; ``num_hit_requests <= num_requests``; every counter only
-grows. The scheduler records a request once, at its first admission: a preempted request that
-is admitted again may reuse its own still-cached blocks, but that recompute is neither a query nor
-a hit (../shared/cases C5).
+Two mutable records, each updated in one place: :class:`PrefixCacheStats` by the cache manager's
+admission (once per request, at its first admission: a preempted request that is admitted again
+may reuse its own still-cached blocks, but that recompute is neither a query nor a hit), and
+:class:`EvictionStats` by the block pool's one eviction path (whatever the reason). A
+:class:`PrefixCacheSnapshot` freezes both with the pool's state; the engine's metrics extend it.
+
+Invariants: ``0 <= hits + partial_hits <= queries``; ``num_hit_requests <= num_requests``; every
+counter only grows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from prefixcache.cache.block_pool import BlockPool
 
 
 @dataclass(slots=True)
@@ -63,56 +63,72 @@ class PrefixCacheStats:
         """``hits / queries`` in ``[0, 1]`` (full blocks only); 0.0 before any query."""
         return self.hits / self.queries if self.queries else 0.0
 
-    def snapshot(self, pool: BlockPool) -> PrefixCacheSnapshot:
-        """Freezes these counters together with the pool's state."""
-        num_free = pool.get_num_free_blocks()
-        return PrefixCacheSnapshot(
-            num_requests=self.num_requests,
-            num_hit_requests=self.num_hit_requests,
-            queries=self.queries,
-            hits=self.hits,
-            hit_rate=self.hit_rate,
-            num_evictions=pool.num_evictions,
-            num_blocks_in_use=pool.num_blocks - num_free,
-            num_blocks_cached=pool.num_cached_blocks,
-            num_blocks_free=num_free,
-            partial_hits=self.partial_hits,
-            evictions_by_reason=dict(pool.evictions_by_reason),
-            cached_bytes=pool.cached_bytes,
-            mean_evicted_age_s=pool.mean_evicted_age_s,
-        )
+
+@dataclass(slots=True)
+class EvictionStats:
+    """Cached blocks evicted (for reuse, expiry or invalidation; a reset is not counted).
+
+    Attributes:
+        num_evictions: blocks evicted.
+        evictions_by_reason: the same, per reason (``"lru"``, ``"ttl"``, ``"invalidated"``, ...).
+        evicted_age_s_total: sum over evictions of (eviction time - caching time), seconds.
+    """
+
+    num_evictions: int = 0
+    evictions_by_reason: dict[str, int] = field(default_factory=dict)
+    evicted_age_s_total: float = 0.0
+
+    def record(self, reason: str, age_s: float) -> None:
+        """Counts one eviction of a block cached ``age_s`` seconds ago."""
+        self.num_evictions += 1
+        self.evictions_by_reason[reason] = self.evictions_by_reason.get(reason, 0) + 1
+        self.evicted_age_s_total += age_s
+
+    @property
+    def mean_evicted_age_s(self) -> float:
+        """Mean time between caching and eviction of the evicted blocks, in seconds (0.0 if none)."""
+        return self.evicted_age_s_total / self.num_evictions if self.num_evictions else 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class PrefixCacheSnapshot:
-    """A point-in-time copy of :class:`PrefixCacheStats` and the block pool's state.
+    """A point-in-time copy of the cache's counters and the block pool's state (vLLM's metric names).
 
     Attributes:
         num_requests: admissions recorded.
         num_hit_requests: admissions with at least one cached token.
-        queries: tokens looked up.
-        hits: tokens served from the cache.
-        hit_rate: ``hits / queries`` (0.0 before any query).
-        num_evictions: cached blocks evicted for reuse (a reset is not counted).
+        prefix_cache_queries: prompt tokens looked up.
+        prefix_cache_hits: of those, tokens served from cached full blocks.
+        num_evictions: cached blocks evicted (a reset is not counted).
+        num_blocks_total: blocks in the pool.
         num_blocks_in_use: blocks with ``ref_cnt > 0``.
         num_blocks_cached: blocks in the hash map (in use or free).
         num_blocks_free: blocks that can be allocated (cached ones included).
-        partial_hits: tokens copied from partial hits.
-        evictions_by_reason: evictions per policy reason (``"lru"``, ``"ttl"``, ``"cost"``, ...).
+        prefix_cache_partial_hits: prompt tokens copied from partial-block hits.
+        evictions_by_reason: evictions per reason (``"lru"``, ``"ttl"``, ``"cost"``, ...).
         cached_bytes: KV bytes held by cached blocks.
         mean_evicted_age_s: mean seconds between caching and eviction of evicted blocks.
+        num_forks: samples forked from an ``n > 1`` request (sharing its blocks).
+        num_cow_copies: shared blocks copied on a sample's first write (copy-on-write).
     """
 
     num_requests: int
     num_hit_requests: int
-    queries: int
-    hits: int
-    hit_rate: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
     num_evictions: int
+    num_blocks_total: int
     num_blocks_in_use: int
     num_blocks_cached: int
     num_blocks_free: int
-    partial_hits: int = 0
+    prefix_cache_partial_hits: int = 0
     evictions_by_reason: dict[str, int] = field(default_factory=dict)
     cached_bytes: int = 0
     mean_evicted_age_s: float = 0.0
+    num_forks: int = 0
+    num_cow_copies: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """``prefix_cache_hits / prefix_cache_queries`` (full blocks only); 0.0 before any query."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

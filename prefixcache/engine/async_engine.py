@@ -2,13 +2,22 @@
 
 The engine is not thread-safe, so every engine call (add, abort, step, metrics, reset) runs on one
 dedicated thread, a single-worker executor; calls queue there in order and run between steps. The
-event loop never touches engine state, it only routes each step's outputs to per-request queues::
+event loop never touches engine state, it only routes each step's outputs to per-request queues.
+Tokenization and chat templates run on a second thread with the input processor's own tokenizer,
+so a huge prompt never stalls the steps that stream other clients' tokens::
 
-    HTTP handlers ──add/abort──▶ [engine thread: add | step | step | abort | step ...]
+    HTTP handlers ──tokenize──▶ [input thread: tokenize | render template ...]
+          │
+          └──add/abort──▶ [engine thread: add | step | step | abort | step ...]
          ▲                                         │
          └──── per-request asyncio.Queue ◀──outputs┘   (dispatched on the event loop)
 
 Many concurrent requests are thus batched by the scheduler, never served one at a time.
+
+A step that fails fails only its own requests (the engine says so in their outputs). If the
+engine raises anywhere else, every request in flight is failed and the engine is reset (queues
+emptied, prefix cache dropped); it goes on serving. Only if that recovery fails is the engine
+dead (:attr:`error` set, every call raises :class:`EngineDeadError`, ``/health`` says 503).
 
 Invariants:
 - a request id is in ``_queues`` from just before its add is submitted until its stream ends;
@@ -27,7 +36,9 @@ from typing import Any
 
 import torch
 
+from prefixcache.engine.input_processor import ProcessedPrompt
 from prefixcache.engine.llm_engine import EngineMetrics, LLMEngine
+from prefixcache.errors import InvalidInputError
 from prefixcache.layers.lora import LoRARequest
 from prefixcache.outputs import RequestOutput
 from prefixcache.sampling_params import SamplingParams
@@ -66,6 +77,10 @@ class AsyncLLMEngine:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="prefixcache-engine", initializer=self._init_thread
         )
+        # Tokenization and chat templates (the input processor's own tokenizer; one thread).
+        self._input_executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="prefixcache-input"
+        )
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._unfinished: dict[str, int] = {}  # request id -> samples not finished yet (n)
         self._counter = itertools.count()
@@ -73,8 +88,8 @@ class AsyncLLMEngine:
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self.error: BaseException | None = None
-        # Requests that ran in the last engine step, and the most seen in one step (batching check).
-        self.last_step_num_reqs = 0
+        self.num_recoveries = 0  # times the engine was reset after an unexpected error
+        # The most requests seen in one step (a batching check for tests and benchmarks).
         self.max_step_num_reqs = 0
 
     def _init_thread(self) -> None:
@@ -106,6 +121,7 @@ class AsyncLLMEngine:
             self._queues.pop(request_id).put_nowait(EngineDeadError("server is shutting down"))
             self._executor.submit(self.engine.abort_request, request_id)
         self._executor.shutdown(wait=True)
+        self._input_executor.shutdown(wait=True)
 
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -115,12 +131,15 @@ class AsyncLLMEngine:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                outputs = await loop.run_in_executor(self._executor, self._step)
+                try:
+                    outputs = await loop.run_in_executor(self._executor, self._step)
+                except Exception as e:  # a bug outside the forward pass: fail what runs, reset
+                    outputs = await loop.run_in_executor(self._executor, self._recover, e)
                 for out in outputs:
                     self._dispatch(out)
         except asyncio.CancelledError:
             raise
-        except BaseException as e:  # a bug in the engine: fail every stream rather than hang
+        except BaseException as e:  # recovery failed too: fail every stream rather than hang
             self.error = e
             for queue in self._queues.values():
                 queue.put_nowait(EngineDeadError(f"engine loop failed: {e!r}"))
@@ -131,13 +150,20 @@ class AsyncLLMEngine:
         engine = self.engine
         if not engine.has_unfinished_requests():
             # Every queued request finished or was aborted; the loop sleeps once its queues drain.
-            self.last_step_num_reqs = 0
             time.sleep(0.001)  # an add is about to land; don't spin the thread
             return []
         outputs = engine.step()
         n = len(engine.scheduler.running) + sum(o.finished for o in outputs)
-        self.last_step_num_reqs = n
         self.max_step_num_reqs = max(self.max_step_num_reqs, n)
+        return outputs
+
+    def _recover(self, error: Exception) -> list[RequestOutput]:
+        """After an unexpected engine error: fails every request in flight, resets the prefix
+        cache; on the engine thread. Raises if the engine can't be brought back (then it is dead)."""
+        self.num_recoveries += 1
+        outputs = self.engine.fail_all_requests(f"engine error: {error!r}")
+        if not self.engine.reset_prefix_cache():
+            raise RuntimeError(f"engine recovery failed: blocks still in use after {error!r}") from error
         return outputs
 
     def _dispatch(self, out: RequestOutput) -> None:
@@ -156,11 +182,18 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ requests
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs ``fn`` on the engine thread, between steps."""
         if self.error is not None:
             raise EngineDeadError(f"engine loop failed: {self.error!r}")
         return await asyncio.get_running_loop().run_in_executor(
             self._executor, lambda: fn(*args, **kwargs)
         )
+
+    async def _call_input(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs ``fn`` (tokenization, templates) on the input thread, beside the steps."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine loop failed: {self.error!r}")
+        return await asyncio.get_running_loop().run_in_executor(self._input_executor, fn, *args)
 
     async def generate(
         self,
@@ -178,7 +211,7 @@ class AsyncLLMEngine:
         while iterating. Leaving the stream before its final output aborts the request.
 
         Args:
-            prompt: text or token ids.
+            prompt: text (tokenized on the input thread) or token ids.
             sampling_params: validated sampling parameters.
             cache_salt: the request's cache namespace (see ``LLMEngine.add_request``).
             request_id: defaults to a fresh ``"req-N"``.
@@ -199,7 +232,9 @@ class AsyncLLMEngine:
             self.start()
         request_id = request_id if request_id is not None else f"req-{next(self._counter)}"
         if request_id in self._queues:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise InvalidInputError("request_id", f"request_id {request_id!r} is already in use")
+        if not isinstance(prompt, ProcessedPrompt):
+            prompt = await self._call_input(self.engine.input_processor.tokenize, prompt)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue  # before the add: the next step may already output
         self._unfinished[request_id] = sampling_params.n
@@ -228,7 +263,7 @@ class AsyncLLMEngine:
                     finished = True
                     raise item
                 num_finished += item.finished
-                finished = num_finished == n or item.finish_reason == "abort"
+                finished = num_finished == n or item.finish_reason in ("abort", "error")
                 yield item
         finally:
             if not finished:  # the consumer left early: free the request's blocks
@@ -263,14 +298,13 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ engine state
     async def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Renders a conversation with the model's chat template (on the engine thread: the
-        tokenizer is shared with detokenization there).
+        """Renders a conversation with the model's chat template, on the input thread.
 
         Raises:
-            ValueError: the template rejects the conversation.
+            InvalidInputError: (field ``messages``) the template rejects the conversation, or it is
+                too long for the context.
         """
-
-        return await self._call(self.engine.apply_chat_template, messages)
+        return await self._call_input(self.engine.input_processor.apply_chat_template, messages)
 
     async def get_stats(self) -> EngineStats:
         def take() -> EngineStats:

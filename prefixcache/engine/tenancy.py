@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from prefixcache.cache.block import common_prefix_length
+
 MAX_TENANT_CHARS = 256
 
 
@@ -50,15 +52,7 @@ class ApprovedPrefixes:
 
     def shared_length(self, token_ids: Sequence[int]) -> int:
         """Tokens at the head of ``token_ids`` that equal the head of some approved prefix."""
-        best = 0
-        for prefix in self._prefixes:
-            n = 0
-            for a, b in zip(prefix, token_ids):
-                if a != b:
-                    break
-                n += 1
-            best = max(best, n)
-        return best
+        return max((common_prefix_length(prefix, token_ids) for prefix in self._prefixes), default=0)
 
     def __len__(self) -> int:
         return len(self._prefixes)

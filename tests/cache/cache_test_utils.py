@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from prefixcache.cache.config import CacheConfig
 from prefixcache.cache.hashing import BlockHasher, make_root_key, tenant_extra_key
-from prefixcache.engine.request import Request
+from prefixcache.cache.kv_cache_manager import KVCacheManager
+from prefixcache.request import Request
 from prefixcache.sampling_params import SamplingParams
 
 MODEL_FINGERPRINT = b"test-model"
@@ -33,19 +37,27 @@ def make_request(
     )
 
 
+def make_manager(num_blocks: int, block_size: int, *, clock=None, bytes_per_block: int = 0,
+                 enable_caching: bool = True, **cache_options) -> KVCacheManager:
+    """A manager over a ``CacheConfig(block_size=..., **cache_options)`` pool."""
+    config = dataclasses.replace(CacheConfig(block_size=block_size, enable_prefix_caching=enable_caching),
+                                 **cache_options)
+    kwargs = {"clock": clock} if clock is not None else {}
+    return KVCacheManager(num_blocks, config, bytes_per_block=bytes_per_block, **kwargs)
+
+
 def admit(manager, request, num_new_tokens: int | None = None):
-    """Scheduler-style admission: lookup, then allocate the hits plus the rest of the prompt.
+    """The scheduler's admission (``KVCacheManager.admit``) of up to ``num_new_tokens`` tokens
+    (default: the rest of the prompt), then those tokens computed.
 
     Returns:
         ``(new_blocks, num_hit_tokens)``; ``new_blocks`` is ``None`` when the pool is too small.
     """
-    hits, num_hit_tokens = manager.get_computed_blocks(request)
-    if num_new_tokens is None:
-        num_new_tokens = request.num_tokens - num_hit_tokens
-    new_blocks = manager.allocate_slots(request, num_new_tokens, hits, num_hit_tokens)
-    if new_blocks is not None:
-        request.num_computed_tokens = num_hit_tokens + num_new_tokens
-    return new_blocks, num_hit_tokens
+    admission = manager.admit(request, request.num_tokens if num_new_tokens is None else num_new_tokens)
+    if admission is None:
+        return None, 0
+    request.num_computed_tokens += admission.num_new_tokens
+    return admission.new_blocks, admission.num_hit_tokens
 
 
 def ids(blocks) -> list[int]:

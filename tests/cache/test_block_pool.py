@@ -1,21 +1,28 @@
-"""Exact-value tests of BlockPool and FreeKVCacheBlockQueue (block ids, ref counts, LRU order)."""
+"""Exact-value tests of BlockPool and LRUPolicy (the free queue) (block ids, ref counts, LRU order)."""
 
 from __future__ import annotations
 
 import pytest
 from cache_test_utils import ids, make_request
 
-from prefixcache.cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from prefixcache.cache.block_pool import BlockPool, KVCacheBlock
+from prefixcache.cache.config import CacheConfig
+from prefixcache.cache.eviction import LRUPolicy
 
 B = 4
 
 
 def free_ids(pool: BlockPool) -> list[int]:
-    return ids(pool.free_block_queue.get_all_free_blocks())
+    return ids(pool.evictor.get_all_free_blocks())
 
 
-def cache_request(pool: BlockPool, request, blocks) -> None:
-    pool.cache_full_blocks(request, blocks, 0, len(request.block_hashes), B)
+def cache_request(pool: BlockPool, request, blocks, num_blocks: int | None = None) -> None:
+    """Caches the request's first ``num_blocks`` (default: all full) blocks, chained."""
+    parent = None
+    for i in range(len(request.block_hashes) if num_blocks is None else num_blocks):
+        tokens = request.all_token_ids[i * B : (i + 1) * B]
+        parent = pool.cache_block(blocks[i], request.block_hashes[i], tokens, parent, request.root_key,
+                                  request.block_extra_key(i))
 
 
 def test_rejects_empty_pool():
@@ -30,12 +37,12 @@ def test_initial_state():
     assert pool.get_num_free_blocks() == 5
     assert pool.get_usage() == 0.0
     assert pool.num_cached_blocks == 0
-    assert pool.num_evictions == 0
+    assert pool.eviction_stats.num_evictions == 0
 
 
 def test_free_queue_o1_ops():
     blocks = [KVCacheBlock(i) for i in range(4)]
-    q = FreeKVCacheBlockQueue(blocks)
+    q = LRUPolicy(blocks)
     q.remove(blocks[2])
     assert ids(q.get_all_free_blocks()) == [0, 1, 3]
     assert q.popleft() is blocks[0]
@@ -136,7 +143,7 @@ def test_lazy_eviction_removes_hash_and_bumps_generation():
     # Popping 2 (uncached) evicts nothing; popping 1 evicts A's tail block.
     assert ids(pool.get_new_blocks(2)) == [2, 1]
     b0, b1 = blocks
-    assert pool.num_evictions == 1
+    assert pool.eviction_stats.num_evictions == 1
     assert pool.num_cached_blocks == 1
     assert b1.block_hash is None and b1.token_ids is None and b1.parent is None
     assert b1.generation == 1 and b1.ref_cnt == 1
@@ -161,10 +168,12 @@ def test_evicted_parent_invalidates_child():
     assert pool.get_cached_block(req.block_hashes[1], [4, 5, 6, 7], b0, req.root_key) is None
 
 
-def test_two_blocks_share_one_hash():
+def test_two_blocks_share_one_hash(constant_hash):
+    """A hash collision: two blocks with different tokens under one hash; each found by its tokens."""
     pool = BlockPool(4)
     r1 = make_request("r1", list(range(4)), block_size=B)
-    r2 = make_request("r2", list(range(4)), block_size=B)
+    r2 = make_request("r2", list(range(4, 8)), block_size=B)
+    assert r1.block_hashes == r2.block_hashes
     (x,) = pool.get_new_blocks(1)
     (y,) = pool.get_new_blocks(1)
     cache_request(pool, r1, [x])
@@ -172,17 +181,35 @@ def test_two_blocks_share_one_hash():
     assert pool.num_cached_blocks == 2
     assert ids(pool.cached_block_hash_to_block[r1.block_hashes[0]].values()) == [0, 1]
     assert pool.get_cached_block(r1.block_hashes[0], [0, 1, 2, 3], None, r1.root_key) is x
+    assert pool.get_cached_block(r1.block_hashes[0], [4, 5, 6, 7], None, r1.root_key) is y
     pool.free_blocks([x, y])
     pool.get_new_blocks(3)  # evicts 2, 3 (uncached) then x
-    assert pool.get_cached_block(r1.block_hashes[0], [0, 1, 2, 3], None, r1.root_key) is y
+    assert pool.get_cached_block(r1.block_hashes[0], [0, 1, 2, 3], None, r1.root_key) is None
+    assert pool.get_cached_block(r1.block_hashes[0], [4, 5, 6, 7], None, r1.root_key) is y
     assert ids(pool.cached_block_hash_to_block[r1.block_hashes[0]].values()) == [1]
 
 
-def test_caching_disabled_is_noop():
-    pool = BlockPool(2, enable_caching=False)
+def test_equal_block_is_cached_once():
+    """One prefix, one cached copy (C12): caching an equal block at the same place in the chain
+    returns the block already cached and leaves the new one uncached."""
+    pool = BlockPool(4)
+    r1 = make_request("r1", list(range(8)), block_size=B)
+    r2 = make_request("r2", list(range(8)), block_size=B)
+    a0, a1, b1 = pool.get_new_blocks(3)
+    cache_request(pool, r1, [a0, a1])
+    assert pool.cache_block(b1, r2.block_hashes[1], list(range(4, 8)), a0, r2.root_key) is a1
+    assert b1.block_hash is None and pool.num_cached_blocks == 2
+    # Under another parent (here: as a chain root) the same tokens are another prefix.
+    assert pool.cache_block(b1, r2.block_hashes[1], list(range(4, 8)), None, r2.root_key) is b1
+    assert pool.num_cached_blocks == 3
+
+
+def test_caching_disabled_refuses_to_cache():
+    pool = BlockPool(2, CacheConfig(enable_prefix_caching=False))
     req = make_request("a", list(range(8)), block_size=B)
     blocks = pool.get_new_blocks(2)
-    cache_request(pool, req, blocks)
+    with pytest.raises(ValueError, match="caching off"):
+        cache_request(pool, req, blocks)
     assert pool.num_cached_blocks == 0
     assert all(b.block_hash is None for b in blocks)
 
@@ -200,7 +227,7 @@ def test_reset_prefix_cache():
     assert pool.cached_block_hash_to_block == {}
     assert [b.block_hash for b in pool.blocks] == [None, None, None]
     assert [b.generation for b in pool.blocks] == [1, 1, 0]
-    assert pool.num_evictions == 0  # a reset is not an eviction
+    assert pool.eviction_stats.num_evictions == 0  # a reset is not an eviction
     assert free_ids(pool) == [2, 1, 0]  # LRU order kept
 
 
@@ -226,9 +253,28 @@ def test_child_of_reused_parent_is_not_hit():
     bx = make_request("bx", [2, 2, 2, 2] + x + [0], block_size=B)
     (reused,) = pool.get_new_blocks(1)
     assert reused is p
-    pool.cache_full_blocks(bx, [reused], 0, 1, B)
+    cache_request(pool, bx, [reused], 1)
     hit0 = pool.get_cached_block(bx.block_hashes[0], [2, 2, 2, 2], None, bx.root_key)
     assert hit0 is p
     # c still sits in the map with parent p, tokens X, but its K/V is for "A X".
     assert c.block_hash == ax.block_hashes[1] and c.parent is p
     assert pool.get_cached_block(ax.block_hashes[1], x, hit0, bx.root_key) is None
+
+
+def test_c21_stale_chain_is_never_a_partial_hit_source():
+    """A cached block whose parent was evicted and re-cached since (generation changed) is indexed
+    under the parent's block id still; neither a full nor a partial lookup may use it."""
+    pool = BlockPool(4)
+    a = make_request("a", list(range(8)) + [50], block_size=B)
+    parent, child = pool.get_new_blocks(2)
+    cache_request(pool, a, [parent, child])
+    pool.uncache([parent])  # forced: the parent alone leaves the cache (its generation bumps)
+    assert child.block_hash is not None and child.parent_generation != parent.generation
+    cache_request(pool, a, [parent], 1)  # the same block re-cached for the same tokens
+    assert pool.get_cached_block(a.block_hashes[0], range(4), None, a.root_key) is parent
+    assert pool.find_partial_block(parent, a.root_key, [4, 5, 6]) is None
+    assert pool.get_cached_block(a.block_hashes[1], range(4, 8), parent, a.root_key) is None
+    # A live child under the re-cached parent is found again (the lookup itself works).
+    (fresh,) = pool.get_new_blocks(1)
+    assert pool.cache_block(fresh, a.block_hashes[1], range(4, 8), parent, a.root_key) is fresh
+    assert pool.find_partial_block(parent, a.root_key, [4, 5, 6]) == (fresh, 3)

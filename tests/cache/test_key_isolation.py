@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from prefixcache.cache.hashing import BlockHasher, make_root_key, tenant_extra_key
 from prefixcache.cache.kv_cache_manager import KVCacheManager
-from prefixcache.engine.request import Request
+from tests.cache.cache_test_utils import make_manager
+from prefixcache.request import Request
 from prefixcache.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -35,7 +36,7 @@ def request(rid, tokens, key, hash_algo, num_shared_blocks=0):
     hash_algo=st.sampled_from(("xxh64", "sha256")),
 )
 def test_one_differing_component_shares_nothing(tokens, component, hash_algo):
-    manager = KVCacheManager(num_blocks=32, block_size=BLOCK)
+    manager = make_manager(32, BLOCK)
     first = request("a", tokens, BASE, hash_algo)
     assert manager.allocate_slots(first, first.num_tokens) is not None
     manager.free(first)
@@ -61,7 +62,7 @@ def test_two_tenants_share_exactly_the_approved_full_blocks(tokens, approved_len
     """The prompt's first ``approved_len`` tokens are approved: both tenants share its full blocks
     (as far as the last-token cap allows) and nothing after them."""
     num_shared = min(approved_len, len(tokens)) // BLOCK
-    manager = KVCacheManager(num_blocks=32, block_size=BLOCK)
+    manager = make_manager(32, BLOCK)
     first = request("a", tokens, BASE, hash_algo, num_shared)
     assert manager.allocate_slots(first, first.num_tokens) is not None
     manager.free(first)

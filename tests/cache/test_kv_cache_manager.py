@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from cache_test_utils import admit, ids, make_request
+from cache_test_utils import admit, ids, make_manager, make_request
 
 from prefixcache.cache.kv_cache_manager import CopyOp, KVCacheManager
 from prefixcache.cache.metrics import PrefixCacheSnapshot, PrefixCacheStats
@@ -12,7 +12,7 @@ B = 4
 
 
 def free_ids(manager: KVCacheManager) -> list[int]:
-    return ids(manager.block_pool.free_block_queue.get_all_free_blocks())
+    return ids(manager.block_pool.evictor.get_all_free_blocks())
 
 
 def refs(manager: KVCacheManager) -> list[int]:
@@ -28,19 +28,19 @@ def assert_exact_hits(request, blocks) -> None:
 
 def test_constructor_validation():
     with pytest.raises(ValueError, match="block_size"):
-        KVCacheManager(4, 0)
+        make_manager(4, 0)
     with pytest.raises(ValueError, match="num_blocks"):
-        KVCacheManager(0, 4)
+        make_manager(0, 4)
 
 
 def test_miss_then_full_prefix_hit():
-    m = KVCacheManager(10, B)
+    m = make_manager(10, B)
     a = make_request("a", list(range(10)), block_size=B)  # 2 full blocks + 2 tokens
     assert m.get_computed_blocks(a) == ([], 0)
     new_blocks, _ = admit(m, a)
     assert ids(new_blocks) == [0, 1, 2]
     assert m.get_block_ids("a") == [0, 1, 2]
-    assert m.num_cached_block["a"] == 2
+    assert m.req_to_num_cached_blocks["a"] == 2
     assert m.num_cached_blocks == 2
     assert refs(m)[:4] == [1, 1, 1, 0]
 
@@ -52,7 +52,7 @@ def test_miss_then_full_prefix_hit():
     new_blocks, _ = admit(m, b)
     assert ids(new_blocks) == [3]  # only the new blocks are returned
     assert m.get_block_ids("b") == [0, 1, 3]
-    assert m.num_cached_block["b"] == 2
+    assert m.req_to_num_cached_blocks["b"] == 2
     assert refs(m)[:4] == [2, 2, 1, 1]
     assert free_ids(m) == [4, 5, 6, 7, 8, 9]
 
@@ -74,37 +74,41 @@ def test_miss_then_full_prefix_hit():
     assert m.usage == pytest.approx(0.3)
 
 
-def test_same_step_duplicates_and_longest_chain():
-    """Two requests computing one prompt in the same step both cache it; the lookup follows
-    whichever copy still has the longer chain."""
-    m = KVCacheManager(8, B)
+def test_same_step_duplicates_are_cached_once():
+    """Two requests computing one prompt in the same step (no lookup between): the second's equal
+    blocks stay uncached, it holds the first's instead (one prefix, one cached copy, C12), and
+    frees them right after its own, so the chain still goes tail first."""
+    m = make_manager(8, B)
     r1 = make_request("r1", list(range(9)), block_size=B)
     r2 = make_request("r2", list(range(9)), block_size=B)
     assert m.get_computed_blocks(r1) == ([], 0) and m.get_computed_blocks(r2) == ([], 0)
     assert ids(m.allocate_slots(r1, 9)) == [0, 1, 2]
     assert ids(m.allocate_slots(r2, 9)) == [3, 4, 5]
-    assert m.num_cached_blocks == 4
-    assert ids(m.block_pool.cached_block_hash_to_block[r1.block_hashes[0]].values()) == [0, 3]
+    assert m.num_cached_blocks == 2
+    assert ids(m.block_pool.cached_block_hash_to_block[r1.block_hashes[0]].values()) == [0]
+    assert {i: b.block_id for i, b in m.req_to_pinned["r2"].items()} == {0: 0, 1: 1}
+    assert refs(m) == [2, 2, 1, 1, 1, 1, 0, 0]
     m.free(r1)
     m.free(r2)
-    assert free_ids(m) == [6, 7, 2, 1, 0, 5, 4, 3]
+    assert free_ids(m) == [6, 7, 2, 5, 4, 1, 3, 0]
+    assert refs(m) == [0] * 8 and m.req_to_pinned == {}
     x = make_request("x", list(range(100, 116)), block_size=B)
-    assert ids(m.allocate_slots(x, 16)) == [6, 7, 2, 1]  # evicts r1's second block only
+    assert ids(m.allocate_slots(x, 16)) == [6, 7, 2, 5]  # uncached blocks first: nothing evicted
     probe = make_request("p", list(range(9)), block_size=B)
     hits, num_hit_tokens = m.get_computed_blocks(probe)
-    assert ids(hits) == [3, 4] and num_hit_tokens == 8
+    assert ids(hits) == [0, 1] and num_hit_tokens == 8
     assert_exact_hits(probe, hits)
 
 
 def test_miss_on_different_prompt():
-    m = KVCacheManager(10, B)
+    m = make_manager(10, B)
     admit(m, make_request("a", list(range(10)), block_size=B))
     b = make_request("b", list(range(100, 110)), block_size=B)
     assert m.get_computed_blocks(b) == ([], 0)
 
 
 def test_partial_hit_shares_first_block_only():
-    m = KVCacheManager(10, B)
+    m = make_manager(10, B)
     a = make_request("a", list(range(12)), block_size=B)
     admit(m, a)
     assert m.get_block_ids("a") == [0, 1, 2]
@@ -119,7 +123,7 @@ def test_partial_hit_shares_first_block_only():
 
 @pytest.mark.parametrize(("num_tokens", "expected_hit_tokens"), [(8, 4), (9, 8), (7, 4), (4, 0), (5, 4)])
 def test_last_token_is_always_recomputed(num_tokens, expected_hit_tokens):
-    m = KVCacheManager(10, B)
+    m = make_manager(10, B)
     admit(m, make_request("a", list(range(12)), block_size=B))
     b = make_request("b", list(range(num_tokens)), block_size=B)
     hits, num_hit_tokens = m.get_computed_blocks(b)
@@ -128,29 +132,29 @@ def test_last_token_is_always_recomputed(num_tokens, expected_hit_tokens):
 
 
 def test_exact_two_block_prompt_gets_one_cached_block():
-    m = KVCacheManager(10, B)
+    m = make_manager(10, B)
     a = make_request("a", list(range(2 * B)), block_size=B)
     admit(m, a)
-    assert m.num_cached_block["a"] == 2
+    assert m.req_to_num_cached_blocks["a"] == 2
     assert m.get_computed_blocks(make_request("b", list(range(2 * B)), block_size=B))[1] == B
     assert m.get_computed_blocks(make_request("c", list(range(2 * B + 1)), block_size=B))[1] == 2 * B
 
 
 def test_allocate_returns_none_when_pool_too_small_and_changes_nothing():
-    m = KVCacheManager(3, B)
+    m = make_manager(3, B)
     a = make_request("a", list(range(8)), block_size=B)
     admit(m, a)
     b = make_request("b", list(range(100, 108)), block_size=B)
     before = (free_ids(m), refs(m), m.num_cached_blocks, dict(m.req_to_blocks))
     assert m.allocate_slots(b, 8) is None
     assert (free_ids(m), refs(m), m.num_cached_blocks, dict(m.req_to_blocks)) == before
-    assert "b" not in m.req_to_blocks and "b" not in m.num_cached_block
+    assert "b" not in m.req_to_blocks and "b" not in m.req_to_num_cached_blocks
     assert m.get_block_ids("b") == []
 
 
 def test_free_cached_hits_do_not_count_as_free_space():
     """Hits sitting in the free queue stop being allocatable once touched."""
-    m = KVCacheManager(3, B)
+    m = make_manager(3, B)
     a = make_request("a", list(range(8)), block_size=B)
     admit(m, a)
     m.free(a)
@@ -174,7 +178,7 @@ def test_free_cached_hits_do_not_count_as_free_space():
 
 
 def test_allocate_validation():
-    m = KVCacheManager(4, B)
+    m = make_manager(4, B)
     a = make_request("a", list(range(8)), block_size=B)
     with pytest.raises(ValueError, match="num_new_tokens"):
         m.allocate_slots(a, -1)
@@ -190,22 +194,22 @@ def test_allocate_validation():
 
 
 def test_decode_tokens_filling_a_block_get_cached():
-    m = KVCacheManager(10, B)
+    m = make_manager(10, B)
     a = make_request("a", list(range(6)), block_size=B)
     admit(m, a)
     assert m.get_block_ids("a") == [0, 1]
-    assert m.num_cached_block["a"] == 1
+    assert m.req_to_num_cached_blocks["a"] == 1
     for token in (6, 7):  # decode: fills block 1
         a.append_output_token_ids(token)
         assert m.allocate_slots(a, 1) == []
         a.num_computed_tokens += 1
-    assert m.num_cached_block["a"] == 2
+    assert m.req_to_num_cached_blocks["a"] == 2
     block1 = m.block_pool.blocks[1]
     assert block1.block_hash == a.block_hashes[1] and block1.token_ids == (4, 5, 6, 7)
     a.append_output_token_ids(8)  # starts block 2
     assert ids(m.allocate_slots(a, 1)) == [2]
     a.num_computed_tokens += 1
-    assert m.num_cached_block["a"] == 2
+    assert m.req_to_num_cached_blocks["a"] == 2
     m.free(a)
     # Next turn: prompt = earlier prompt + output + more.
     b = make_request("b", list(range(9)) + [50], block_size=B)
@@ -214,18 +218,18 @@ def test_decode_tokens_filling_a_block_get_cached():
 
 
 def test_chunked_prefill_caches_as_blocks_fill():
-    m = KVCacheManager(10, B)
+    m = make_manager(10, B)
     a = make_request("a", list(range(10)), block_size=B)
     assert ids(m.allocate_slots(a, 3)) == [0]
     a.num_computed_tokens = 3
-    assert m.num_cached_block["a"] == 0 and m.num_cached_blocks == 0
+    assert m.req_to_num_cached_blocks["a"] == 0 and m.num_cached_blocks == 0
     assert ids(m.allocate_slots(a, 6)) == [1, 2]
     a.num_computed_tokens = 9
-    assert m.num_cached_block["a"] == 2 and m.num_cached_blocks == 2
+    assert m.req_to_num_cached_blocks["a"] == 2 and m.num_cached_blocks == 2
 
 
 def test_free_order_and_idempotence():
-    m = KVCacheManager(6, B)
+    m = make_manager(6, B)
     a = make_request("a", list(range(12)), block_size=B)
     b = make_request("b", list(range(100, 105)), block_size=B)
     admit(m, a)
@@ -238,11 +242,11 @@ def test_free_order_and_idempotence():
     m.free(make_request("zzz", [1], block_size=B))  # unknown id
     assert free_ids(m) == [5, 4, 3, 2, 1, 0]
     assert refs(m) == [0] * 6
-    assert m.req_to_blocks == {} and m.num_cached_block == {}
+    assert m.req_to_blocks == {} and m.req_to_num_cached_blocks == {}
 
 
 def test_reset_prefix_cache():
-    m = KVCacheManager(6, B)
+    m = make_manager(6, B)
     a = make_request("a", list(range(9)), block_size=B)
     admit(m, a)
     assert m.reset_prefix_cache() is False
@@ -254,10 +258,10 @@ def test_reset_prefix_cache():
 
 
 def test_caching_disabled_never_hits():
-    m = KVCacheManager(6, B, enable_caching=False)
+    m = make_manager(6, B, enable_caching=False)
     a = make_request("a", list(range(9)), block_size=B)
     admit(m, a)
-    assert m.num_cached_blocks == 0 and m.num_cached_block["a"] == 0
+    assert m.num_cached_blocks == 0 and m.req_to_num_cached_blocks["a"] == 0
     b = make_request("b", list(range(9)), block_size=B)
     assert m.get_computed_blocks(b) == ([], 0)
     m.free(a)
@@ -265,7 +269,7 @@ def test_caching_disabled_never_hits():
 
 
 def test_cache_salt_isolates_and_equal_salts_share():
-    m = KVCacheManager(20, B)
+    m = make_manager(20, B)
     prompt = list(range(3 * B + 1))
     admit(m, make_request("a", prompt, block_size=B, cache_salt="alpha"))
     assert m.get_computed_blocks(make_request("b", prompt, block_size=B, cache_salt="beta"))[1] == 0
@@ -278,7 +282,7 @@ def test_cache_salt_isolates_and_equal_salts_share():
 
 
 def test_c4_constant_hash_unrelated_prompts_and_shared_prefix(constant_hash):
-    m = KVCacheManager(40, B)
+    m = make_manager(40, B)
     for k in range(5):
         r = make_request(f"u{k}", [100 * (k + 1) + t for t in range(2 * B + 1)], block_size=B)
         assert len(set(r.block_hashes)) == 1  # the collision is in force
@@ -297,7 +301,7 @@ def test_c4_constant_hash_unrelated_prompts_and_shared_prefix(constant_hash):
 
 
 def test_c4_same_second_block_after_different_first_block(constant_hash):
-    m = KVCacheManager(20, B)
+    m = make_manager(20, B)
     x = [9] * B
     a = make_request("a", [1] * B + x + [0], block_size=B)
     admit(m, a)
@@ -306,7 +310,7 @@ def test_c4_same_second_block_after_different_first_block(constant_hash):
 
 
 def test_c4_same_first_block_different_second_block(constant_hash):
-    m = KVCacheManager(20, B)
+    m = make_manager(20, B)
     a = [1] * B
     admit(m, make_request("ax", a + [9] * B + [0], block_size=B))
     hits, num_hit_tokens = m.get_computed_blocks(make_request("ay", a + [8] * B + [0], block_size=B))
@@ -315,7 +319,7 @@ def test_c4_same_first_block_different_second_block(constant_hash):
 
 def test_c4_parent_check_picks_the_right_candidate(constant_hash):
     """Two cached X blocks (after P and after Q) collide; a Q X request must get Q's X block."""
-    m = KVCacheManager(20, B)
+    m = make_manager(20, B)
     x = [9] * B
     admit(m, make_request("px", [1] * B + x, block_size=B))
     admit(m, make_request("qx", [2] * B + x, block_size=B))
@@ -325,7 +329,7 @@ def test_c4_parent_check_picks_the_right_candidate(constant_hash):
 
 
 def test_c4_root_key_checked_under_collision(constant_hash):
-    m = KVCacheManager(20, B)
+    m = make_manager(20, B)
     prompt = list(range(2 * B + 1))
     admit(m, make_request("a", prompt, block_size=B, cache_salt="alpha"))
     assert m.get_computed_blocks(make_request("b", prompt, block_size=B, cache_salt="beta")) == ([], 0)
@@ -336,7 +340,7 @@ def test_c4_root_key_checked_under_collision(constant_hash):
 
 
 def test_c3_evicted_blocks_are_never_hit():
-    m = KVCacheManager(8, B)
+    m = make_manager(8, B)
     prompt_a = list(range(3 * B + 1))  # 3 full blocks + 1 token
     a = make_request("a", prompt_a, block_size=B)
     admit(m, a)
@@ -348,14 +352,14 @@ def test_c3_evicted_blocks_are_never_hit():
     o1 = make_request("o1", list(range(100, 120)), block_size=B)  # 5 blocks: 4, 5, 6, 7, 3
     admit(m, o1)
     assert m.get_block_ids("o1") == [4, 5, 6, 7, 3]
-    assert m.block_pool.num_evictions == 0
+    assert m.block_pool.eviction_stats.num_evictions == 0
     assert lookup("a1")[1] == 3 * B
     m.free(o1)
 
     o2 = make_request("o2", list(range(200, 208)), block_size=B)  # takes A's tail blocks 2, 1
     admit(m, o2)
     assert m.get_block_ids("o2") == [2, 1]
-    assert m.block_pool.num_evictions == 2
+    assert m.block_pool.eviction_stats.num_evictions == 2
     hits, num_hit_tokens = lookup("a2")
     assert ids(hits) == [0] and num_hit_tokens == B
     assert_exact_hits(a, hits)
@@ -364,7 +368,7 @@ def test_c3_evicted_blocks_are_never_hit():
     o3 = make_request("o3", list(range(300, 304)), block_size=B)  # takes A's head block 0
     admit(m, o3)
     assert m.get_block_ids("o3") == [0]
-    assert m.block_pool.num_evictions == 3
+    assert m.block_pool.eviction_stats.num_evictions == 3
     assert lookup("a3") == ([], 0)
     # Every block A used now holds other requests' tokens, and lookups return exactly those.
     for req in (o2, o3):
@@ -383,7 +387,7 @@ def test_c3_evicted_blocks_are_never_hit():
 
 @pytest.mark.parametrize("suffix_len", [1, 3, 5])
 def test_c8_shared_partial_block(suffix_len):
-    m = KVCacheManager(20, B)
+    m = make_manager(20, B)
     s = list(range(B + B // 2))  # 1.5 blocks
     a = make_request("a", s + [1000] + [1] * (suffix_len - 1), block_size=B)
     b = make_request("b", s + [2000] + [1] * (suffix_len - 1), block_size=B)
@@ -396,21 +400,21 @@ def test_c8_shared_partial_block(suffix_len):
 
 
 def test_stats_record_and_snapshot():
-    m = KVCacheManager(10, B)
+    m = make_manager(10, B)
     assert m.stats.hit_rate == 0.0
     a = make_request("a", list(range(10)), block_size=B)
-    _, n = admit(m, a)
-    m.stats.record(a.num_tokens, n)
+    admit(m, a)  # the admission records each request's stats once
     b = make_request("b", list(range(10)), block_size=B)
-    _, n = admit(m, b)
-    m.stats.record(b.num_tokens, n)
+    admit(m, b)
     assert m.stats == PrefixCacheStats(num_requests=2, num_hit_requests=1, queries=20, hits=8)
     assert m.stats.hit_rate == 0.4
     assert m.stats.queries - m.stats.hits == 12
-    assert m.stats.snapshot(m.block_pool) == PrefixCacheSnapshot(
-        num_requests=2, num_hit_requests=1, queries=20, hits=8, hit_rate=0.4,
-        num_evictions=0, num_blocks_in_use=4, num_blocks_cached=2, num_blocks_free=6,
+    snapshot = m.make_snapshot()
+    assert snapshot == PrefixCacheSnapshot(
+        num_requests=2, num_hit_requests=1, prefix_cache_queries=20, prefix_cache_hits=8,
+        num_evictions=0, num_blocks_total=10, num_blocks_in_use=4, num_blocks_cached=2, num_blocks_free=6,
     )
+    assert snapshot.hit_rate == 0.4
     with pytest.raises(ValueError):
         m.stats.record(4, 5)
     with pytest.raises(ValueError):
@@ -421,7 +425,7 @@ def test_stats_record_and_snapshot():
 
 
 def test_fork_shares_every_block_and_copies_the_partial_one_on_first_write():
-    m = KVCacheManager(20, B)
+    m = make_manager(20, B)
     parent = make_request("p", list(range(10)), block_size=B)  # blocks 0, 1 full; block 2 holds 2
     admit(m, parent)
     m.end_step()
@@ -454,7 +458,7 @@ def test_fork_shares_every_block_and_copies_the_partial_one_on_first_write():
 
 
 def test_copy_on_write_needs_a_free_block():
-    m = KVCacheManager(3, B)
+    m = make_manager(3, B)
     parent = make_request("p", list(range(10)), block_size=B)
     admit(m, parent)
     kid = parent.fork("p#1", parent.sampling_params, 1)
@@ -479,7 +483,7 @@ def parent_blind_hash(monkeypatch):
 
 
 def test_fast_path_checks_the_parent(parent_blind_hash):
-    m = KVCacheManager(20, B)
+    m = make_manager(20, B)
     p, q, x, y = [1] * B, [2] * B, [3] * B, [4] * B
     admit(m, make_request("qx", q + x, block_size=B))  # blocks 0 <- 1 (X after Q)
     admit(m, make_request("py", p + y, block_size=B))  # blocks 2 <- 3
@@ -491,7 +495,7 @@ def test_fast_path_checks_the_parent(parent_blind_hash):
 
 @pytest.mark.parametrize("field", ["root_key", "tenant", "tokens"])
 def test_fast_path_checks_root_tenant_and_tokens(constant_hash, field):
-    m = KVCacheManager(20, B)
+    m = make_manager(20, B)
     admit(m, make_request("a", [1, 2, 3, 4, 0], block_size=B, cache_salt="alpha", tenant="acme"))
     assert m.block_pool.num_cached_blocks == 1  # one candidate: the fast path decides
     other = {"root_key": dict(cache_salt="beta", tenant="acme"), "tenant": dict(cache_salt="alpha", tenant="globex"),

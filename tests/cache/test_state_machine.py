@@ -17,7 +17,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from prefixcache.cache.hashing import BlockHasher, make_root_key, tenant_extra_key
 from prefixcache.cache.kv_cache_manager import KVCacheManager
-from prefixcache.engine.request import Request
+from tests.cache.cache_test_utils import make_manager
+from prefixcache.request import Request
 from prefixcache.sampling_params import SamplingParams
 
 B = 4
@@ -53,7 +54,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def setup(self) -> None:
         self.hasher = self.hasher_cls(B)
         self.now = 0.0
-        self.manager = KVCacheManager(
+        self.manager = make_manager(
             NUM_BLOCKS, B, eviction_policy=self.policy, cache_ttl_s=5.0, clock=lambda: self.now
         )
         self.running: dict[str, Request] = {}
@@ -109,31 +110,32 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @rule(prompt=PROMPTS, salt=SALTS, tenant=TENANTS, shared=st.integers(0, 2), chunk=st.integers(1, 16))
     def admit(self, prompt, salt, tenant, shared, chunk) -> None:
+        """The scheduler's admission (``KVCacheManager.admit``); its hits checked by the oracle."""
         request = self.make_request(prompt, salt, tenant, shared)
+        # The lookup alone has no side effect and finds what the admission takes.
         hits, num_hit_tokens = self.manager.get_computed_blocks(request)
         self.check_hits(request, hits, num_hit_tokens)
-        partial = self.manager.get_partial_hit(request, hits)
-        k = 0
-        if partial is not None:
-            k = partial.num_tokens
-            assert 1 <= k < B and num_hit_tokens + k <= request.num_tokens - 1
-            root, prefix, extra = self.content[partial.block.block_id]
+        before = [b.ref_cnt for b in self.manager.block_pool.blocks]
+        admission = self.manager.admit(request, chunk)
+        if admission is None:
+            assert [b.ref_cnt for b in self.manager.block_pool.blocks] == before
+            assert request.request_id not in self.manager.req_to_blocks
+            assert request.num_cached_tokens is None
+            return
+        assert admission.num_hit_tokens == num_hit_tokens
+        assert self.manager.req_to_blocks[request.request_id][: len(hits)] == hits
+        k = admission.num_partial_tokens
+        if k:
+            (op,) = [op for op in self.manager.pending_copy_ops if op.dst_block_id == admission.new_blocks[0].block_id]
+            assert 1 <= k < B and num_hit_tokens + k <= request.num_tokens - 1 and op.num_tokens == k
+            root, prefix, extra = self.content[op.src_block_id]
             end = num_hit_tokens + k
             assert root == request.root_key and prefix[:end] == tuple(request.all_token_ids[:end])
             assert extra == request.block_extra_key(num_hit_tokens // B), "partial hit crosses a tenant"
-        num_new_tokens = min(chunk, request.num_tokens - num_hit_tokens - k)
-        before = [b.ref_cnt for b in self.manager.block_pool.blocks]
-        new_blocks = self.manager.allocate_slots(request, num_new_tokens, hits, num_hit_tokens, partial)
-        if new_blocks is None:
-            assert [b.ref_cnt for b in self.manager.block_pool.blocks] == before
-            assert request.request_id not in self.manager.req_to_blocks
-            return
-        self.manager.stats.record(request.num_tokens, num_hit_tokens, k)
-        request.num_computed_tokens = num_hit_tokens + k
-        self.write(request, num_new_tokens)
+        assert request.num_cached_tokens == num_hit_tokens + k == request.num_computed_tokens
+        assert admission.num_new_tokens == min(chunk, request.num_tokens - num_hit_tokens - k)
+        self.write(request, admission.num_new_tokens)
         self.running[request.request_id] = request
-        assert all(b.ref_cnt == len([t for t in self.manager.req_to_blocks.values() if b in t])
-                   for b in self.manager.block_pool.blocks)
 
     @precondition(lambda self: any(r.num_computed_tokens < r.num_tokens for r in self.running.values()))
     @rule(index=st.integers(0, 50), chunk=st.integers(1, 16))
@@ -190,7 +192,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                         tenant_key=owner.tenant_key, num_shared_blocks=owner.num_shared_blocks)
         hits, num_hit_tokens = self.manager.get_computed_blocks(probe)
         self.check_hits(probe, hits, num_hit_tokens)
-        num_cached = self.manager.num_cached_block[owner.request_id]
+        num_cached = self.manager.req_to_num_cached_blocks[owner.request_id]
         assert len(hits) >= min(num_cached, (probe.num_tokens - 1) // B)
 
     @rule(dt=st.sampled_from([0.5, 1.0, 10.0]))
@@ -233,7 +235,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @invariant()
     def accounting(self) -> None:
         pool = self.manager.block_pool
-        free = pool.free_block_queue.get_all_free_blocks()
+        free = pool.evictor.get_all_free_blocks()
         in_use = [b for b in pool.blocks if b.ref_cnt > 0]
         assert len(free) + len(in_use) == NUM_BLOCKS == pool.get_num_free_blocks() + len(in_use)
         free_set = {b.block_id for b in free}
@@ -241,6 +243,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         expected_refs = [0] * NUM_BLOCKS
         for table in self.manager.req_to_blocks.values():
             for block in table:
+                expected_refs[block.block_id] += 1
+        for pinned in self.manager.req_to_pinned.values():  # equal blocks held in place of their own
+            for block in pinned.values():
                 expected_refs[block.block_id] += 1
         for block in pool.blocks:
             assert block.ref_cnt >= 0
@@ -279,14 +284,18 @@ class KVCacheMachine(RuleBasedStateMachine):
         for rid, request in self.running.items():
             table = self.manager.req_to_blocks[rid]
             assert len(table) == -(-request.num_computed_tokens // B)
-            num_cached = self.manager.num_cached_block[rid]
+            num_cached = self.manager.req_to_num_cached_blocks[rid]
             assert num_cached == min(request.num_computed_tokens // B, len(request.block_hashes))
+            pinned = self.manager.req_to_pinned.get(rid, {})
             for j, block in enumerate(table):
                 end = min(request.num_computed_tokens, (j + 1) * B)
                 assert self.content[block.block_id] == (
                     request.root_key, tuple(request.all_token_ids[:end]), request.block_extra_key(j))
-                if j < num_cached:
-                    assert block.block_hash == request.block_hashes[j]
+                if j < num_cached:  # cached, or an equal block cached before stands for it (C12)
+                    cached = pinned.get(j, block)
+                    assert cached.block_hash == request.block_hashes[j]
+                    assert j not in pinned or block.block_hash is None
+                    assert self.content[cached.block_id] == self.content[block.block_id]
         assert set(self.manager.req_to_blocks) == set(self.running)
 
     @invariant()
@@ -299,7 +308,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 assert block.parent_generation == block.parent.generation, f"{block} is orphaned"
                 children[block.parent.block_id] += 1
         assert [b.num_cached_children for b in pool.blocks] == children
-        assert len(pool.free_block_queue.get_all_free_blocks()) == pool.get_num_free_blocks()
+        assert len(pool.evictor.get_all_free_blocks()) == pool.get_num_free_blocks()
 
     @invariant()
     def stats(self) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.engine.tenancy import ApprovedPrefixes, validate_tenant
-from tests.cache.cache_test_utils import admit, ids, make_request
+from tests.cache.cache_test_utils import make_manager, admit, ids, make_request
 
 B = 4
 APPROVED = list(range(100, 110))  # 10 tokens: 2 full blocks + 2 tokens of block 2
@@ -23,7 +23,7 @@ def req(rid, tenant, prompt=PROMPT, shared=len(APPROVED) // B):
 
 
 def test_tenants_share_the_approved_blocks_and_nothing_after():
-    m = KVCacheManager(40, B, enable_partial_block_reuse=True)
+    m = make_manager(40, B, enable_partial_block_reuse=True)
     a = req("a", "acme")
     assert admit(m, a)[1] == 0
     m.end_step()  # a's K/V is written: its blocks may now be partial-hit sources
@@ -46,7 +46,7 @@ def test_tenants_share_the_approved_blocks_and_nothing_after():
 
 
 def test_requests_without_tenant_reach_only_the_public_blocks():
-    m = KVCacheManager(40, B)
+    m = make_manager(40, B)
     admit(m, req("a", "acme"))
     hits, num_hit = m.get_computed_blocks(req("anon", None))
     assert (ids(hits), num_hit) == ([0, 1], 8)
@@ -58,7 +58,7 @@ def test_requests_without_tenant_reach_only_the_public_blocks():
 
 
 def test_no_approved_prefix_means_no_sharing():
-    m = KVCacheManager(40, B)
+    m = make_manager(40, B)
     admit(m, req("a", "acme", shared=0))
     assert m.get_computed_blocks(req("b", "globex", shared=0)) == ([], 0)
     assert m.get_computed_blocks(req("a2", "acme", shared=0))[1] == 16
@@ -66,7 +66,7 @@ def test_no_approved_prefix_means_no_sharing():
 
 
 def test_tenant_key_is_verified_even_under_hash_collision(constant_hash):
-    m = KVCacheManager(40, B)
+    m = make_manager(40, B)
     a = req("a", "acme")
     admit(m, a)
     b = req("b", "globex")

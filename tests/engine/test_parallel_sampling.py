@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixcache.engine.request import sample_request_id
+from prefixcache.request import sample_request_id
 from prefixcache.sampling_params import SamplingParams
 
 PROMPT = "The three most useful things to pack for a long train journey across Europe in winter are"
@@ -138,7 +138,7 @@ def test_samples_survive_preemption_and_count_toward_max_num_seqs(make_llm):
     engine.add_request(other, other_params, request_id="o")
     engine.step()
     engine.step()
-    assert [r.request_id for r in engine.scheduler.running] == ["g", "g#1", "g#2", "g#3"]
+    assert list(engine.scheduler.running) == ["g", "g#1", "g#2", "g#3"]
     while engine.has_unfinished_requests():
         engine.step()
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from prefixcache.cache import hashing
-from prefixcache.engine.request import Request
+from prefixcache.request import Request
 from prefixcache.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -130,7 +130,7 @@ def test_c3_hit_blocks_hold_the_kv_of_their_tokens(make_llm):
     warm.generate(p1, params, use_tqdm=False)
     manager = warm.engine.kv_cache_manager
     # Look up p2 the way admission does.
-    probe = Request("probe", p2, params, warm.engine.block_hasher, warm.engine.root_key())
+    probe = Request("probe", p2, params, warm.engine.input_processor.block_hasher, warm.engine.root_key())
     blocks, num_hit = manager.get_computed_blocks(probe)
     assert num_hit == 40 and len(blocks) == 5
     ref = make_llm(block_size=8, num_blocks=64, enable_prefix_caching=False)
@@ -263,7 +263,7 @@ def test_sha256_hash_algo_hits_the_same(make_llm):
 
 def test_hash_seed_fixes_block_hashes_default_is_random(make_llm):
     def hashes(llm):
-        probe = Request("p", list(range(100, 140)), GREEDY, llm.engine.block_hasher, llm.engine.root_key())
+        probe = Request("p", list(range(100, 140)), GREEDY, llm.engine.input_processor.block_hasher, llm.engine.root_key())
         return probe.block_hashes
 
     a, b = make_llm(hash_seed=11, num_blocks=8), make_llm(hash_seed=11, num_blocks=8)

@@ -75,7 +75,7 @@ def test_eos_stops_unless_ignored(make_llm):
     llm = make_llm()
     conv = [{"role": "user", "content": "Say just the word yes."}]
     out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0]
-    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.output_processor.eos_token_ids
     assert len(out.token_ids) < 64
     ignored = llm.chat(conv, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)[0]
     assert ignored.finish_reason == "length" and len(ignored.token_ids) == 64
@@ -93,7 +93,7 @@ def test_output_fields(make_llm):
 
 def test_invalid_input_raises_value_error_and_leaks_nothing(make_llm):
     llm = make_llm(num_blocks=64)
-    vocab = llm.engine.vocab_size
+    vocab = llm.engine.input_processor.vocab_size
     cases = [
         ("prompt", lambda: llm.generate("", use_tqdm=False)),
         ("prompt", lambda: llm.generate([[]], use_tqdm=False)),
@@ -186,22 +186,31 @@ def test_dtype_is_part_of_the_cache_key(make_llm):
     assert len(out.token_ids) == 4
 
 
-def test_failed_step_drops_the_batch_and_the_cache(make_llm, monkeypatch):
+def test_failed_step_fails_its_requests_and_keeps_earlier_cache(make_llm, monkeypatch):
+    """A step that raises fails only its requests; blocks cached in that step are dropped (their
+    K/V was never written), blocks cached before stay hit-able, and the engine goes on."""
     llm = make_llm(num_blocks=64)
     prompt = "A sentence that is long enough to fill at least one block of sixteen tokens, surely."
     # 16 new tokens fill the prompt's second block, so the repeat below takes a partial hit (a pinned source).
-    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    assert llm.get_metrics().num_blocks_cached > 0
+    cold = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+    cached_before = llm.get_metrics().num_blocks_cached
+    assert cached_before > 0
+    other = " ".join(["Another prompt, about something else entirely."] * 6)
+    num_other_blocks = len(llm.engine.input_processor.tokenize(other).token_ids) // 16
+    assert num_other_blocks >= 2
 
     def boom(scheduler_output):
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(llm.engine.runner, "execute_model", boom)
     with pytest.raises(RuntimeError, match="device lost"):
-        llm.generate([prompt, "Another prompt"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+        llm.generate([prompt, other], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     m = llm.get_metrics()
     assert not llm.engine.has_unfinished_requests()
-    assert (m.num_blocks_in_use, m.num_blocks_cached) == (0, 0)
+    assert (m.num_blocks_in_use, m.num_blocks_cached) == (0, cached_before)
+    assert m.evictions_by_reason == {"failed_step": num_other_blocks}  # cached in the failed step
     monkeypatch.undo()
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
-    assert out.num_cached_tokens == 0 and len(out.token_ids) == 2
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+    assert out.num_cached_tokens == len(out.prompt_token_ids) - 1 and out.token_ids == cold.token_ids
+    again = llm.generate(other, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0  # nothing of the failed step is ever served

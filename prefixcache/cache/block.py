@@ -1,0 +1,94 @@
+"""One KV-cache block's metadata, and the rule that makes a cached block a genuine hit.
+
+Kept apart from the pool so the eviction policies and the pool both see the block type without an
+import cycle. The K/V itself lives in the runner's KV pool (``runner/kv_pool.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prefixcache.cache.hashing import BlockHash
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    """Metadata of one KV-cache block.
+
+    Compared by identity (``eq=False``): two blocks are the same block only if they are the same
+    object.
+
+    Attributes:
+        block_id: index of the block in the pool, ``0 <= block_id < num_blocks``.
+        ref_cnt: number of running requests whose block table holds this block.
+        block_hash: the chained hash of the block; set iff the block is full and cached.
+        token_ids: the block's ``block_size`` tokens, stored when cached (verified on a hit).
+        parent: the previous block of the chain when cached; ``None`` for a first block.
+        parent_generation: ``parent.generation`` at caching time.
+        root_key: for a chain's first block, the caching request's root key; else ``None``.
+        extra_key: the caching request's extra key for this block (tenant namespace, or ``b""``).
+        generation: bumped each time the block is evicted or reset, i.e. each time its content
+            stops being what was cached.
+        depth: blocks before this one in its chain when cached (0 for a first block).
+        cached_s: when the block was cached (the pool's clock, seconds).
+        num_cached_children: cached blocks whose live parent is this block.
+    """
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] | None = None
+    parent: KVCacheBlock | None = None
+    parent_generation: int = 0
+    root_key: bytes | None = None
+    extra_key: bytes = b""
+    generation: int = 0
+    depth: int = 0
+    cached_s: float = 0.0
+    num_cached_children: int = 0
+
+    def __repr__(self) -> str:
+        cached = f", hash={self.block_hash.hex()[:8]}" if self.block_hash is not None else ""
+        parent = f", parent={self.parent.block_id}" if self.parent is not None else ""
+        return (
+            f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}{cached}{parent}, "
+            f"gen={self.generation})"
+        )
+
+
+def follows(block: KVCacheBlock, parent: KVCacheBlock | None, root_key: bytes, extra_key: bytes) -> bool:
+    """Whether cached ``block`` was cached right after ``parent``'s prefix, in the same namespace.
+
+    The one hit rule (besides the stored tokens, which a full hit compares whole and a partial hit
+    by prefix, and the eviction policy's :meth:`~EvictionPolicy.is_hit_allowed`): the block's
+    recorded parent is ``parent`` at the generation it had when the block was cached, or, for a
+    chain's first block (``parent is None``), the block is a chain root cached under ``root_key``;
+    and its ``extra_key`` (tenant namespace) is the request's for this block. By induction over a
+    chain of verified blocks, the whole prefix, and so the K/V, is the request's, whatever the hash
+    function does; and a tenant-keyed block only ever serves its tenant.
+
+    Args:
+        block: a cached block (``block_hash`` set).
+        parent: the block verified for the previous block of the request; ``None`` for its first.
+        root_key: the request's root key (model, salt, adapter, hash seed).
+        extra_key: the request's extra key for this block (``Request.block_extra_key``).
+    """
+    if parent is None:
+        return block.parent is None and block.root_key == root_key and block.extra_key == extra_key
+    return (
+        block.parent is parent
+        and block.parent_generation == parent.generation
+        and block.extra_key == extra_key
+    )
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Number of equal leading items of ``a`` and ``b`` (a partial hit's length, a prompt's shared
+    part with an approved prefix)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,254 @@
+"""Input processing: validation, tokenization and cache keys, up to a :class:`Request` ready to
+schedule (vLLM v1's ``InputProcessor`` role).
+
+Everything a request brings is checked here, before it is queued, with an
+:class:`~prefixcache.errors.InvalidInputError` naming the field; nothing invalid reaches the
+scheduler. The cheap checks come first: a text prompt longer than any text that fits the context
+(more than ``max_model_len`` times the longest token's text) is refused before it is tokenized.
+
+Tokenization uses this processor's own copy of the tokenizer, so it may run on a thread of its own
+(the async engine tokenizes off the engine thread, which detokenizes with the model's tokenizer).
+
+Prompt plus ``max_tokens`` must fit the context (``max_model_len``): a request that can't is refused
+(field ``max_tokens``), as OpenAI and vLLM's server do, rather than silently cut short.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+from typing import NamedTuple
+
+from prefixcache.cache.hashing import BlockHasher, hash_seed_bytes, make_root_key, tenant_extra_key
+from prefixcache.config import EngineConfig
+from prefixcache.engine.tenancy import ApprovedPrefixes, validate_tenant
+from prefixcache.errors import InvalidInputError
+from prefixcache.layers.lora import LoRAAdapter
+from prefixcache.models.loader import LoadedModel
+from prefixcache.request import Request
+from prefixcache.sampling_params import SamplingParams
+
+MAX_CACHE_SALT_CHARS = 1024
+# A text of C characters has at least C / (longest token text) tokens; normalization may shrink a
+# text (composing characters), so the bound allows this factor on top.
+_NORMALIZATION_SLACK = 4
+
+
+class ProcessedPrompt(NamedTuple):
+    """A tokenized prompt: its text (``None`` when given as token ids) and token ids."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+class InputProcessor:
+    """Turns what a caller sends into a validated, keyed :class:`Request`.
+
+    Args:
+        config: the engine's options (``block_size``, ``hash_seed``).
+        loaded: the model (tokenizer, vocabulary, the weights' fingerprint).
+        max_model_len: the context limit in tokens.
+        num_blocks: the KV pool's size (a request that can never fit is refused).
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int, num_blocks: int) -> None:
+        self.block_size = config.block_size
+        self.loaded = loaded
+        self.tokenizer = copy.deepcopy(loaded.tokenizer)  # private: may be used off the engine thread
+        self.vocab_size = loaded.config.vocab_size
+        self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.block_hasher = BlockHasher(config.block_size, config.hash_algo)
+        self.approved_prefixes = ApprovedPrefixes()
+        self._hash_seed = hash_seed_bytes(config.hash_seed)
+        self._model_key: tuple[bytes, bytes] | None = None  # (loaded.fingerprint, key) memo
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = max_model_len * max(1, longest) * _NORMALIZATION_SLACK
+
+    # ------------------------------------------------------------------ keys
+    @property
+    def model_key(self) -> bytes:
+        """The cache key's model part: the weights' fingerprint and the dtype K/V is computed in.
+        Follows the loaded model's fingerprint, which changes whenever its weights are replaced."""
+        fingerprint = self.loaded.fingerprint
+        if self._model_key is None or self._model_key[0] != fingerprint:
+            key = hashlib.sha256(fingerprint + str(self.loaded.dtype).encode()).digest()
+            self._model_key = (fingerprint, key)
+        return self._model_key[1]
+
+    def root_key(self, cache_salt: str | None = None, adapter: LoRAAdapter | None = None) -> bytes:
+        """The cache-key root of a request: model key, hash seed, cache_salt, adapter digest."""
+        digest = adapter.digest if adapter is not None else b""
+        return make_root_key(self.model_key, cache_salt, self._hash_seed, digest)
+
+    # ------------------------------------------------------------------ tokenization
+    def tokenize(self, prompt: str | list[int] | ProcessedPrompt) -> ProcessedPrompt:
+        """Text → token ids (special tokens added as the tokenizer does); token ids are checked.
+
+        Raises:
+            InvalidInputError: (field ``prompt``) empty, not text or token ids, text longer than
+                any prompt that fits the context, or a token id outside the vocabulary.
+        """
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidInputError("prompt", "prompt must not be empty")
+            self.check_text_length(len(prompt))
+            check_unicode("prompt", prompt)
+            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt, add_special_tokens=True))
+        if not isinstance(prompt, (list, tuple)):
+            raise InvalidInputError("prompt", f"prompt must be a string or a list of token ids, "
+                                              f"got {type(prompt).__name__}")
+        if not prompt:
+            raise InvalidInputError("prompt", "prompt must not be empty")
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise InvalidInputError("prompt", f"prompt token ids must be integers in [0, {self.vocab_size}), "
+                                                  f"got {str(t)[:40]!r}")
+        return ProcessedPrompt(None, list(prompt))
+
+    def check_text_length(self, num_chars: int, field: str = "prompt") -> None:
+        """Refuses, without tokenizing, a text too long to fit the context in any tokenization.
+
+        Raises:
+            InvalidInputError: ``num_chars > max_prompt_chars``.
+        """
+        if num_chars > self.max_prompt_chars:
+            raise InvalidInputError(field, f"{field} is {num_chars} characters, more than any prompt that fits "
+                                           f"max_model_len {self.max_model_len} tokens can have")
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Renders one conversation with the model's chat template → prompt token ids.
+
+        Raises:
+            InvalidInputError: (field ``messages``) malformed messages, a conversation too long for
+                the context, or one the template can't render.
+        """
+        if not isinstance(conversation, list) or not conversation:
+            raise InvalidInputError("messages", "messages must be a non-empty list of {'role', 'content'} dicts")
+        for m in conversation:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise InvalidInputError("messages", f"each message needs string 'role' and 'content', "
+                                                    f"got {str(m)[:100]!r}")
+        self.check_text_length(sum(len(m["role"]) + len(m["content"]) for m in conversation), "messages")
+        for m in conversation:
+            check_unicode("messages", m["role"])
+            check_unicode("messages", m["content"])
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as e:  # jinja raises its own errors for conversations it can't render
+            raise InvalidInputError("messages", f"messages could not be rendered with the chat template: {e}") from e
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ------------------------------------------------------------------ approved prefixes
+    def add_approved_prefix(self, prompt: str | list[int]) -> int:
+        """Declares a public prefix every tenant may share (tokenized as a completion prompt is);
+        returns its length in tokens. Raises InvalidInputError for an empty or bad prompt."""
+        token_ids = self.tokenize(prompt).token_ids
+        self.approved_prefixes.add(token_ids)
+        return len(token_ids)
+
+    def add_approved_system_prompt(self, content: str) -> int:
+        """Approves a chat system message: the template's rendering of it, as a chat request's head.
+
+        Raises:
+            InvalidInputError: empty content, or the template can't render a lone system message.
+        """
+        if not isinstance(content, str) or not content:
+            raise InvalidInputError("messages", "an approved system prompt must be a non-empty string")
+        token_ids = self.apply_chat_template([{"role": "system", "content": content}], add_generation_prompt=False)
+        self.approved_prefixes.add(token_ids)
+        return len(token_ids)
+
+    # ------------------------------------------------------------------ requests
+    def check_request(
+        self, params: object, cache_salt: str | None, tenant: str | None
+    ) -> SamplingParams:
+        """Checks what a request brings besides its prompt; returns its sampling params.
+
+        Raises:
+            InvalidInputError: naming ``sampling_params``, ``cache_salt`` or ``tenant``.
+        """
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidInputError("sampling_params", f"sampling_params must be a SamplingParams, "
+                                                       f"got {type(params).__name__}")
+        if cache_salt is not None and (
+            not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > MAX_CACHE_SALT_CHARS
+        ):
+            raise InvalidInputError("cache_salt", f"cache_salt must be a non-empty string of at most "
+                                                  f"{MAX_CACHE_SALT_CHARS} characters")
+        if cache_salt is not None:
+            check_unicode("cache_salt", cache_salt)
+        for stop in params.stop:
+            check_unicode("stop", stop)
+        try:
+            validate_tenant(tenant)
+        except ValueError as e:
+            raise InvalidInputError("tenant", str(e)) from e
+        if tenant is not None:
+            check_unicode("tenant", tenant)
+        return params
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Refuses a prompt the context or the KV pool can never hold with its ``max_tokens``.
+
+        Raises:
+            InvalidInputError: ``prompt`` (no room for one generated token) or ``max_tokens``.
+        """
+        if num_prompt_tokens >= self.max_model_len:
+            raise InvalidInputError("prompt", f"prompt is {num_prompt_tokens} tokens; max_model_len is "
+                                              f"{self.max_model_len} (the prompt plus at least one generated "
+                                              "token must fit)")
+        max_len = num_prompt_tokens + params.max_tokens
+        if max_len > self.max_model_len:
+            raise InvalidInputError("max_tokens", f"max_tokens {params.max_tokens} plus the prompt's "
+                                                  f"{num_prompt_tokens} tokens exceed max_model_len "
+                                                  f"{self.max_model_len}; lower max_tokens to at most "
+                                                  f"{self.max_model_len - num_prompt_tokens}")
+        # The n samples share the prompt's full blocks; each needs its own blocks after them.
+        num_prompt_blocks = num_prompt_tokens // self.block_size
+        needed = num_prompt_blocks + params.n * (math.ceil(max_len / self.block_size) - num_prompt_blocks)
+        if needed > self.num_blocks:
+            samples = f" x n={params.n} samples" if params.n > 1 else ""
+            raise InvalidInputError("max_tokens", f"prompt + max_tokens ({max_len} tokens{samples}) needs {needed} "
+                                                  f"KV blocks but the pool has {self.num_blocks}; lower max_tokens "
+                                                  "or raise num_blocks / kv_cache_memory_bytes")
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        adapter: LoRAAdapter | None = None,
+        tenant: str | None = None,
+        stream: bool = False,
+    ) -> Request:
+        """A request keyed by its model, salt, adapter and tenant, its block hashes computed."""
+        num_shared_blocks = 0
+        if tenant is not None:
+            num_shared_blocks = self.approved_prefixes.shared_length(prompt.token_ids) // self.block_size
+        return Request(
+            request_id, prompt.token_ids, params, self.block_hasher, self.root_key(cache_salt, adapter),
+            stream=stream, lora=adapter, tenant_key=tenant_extra_key(tenant),
+            num_shared_blocks=num_shared_blocks, prompt=prompt.text,
+        )
+
+
+def check_unicode(field: str, text: str) -> None:
+    """Refuses text that is not valid Unicode (a lone surrogate such as ``"\\ud800"``, which JSON
+    can carry but UTF-8 can't): the tokenizer, the hash and the response would all fail on it.
+
+    Raises:
+        InvalidInputError: naming ``field``.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidInputError(field, f"{field} contains a lone surrogate (U+{ord(e.object[e.start]):04X} at "
+                                       f"character {e.start}), which is not valid Unicode") from None

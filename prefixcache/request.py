@@ -1,0 +1,179 @@
+"""A request's state as the scheduler, the KV cache manager and the output processor see it.
+
+Token ranges of a request (vLLM v1's picture)::
+
+    | prompt                                  | output          |
+    | num_computed_tokens   | scheduled now   | not yet         |
+
+``block_hashes`` holds one hash per *full* block of ``all_token_ids`` and grows as tokens are
+appended, so each block is hashed exactly once.
+
+A low-level data module: the cache and the engine both see :class:`Request`; it imports nothing
+above it at run time.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prefixcache.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from prefixcache.cache.hashing import BlockHash, BlockHasher
+    from prefixcache.layers.lora import LoRAAdapter
+
+
+def sample_request_id(group_id: str, sample_index: int) -> str:
+    """The engine's id of sample ``sample_index`` of a parallel-sampling group (0 is the group id)."""
+    return group_id if sample_index == 0 else f"{group_id}#{sample_index}"
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # the step that ran it failed (the engine goes on)
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASON
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self)
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation request (or one sample of an ``n > 1`` request).
+
+    Args:
+        request_id: unique id.
+        prompt_token_ids: the prompt, ``len >= 1``.
+        sampling_params: validated sampling parameters.
+        block_hasher: computes the chained block hashes.
+        root_key: the request's cache-key root (model fingerprint, cache_salt, adapter, seed).
+        arrival_s: arrival time (``time.monotonic()`` seconds); now when ``None``.
+        stream: report an output after every step that adds a token, not only at the finish.
+        lora: the LoRA adapter applied to this request (its digest is part of ``root_key``).
+        tenant_key: the tenant namespace (:func:`~prefixcache.cache.hashing.tenant_extra_key`),
+            mixed into the hash of, and verified on, every block from ``num_shared_blocks`` on.
+        num_shared_blocks: leading full blocks that lie inside an approved shared prefix and are
+            keyed without ``tenant_key``.
+        prompt: the prompt text, when given as text.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_hasher: BlockHasher
+    root_key: bytes
+    arrival_s: float | None = None
+    stream: bool = False
+    lora: LoRAAdapter | None = None
+    tenant_key: bytes = b""
+    num_shared_blocks: int = 0
+    prompt: str | None = None
+    # Parallel sampling (n > 1): this request is sample ``sample_index`` of group ``group_id``;
+    # sample 0 carries the params of the samples forked from it once its prompt is computed.
+    group_id: str = field(init=False)
+    sample_index: int = field(init=False, default=0)
+    fork_params: list[SamplingParams] = field(init=False)
+    all_token_ids: list[int] = field(init=False)
+    output_token_ids: list[int] = field(init=False, default_factory=list)
+    block_hashes: list[BlockHash] = field(init=False, default_factory=list)
+    num_computed_tokens: int = field(init=False, default=0)
+    # Tokens served from the prefix cache at first admission; None until admitted.
+    num_cached_tokens: int | None = field(init=False, default=None)
+    num_preemptions: int = field(init=False, default=0)
+    status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
+    stop_reason: int | str | None = field(init=False, default=None)
+    first_token_s: float | None = field(init=False, default=None)
+    finish_s: float | None = field(init=False, default=None)
+    # Output text bookkeeping (the output processor's): where the text ends when a stop string
+    # matched, and how much of the decoded text is settled (searched for stop strings already).
+    stop_text_end: int | None = field(init=False, default=None)
+    num_checked_chars: int = field(init=False, default=0)
+    error: str | None = field(init=False, default=None)  # why it finished with FINISHED_ERROR
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.group_id = self.request_id
+        params = self.sampling_params
+        self.fork_params = [
+            dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i) for i in range(1, params.n)
+        ]
+        if self.arrival_s is None:
+            self.arrival_s = time.monotonic()
+        self.block_hasher.extend(
+            self.block_hashes, self.all_token_ids, self.root_key, self.tenant_key, self.num_shared_blocks
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def fork(self, request_id: str, sampling_params: SamplingParams, sample_index: int) -> Request:
+        """A new sample of this request's group, at the same point (prompt computed, no output).
+
+        The child copies every field; each mutable one (token lists, hashes) is its own copy, so
+        the two never share state (``tests/engine/test_request.py`` checks every field). Its blocks
+        are shared by the KV cache manager (:meth:`KVCacheManager.fork`).
+        """
+        child = copy.copy(self)
+        child.request_id = request_id
+        child.sampling_params = sampling_params
+        child.sample_index = sample_index
+        child.fork_params = []
+        child.prompt_token_ids = list(self.prompt_token_ids)
+        child.all_token_ids = list(self.all_token_ids)
+        child.output_token_ids = list(self.output_token_ids)
+        child.block_hashes = list(self.block_hashes)
+        return child
+
+    def block_extra_key(self, block_index: int) -> bytes:
+        """The extra key of block ``block_index``: the tenant's, unless inside the shared prefix."""
+        return self.tenant_key if block_index >= self.num_shared_blocks else b""
+
+    def append_output_token_ids(self, token_id: int) -> None:
+        """Appends one sampled token and hashes any block it completes."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self.block_hasher.extend(
+            self.block_hashes, self.all_token_ids, self.root_key, self.tenant_key, self.num_shared_blocks
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )
