@@ -14,14 +14,22 @@ MAX_N = 64
 class SamplingParams:
     """How to pick tokens and when to stop.
 
+    Every value accepted here is served (see ``prefixcache.layers.sampler`` for how degenerate
+    distributions resolve); anything else raises :class:`InvalidInputError` naming the field.
+
     Attributes:
-        temperature: 0 means greedy (argmax); > 0 scales logits before sampling.
-        top_p: nucleus probability mass kept, in (0, 1].
-        top_k: keep the k most likely tokens; 0 or -1 keeps all.
-        max_tokens: new tokens to generate at most, >= 1.
-        seed: per-request RNG seed; the same seed and prompt give the same sample.
+        temperature: 0 means greedy (argmax of the raw logits); any finite float > 0 (subnormals
+            included) scales logits before sampling. A tiny one samples the argmax (tied argmaxes
+            share the mass), a huge one is uniform over the tokens with finite logits.
+        top_p: nucleus probability mass kept, in (0, 1]; the most likely token is always kept.
+        top_k: keep the k most likely tokens; 0 or -1 keeps all, as does any k >= vocab size.
+        max_tokens: new tokens to generate at most, >= 1, no upper bound (the context length,
+            ``max_model_len``, also ends generation).
+        seed: per-request RNG seed, in [-2**63, 2**64 - n] (what ``torch.Generator`` takes, for
+            every sample's ``seed + i``); the same seed and prompt give the same sample.
         stop: strings that end generation; the matched string is not included in the text.
-        stop_token_ids: token ids that end generation besides EOS.
+        stop_token_ids: token ids that end generation besides EOS: any ints >= 0 (they are only
+            compared with sampled ids, so one outside the vocabulary never matches).
         ignore_eos: keep generating past the model's EOS tokens.
         include_stop_str_in_output: keep the matched stop string in the text.
         n: parallel samples of the prompt (1..64). They share the prompt's KV blocks; sample ``i``
@@ -29,7 +37,7 @@ class SamplingParams:
             same prompt run alone with that seed.
 
     Raises:
-        ValueError: from :meth:`__post_init__`, naming the invalid field.
+        InvalidInputError: a ``ValueError``, from :meth:`__post_init__`, naming the invalid field.
     """
 
     temperature: float = 1.0
@@ -44,42 +52,42 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple("stop", self.stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids))
         _check_number("temperature", self.temperature)
         if not 0 <= self.temperature < float("inf"):
-            raise InvalidInputError("temperature", f"temperature must be finite and >= 0, got {self.temperature}")
+            raise InvalidInputError(
+                "temperature", f"temperature must be finite and >= 0, got {_show(self.temperature)}"
+            )
         _check_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
-            raise InvalidInputError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidInputError("top_p", f"top_p must be in (0, 1], got {_show(self.top_p)}")
         _check_int("top_k", self.top_k)
         if self.top_k < -1:
-            raise InvalidInputError("top_k", f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
+            raise InvalidInputError("top_k", f"top_k must be -1, 0 (disabled) or >= 1, got {_show(self.top_k)}")
         _check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
-            raise InvalidInputError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise InvalidInputError("max_tokens", f"max_tokens must be >= 1, got {_show(self.max_tokens)}")
         _check_int("n", self.n)
         if not 1 <= self.n <= MAX_N:
-            raise InvalidInputError("n", f"n must be in [1, {MAX_N}], got {self.n}")
+            raise InvalidInputError("n", f"n must be in [1, {MAX_N}], got {_show(self.n)}")
         if self.seed is not None:
             _check_int("seed", self.seed)
             if not -(2**63) <= self.seed <= 2**64 - self.n:  # what torch.Generator.manual_seed accepts
-                raise InvalidInputError("seed", f"seed must be in [-2**63, 2**64 - n], got {self.seed}")
+                raise InvalidInputError("seed", f"seed must be in [-2**63, 2**64 - n], got {_show(self.seed)}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
-                raise InvalidInputError(name, f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise InvalidInputError(name, f"{name} must be a bool, got {_show(getattr(self, name))}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidInputError("stop", f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise InvalidInputError("stop", f"stop entries must be non-empty strings, got {s!r}")
+                raise InvalidInputError("stop", f"stop entries must be non-empty strings, got {_show(s)}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t)
             if t < 0:
-                raise InvalidInputError("stop_token_ids", f"stop_token_ids must be >= 0, got {t}")
+                raise InvalidInputError("stop_token_ids", f"stop_token_ids must be >= 0, got {_show(t)}")
 
     @property
     def greedy(self) -> bool:
@@ -87,10 +95,33 @@ class SamplingParams:
 
 
 def _check_number(name: str, value: object) -> None:
+    """An int or float (not bool, not NaN) that converts to a float (ints past 1.8e308 do not)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise InvalidInputError(name, f"{name} must be a number, got {value!r}")
+        raise InvalidInputError(name, f"{name} must be a number, got {_show(value)}")
+    try:
+        float(value)
+    except OverflowError:
+        raise InvalidInputError(name, f"{name} must be finite, got {_show(value)}") from None
 
 
 def _check_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidInputError(name, f"{name} must be an integer, got {value!r}")
+        raise InvalidInputError(name, f"{name} must be an integer, got {_show(value)}")
+
+
+def _as_tuple(name: str, value: object) -> tuple:
+    """``None`` -> ``()``; an iterable -> its tuple (entries are checked by the caller)."""
+    if value is None:
+        return ()
+    try:
+        return tuple(value)
+    except TypeError:
+        raise InvalidInputError(name, f"{name} must be a list, got {_show(value)}") from None
+
+
+def _show(value: object) -> str:
+    """``repr(value)`` for messages, short for huge ints (whose repr may even be refused)."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,54 @@
+"""Edge sampling parameters on the real model (issue 10, C14 offline).
+
+Degenerate distributions resolve to their argmax, so a tiny temperature or a tiny top_p gives the
+greedy tokens; huge top_k, max_tokens and stop token ids are served as they are; and the same LLM
+serves ordinary requests afterwards.
+"""
+
+from __future__ import annotations
+
+from prefixcache.sampling_params import SamplingParams
+
+PROMPT = "Once upon a time, in a small village by the sea,"
+
+
+def test_tiny_top_p_and_tiny_temperature_give_the_greedy_tokens_and_leave_the_llm_usable(make_llm):
+    llm = make_llm()
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].token_ids
+    assert len(greedy) == 8
+
+    # 1e-46 is 0 in float32: the old sampler dropped every token and torch.multinomial raised.
+    out = llm.generate(PROMPT, SamplingParams(temperature=1.0, top_p=1e-46, max_tokens=2), use_tqdm=False)[0]
+    assert out.token_ids == greedy[:2] and out.finish_reason == "length"
+    # logits / 1e-40 overflowed to inf, softmax to NaN.
+    out = llm.generate(PROMPT, SamplingParams(temperature=1e-40, max_tokens=4), use_tqdm=False)[0]
+    assert out.token_ids == greedy[:4] and out.finish_reason == "length"
+
+    edges = [
+        SamplingParams(temperature=5e-324, max_tokens=4),
+        SamplingParams(temperature=1.4e-45, top_p=5e-324, top_k=10**30, max_tokens=4),
+        SamplingParams(temperature=1e308, top_k=1, max_tokens=4),
+        SamplingParams(temperature=3.4e38, top_p=1e-46, max_tokens=4, seed=2**64 - 1),
+        SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[10**30, 2**63]),
+        SamplingParams(temperature=1e-40, n=2, max_tokens=4, seed=-(2**63)),
+    ]
+    outs = llm.generate([PROMPT] * len(edges), edges, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [greedy[:4]] * 5 + [greedy[:4], greedy[:4]]
+    assert [o.finish_reason for o in outs] == ["length"] * 7
+
+    # The same LLM still serves: greedy as before, and a seeded sample as a fresh LLM gives it.
+    assert llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].token_ids == greedy
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=8, seed=5, ignore_eos=True)
+    after = llm.generate(PROMPT, seeded, use_tqdm=False)[0].token_ids
+    assert after == make_llm().generate(PROMPT, seeded, use_tqdm=False)[0].token_ids and len(after) == 8
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.get_metrics().num_blocks_in_use == 0
+
+
+def test_huge_max_tokens_stops_at_max_model_len(make_llm):
+    probe = make_llm()
+    num_prompt_tokens = len(probe.tokenizer.encode(PROMPT))
+    greedy = probe.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].token_ids
+    llm = make_llm(max_model_len=num_prompt_tokens + 3)
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=10**30), use_tqdm=False)[0]
+    assert out.token_ids == greedy and out.finish_reason == "length"
