@@ -701,23 +701,38 @@ def percentile(values: list[float], p: float) -> float | None:
     return round(ordered[max(0, min(len(ordered) - 1, math.ceil(p * len(ordered)) - 1))], 3)
 
 
+def unexpected_groups(outcomes: list[Outcome]) -> list[dict[str, Any]]:
+    """The unexpected outcomes grouped by (kind, status, problem), in the order of their first answer.
+
+    Each group: ``kind, status, problem, count, first_sent_s, first_answered_s`` (seconds since the
+    soak began; "answered" is when the client saw the failure).
+    """
+    groups: dict[tuple, dict] = {}
+    for o in sorted(outcomes, key=lambda o: o.start_s + o.e2e_s):
+        if o.problem is not None or o.status >= 500:
+            entry = groups.setdefault((o.kind, o.status, o.problem), {
+                "kind": o.kind, "status": o.status, "problem": o.problem, "count": 0,
+                "first_sent_s": o.start_s, "first_answered_s": round(o.start_s + o.e2e_s, 3)})
+            entry["count"] += 1
+    return list(groups.values())
+
+
+def first_5xx(outcomes: list[Outcome]) -> dict[str, Any] | None:
+    """The first 5xx answer, and the bad inputs sent in the 10 s before it (the likely trigger)."""
+    fives = sorted((o for o in outcomes if o.status >= 500), key=lambda o: o.start_s + o.e2e_s)
+    if not fives:
+        return None
+    f = fives[0]
+    at_s = round(f.start_s + f.e2e_s, 3)
+    before = [f"{o.kind} sent at {o.start_s:.1f} s -> {o.status}" for o in sorted(outcomes, key=lambda o: o.start_s)
+              if o.kind.startswith("bad:") and at_s - 10 <= o.start_s <= at_s]
+    return {"kind": f.kind, "status": f.status, "sent_s": f.start_s, "answered_s": at_s, "problem": f.problem,
+            "bad_inputs_sent_in_the_10_s_before": before}
+
+
 def summarize(outcomes: list[Outcome], bad_names: list[str]) -> dict[str, Any]:
     """Counts, latencies, unexpected outcomes and per-bad-input results of the soak's requests."""
-    unexpected: dict[tuple, dict] = {}
-    for o in outcomes:
-        if o.problem is not None or o.status >= 500:
-            key = (o.kind, o.status, o.problem)
-            entry = unexpected.setdefault(key, {"kind": o.kind, "status": o.status, "problem": o.problem,
-                                                "count": 0, "first_at_s": o.start_s})
-            entry["count"] += 1
-    fives = sorted((o for o in outcomes if o.status >= 500), key=lambda o: o.start_s)
-    first_5xx = None
-    if fives:
-        f = fives[0]
-        before = [f"{o.kind} at {o.start_s:.1f} s -> {o.status}" for o in sorted(outcomes, key=lambda o: o.start_s)
-                  if o.kind.startswith("bad:") and f.start_s - 10 <= o.start_s <= f.start_s]
-        first_5xx = {"kind": f.kind, "status": f.status, "at_s": f.start_s, "problem": f.problem,
-                     "bad_inputs_sent_in_the_10_s_before": before}
+    fives = [o for o in outcomes if o.status >= 500]
     bad = {}
     for name in bad_names:
         sent = [o for o in outcomes if o.kind == f"bad:{name}"]
@@ -731,8 +746,8 @@ def summarize(outcomes: list[Outcome], bad_names: list[str]) -> dict[str, Any]:
         "statuses": dict(sorted(Counter(str(o.status) for o in outcomes).items())),
         "num_5xx": len(fives),
         "num_good_failed": sum(o.problem is not None for o in good),
-        "unexpected": sorted(unexpected.values(), key=lambda e: e["first_at_s"]),
-        "first_5xx": first_5xx,
+        "unexpected": unexpected_groups(outcomes),
+        "first_5xx": first_5xx(outcomes),
         "bad_inputs": bad,
         "latency_s": {
             "ttft_p50": percentile([o.ttft_s for o in good if o.ttft_s is not None and o.problem is None], 0.5),
@@ -787,12 +802,14 @@ def format_report(report: dict[str, Any]) -> str:
              "latency (s): " + ", ".join(f"{k} {v}" for k, v in s["latency_s"].items())]
     lines.append(f"unexpected outcomes ({sum(e['count'] for e in s['unexpected'])}):")
     lines += [f"  {e['count']:5d} x {e['kind']} -> {e['status']}: {e['problem']} "
-              f"(first sent at {e['first_at_s']:.1f} s)" for e in s["unexpected"][:MAX_PRINTED_GROUPS]] or ["  none"]
+              f"(first sent at {e['first_sent_s']:.1f} s, answered at {e['first_answered_s']:.1f} s)"
+              for e in s["unexpected"][:MAX_PRINTED_GROUPS]] or ["  none"]
     if len(s["unexpected"]) > MAX_PRINTED_GROUPS:
         lines.append(f"  ... {len(s['unexpected']) - MAX_PRINTED_GROUPS} more groups in the JSON report")
     if s["first_5xx"]:
         f = s["first_5xx"]
-        lines.append(f"first 5xx: {f['kind']} -> {f['status']} at {f['at_s']:.1f} s: {f['problem']}")
+        lines.append(f"first 5xx: {f['kind']} -> {f['status']} answered at {f['answered_s']:.1f} s "
+                     f"(sent at {f['sent_s']:.1f} s): {f['problem']}")
         lines.append(f"  the last bad inputs sent up to then: {f['bad_inputs_sent_in_the_10_s_before'][-5:]}")
     lines.append("bad inputs (name: sent, statuses, max latency):")
     lines += [f"  {'ok  ' if b['ok'] else 'FAIL'} {name}: {b['sent']}, {b['statuses']}, {b['max_latency_s']} s"

@@ -84,7 +84,15 @@ def test_summary_and_checks_on_made_up_outcomes():
     assert s["requests"]["total"] == 7 == sum(s["statuses"].values())
     assert s["statuses"] == {"200": 4, "400": 1, "503": 2}
     assert s["num_5xx"] == 2 and s["num_good_failed"] == 1
-    assert s["first_5xx"]["kind"] == "bad:empty_prompt" and s["first_5xx"]["at_s"] == 3.0
+    assert s["first_5xx"]["kind"] == "bad:empty_prompt" and s["first_5xx"]["answered_s"] == 3.01
+    # The first 5xx is the first answered: the plain request sent at 0.5 s was answered at 2.5 s.
+    outcomes.append(O("chat_plain", 503, 0.5, 2.0, problem="HTTP 503: engine_dead"))
+    s = soak.summarize(outcomes, ["top_p_1e-46", "empty_prompt", "n_1000"])
+    assert s["first_5xx"]["kind"] == "chat_plain" and s["first_5xx"]["answered_s"] == 2.5
+    assert s["first_5xx"]["bad_inputs_sent_in_the_10_s_before"] == [
+        "bad:top_p_1e-46 sent at 1.5 s -> 200", "bad:empty_prompt sent at 2.0 s -> 400"]
+    assert [(g["kind"], g["count"]) for g in s["unexpected"]] == [
+        ("chat_plain", 1), ("bad:empty_prompt", 1), ("chat_stream", 1)]
     assert s["bad_inputs"]["top_p_1e-46"]["ok"] and not s["bad_inputs"]["empty_prompt"]["ok"]
     assert s["bad_inputs"]["n_1000"]["sent"] == 0
     assert s["latency_s"]["num_ttft"] == 2 and s["latency_s"]["num_e2e"] == 2 and s["latency_s"]["e2e_p99"] == 2.0
