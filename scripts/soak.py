@@ -31,11 +31,17 @@ What it does:
    tokens) to the soaked server, stops it, starts a fresh server with the same flags and sends them
    again; the texts must be equal (the server returns no token ids, so text equality stands in).
 
-The report (printed; ``--json PATH`` writes it) has requests by kind, responses by status, the
-unexpected outcomes grouped (kind, status, problem) with their first time, the first 5xx and the
-bad inputs sent just before it, per-bad-input statuses, TTFT and end-to-end p50/p99 of the good
+The clients run in this process, on the server's machine: on a few cores their CPU use inflates the
+latencies, so give the server fewer ``--num-threads`` than there are cores. ``/health`` answering
+503 (the engine loop died) ends the load early (``--keep-going`` doesn't); the report says so.
+
+The report (printed; ``--json PATH`` writes it; ``--trace PATH`` writes every request as a JSON
+line) has requests by kind, responses by status, the unexpected outcomes grouped (kind, status,
+problem) with when the first was sent and answered, the first 5xx and the bad inputs sent in the
+10 s before it (the likely trigger), per-bad-input statuses and worst latency, TTFT and end-to-end p50/p99 of the good
 requests (TTFT: streams that got a token, slow readers included; end-to-end: complete requests,
-slow readers and disconnects excluded), the drain, RSS before/after and the greedy comparison.
+slow readers and disconnects excluded), the drain, RSS before/after, a timeline (``/health``,
+running, waiting, KV blocks in use and RSS every ``--monitor-interval-s``) and the greedy comparison.
 
 Checks (exit status 1 unless all pass; 2 when the server could not be started):
 
