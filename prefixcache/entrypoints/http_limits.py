@@ -54,8 +54,7 @@ class RequestBodyLimitMiddleware:
         self.max_body_bytes = max_body_bytes
 
     def _too_large(self, size: str) -> str:
-        return (f"request body {size}; this server accepts at most {self.max_body_bytes} bytes "
-                "(--max-request-body-bytes)")
+        return f"request body is {size} (--max-request-body-bytes)"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -63,8 +62,8 @@ class RequestBodyLimitMiddleware:
             return
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            response = error_response(413, self._too_large(f"is {int(declared)} bytes"), None,
-                                      BodyTooLargeError.code, headers={"connection": "close"})
+            message = self._too_large(f"{int(declared)} bytes; the limit is {self.max_body_bytes} bytes")
+            response = error_response(413, message, None, BodyTooLargeError.code, headers={"connection": "close"})
             await response(scope, receive, send)
             return
         received = 0
@@ -75,7 +74,7 @@ class RequestBodyLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
-                    raise BodyTooLargeError(self._too_large(f"exceeds {self.max_body_bytes} bytes"))
+                    raise BodyTooLargeError(self._too_large(f"over the limit of {self.max_body_bytes} bytes"))
             return message
 
         await self.app(scope, counted_receive, send)

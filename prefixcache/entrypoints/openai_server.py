@@ -164,12 +164,16 @@ _EXCEPTION_HANDLERS: tuple[tuple[type[Exception], Any], ...] = (
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
     """The OpenAPI document, saying what the server does: invalid input is a 400 with the error
-    schema (declared per route), never FastAPI's default 422."""
+    schema (declared per route), never FastAPI's default 422; every error body is JSON (FastAPI
+    would give a route's errors the media type of its 200)."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         for path in schema["paths"].values():
             for operation in path.values():
                 operation["responses"].pop("422", None)
+                for status, response in operation["responses"].items():
+                    if int(status) >= 400:
+                        response["content"] = {"application/json": next(iter(response["content"].values()))}
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
         app.openapi_schema = schema
