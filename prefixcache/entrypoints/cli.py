@@ -18,6 +18,15 @@ _SUBCOMMAND_MODULES = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs one subcommand; returns the exit status (2 for bad options, 130 when interrupted)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C while a subcommand imports or starts: one line, no traceback
+        print("prefixcache: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="prefixcache", description="LLM inference with automatic prefix caching")
     sub = parser.add_subparsers(dest="command", required=True)
 

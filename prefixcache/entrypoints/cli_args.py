@@ -13,13 +13,18 @@ a typo or a busy port fails in a second with one line naming the flag, not after
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import re
+import signal
 import sys
+import threading
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -327,11 +332,31 @@ def check_serve_args(args: argparse.Namespace) -> ServeSettings:
                          approved_systems, http_options(args))
 
 
+@contextlib.contextmanager
+def _exit_on_interrupt() -> Iterator[None]:
+    """While the model loads, Ctrl-C exits at once with status 130 and one line: nothing needs
+    cleaning up yet, and a KeyboardInterrupt raised inside a library's lazy import would surface
+    as an unrelated traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_now(signum: int, frame: object) -> None:
+        print("prefixcache serve: interrupted while starting", file=sys.stderr, flush=True)
+        os._exit(130)
+
+    previous = signal.signal(signal.SIGINT, exit_now)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Checks the flags, binds the port, loads the model and serves until SIGINT / SIGTERM.
 
     Returns:
-        The exit status: 0 after a shutdown, 130 when interrupted while starting.
+        The exit status: 0 after a shutdown (a Ctrl-C while starting exits 130 at once).
 
     Raises:
         ValueError: a bad flag, a busy port, or a model or adapter that can't be loaded (one line
@@ -347,14 +372,11 @@ def run_cli(args: argparse.Namespace) -> int:
               "share one cache namespace", file=sys.stderr)
     sock = bind_socket(args.host, args.port)
     try:
-        try:
+        with _exit_on_interrupt():
             app = build_app(LLMEngine(s.config), s.served_model_name, api_key=args.api_key,
                             lora_modules=s.lora_modules, api_keys=s.api_keys, tenant_isolation=args.tenant_isolation,
                             approved_prefixes=s.approved_prefixes, approved_system_prompts=s.approved_system_prompts,
                             max_request_body_bytes=args.max_request_body_bytes)
-        except KeyboardInterrupt:
-            print("prefixcache serve: interrupted while starting", file=sys.stderr)
-            return 130
         try:
             serve_http(app, sock, s.http)
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down for

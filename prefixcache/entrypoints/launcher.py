@@ -112,12 +112,13 @@ class Server(uvicorn.Server):
             await super().shutdown(sockets)  # waits for connections; the watch ends them in time
         finally:
             watch.cancel()
-        if self.force_exit:  # uvicorn skips the app's shutdown then: end the requests here
+        if self.force_exit:  # uvicorn skipped the app's shutdown: end the requests and the app here
             self._end_requests()
             loop = asyncio.get_running_loop()
             deadline = loop.time() + _DRAIN_S
             while self.server_state.tasks and loop.time() < deadline:
                 await asyncio.sleep(0.05)
+            await self.lifespan.shutdown()
         if self._ending is not None:
             await self._ending
 
