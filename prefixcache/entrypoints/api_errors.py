@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from types import MappingProxyType
 
 from fastapi.responses import JSONResponse
 
@@ -18,7 +19,7 @@ from prefixcache.errors import InvalidInputError
 
 MAX_ECHO_CHARS = 100  # of one request value quoted in an error message
 MAX_MESSAGE_CHARS = 1000  # of a whole error message (engine messages quote values too)
-ERROR_TYPES = {
+ERROR_TYPES: Mapping[int, str] = MappingProxyType({
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
@@ -29,7 +30,7 @@ ERROR_TYPES = {
     413: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
-}
+})
 
 
 class APIError(Exception):
@@ -97,7 +98,7 @@ def input_error(e: ValueError, prompt_field: str) -> APIError:
 
 
 # OpenAPI: the error responses each operation documents (besides its 200).
-_ERROR_DOCS = {
+_ERROR_DOCS: Mapping[int, str] = MappingProxyType({
     400: "invalid request: malformed JSON, a wrong type or value (`param` names the field)",
     401: "missing or wrong API key",
     403: "forbidden under --tenant-isolation",
@@ -106,7 +107,7 @@ _ERROR_DOCS = {
     413: "request body larger than --max-request-body-bytes",
     500: "unexpected server error, or the engine step that ran the request failed",
     503: "the engine loop has stopped, or the server is shutting down",
-}
+})
 
 
 def error_docs(*statuses: int) -> dict[int | str, dict]:
