@@ -1,7 +1,7 @@
 """``prefixcache`` command line: ``demo``, ``fetch``, ``serve``, ``bench``.
 
 Each subcommand's options live beside its code: ``add_cli_args(parser)`` and ``run_cli(args)`` in
-``entrypoints/openai_server.py`` (serve) and ``bench/runner.py`` (bench), imported lazily so that
+``entrypoints/cli_args.py`` (serve) and ``bench/runner.py`` (bench), imported lazily so that
 ``prefixcache demo`` doesn't pay for the server's imports.
 """
 
@@ -12,12 +12,21 @@ import importlib
 import sys
 
 _SUBCOMMAND_MODULES = {
-    "serve": ("prefixcache.entrypoints.openai_server", "OpenAI-compatible HTTP server"),
+    "serve": ("prefixcache.entrypoints.cli_args", "OpenAI-compatible HTTP server"),
     "bench": ("prefixcache.bench.runner", "prefix-caching benchmarks vs transformers"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs one subcommand; returns the exit status (2 for bad options, 130 when interrupted)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C while a subcommand imports or starts: one line, no traceback
+        print("prefixcache: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="prefixcache", description="LLM inference with automatic prefix caching")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -3,17 +3,28 @@
 Unknown fields are ignored, as OpenAI-compatible servers do, so any client version works; a known
 field of the wrong type is a validation error naming that field (HTTP 400): request models are
 strict, so ``"n": "3"``, ``"n": true`` or ``"n": 2.0`` are rejected rather than converted (an int
-is accepted where a float is expected). ``null`` means the default for every optional field. Value checks (ranges,
-prompt length) are left to :class:`SamplingParams` and the engine, which raise ``ValueError`` naming
-the field.
+is accepted where a float is expected). ``null`` means the default for every optional field.
+Integers must fit in 64 bits and numbers must be finite (``1e400`` parses as infinity): these are
+representation limits, checked here; value checks (ranges, prompt length) are left to
+:class:`SamplingParams` and the engine, which raise :class:`~prefixcache.errors.InvalidInputError`
+naming the field.
+
+Fields of OpenAI's or vLLM's API that we don't implement are kept (``extra="allow"``) so that the
+server can refuse them: :data:`UNSUPPORTED_FIELDS` lists, for each, the values that change nothing
+(which pass, as ``null`` does); any other value is a 400 "<field> is not supported yet".
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # torch.Generator takes an unsigned 64-bit seed too
 
 
 class _Model(BaseModel):
@@ -21,7 +32,7 @@ class _Model(BaseModel):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------------------- requests
@@ -33,23 +44,24 @@ class _SamplingFields(_Request):
     """Fields shared by both endpoints. ``None`` means the server's default."""
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None  # default 1.0 (OpenAI's)
     top_p: float | None = None
-    top_k: int | None = None  # vLLM extra; 0 or -1 keeps all tokens
-    seed: int | None = None
+    top_k: Int64 | None = None  # vLLM extra; 0 or -1 keeps all tokens
+    seed: Seed | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM extra
+    stop_token_ids: list[Int64] | None = None  # vLLM extra
     ignore_eos: bool | None = None  # vLLM extra; default False
     include_stop_str_in_output: bool | None = None  # vLLM extra; default False
-    n: int | None = None  # default 1
+    n: Int64 | None = None  # default 1
     stream: bool | None = None  # default False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None  # vLLM extra: the request's prefix-cache namespace
+    user: str | None = None  # OpenAI's end-user id: metadata, accepted and not used
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[Int64] | list[str] | list[list[Int64]]
 
 
 class ChatMessage(_Request):
@@ -59,7 +71,28 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    max_completion_tokens: Int64 | None = None  # OpenAI's newer name for max_tokens
+
+
+# Accepted-but-unimplemented fields → the values that change nothing (null always passes).
+_UNSUPPORTED_COMMON: Mapping[str, tuple[Any, ...]] = MappingProxyType({
+    "best_of": (1,), "echo": (False,), "logit_bias": ({},), "presence_penalty": (0,),
+    "frequency_penalty": (0,), "response_format": ({"type": "text"},),
+    # vLLM's sampling and decoding extras
+    "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "use_beam_search": (False,),
+    "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (), "prompt_logprobs": (),
+    "truncate_prompt_tokens": (), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+})
+UNSUPPORTED_FIELDS: Mapping[str, Mapping[str, tuple[Any, ...]]] = MappingProxyType({
+    "completions": MappingProxyType({**_UNSUPPORTED_COMMON, "logprobs": (), "suffix": ("",)}),
+    "chat": MappingProxyType({
+        **_UNSUPPORTED_COMMON, "logprobs": (False,), "top_logprobs": (0,), "tools": ([],),
+        "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
+        "parallel_tool_calls": (True,), "audio": (), "modalities": (["text"],), "prediction": (),
+        "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
+    }),
+})
 
 
 # ---------------------------------------------------------------------------- responses

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefixcache.config import EngineConfig
 from prefixcache.engine.async_engine import AsyncLLMEngine
 from prefixcache.engine.llm_engine import LLMEngine
+from prefixcache.entrypoints.launcher import HTTPOptions, Server, uvicorn_config
 from prefixcache.entrypoints.openai_server import build_app
 
 MODEL = "smollm2-135m"
@@ -51,8 +52,9 @@ class RunningServer:
 
 
 def start_server(loaded, api_key: str | None = None, lora_modules: dict[str, str] | None = None,
-                 app_options: dict | None = None, **options) -> RunningServer:
-    """Serves SmolLM2 with engine ``options``; ``app_options`` go to ``build_app`` (tenants...)."""
+                 app_options: dict | None = None, http_options: dict | None = None, **options) -> RunningServer:
+    """Serves SmolLM2 with engine ``options``; ``app_options`` go to ``build_app`` (tenants...),
+    ``http_options`` to :class:`HTTPOptions` (timeouts); uvicorn is set up as ``serve`` sets it up."""
     options = {"block_size": 16, "num_blocks": 160, "max_num_seqs": 16, "num_threads": 2, **options}
     engine = LLMEngine(EngineConfig(model=MODEL, **options), loaded=loaded)
     async_engine = AsyncLLMEngine(engine)
@@ -61,7 +63,8 @@ def start_server(loaded, api_key: str | None = None, lora_modules: dict[str, str
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    http = HTTPOptions(**{"log_level": "warning", **(http_options or {})})
+    server = Server(uvicorn_config(app, http), http.timeout_graceful_shutdown_s)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

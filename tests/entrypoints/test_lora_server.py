@@ -10,7 +10,7 @@ import torch
 from tests.entrypoints.conftest import MODEL, start_server, stop_server
 
 from prefixcache import LLM, LoRARequest, SamplingParams
-from prefixcache.entrypoints.openai_server import parse_lora_modules
+from prefixcache.entrypoints.cli_args import parse_lora_modules
 
 peft = pytest.importorskip("peft")
 

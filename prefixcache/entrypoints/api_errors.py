@@ -1,0 +1,115 @@
+"""OpenAI-format error responses: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every error the server answers goes through :func:`error_response`, so the body always has this
+shape and is always valid JSON: non-ASCII is escaped (a lone surrogate echoed from a request can't
+break the encoding), and a message is cut at :data:`MAX_MESSAGE_CHARS`. Values echoed from a
+request are cut further, at :data:`MAX_ECHO_CHARS`, by :func:`clip`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from fastapi.responses import JSONResponse
+
+from prefixcache.entrypoints.protocol import ErrorInfo, ErrorResponse
+from prefixcache.errors import InvalidInputError
+
+MAX_ECHO_CHARS = 100  # of one request value quoted in an error message
+MAX_MESSAGE_CHARS = 1000  # of a whole error message (engine messages quote values too)
+ERROR_TYPES: Mapping[int, str] = MappingProxyType({
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+})
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body.
+
+    Args:
+        status: HTTP status code.
+        message: what is wrong, naming the field.
+        param: the offending request field, if any.
+        code: a short machine-readable code (OpenAI's ``error.code``).
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def cut(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """``text`` cut to ``limit`` characters + ``"..."``."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def clip(value: object, limit: int = MAX_ECHO_CHARS) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters + ``"..."``."""
+    return cut(repr(value), limit)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The error body as a dict (also sent as an SSE event when a stream fails)."""
+    info = ErrorInfo(message=cut(message, MAX_MESSAGE_CHARS), type=ERROR_TYPES.get(status, "api_error"), param=param, code=code)
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_json(body: dict) -> bytes:
+    """``body`` as ASCII JSON: lone surrogates and other odd characters come out as ``\\uXXXX``."""
+    return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+class _ErrorJSONResponse(JSONResponse):
+    def render(self, content: object) -> bytes:
+        return error_json(content)  # type: ignore[arg-type]
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    """A JSON response with OpenAI's error body."""
+    return _ErrorJSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def input_error(e: ValueError, prompt_field: str) -> APIError:
+    """A 400 for a ``ValueError`` from SamplingParams or the engine.
+
+    The field comes from :attr:`InvalidInputError.field` (``prompt`` is reported as
+    ``prompt_field``: ``messages`` for chat); a plain ``ValueError`` names no field.
+    """
+    field = e.field if isinstance(e, InvalidInputError) else None
+    if field == "prompt":
+        field = prompt_field
+    return APIError(400, str(e), field)
+
+
+# OpenAPI: the error responses each operation documents (besides its 200).
+_ERROR_DOCS: Mapping[int, str] = MappingProxyType({
+    400: "invalid request: malformed JSON, a wrong type or value (`param` names the field)",
+    401: "missing or wrong API key",
+    403: "forbidden under --tenant-isolation",
+    404: "unknown model",
+    409: "requests hold KV blocks; retry when idle",
+    413: "request body larger than --max-request-body-bytes",
+    500: "unexpected server error, or the engine step that ran the request failed",
+    503: "the engine loop has stopped, or the server is shutting down",
+})
+
+
+def error_docs(*statuses: int) -> dict[int | str, dict]:
+    """``responses=`` entries documenting ``statuses`` with the error schema."""
+    return {s: {"model": ErrorResponse, "description": _ERROR_DOCS[s]} for s in statuses}

@@ -1,0 +1,420 @@
+"""Serving logic of ``/v1/completions`` and ``/v1/chat/completions`` (vLLM's ``serving_completion``
+and ``serving_chat``): a parsed request → checks → :class:`SamplingParams` → an engine request →
+a JSON answer or an SSE stream, with usage.
+
+A request is checked in this order, each failure a 400 naming the field in ``param`` unless said:
+its JSON and field types (FastAPI with ``protocol.py``, before this module), lone surrogates in
+any string, fields we don't implement, the model (404), the sampling parameters, the chat
+template, then the engine's own checks when the request is added. Nothing is queued before the
+last, so a refused request never holds a KV block; a client that leaves aborts its request.
+
+A request that the engine finishes with ``finish_reason == "error"`` (the step that ran it
+failed) is answered with a 500 in OpenAI's error format, or in a stream with an error event
+followed by ``data: [DONE]``; other requests go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from prefixcache.entrypoints.api_errors import APIError, clip, error_body, input_error
+from prefixcache.entrypoints.protocol import (
+    UNSUPPORTED_FIELDS,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    PromptTokensDetails,
+    ResponseMessage,
+    Usage,
+)
+from prefixcache.layers.lora import LoRARequest
+from prefixcache.outputs import RequestOutput
+from prefixcache.sampling_params import SamplingParams
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHAT_DEFAULT_MAX_TOKENS = 512  # chat default: the rest of the context, capped at this
+logger = logging.getLogger("prefixcache.server")
+
+AnyRequest = CompletionRequest | ChatCompletionRequest
+# (sample index, text delta) -> the choice of a stream chunk; (final outputs, created) -> the answer
+StreamChoice = Callable[[int, str], dict]
+MakeResponse = Callable[[list[RequestOutput], int], BaseModel]
+
+
+# ---------------------------------------------------------------------------- request checks
+def lone_surrogate_field(req: BaseModel) -> str | None:
+    """The first declared field of ``req`` holding a string with a lone UTF-16 surrogate (JSON
+    allows ``"\\ud800"``; no tokenizer or UTF-8 encoder does), or None. Walks nested lists, dicts
+    and models without recursion (any JSON depth)."""
+    for name in type(req).model_fields:
+        stack: list[Any] = [getattr(req, name)]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, str):
+                if not value.isascii() and not _encodes(value):
+                    return name
+            elif isinstance(value, BaseModel):
+                stack.extend(getattr(value, f) for f in type(value).model_fields)
+            elif isinstance(value, dict):
+                stack.extend(value.keys())
+                stack.extend(value.values())
+            elif isinstance(value, (list, tuple)):
+                stack.extend(value)
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _changes_nothing(value: Any, noops: tuple[Any, ...]) -> bool:
+    """``value`` is null or equal to one of ``noops`` (a bool never equals a number here)."""
+    return value is None or any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in noops)
+
+
+def check_request(req: AnyRequest, endpoint: str) -> None:
+    """Refuses lone surrogates and fields we don't implement (``endpoint``: "completions" or "chat").
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    field = lone_surrogate_field(req)
+    if field is not None:
+        raise APIError(400, f"{field} contains a lone UTF-16 surrogate (\\ud800-\\udfff), which is not "
+                            "valid Unicode text", field, "invalid_unicode")
+    unsupported = UNSUPPORTED_FIELDS[endpoint]
+    for name, value in (req.model_extra or {}).items():
+        if name in unsupported and not _changes_nothing(value, unsupported[name]):
+            raise APIError(400, f"{name} is not supported yet", name, "unsupported_parameter")
+
+
+def message_text(content: str | list[dict] | None) -> str:
+    """A chat message's text: a string, or the concatenated text of its content parts.
+
+    Raises:
+        APIError: 400 (``messages``) for a non-text part.
+    """
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, "messages: only text content parts are supported", "messages")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+# ---------------------------------------------------------------------------- outputs
+def usage(outs: list[RequestOutput]) -> Usage:
+    """Usage of a request from its samples' final outputs (the prompt counted once)."""
+    completion_tokens = sum(len(o.token_ids) for o in outs)
+    return Usage(
+        prompt_tokens=outs[0].num_prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=outs[0].num_prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=outs[0].num_cached_tokens),
+    )
+
+
+def stream_text(out: RequestOutput, stops: tuple[str, ...]) -> str:
+    """The part of a streaming output's text that is safe to send.
+
+    Until the request finishes, hold back a trailing incomplete UTF-8 character and any tail that
+    could still grow into a stop string (which the final text drops), so the concatenated deltas
+    equal the non-streamed text.
+    """
+    text = out.text
+    if out.finished:
+        return text
+    text = text.rstrip("\ufffd")
+    hold = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:k]):
+                hold = k
+                break
+    return text[: len(text) - hold]
+
+
+def sse_event(data: dict) -> str:
+    """One SSE event carrying ``data`` as JSON."""
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def failed_output_error(out: RequestOutput) -> APIError:
+    """The 500 for a request the engine finished with ``finish_reason == "error"``."""
+    return APIError(500, f"the engine step running this request failed: {out.error or 'unknown error'}",
+                    None, "engine_error")
+
+
+async def _wait_disconnect(raw_request: Request) -> None:
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def final_outputs(stream: AsyncIterator[RequestOutput], raw_request: Request) -> list[RequestOutput] | None:
+    """Each sample's final output, by index; None (and the request aborted) if the client
+    disconnects.
+
+    Raises:
+        APIError: 500 when the engine finished a sample with ``finish_reason == "error"`` (the
+            other samples are aborted).
+        EngineDeadError: the engine loop stopped, or the server is shutting down.
+    """
+
+    async def last() -> list[RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        async with contextlib.aclosing(stream):  # leaving early aborts the request's other samples
+            async for out in stream:
+                if out.finish_reason == "error":
+                    raise failed_output_error(out)
+                if out.finished:
+                    finals[out.index] = out
+        return [finals[i] for i in sorted(finals)]
+
+    task = asyncio.ensure_future(last())
+    disconnect = asyncio.ensure_future(_wait_disconnect(raw_request))
+    try:
+        await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()  # the stream's cleanup aborts the request and frees its blocks
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def sse_events(
+    stream: AsyncIterator[RequestOutput],
+    stops: tuple[str, ...],
+    make_chunk: Callable[[int, str, RequestOutput | None], dict],
+    usage_chunk: Callable[[list[RequestOutput]], dict] | None,
+) -> AsyncIterator[str]:
+    """SSE events: one chunk per text delta of each sample (its last one with finish_reason),
+    then usage once every sample finished, then ``[DONE]``. A failure (a sample finished with
+    ``"error"``, the engine gone, a bug here) becomes an error event before ``[DONE]``."""
+    sent: dict[int, int] = {}
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async with contextlib.aclosing(stream):  # leaving early aborts the rest of the request
+            async for out in stream:
+                if out.finish_reason == "error":
+                    e = failed_output_error(out)
+                    yield sse_event(error_body(e.status, e.message, e.param, e.code))
+                    break
+                text = stream_text(out, stops)
+                done = sent.get(out.index, 0)
+                delta, sent[out.index] = text[done:], max(done, len(text))
+                if delta or out.finished:
+                    yield sse_event(make_chunk(out.index, delta, out if out.finished else None))
+                if out.finished:
+                    finals[out.index] = out
+            else:
+                if usage_chunk is not None and finals:
+                    yield sse_event(usage_chunk([finals[i] for i in sorted(finals)]))
+    except EngineDeadError as e:
+        yield sse_event(error_body(503, str(e), None, "engine_dead"))
+    except Exception as e:  # the headers are out: report in the stream, never cut it silently
+        logger.exception("streaming a response failed")
+        yield sse_event(error_body(500, f"internal server error ({type(e).__name__})", None, "internal_error"))
+    yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------- the endpoints
+class OpenAIServing:
+    """Runs OpenAI requests on one engine.
+
+    Args:
+        async_engine: the engine; its loop runs on the serving event loop.
+        served_model_name: the model name clients send (``model`` may also be omitted).
+        lora_modules: adapter name → PEFT directory; ``model`` set to a name selects its adapter.
+    """
+
+    def __init__(self, async_engine: AsyncLLMEngine, served_model_name: str,
+                 lora_modules: dict[str, str] | None = None) -> None:
+        self.engine = async_engine
+        self.served_model_name = served_model_name
+        self.lora_modules = dict(lora_modules or {})
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The request's adapter (None for the base model).
+
+        Raises:
+            APIError: 404 (``model``) for a name this server doesn't serve.
+        """
+        if model is None or model == self.served_model_name:
+            return None
+        if model in self.lora_modules:
+            return LoRARequest(model, self.lora_modules[model])
+        names = [self.served_model_name, *self.lora_modules]
+        raise APIError(404, f"model {clip(model)} does not exist; this server serves {names}", "model",
+                       "model_not_found")
+
+    @staticmethod
+    def sampling_params(req: AnyRequest, max_tokens: int | None, default_max_tokens: int,
+                        prompt_field: str) -> SamplingParams:
+        """The request's :class:`SamplingParams` (``None`` fields take the defaults).
+
+        Raises:
+            APIError: 400 naming the invalid field.
+        """
+        try:
+            return SamplingParams(
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+                seed=req.seed,
+                stop=req.stop or (),
+                stop_token_ids=req.stop_token_ids or (),
+                ignore_eos=bool(req.ignore_eos),
+                include_stop_str_in_output=bool(req.include_stop_str_in_output),
+                n=1 if req.n is None else req.n,
+            )
+        except ValueError as e:
+            raise input_error(e, prompt_field) from e
+
+    async def start(self, prompt: str | list[int], params: SamplingParams, req: AnyRequest, request_id: str,
+                    prompt_field: str, lora: LoRARequest | None, tenant: str | None) -> AsyncIterator[RequestOutput]:
+        """Adds the request to the engine; its outputs as a stream.
+
+        Raises:
+            APIError: 400 for input the engine refuses.
+            EngineDeadError: the engine loop has stopped.
+        """
+        try:
+            return await self.engine.generate(prompt, params, cache_salt=req.cache_salt, request_id=request_id,
+                                              stream=bool(req.stream), lora=lora, tenant=tenant)
+        except ValueError as e:
+            raise input_error(e, prompt_field) from e
+
+    async def respond(self, req: AnyRequest, params: SamplingParams, stream: AsyncIterator[RequestOutput],
+                      raw_request: Request, head: dict, stream_choice: StreamChoice,
+                      make_response: MakeResponse) -> Response | BaseModel:
+        """An SSE stream of chunks (``head`` = id, object, created, model; one choice each, from
+        ``stream_choice(index, delta)`` plus the finish and stop reasons), or
+        ``make_response(final outputs, created)``; 499 if a non-streaming client went away."""
+        if not req.stream:
+            outs = await final_outputs(stream, raw_request)
+            return Response(status_code=499) if outs is None else make_response(outs, head["created"])
+        with_usage = bool(req.stream_options is not None and req.stream_options.include_usage)
+
+        def chunk(index: int, delta: str, final: RequestOutput | None) -> dict:
+            choice = stream_choice(index, delta)
+            choice["logprobs"] = None
+            choice["finish_reason"] = None if final is None else final.finish_reason
+            if final is not None:
+                choice["stop_reason"] = final.stop_reason
+            return {**head, "choices": [choice], **({"usage": None} if with_usage else {})}
+
+        def usage_chunk(outs: list[RequestOutput]) -> dict:
+            return {**head, "choices": [], "usage": usage(outs).model_dump()}
+
+        events = sse_events(stream, params.stop, chunk, usage_chunk if with_usage else None)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def create_completion(self, req: CompletionRequest, raw_request: Request,
+                                tenant: str | None) -> Response | BaseModel:
+        """``POST /v1/completions``.
+
+        Raises:
+            APIError: 400 / 404 for a bad request, 500 when the engine failed to run it.
+            EngineDeadError: the engine loop has stopped.
+        """
+        check_request(req, "completions")
+        lora = self.lora_for(req.model)
+        model_name = req.model or self.served_model_name
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, f"prompt: a batch of {len(prompt)} prompts is not supported yet; "
+                                    "send one prompt per request", "prompt")
+            prompt = prompt[0]
+        params = self.sampling_params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        stream = await self.start(prompt, params, req, request_id, "prompt", lora, tenant)
+
+        def response(outs: list[RequestOutput], created: int) -> CompletionResponse:
+            return CompletionResponse(
+                id=request_id, created=created, model=model_name, usage=usage(outs),
+                choices=[CompletionChoice(index=o.index, text=o.text, finish_reason=o.finish_reason,
+                                          stop_reason=o.stop_reason) for o in outs],
+            )
+
+        head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model_name}
+        return await self.respond(req, params, stream, raw_request, head,
+                                  lambda index, delta: {"index": index, "text": delta}, response)
+
+    def chat_default_max_tokens(self, num_prompt_tokens: int, n: int) -> int:
+        """Chat's default ``max_tokens``: the rest of the context, as far as the pool can hold it for
+        each of the ``n`` samples (they share the prompt's full blocks), capped at
+        :data:`MAX_CHAT_DEFAULT_MAX_TOKENS`."""
+        engine = self.engine.engine
+        block_size = engine.config.block_size
+        full = num_prompt_tokens // block_size
+        per_sample = max(0, engine.num_blocks - full) // n
+        room = min(engine.max_model_len, (full + per_sample) * block_size) - num_prompt_tokens
+        return max(1, min(MAX_CHAT_DEFAULT_MAX_TOKENS, room))
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request,
+                                     tenant: str | None) -> Response | BaseModel:
+        """``POST /v1/chat/completions``.
+
+        Raises:
+            APIError: 400 / 404 for a bad request, 500 when the engine failed to run it.
+            EngineDeadError: the engine loop has stopped.
+        """
+        check_request(req, "chat")
+        lora = self.lora_for(req.model)
+        model_name = req.model or self.served_model_name
+        if not req.messages:
+            raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+        conversation = [{"role": m.role, "content": message_text(m.content)} for m in req.messages]
+        try:
+            prompt_ids = await self.engine.apply_chat_template(conversation)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from e
+        n = req.n if isinstance(req.n, int) and req.n >= 1 else 1
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self.sampling_params(req, max_tokens, self.chat_default_max_tokens(len(prompt_ids), n), "messages")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await self.start(prompt_ids, params, req, request_id, "messages", lora, tenant)
+        started: set[int] = set()  # samples whose first chunk (with the role) went out
+
+        def choice(index: int, delta: str) -> dict:
+            message = {"content": delta}
+            if index not in started:
+                message["role"] = "assistant"
+                started.add(index)
+            return {"index": index, "delta": message}
+
+        def response(outs: list[RequestOutput], created: int) -> ChatCompletionResponse:
+            return ChatCompletionResponse(
+                id=request_id, created=created, model=model_name, usage=usage(outs),
+                choices=[ChatChoice(index=o.index, message=ResponseMessage(content=o.text),
+                                    finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in outs],
+            )
+
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name}
+        return await self.respond(req, params, stream, raw_request, head, choice, response)

@@ -1,0 +1,243 @@
+"""``prefixcache serve``: flags generated from EngineConfig, every flag checked before the model
+loads, and shutdown (SIGTERM within the grace period; a second Ctrl-C) of a real process."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prefixcache.config import EngineConfig
+from prefixcache.engine import llm_engine
+from prefixcache.entrypoints import cli
+from prefixcache.entrypoints.cli_args import add_cli_args, engine_config_from_args, flag_name
+from prefixcache.entrypoints.openai_server import build_app
+from tests.entrypoints.conftest import MODEL
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    return parser.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------- generated flags
+def test_every_engine_field_has_one_flag_with_its_default():
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    dests = {a.dest: a for a in parser._actions}
+    for field in dataclasses.fields(EngineConfig):
+        action = dests[field.name]
+        assert action.default == field.default
+        if field.name != "model":
+            assert flag_name(field) in action.option_strings
+            assert field.metadata["help"].split(" (")[0][:20] in action.help
+    assert engine_config_from_args(parse([])) == EngineConfig.from_kwargs()
+
+
+def test_existing_flag_names_still_work():
+    args = parse([
+        "some-model", "--block-size", "32", "--num-blocks", "10", "--kv-cache-memory", "2GiB", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "512", "--max-model-len", "256", "--no-enable-prefix-caching",
+        "--hash-algo", "sha256", "--dtype", "bfloat16", "--device", "cpu", "--num-threads", "1", "--seed", "3",
+        "--hash-seed", "7", "--eviction-policy", "ttl", "--cache-ttl-s", "5.5", "--no-enable-partial-block-reuse",
+        "--cost-half-life-s", "9", "--cost-attention-tokens", "100"])
+    assert engine_config_from_args(args) == EngineConfig(
+        model="some-model", block_size=32, num_blocks=10, kv_cache_memory_bytes=2 << 30, max_num_seqs=4,
+        max_num_batched_tokens=512, max_model_len=256, enable_prefix_caching=False, hash_algo="sha256",
+        dtype="bfloat16", device="cpu", num_threads=1, seed=3, hash_seed=7, eviction_policy="ttl", cache_ttl_s=5.5,
+        enable_partial_block_reuse=False, cost_half_life_s=9.0, cost_attention_tokens=100.0)
+    assert parse(["--kv-cache-memory", "512MiB"]).kv_cache_memory_bytes == 512 << 20
+    assert parse(["--max-request-body-bytes", "1e6"]).max_request_body_bytes == 1_000_000
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--port", "80000"], "argument --port: not a TCP port (0-65535): '80000'"),
+    (["--port", "-1"], "argument --port: not a TCP port"),
+    (["--eviction-policy", "fifo"], "argument --eviction-policy: invalid choice: 'fifo'"),
+    (["--hash-algo", "md5"], "argument --hash-algo: invalid choice: 'md5'"),
+    (["--kv-cache-memory", "1e400"], "argument --kv-cache-memory: not a memory size"),
+    (["--kv-cache-memory", "lots"], "argument --kv-cache-memory: not a memory size"),
+    (["--max-request-body-bytes", "0"], "argument --max-request-body-bytes: not a memory size >= 1 byte"),
+    (["--timeout-request-header", "0"], "argument --timeout-request-header: must be > 0 seconds"),
+    (["--timeout-graceful-shutdown", "inf"], "argument --timeout-graceful-shutdown: not a number of seconds"),
+    (["--block-size", "x"], "argument --block-size: invalid int value: 'x'"),
+])
+def test_malformed_flags_are_argparse_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- checked before loading
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fails the test if serve gets as far as loading a model."""
+
+    def load(*args, **kwargs):
+        raise AssertionError("serve loaded the model before finding the bad flag")
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", load)
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as other_server:
+        other_server.bind(("127.0.0.1", 0))
+        other_server.listen()
+        yield other_server.getsockname()[1]
+
+
+def test_startup_errors_come_before_the_model_loads(no_model_load, busy_port, tmp_path, capsys):
+    not_adapter = tmp_path / "not-an-adapter"
+    not_adapter.mkdir()
+    cases = [
+        (["--port", str(busy_port)], f"--host 127.0.0.1 --port {busy_port}: cannot bind (Address already in use)"),
+        (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid': not a usable address"),
+        (["--lora-modules", f"legal={tmp_path / 'missing'}"], f"--lora-modules legal={tmp_path / 'missing'}: cannot "
+                                                              "read the adapter directory (No such file or directory)"),
+        (["--lora-modules", f"legal={not_adapter}"], f"--lora-modules legal={not_adapter}: not a PEFT LoRA adapter "
+                                                     "directory (no adapter_config.json, adapter_model.safetensors)"),
+        (["--block-size", "0"], "--block-size: block_size must be an integer >= 1, got 0"),
+        (["--cache-ttl-s", "-1"], "--cache-ttl-s: cache_ttl_s must be a finite number > 0, got -1.0"),
+        (["--tenant-isolation"], "--tenant-isolation needs API keys"),
+        (["--served-model-name", ""], "--served-model-name must not be empty"),
+        (["--api-key", "clé"], "--api-key / --tenant-api-key / --api-keys-file: API keys must be"),
+    ]
+    for argv, message in cases:
+        start = time.monotonic()
+        assert cli.main(["serve", "--port", "0", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"prefixcache: error: {message}") and err.count("\n") == 1, err
+        assert time.monotonic() - start < 5
+
+
+def test_adapter_that_does_not_fit_the_model_stops_startup(smollm2, tmp_path):
+    bad = tmp_path / "bad-adapter"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "PREFIX_TUNING"}))
+    (bad / "adapter_model.safetensors").write_bytes(b"")
+    engine = llm_engine.LLMEngine(EngineConfig(model=MODEL, num_blocks=8, num_threads=2), loaded=smollm2)
+    with pytest.raises(ValueError, match=r"LoRA adapter legal=.*bad-adapter: lora: .* is a PREFIX_TUNING adapter"):
+        build_app(engine, MODEL, lora_modules={"legal": str(bad)})
+
+
+# ---------------------------------------------------------------------------- a real process
+class ServeProcess:
+    """``python -m prefixcache serve`` on a free port; its stderr collected by a thread."""
+
+    def __init__(self, *flags: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "prefixcache", "serve", "--port", "0", "--num-blocks", "64", "--num-threads", "1",
+             "--max-model-len", "1024", *flags],
+            cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.lines: list[str] = []
+        self._listening = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._listening.wait(120):
+            self.proc.kill()
+            raise RuntimeError("serve did not start:\n" + self.stderr)
+        url = re.search(r"listening on (http://\S+)", self.stderr).group(1)
+        self.url = url
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.1)
+        raise RuntimeError("serve never became healthy:\n" + self.stderr)
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if "listening on" in line:
+                self._listening.set()
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def stop_in(self, timeout_s: float) -> float:
+        """Waits for the process to exit; seconds it took."""
+        start = time.monotonic()
+        try:
+            self.proc.wait(timeout_s)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        return time.monotonic() - start
+
+
+def stream_in_thread(url: str, max_tokens: int, started: threading.Event, out: list) -> threading.Thread:
+    def run() -> None:
+        body = {"prompt": "Tell me a long story.", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.set()
+            out.append((r.status_code, events))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def assert_ended_by_shutdown(out: list) -> None:
+    status, events = out[0]
+    assert status == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"] == {"message": "server is shutting down", "type":
+                                               "service_unavailable_error", "param": None, "code": "engine_dead"}
+
+
+def test_sigterm_waits_for_requests_at_most_the_grace_period():
+    s = ServeProcess("--timeout-graceful-shutdown", "2")
+    started, out = threading.Event(), []
+    long_stream = stream_in_thread(s.url, 900, started, out)  # far longer than 2 s
+    assert started.wait(60)
+    short = []
+    short_thread = threading.Thread(target=lambda: short.append(httpx.post(
+        s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True}, timeout=60)))
+    short_thread.start()
+    time.sleep(0.2)  # the short request is in flight when the signal comes
+    s.proc.send_signal(signal.SIGTERM)
+    took_s = s.stop_in(30)
+    long_stream.join(10)
+    short_thread.join(10)
+    assert 1.5 < took_s < 2 + 5, s.stderr
+    assert short[0].status_code == 200 and short[0].json()["usage"]["completion_tokens"] == 3
+    assert_ended_by_shutdown(out)
+    assert s.proc.returncode == -signal.SIGTERM  # uvicorn re-raises the signal it shut down for
+    assert "Traceback" not in s.stderr and "ending the requests still in flight" in s.stderr
+
+
+def test_second_ctrl_c_exits_at_once_and_quietly():
+    s = ServeProcess("--timeout-graceful-shutdown", "60")
+    started, out = threading.Event(), []
+    stream = stream_in_thread(s.url, 900, started, out)
+    assert started.wait(60)
+    s.proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert s.proc.poll() is None  # the first Ctrl-C waits for the request
+    s.proc.send_signal(signal.SIGINT)
+    took_s = s.stop_in(30)
+    stream.join(10)
+    assert took_s < 10 and s.proc.returncode == 0, s.stderr
+    assert_ended_by_shutdown(out)
+    for noise in ("Traceback", "Event loop is closed", "CancelledError", "ERROR"):
+        assert noise not in s.stderr, s.stderr
