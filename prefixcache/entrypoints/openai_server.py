@@ -197,7 +197,7 @@ def _prepare_engine(engine: LLMEngine, lora_modules: Mapping[str, str], approved
     """
     for name, path in lora_modules.items():
         try:
-            engine.get_lora_adapter(LoRARequest(name, path))
+            engine.lora_manager.get(LoRARequest(name, path))
         except ValueError as e:
             raise ValueError(f"LoRA adapter {name}={path}: {e}") from e
     for text in approved_prefixes:

@@ -1,12 +1,16 @@
 """Edge sampling parameters on the real model (issue 10, C14 offline).
 
 Degenerate distributions resolve to their argmax, so a tiny temperature or a tiny top_p gives the
-greedy tokens; huge top_k, max_tokens and stop token ids are served as they are; and the same LLM
+greedy tokens; huge top_k and stop token ids are served as they are (a max_tokens beyond the context
+is refused, naming the field); and the same LLM
 serves ordinary requests afterwards.
 """
 
 from __future__ import annotations
 
+import pytest
+
+from prefixcache.errors import InvalidInputError
 from prefixcache.sampling_params import SamplingParams
 
 PROMPT = "Once upon a time, in a small village by the sea,"
@@ -45,10 +49,17 @@ def test_tiny_top_p_and_tiny_temperature_give_the_greedy_tokens_and_leave_the_ll
     assert llm.get_metrics().num_blocks_in_use == 0
 
 
-def test_huge_max_tokens_stops_at_max_model_len(make_llm):
+def test_max_tokens_beyond_the_context_is_refused(make_llm):
+    """prompt + max_tokens must fit max_model_len (OpenAI's and vLLM's server rule); exactly fitting
+    is served and stops at max_model_len."""
     probe = make_llm()
     num_prompt_tokens = len(probe.tokenizer.encode(PROMPT))
     greedy = probe.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].token_ids
     llm = make_llm(max_model_len=num_prompt_tokens + 3)
-    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=10**30), use_tqdm=False)[0]
+    for max_tokens in (4, 10**30):
+        with pytest.raises(InvalidInputError, match="max_tokens") as e:
+            llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+        assert e.value.field == "max_tokens"
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
     assert out.token_ids == greedy and out.finish_reason == "length"
+    assert not llm.engine.has_unfinished_requests()

@@ -167,9 +167,8 @@ def test_stream_closed_early_aborts_and_frees_blocks(server, client):
     assert server.metrics()["prefixcache:kv_blocks_cached"] == 0
 
 
-# The rows marked ENGINE are refused by LLMEngine.add_request. Until the engine raises
-# InvalidInputError for them (it raises a plain ValueError today), the server can't know the field:
-# param is None (the message still starts with the field's name) and the row is reported as xfail.
+# Rows marked ENGINE are refused by the engine (InvalidInputError names the field); the others by
+# the server's request models or SamplingParams.
 ENGINE = "engine"
 C10 = [
     ("completions", {"prompt": ""}, 400, "prompt", ENGINE),
@@ -204,27 +203,9 @@ C10 = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine_names_fields(smollm2) -> bool:
-    """Whether LLMEngine.add_request raises InvalidInputError (naming the field) for a bad prompt."""
-    from prefixcache.config import EngineConfig
-    from prefixcache.engine.llm_engine import LLMEngine
-    from prefixcache.errors import InvalidInputError
-    from prefixcache.sampling_params import SamplingParams
-
-    engine = LLMEngine(EngineConfig(model=MODEL, num_blocks=4, num_threads=2), loaded=smollm2)
-    try:
-        engine.add_request("", SamplingParams())
-    except InvalidInputError as e:
-        return e.field == "prompt"
-    except ValueError:
-        return False
-    return False
-
-
 @pytest.mark.parametrize("endpoint,body,status,param,source", C10,
                          ids=[f"{c[0]}-{c[3]}-{i}" for i, c in enumerate(C10)])
-def test_bad_requests_get_openai_errors(server, engine_names_fields, endpoint, body, status, param, source):
+def test_bad_requests_get_openai_errors(server, endpoint, body, status, param, source):
     url = f"{server.base_url}/v1/{endpoint}"
     if isinstance(body, bytes):
         r = httpx.post(url, content=body, headers={"content-type": "application/json"})
@@ -234,17 +215,13 @@ def test_bad_requests_get_openai_errors(server, engine_names_fields, endpoint, b
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    interim = source == ENGINE and not engine_names_fields
-    assert error["param"] == (None if interim else param) and error["message"]
+    assert error["param"] == param and error["message"]
     if param is not None:
-        assert param in error["message"] or (interim and param == "messages" and "prompt" in error["message"])
+        assert param in error["message"]
     # The server keeps serving and nothing leaked.
     good = httpx.post(f"{server.base_url}/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
     assert server.wait_idle()["prefixcache:kv_blocks_in_use"] == 0
-    if interim:
-        pytest.xfail(f"the engine raises a plain ValueError for {param} (no field): param is None until it "
-                     "raises InvalidInputError")
 
 
 def test_metrics_counters_match_requests(server, client):
@@ -304,8 +281,10 @@ def test_eviction_metrics_by_reason_render():
     from prefixcache.engine.llm_engine import EngineMetrics
     from prefixcache.entrypoints.metrics import ServerMetrics
 
-    m = EngineMetrics(1, 1, 10, 5, 5, 0, 3, 8, 2, 3, 6, evictions_by_reason={"lru": 2, "invalidated": 1},
-                      cached_bytes=4096, mean_evicted_age_s=1.5)
+    m = EngineMetrics(num_requests=1, num_hit_requests=1, prefix_cache_queries=10, prefix_cache_hits=5,
+                      num_evictions=3, num_blocks_total=8, num_blocks_in_use=2, num_blocks_cached=3,
+                      num_blocks_free=6, evictions_by_reason={"lru": 2, "invalidated": 1},
+                      cached_bytes=4096, mean_evicted_age_s=1.5, prompt_tokens_computed=5)
     text = ServerMetrics("m").render(EngineStats(m, 0, 0)).decode()
     samples = {(s.name, s.labels.get("reason")): s.value
                for f in text_string_to_metric_families(text) for s in f.samples}
