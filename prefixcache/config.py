@@ -12,19 +12,18 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from prefixcache.cache.config import CacheConfig, check_int
 from prefixcache.cache.eviction import EVICTION_POLICIES
 from prefixcache.errors import InvalidInputError
 
-# The dtype names users give, and what they mean (weights and KV are computed in this dtype).
-DTYPES: MappingProxyType[str, torch.dtype] = MappingProxyType(
-    {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-)
+if TYPE_CHECKING:
+    import torch
+
+# The dtype names users give: torch's names of the dtypes weights and K/V are computed in. (No torch
+# import here: the command line reads this module before it decides what it needs.)
+DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB when neither num_blocks nor a budget is given
 
@@ -53,7 +52,7 @@ class EngineConfig(CacheConfig, SchedulerConfig):
     """
 
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "built-in name, HF directory or .gguf file"})
-    dtype: str = field(default="float32", metadata={"help": "weights and KV dtype", "choices": tuple(DTYPES)})
+    dtype: str = field(default="float32", metadata={"help": "weights and KV dtype", "choices": DTYPES})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: CUDA if present)"})
     num_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks; overrides --kv-cache-memory"})
@@ -72,7 +71,7 @@ class EngineConfig(CacheConfig, SchedulerConfig):
         if not isinstance(self.model, str) or not self.model:
             raise InvalidInputError("model", f"model must be a non-empty string, got {self.model!r}")
         if self.dtype not in DTYPES:
-            raise InvalidInputError("dtype", f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+            raise InvalidInputError("dtype", f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device is not None and (not isinstance(self.device, str) or not self.device):
             raise InvalidInputError("device", f"device must be a torch device name such as 'cpu' or 'cuda', "
                                               f"got {self.device!r}")
@@ -110,7 +109,10 @@ class EngineConfig(CacheConfig, SchedulerConfig):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """``dtype`` as a torch dtype."""
+        import torch
+
+        return getattr(torch, self.dtype)
 
     def resolved_num_threads(self) -> int:
         """``num_threads``, or the cores this process may run on."""

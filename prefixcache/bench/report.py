@@ -111,7 +111,15 @@ def write_outputs(result: dict, out_dir: str | Path, plots: bool = True) -> list
 
 
 def write_plots(result: dict, out: Path) -> list[Path]:
-    import matplotlib
+    """The report's PNG plots (needs the ``bench`` extra: ``pip install 'prefixcache[bench]'``).
+
+    Raises:
+        ValueError: matplotlib is not installed (the message says how to get it or skip plots).
+    """
+    try:
+        import matplotlib
+    except ModuleNotFoundError as e:
+        raise ValueError("plots need matplotlib: pip install 'prefixcache[bench]', or pass --no-plots") from e
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prefixcache.bench.accounting import ideal_accounting
+from prefixcache.bench.accounting import IdealAccounting, ideal_accounting
 from prefixcache.bench.workloads import DEFAULT_NUM_TURNS, WORKLOAD_NAMES, Workload, build_workload
 from prefixcache.bench.worth import WorthInputs, estimate_worth
 from prefixcache.cache.config import CacheConfig
+from prefixcache.config import DEFAULT_MODEL
 from prefixcache.cache.hashing import BlockHasher, make_root_key
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.request import Request
@@ -51,7 +52,7 @@ SHARING_GOAL_WORKLOADS = ("system-prompt", "few-shot")
 class BenchOptions:
     """Options of one benchmark run (the CLI's flags)."""
 
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     workloads: tuple[str, ...] = WORKLOAD_NAMES
     num_requests: int | None = None  # per round; None = each workload's default
     max_tokens: int = 16  # tokens generated per request
@@ -187,63 +188,104 @@ def bench_workload(loaded: LoadedModel, name: str, opts: BenchOptions, hf=None, 
     base = dict(block_size=opts.block_size, num_threads=opts.num_threads, **opts.engine_options)
     static_rounds = [workload.build_round(0, [])] if workload.num_rounds == 1 else None
     num_blocks = _num_blocks_for(static_rounds, opts, _default_pool_blocks(loaded, opts))
-    repeats = max(opts.repeats, 3) if not workload.sharing else opts.repeats
-
-    # 1. throughput, caching on (this run also builds multi-turn's rounds), then off.
-    log(f"[{name}] caching on ...")
     on_llm = LLM(opts.model, loaded=loaded, enable_prefix_caching=True, num_blocks=num_blocks, **base)
+    off_llm = LLM(opts.model, loaded=loaded, enable_prefix_caching=False, num_blocks=num_blocks, **base)
+    runs = _throughput_runs(on_llm, off_llm, workload, params, opts, name, log)
+    del off_llm
+    log(f"[{name}] TTFT alone ...")
+    ttft = _ttft_alone(on_llm, [p for r in runs.on.rounds for p in r], opts)
+    kv_bytes_per_block = on_llm.engine.kv_cache_bytes_per_block
+    partial_reuse = on_llm.engine.config.enable_partial_block_reuse
+    del on_llm
+    report = _workload_report(name, workload, opts, runs, ttft, num_blocks, kv_bytes_per_block, partial_reuse)
+    if hf is not None:
+        report["hf"] = _bench_hf(hf, runs.on.rounds, opts, report, runs.on.flat, log, name)
+    report["worth"] = estimate_worth(WorthInputs(
+        num_requests=report["num_requests"],
+        hit_tokens=report["prefill"]["hit_tokens"],
+        num_hit_requests=report["prefill"]["hit_requests"],
+        block_hits=runs.ideal.block_hits,
+        distinct_hit_blocks=runs.ideal.distinct_hit_blocks,
+        prefill_tokens_per_s=report["ttft"]["cold_prefill_tokens_per_s"],
+        requests_per_s=report["num_requests"] / report["throughput"]["wall_s_cache_on"],
+        kv_bytes_held=runs.ideal.distinct_hit_blocks * kv_bytes_per_block,
+    )).to_dict()
+    report["goals"] = workload_goals(report)
+    return report
+
+
+@dataclass
+class _Runs:
+    """The throughput runs of one workload: caching on and off, wall times of every repeat."""
+
+    on: EngineRun
+    off: EngineRun
+    on_walls: list[float]
+    off_walls: list[float]
+    repeats: int
+    ideal: IdealAccounting | None = None  # of the on run's rounds and outputs
+
+
+def _throughput_runs(on_llm: LLM, off_llm: LLM, workload: Workload, params: SamplingParams, opts: BenchOptions,
+                     name: str, log) -> _Runs:
+    """Caching on (this run also builds multi-turn's rounds), then off, then interleaved repeats
+    (fresh cache each time)."""
+    repeats = max(opts.repeats, 3) if not workload.sharing else opts.repeats
+    log(f"[{name}] caching on ...")
     _warm_up(on_llm)
     on = run_rounds(on_llm, workload, params)
-    rounds = on.rounds
-    on_walls = [on.wall_s]
-    off_llm = LLM(opts.model, loaded=loaded, enable_prefix_caching=False, num_blocks=num_blocks, **base)
     _warm_up(off_llm)
     log(f"[{name}] caching off ...")
-    off = run_rounds(off_llm, workload, params, rounds)
-    off_walls = [off.wall_s]
-    for _ in range(repeats - 1):  # interleaved, fresh cache each time
+    off = run_rounds(off_llm, workload, params, on.rounds)
+    runs = _Runs(on, off, [on.wall_s], [off.wall_s], repeats)
+    for _ in range(repeats - 1):
         on_llm.reset_prefix_cache()
-        on_walls.append(run_rounds(on_llm, workload, params, rounds).wall_s)
-        off_walls.append(run_rounds(off_llm, workload, params, rounds).wall_s)
-    del off_llm
+        runs.on_walls.append(run_rounds(on_llm, workload, params, on.rounds).wall_s)
+        runs.off_walls.append(run_rounds(off_llm, workload, params, on.rounds).wall_s)
+    outputs_tokens = [[o.token_ids for o in r] for r in on.outputs]
+    runs.ideal = ideal_accounting(on.rounds, opts.block_size, outputs_tokens)
+    return runs
 
-    # 2. latency: each request alone, cold (empty cache) and warm.
-    log(f"[{name}] TTFT alone ...")
-    flat_prompts = [p for r in rounds for p in r]
-    cold_idx = list(range(min(opts.cold_samples, len(flat_prompts))))
+
+def _ttft_alone(llm: LLM, prompts: list, opts: BenchOptions) -> dict[str, list[float]]:
+    """Each request alone: ``cold_samples`` of them on an empty cache, then all in order (warm when
+    they hit). Returns the TTFTs (seconds) and cold prefill speeds (tokens/s)."""
+    cold_idx = list(range(min(opts.cold_samples, len(prompts))))
     cold_ttft, warm_ttft, cold_tokens_per_s = [], [], []
     for i in cold_idx:
-        on_llm.reset_prefix_cache()
-        o = time_alone(on_llm, flat_prompts[i])
+        llm.reset_prefix_cache()
+        o = time_alone(llm, prompts[i])
         cold_ttft.append(o.ttft_s)
         cold_tokens_per_s.append(o.num_prompt_tokens / o.ttft_s)
-    on_llm.reset_prefix_cache()
-    for i, p in enumerate(flat_prompts):
-        o = time_alone(on_llm, p)
+    llm.reset_prefix_cache()
+    for i, p in enumerate(prompts):
+        o = time_alone(llm, p)
         if o.num_cached_tokens > 0:
             warm_ttft.append(o.ttft_s)
         elif i not in cold_idx:
             cold_ttft.append(o.ttft_s)
             cold_tokens_per_s.append(o.num_prompt_tokens / o.ttft_s)
-    kv_bytes_per_block = on_llm.engine.kv_cache_bytes_per_block
-    partial_reuse = bool(getattr(on_llm.engine.config, "enable_partial_block_reuse", False))
-    del on_llm
+    return {"cold": cold_ttft, "warm": warm_ttft, "cold_tokens_per_s": cold_tokens_per_s}
 
-    # 3. accounting.
-    outputs_tokens = [[o.token_ids for o in r] for r in on.outputs]
-    ideal = ideal_accounting(rounds, opts.block_size, outputs_tokens)
+
+def _workload_report(name: str, workload: Workload, opts: BenchOptions, runs: _Runs, ttft: dict, num_blocks: int,
+                     kv_bytes_per_block: int, partial_reuse: bool) -> dict:
+    """The workload's report section from its measurements: prefill accounting, TTFT, throughput, KV."""
+    on, off, ideal = runs.on, runs.off, runs.ideal
     flat_on, flat_off = on.flat, off.flat
+    flat_prompts = [p for r in on.rounds for p in r]
     hit_tokens = sum(o.num_cached_tokens for o in flat_on)
     prompt_tokens = sum(o.num_prompt_tokens for o in flat_on)
     num_output_tokens = sum(len(o.token_ids) for o in flat_on)
-    wall_on, wall_off = statistics.median(on_walls), statistics.median(off_walls)
+    wall_on, wall_off = statistics.median(runs.on_walls), statistics.median(runs.off_walls)
     tok_s_on, tok_s_off = num_output_tokens / wall_on, num_output_tokens / wall_off
-    report = {
+    cold, warm = ttft["cold"], ttft["warm"]
+    return {
         "name": name,
         "description": workload.description,
         "sharing": workload.sharing,
         "num_requests": len(flat_on),
-        "num_rounds": len(rounds),
+        "num_rounds": len(on.rounds),
         "max_tokens": opts.max_tokens,
         "block_size": opts.block_size,
         "prompt_tokens": prompt_tokens,
@@ -263,16 +305,16 @@ def bench_workload(loaded: LoadedModel, name: str, opts: BenchOptions, hf=None, 
             "computed_equals_prompt_minus_hits": on.prompt_tokens_computed == prompt_tokens - hit_tokens,
         },
         "ttft": {
-            "cold_median_s": _median(cold_ttft), "cold_p90_s": _p90(cold_ttft), "num_cold": len(cold_ttft),
-            "warm_median_s": _median(warm_ttft), "warm_p90_s": _p90(warm_ttft), "num_warm": len(warm_ttft),
-            "warm_over_cold": _ratio(_median(warm_ttft), _median(cold_ttft)),
+            "cold_median_s": _median(cold), "cold_p90_s": _p90(cold), "num_cold": len(cold),
+            "warm_median_s": _median(warm), "warm_p90_s": _p90(warm), "num_warm": len(warm),
+            "warm_over_cold": _ratio(_median(warm), _median(cold)),
             "batch_cache_on_median_s": _median([o.ttft_s for o in flat_on]),
             "batch_cache_off_median_s": _median([o.ttft_s for o in flat_off]),
-            "cold_prefill_tokens_per_s": _median(cold_tokens_per_s),
+            "cold_prefill_tokens_per_s": _median(ttft["cold_tokens_per_s"]),
         },
         "throughput": {
             "output_tokens": num_output_tokens,
-            "repeats": repeats,
+            "repeats": runs.repeats,
             "wall_s_cache_on": wall_on, "wall_s_cache_off": wall_off,
             "output_tokens_per_s_cache_on": tok_s_on, "output_tokens_per_s_cache_off": tok_s_off,
             "on_over_off": tok_s_on / tok_s_off,
@@ -290,22 +332,6 @@ def bench_workload(loaded: LoadedModel, name: str, opts: BenchOptions, hf=None, 
         },
         "outputs_equal_on_off": [o.token_ids for o in flat_on] == [o.token_ids for o in flat_off],
     }
-    # 4. transformers.
-    if hf is not None:
-        report["hf"] = _bench_hf(hf, rounds, opts, report, flat_on, log, name)
-    # 5. worth it?
-    report["worth"] = estimate_worth(WorthInputs(
-        num_requests=len(flat_on),
-        hit_tokens=hit_tokens,
-        num_hit_requests=report["prefill"]["hit_requests"],
-        block_hits=ideal.block_hits,
-        distinct_hit_blocks=ideal.distinct_hit_blocks,
-        prefill_tokens_per_s=report["ttft"]["cold_prefill_tokens_per_s"],
-        requests_per_s=len(flat_on) / wall_on,
-        kv_bytes_held=ideal.distinct_hit_blocks * kv_bytes_per_block,
-    )).to_dict()
-    report["goals"] = workload_goals(report)
-    return report
 
 
 def _default_pool_blocks(loaded: LoadedModel, opts: BenchOptions) -> int:
@@ -479,7 +505,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="all",
                    help=f"'all' or a comma-separated list of: {', '.join(WORKLOAD_NAMES)}, "
                         "or 'trace' (eviction-policy trace simulation, no model)")
-    p.add_argument("--model", default="smollm2-135m", help="built-in name, HF directory or .gguf file")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, HF directory or .gguf file")
     p.add_argument("--num-requests", type=int, default=None,
                    help="requests per workload (per round for multi-turn); default: seed 10, multi-turn 4, others 6")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")

@@ -180,6 +180,17 @@ class SimResult:
     requests_per_s: float  # simulation speed (wall clock)
 
 
+def _future_uses(trace: Sequence[TraceRequest], hasher: BlockHasher, roots: dict, block_size: int) -> _Future:
+    """Every block hash a lookup can hit, with the trace positions of the requests that use it."""
+    uses: dict[bytes, list[int]] = {}
+    for seq, item in enumerate(trace):
+        hashes: list = []
+        hasher.extend(hashes, item.prompt_token_ids, roots[item.tenant])
+        for h in hashes[: (len(item.prompt_token_ids) - 1) // block_size]:
+            uses.setdefault(h, []).append(seq)
+    return _Future(uses)
+
+
 def simulate(
     trace: Sequence[TraceRequest],
     policy: str,
@@ -210,15 +221,7 @@ def simulate(
     clock = [0.0]
     hasher = BlockHasher(block_size)
     roots = {t: make_root_key(b"trace-model", t) for t in {r.tenant for r in trace}}
-    future = None
-    if policy == "belady":
-        uses: dict[bytes, list[int]] = {}
-        for seq, item in enumerate(trace):
-            hashes: list = []
-            hasher.extend(hashes, item.prompt_token_ids, roots[item.tenant])
-            for h in hashes[: (len(item.prompt_token_ids) - 1) // block_size]:  # what a lookup can hit
-                uses.setdefault(h, []).append(seq)
-        future = _Future(uses)
+    future = _future_uses(trace, hasher, roots, block_size) if policy == "belady" else None
     config = dataclasses.replace(
         cache_config or CacheConfig(), block_size=block_size, enable_partial_block_reuse=enable_partial_block_reuse,
         eviction_policy=_belady_policy(future) if future else policy,

@@ -96,15 +96,7 @@ def build_workload(
     Raises:
         ValueError: unknown name, ``num_requests < 1``, ``num_turns`` or ``text_scale`` out of range.
     """
-    if name not in WORKLOAD_NAMES:
-        raise ValueError(f"workload must be one of {WORKLOAD_NAMES} or 'all', got {name!r}")
-    n = DEFAULT_NUM_REQUESTS[name] if num_requests is None else num_requests
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"num_requests must be a positive integer, got {n!r}")
-    if not 1 <= num_turns <= MAX_NUM_TURNS:
-        raise ValueError(f"num_turns must be in [1, {MAX_NUM_TURNS}], got {num_turns}")
-    if not 0 < text_scale <= 1:
-        raise ValueError(f"text_scale must be in (0, 1], got {text_scale}")
+    n = _check_args(name, num_requests, num_turns, text_scale)
 
     def scaled(text: str) -> str:
         if text_scale == 1:
@@ -141,7 +133,26 @@ def build_workload(
         prompts = [tokenizer.encode(t, add_special_tokens=False) for t in _pick(texts.UNRELATED_PROMPTS, n)]
         return Workload(name, "unrelated plain-text prompts (0 % hits expected)", n, 1, _static(prompts),
                         sharing=False)
-    # multi-turn
+    return _multi_turn(tokenizer, chat, eos_token_ids, n, num_turns)
+
+
+def _check_args(name: str, num_requests: int | None, num_turns: int, text_scale: float) -> int:
+    """Validates :func:`build_workload`'s arguments; returns the number of requests per round."""
+    if name not in WORKLOAD_NAMES:
+        raise ValueError(f"workload must be one of {WORKLOAD_NAMES} or 'all', got {name!r}")
+    n = DEFAULT_NUM_REQUESTS[name] if num_requests is None else num_requests
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_requests must be a positive integer, got {n!r}")
+    if not 1 <= num_turns <= MAX_NUM_TURNS:
+        raise ValueError(f"num_turns must be in [1, {MAX_NUM_TURNS}], got {num_turns}")
+    if not 0 < text_scale <= 1:
+        raise ValueError(f"text_scale must be in (0, 1], got {text_scale}")
+    return n
+
+
+def _multi_turn(tokenizer, chat: Callable[[list[Message]], Prompt], eos_token_ids: Sequence[int], n: int,
+                num_turns: int) -> Workload:
+    """``n`` library chats; round ``k`` resends each chat's history with the replies so far."""
     chats = [texts.LIBRARY_CHATS[i % len(texts.LIBRARY_CHATS)] for i in range(n)]
     openers = _pick([c[0] for c in texts.LIBRARY_CHATS], n)  # tags repeated chats apart
     eos = frozenset(eos_token_ids)
@@ -157,7 +168,7 @@ def build_workload(
             prompts.append(chat(conv))
         return prompts
 
-    return Workload(name, f"{n} library chats x {num_turns} turns, each turn resending the history",
+    return Workload("multi-turn", f"{n} library chats x {num_turns} turns, each turn resending the history",
                     n, num_turns, build)
 
 

@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from prefixcache.config import DEFAULT_MODEL
+
 _SUBCOMMAND_MODULES = {
     "serve": ("prefixcache.entrypoints.cli_args", "OpenAI-compatible HTTP server"),
     "bench": ("prefixcache.bench.runner", "prefix-caching benchmarks vs transformers"),
@@ -31,7 +33,7 @@ def _main(argv: list[str] | None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="shared system prompt + 10 questions, prefix caching off vs on")
-    demo.add_argument("--model", default="smollm2-135m", help="built-in name, HF directory or .gguf file")
+    demo.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, HF directory or .gguf file")
     demo.add_argument("--json", action="store_true", help="print the report as one JSON object")
     demo.add_argument("--block-size", type=int, default=16)
     demo.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
@@ -55,7 +57,7 @@ def _main(argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
-            from prefixcache.entrypoints.demo import print_report, run_demo
+from prefixcache.entrypoints.demo import print_report, run_demo
 
             print_report(run_demo(args.model, block_size=args.block_size, num_threads=args.num_threads), args.json)
         elif args.command == "fetch":

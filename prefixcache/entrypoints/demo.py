@@ -10,6 +10,7 @@ import json
 import time
 from typing import Any
 
+from prefixcache.config import DEFAULT_MODEL
 from prefixcache.llm import LLM
 from prefixcache.models.loader import LoadedModel, load_model
 from prefixcache.sample_texts import QUESTIONS, SYSTEM_PROMPT
@@ -22,7 +23,7 @@ def conversations() -> list[list[dict[str, str]]]:
     return [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}] for q in QUESTIONS]
 
 
-def run_demo(model: str = "smollm2-135m", loaded: LoadedModel | None = None, **engine_options: Any) -> dict[str, Any]:
+def run_demo(model: str = DEFAULT_MODEL, loaded: LoadedModel | None = None, **engine_options: Any) -> dict[str, Any]:
     """Runs the demo and returns its report (the keys of ``prefixcache demo --json``)."""
     loaded = loaded or load_model(model)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

@@ -71,9 +71,38 @@ def build_attention_metadata(
         ValueError: Empty batch, a sequence with no new token or negative computed tokens, or block_ids too
             short for the sequence's context.
     """
+    num_blocks_per_seq = _num_blocks_per_seq(seqs, block_size)
+    max_num_blocks = max(num_blocks_per_seq)
+    block_table = torch.tensor(
+        [list(ids[:nb]) + [0] * (max_num_blocks - nb) for (_, _, ids), nb in zip(seqs, num_blocks_per_seq)],
+        dtype=torch.int64,
+    )  # [num_seqs, max_num_blocks], padded with block 0 (masked out below)
+    slot_mapping, positions = _slots_and_positions(seqs, block_table, block_size)
+    prefills, decode_rows, decode_token_indices = _split_prefills_and_decodes(
+        seqs, block_table, num_blocks_per_seq, device
+    )
+    decode_block_table, decode_attn_mask, decode_index_tensor = None, None, None
+    if decode_rows:
+        decode_block_table, decode_attn_mask = _decode_tables(
+            seqs, block_table, num_blocks_per_seq, decode_rows, block_size, device
+        )
+        if len(decode_rows) != len(seqs):
+            decode_index_tensor = torch.tensor(decode_token_indices, dtype=torch.int64, device=device)
+    metadata = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        prefills=prefills,
+        decode_token_indices=decode_index_tensor,
+        decode_block_table=decode_block_table,
+        decode_attn_mask=decode_attn_mask,
+        num_tokens=sum(num_new for _, num_new, _ in seqs),
+    )
+    return metadata, positions.to(device)
+
+
+def _num_blocks_per_seq(seqs: list[tuple[int, int, list[int]]], block_size: int) -> list[int]:
+    """Blocks each sequence's context spans; validates the sequences (see build_attention_metadata)."""
     if not seqs:
         raise ValueError("build_attention_metadata needs at least one sequence")
-    num_seqs = len(seqs)
     num_blocks_per_seq = []
     for i, (num_computed, num_new, block_ids) in enumerate(seqs):
         if num_new < 1 or num_computed < 0:
@@ -85,15 +114,17 @@ def build_attention_metadata(
                 f"(block_size={block_size})"
             )
         num_blocks_per_seq.append(num_blocks)
-    max_num_blocks = max(num_blocks_per_seq)
-    block_table = torch.tensor(
-        [list(ids[:nb]) + [0] * (max_num_blocks - nb) for (_, _, ids), nb in zip(seqs, num_blocks_per_seq)],
-        dtype=torch.int64,
-    )  # [num_seqs, max_num_blocks], padded with block 0 (masked out below)
+    return num_blocks_per_seq
+
+
+def _slots_and_positions(
+    seqs: list[tuple[int, int, list[int]]], block_table: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool slot and position of every new token, sequence after sequence: two [num_tokens] int64."""
+    num_seqs, max_num_blocks = block_table.shape
     num_computed = torch.tensor([s[0] for s in seqs], dtype=torch.int64)  # [num_seqs]
-    context_lens_list = [s[0] + s[1] for s in seqs]
-    context_lens = torch.tensor(context_lens_list, dtype=torch.int64)  # [num_seqs]
-    max_context_len = max(context_lens_list)
+    context_lens = torch.tensor([s[0] + s[1] for s in seqs], dtype=torch.int64)  # [num_seqs]
+    max_context_len = int(context_lens.max())
     offsets = torch.arange(block_size, dtype=torch.int64)
     slots = block_table[:, :, None] * block_size + offsets  # [num_seqs, max_num_blocks, block_size]
     slots = slots.reshape(num_seqs, max_num_blocks * block_size)  # [num_seqs, max_num_blocks * block_size]
@@ -102,12 +133,17 @@ def build_attention_metadata(
     is_valid = token_pos < context_lens[:, None]  # [num_seqs, max_context_len]
     is_new = is_valid & (token_pos >= num_computed[:, None])
     # Boolean indexing is row-major: sequence after sequence, as the batch is laid out.
-    slot_mapping = slots[is_new]  # [num_tokens]
-    positions = token_pos[is_new]  # [num_tokens]
+    return slots[is_new], token_pos[is_new]  # [num_tokens], [num_tokens]
 
-    prefills = []
-    decode_rows = []
-    decode_token_indices = []
+
+def _split_prefills_and_decodes(
+    seqs: list[tuple[int, int, list[int]]],
+    block_table: torch.Tensor,
+    num_blocks_per_seq: list[int],
+    device: torch.device | str,
+) -> tuple[list[PrefillMetadata], list[int], list[int]]:
+    """Prefill metadata of the sequences with several new tokens; the decodes' rows and token indices."""
+    prefills, decode_rows, decode_token_indices = [], [], []
     token_start = 0
     for i, (num_comp, num_new, _) in enumerate(seqs):
         context_len = num_comp + num_new
@@ -130,31 +166,29 @@ def build_attention_metadata(
                 )
             )
         token_start += num_new
+    return prefills, decode_rows, decode_token_indices
 
-    decode_block_table = None
-    decode_attn_mask = None
-    decode_index_tensor = None
-    if decode_rows:
-        max_decode_blocks = max(num_blocks_per_seq[i] for i in decode_rows)
-        max_keys = max_decode_blocks * block_size
-        rows = torch.tensor(decode_rows, dtype=torch.int64)
-        decode_block_table = block_table[rows, :max_decode_blocks].contiguous().to(device)
-        if any(context_lens_list[i] != max_keys for i in decode_rows):
-            key_pos = torch.arange(max_keys, dtype=torch.int64)
-            mask = key_pos[None, :] < context_lens[rows, None]  # [num_decodes, max_keys]
-            decode_attn_mask = mask[:, None, None, :].to(device)  # [num_decodes, 1, 1, max_keys]
-        if len(decode_rows) != num_seqs:
-            decode_index_tensor = torch.tensor(decode_token_indices, dtype=torch.int64, device=device)
 
-    metadata = AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        prefills=prefills,
-        decode_token_indices=decode_index_tensor,
-        decode_block_table=decode_block_table,
-        decode_attn_mask=decode_attn_mask,
-        num_tokens=token_start,
-    )
-    return metadata, positions.to(device)
+def _decode_tables(
+    seqs: list[tuple[int, int, list[int]]],
+    block_table: torch.Tensor,
+    num_blocks_per_seq: list[int],
+    decode_rows: list[int],
+    block_size: int,
+    device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The decodes' block table [num_decodes, max_decode_blocks] and key mask (None when every
+    decode's context fills its blocks exactly)."""
+    max_decode_blocks = max(num_blocks_per_seq[i] for i in decode_rows)
+    max_keys = max_decode_blocks * block_size
+    rows = torch.tensor(decode_rows, dtype=torch.int64)
+    decode_block_table = block_table[rows, :max_decode_blocks].contiguous().to(device)
+    context_lens = [seqs[i][0] + seqs[i][1] for i in decode_rows]
+    if all(n == max_keys for n in context_lens):
+        return decode_block_table, None
+    key_pos = torch.arange(max_keys, dtype=torch.int64)
+    mask = key_pos[None, :] < torch.tensor(context_lens, dtype=torch.int64)[:, None]  # [num_decodes, max_keys]
+    return decode_block_table, mask[:, None, None, :].to(device)  # [num_decodes, 1, 1, max_keys]
 
 
 class Attention(nn.Module):
