@@ -89,12 +89,14 @@ def input_error(e: ValueError, prompt_field: str) -> APIError:
     """A 400 for a ``ValueError`` from SamplingParams or the engine.
 
     The field comes from :attr:`InvalidInputError.field` (``prompt`` is reported as
-    ``prompt_field``: ``messages`` for chat); a plain ``ValueError`` names no field.
+    ``prompt_field``: ``messages`` for chat, the message then starting with ``"messages: "``); a
+    plain ``ValueError`` names no field.
     """
     field = e.field if isinstance(e, InvalidInputError) else None
-    if field == "prompt":
-        field = prompt_field
-    return APIError(400, str(e), field)
+    message = str(e)
+    if field == "prompt" and prompt_field != "prompt":
+        field, message = prompt_field, f"{prompt_field}: {message}"
+    return APIError(400, message, field)
 
 
 # OpenAPI: the error responses each operation documents (besides its 200).
