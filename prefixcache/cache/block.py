@@ -1,4 +1,5 @@
-"""One KV-cache block's metadata, and the rule that makes a cached block a genuine hit.
+"""One KV-cache block's metadata, and the rule that makes a cached block a genuine hit
+(:func:`verified_chain_length`, and :func:`follows` for one block).
 
 Kept apart from the pool so the eviction policies and the pool both see the block type without an
 import cycle. The K/V itself lives in the runner's KV pool (``runner/kv_pool.py``).
@@ -58,15 +59,8 @@ class KVCacheBlock:
 
 
 def follows(block: KVCacheBlock, parent: KVCacheBlock | None, root_key: bytes, extra_key: bytes) -> bool:
-    """Whether cached ``block`` was cached right after ``parent``'s prefix, in the same namespace.
-
-    The one hit rule (besides the stored tokens, which a full hit compares whole and a partial hit
-    by prefix, and the eviction policy's :meth:`~EvictionPolicy.is_hit_allowed`): the block's
-    recorded parent is ``parent`` at the generation it had when the block was cached, or, for a
-    chain's first block (``parent is None``), the block is a chain root cached under ``root_key``;
-    and its ``extra_key`` (tenant namespace) is the request's for this block. By induction over a
-    chain of verified blocks, the whole prefix, and so the K/V, is the request's, whatever the hash
-    function does; and a tenant-keyed block only ever serves its tenant.
+    """Whether cached ``block`` was cached right after ``parent``'s prefix, in the same namespace
+    (:func:`verified_chain_length` of the one-block chain).
 
     Args:
         block: a cached block (``block_hash`` set).
@@ -74,13 +68,47 @@ def follows(block: KVCacheBlock, parent: KVCacheBlock | None, root_key: bytes, e
         root_key: the request's root key (model, salt, adapter, hash seed).
         extra_key: the request's extra key for this block (``Request.block_extra_key``).
     """
-    if parent is None:
-        return block.parent is None and block.root_key == root_key and block.extra_key == extra_key
-    return (
-        block.parent is parent
-        and block.parent_generation == parent.generation
-        and block.extra_key == extra_key
-    )
+    return verified_chain_length((block,), parent, root_key, extra_key, 0) == 1
+
+
+def verified_chain_length(
+    blocks: Sequence[KVCacheBlock],
+    parent: KVCacheBlock | None,
+    root_key: bytes,
+    tenant_key: bytes,
+    num_unkeyed: int,
+) -> int:
+    """How many of ``blocks``, from the first, form a verified chain continuing ``parent``.
+
+    The one hit rule (besides the stored tokens, which a full hit compares whole and a partial hit
+    by prefix, and the eviction policy's ``is_hit_allowed``): each block's recorded parent is the
+    block before it (``parent`` for the first) at the generation that block had when this one was
+    cached, or, for a chain's first block (``parent is None``), the block is a chain root cached
+    under ``root_key``; and its ``extra_key`` (tenant namespace) is the request's for it. By
+    induction over a verified chain, the whole prefix, and so the K/V, is the request's, whatever
+    the hash function does; and a tenant-keyed block only ever serves its tenant.
+
+    Args:
+        blocks: cached blocks, consecutive positions of one request.
+        parent: the block verified for the position before ``blocks[0]``; ``None`` if it is first.
+        root_key: the request's root key (model, salt, adapter, hash seed).
+        tenant_key: the request's tenant namespace (``b""`` for none).
+        num_unkeyed: blocks of ``blocks`` keyed without ``tenant_key`` (those inside an approved
+            shared prefix), counted from ``blocks[0]``.
+
+    Returns:
+        The length of the longest verified head of ``blocks``.
+    """
+    for n, block in enumerate(blocks):
+        if parent is None:
+            if block.parent is not None or block.root_key != root_key:
+                return n
+        elif block.parent is not parent or block.parent_generation != parent.generation:
+            return n
+        if block.extra_key != (tenant_key if n >= num_unkeyed else b""):
+            return n
+        parent = block
+    return len(blocks)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

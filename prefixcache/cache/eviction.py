@@ -144,6 +144,11 @@ class EvictionPolicy(ABC):
         """Whether a cached block may still be served (``ttl`` refuses expired ones)."""
         return True
 
+    @property
+    def refuses_hits(self) -> bool:
+        """Whether :meth:`is_hit_allowed` can ever say no (lookups skip the call when it can't)."""
+        return type(self).is_hit_allowed is not EvictionPolicy.is_hit_allowed
+
 
 class LRUPolicy(EvictionPolicy):
     """Least recently freed first, one queue for cached and uncached blocks (vLLM v1's free queue).

@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prefixcache.cache.block import KVCacheBlock, follows
+from prefixcache.cache.block import KVCacheBlock, verified_chain_length
 from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.config import CacheConfig
 from prefixcache.cache.metrics import PrefixCacheSnapshot, PrefixCacheStats
@@ -180,29 +180,25 @@ class KVCacheManager:
             return [], 0
         bs = self.block_size
         max_blocks = min((request.num_tokens - 1) // bs, len(request.block_hashes))
-        tokens, hashes, root_key = request.all_token_ids, request.block_hashes, request.root_key
-        tenant_key, num_shared = request.tenant_key, request.num_shared_blocks
-        table, allowed = self.block_pool.cached_block_hash_to_block, self.block_pool.evictor.is_hit_allowed
-        # Fast path, the usual case: one cached copy per hash.
+        tokens = tuple(request.all_token_ids[: max_blocks * bs])
+        table, evictor = self.block_pool.cached_block_hash_to_block, self.block_pool.evictor
+        allowed = evictor.is_hit_allowed if evictor.refuses_hits else None
+        # Fast path, the usual case: one cached copy per hash. Collect the blocks whose stored tokens
+        # match, then verify their chain in one call.
         blocks: list[KVCacheBlock] = []
-        parent: KVCacheBlock | None = None
-        i = 0
-        while i < max_blocks:
-            candidates = table.get(hashes[i])
+        several = False  # stopped at a hash with several cached copies
+        for block_hash, start in zip(request.block_hashes[:max_blocks], range(0, max_blocks * bs, bs)):
+            candidates = table.get(block_hash)
             if candidates is None or len(candidates) != 1:
+                several = bool(candidates)
                 break
             (block,) = candidates.values()
-            if not (
-                follows(block, parent, root_key, tenant_key if i >= num_shared else b"")
-                and block.token_ids == tuple(tokens[i * bs : (i + 1) * bs])
-                and allowed(block)
-            ):
-                return blocks, len(blocks) * bs  # the only copy doesn't verify: a miss
+            if block.token_ids != tokens[start : start + bs] or (allowed is not None and not allowed(block)):
+                break  # the only copy doesn't verify: a miss
             blocks.append(block)
-            parent = block
-            i += 1
-        if i == max_blocks or not table.get(hashes[i]):
-            return blocks, len(blocks) * bs
+        n = verified_chain_length(blocks, None, request.root_key, request.tenant_key, request.num_shared_blocks)
+        if n < len(blocks) or not several:
+            return blocks[:n], n * bs
         return self._find_longest_chain(request, blocks, max_blocks)
 
     def _find_longest_chain(
