@@ -57,7 +57,7 @@ def _main(argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
-from prefixcache.entrypoints.demo import print_report, run_demo
+            from prefixcache.entrypoints.demo import print_report, run_demo
 
             print_report(run_demo(args.model, block_size=args.block_size, num_threads=args.num_threads), args.json)
         elif args.command == "fetch":

@@ -7,7 +7,8 @@ contiguously, so the adapter of each request covers one token range: the delta i
 range, and tokens of requests without an adapter cost nothing extra.
 
 An adapter's identity is the digest of its config and weight files, never its name: two adapters
-called "a" with different weights never share cache entries (../shared/cases C9).
+called "a" with different weights never share cache entries
+(``tests/engine/test_lora_engine.py::test_c9_same_name_other_weights_never_hits``).
 """
 
 from __future__ import annotations
