@@ -146,7 +146,7 @@ class Request:
         """A new sample of this request's group, at the same point (prompt computed, no output).
 
         The child copies every field; each mutable one (token lists, hashes) is its own copy, so
-        the two never share state (``tests/engine/test_request.py`` checks every field). Its blocks
+        the two never share state (``tests/engine/test_scheduler.py`` checks every field). Its blocks
         are shared by the KV cache manager (:meth:`KVCacheManager.fork`).
         """
         child = copy.copy(self)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from prefixcache.errors import InvalidInputError
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # per stop string: the stop search and the stream's hold-back scan this much
 MAX_N = 64
 
 
@@ -84,6 +85,9 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidInputError("stop", f"stop entries must be non-empty strings, got {_show(s)}")
+            if len(s) > MAX_STOP_CHARS:
+                raise InvalidInputError("stop", f"stop entries must be at most {MAX_STOP_CHARS} characters, "
+                                                f"got one of {len(s)}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t)
             if t < 0:

@@ -35,8 +35,8 @@ import torch
 from prefixcache.bench.accounting import IdealAccounting, ideal_accounting
 from prefixcache.bench.workloads import DEFAULT_NUM_TURNS, WORKLOAD_NAMES, Workload, build_workload
 from prefixcache.bench.worth import WorthInputs, estimate_worth
-from prefixcache.cache.config import CacheConfig
-from prefixcache.config import DEFAULT_MODEL
+from prefixcache.cache.config import DEFAULT_BLOCK_SIZE, CacheConfig
+from prefixcache.config import DEFAULT_MODEL, EngineConfig
 from prefixcache.cache.hashing import BlockHasher, make_root_key
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.request import Request
@@ -57,7 +57,7 @@ class BenchOptions:
     num_requests: int | None = None  # per round; None = each workload's default
     max_tokens: int = 16  # tokens generated per request
     num_turns: int = DEFAULT_NUM_TURNS  # multi-turn: turns per chat
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     text_scale: float = 1.0  # fraction of the long shared texts kept (quick runs, tests)
     num_threads: int = 2
     repeats: int = 1  # throughput runs per mode (median wall); no-sharing uses at least 3
@@ -470,7 +470,7 @@ def run_bench(opts: BenchOptions, loaded: LoadedModel | None = None, log=print) 
         micro = [hash_lookup_throughput(bs, seconds=opts.micro_seconds) for bs in opts.micro_block_sizes]
     goals = [dict(g, workload=w["name"]) for w in workloads for g in w["goals"]]
     for m in micro:
-        if m["block_size"] == 16:
+        if m["block_size"] == DEFAULT_BLOCK_SIZE:
             goals.append(dict(_goal("hash + verify + lookup tokens/s at block size 16", m["total_tokens_per_s"],
                                     ">= 30e6", m["total_tokens_per_s"] >= 30e6), workload="micro"))
     result = {
@@ -502,24 +502,26 @@ def run_bench(opts: BenchOptions, loaded: LoadedModel | None = None, log=print) 
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """``prefixcache bench``'s flags; their defaults are :class:`BenchOptions`' (declared once)."""
+    d = BenchOptions()
     p.add_argument("--workload", default="all",
                    help=f"'all' or a comma-separated list of: {', '.join(WORKLOAD_NAMES)}, "
                         "or 'trace' (eviction-policy trace simulation, no model)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, HF directory or .gguf file")
-    p.add_argument("--num-requests", type=int, default=None,
+    p.add_argument("--model", default=d.model, help="built-in name, HF directory or .gguf file")
+    p.add_argument("--num-requests", type=int, default=d.num_requests,
                    help="requests per workload (per round for multi-turn); default: seed 10, multi-turn 4, others 6")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
-    p.add_argument("--num-turns", type=int, default=DEFAULT_NUM_TURNS, help="multi-turn: turns per chat (1-8)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--text-scale", type=float, default=1.0,
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens generated per request")
+    p.add_argument("--num-turns", type=int, default=d.num_turns, help="multi-turn: turns per chat (1-8)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument("--text-scale", type=float, default=d.text_scale,
                    help="keep this fraction of the long shared texts (quick runs)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: the available cores)")
-    p.add_argument("--repeats", type=int, default=1, help="throughput runs per mode, median wall (no-sharing: >= 3)")
-    p.add_argument("--cold-samples", type=int, default=2, help="requests timed alone on an empty cache")
+    p.add_argument("--repeats", type=int, default=d.repeats, help="throughput runs per mode, median wall (no-sharing: >= 3)")
+    p.add_argument("--cold-samples", type=int, default=d.cold_samples, help="requests timed alone on an empty cache")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--skip-micro", action="store_true", help="skip the hash + lookup micro-benchmark")
     p.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
-    p.add_argument("--out", default="bench_results", help="output directory")
+    p.add_argument("--out", default=d.out, help="output directory")
     p.add_argument("--no-partial-block-reuse", action="store_true",
                    help="full-block sharing only (then computed must equal the ideal exactly)")
 
@@ -546,8 +548,7 @@ def run_cli(args: argparse.Namespace) -> int:
         names = tuple(n for n in names if n != "trace")
         if not names:
             return 0
-    threads = args.num_threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                   else os.cpu_count() or 1)
+    threads = EngineConfig(num_threads=args.num_threads).resolved_num_threads()
     opts = BenchOptions(
         model=args.model, workloads=names, num_requests=args.num_requests, max_tokens=args.max_tokens,
         num_turns=args.num_turns, block_size=args.block_size, text_scale=args.text_scale, num_threads=threads,

@@ -36,7 +36,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prefixcache.cache.config import CacheConfig
+from prefixcache.cache.config import DEFAULT_BLOCK_SIZE, CacheConfig
 from prefixcache.cache.eviction import EVICTION_POLICIES, LeafHeapPolicy
 from prefixcache.cache.hashing import BlockHasher, make_root_key
 from prefixcache.cache.kv_cache_manager import KVCacheManager
@@ -195,7 +195,7 @@ def simulate(
     trace: Sequence[TraceRequest],
     policy: str,
     num_blocks: int,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     service_s: float = 2.0,
     enable_partial_block_reuse: bool = True,
     cache_config: CacheConfig | None = None,
@@ -277,7 +277,7 @@ def run_trace_benchmark(
     skews: dict[str, float] | None = None,
     num_requests: int = 3000,
     num_blocks: int = 2048,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     service_s: float = 2.0,
 ) -> list[dict]:
     """Replays the skewed and uniform traces for each seed under each policy.

@@ -125,9 +125,10 @@ class BlockPool:
             A verified block (:func:`~prefixcache.cache.block.follows`, equal tokens, allowed by
             the policy), or ``None`` on a miss. Its ref count is not changed.
         """
-        candidates = self.cached_block_hash_to_block.get(block_hash)
-        if not candidates:
-            return None
+        matches = self.find_cached_blocks(
+            block_hash, token_ids, None if parent is None else (parent,), root_key, extra_key
+        )
+        return matches[0] if matches else None
         token_ids, allowed = tuple(token_ids), self.evictor.is_hit_allowed
         for block in candidates.values():
             if block.token_ids == token_ids and follows(block, parent, root_key, extra_key) and allowed(block):

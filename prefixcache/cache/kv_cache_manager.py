@@ -27,10 +27,13 @@ Invariants:
 - ``req_to_blocks[id]`` is the request's block table: block ``i`` holds the K/V of its tokens
   ``[i * block_size, (i + 1) * block_size)``, and it covers every token allocated so far.
 - ``req_to_num_cached_blocks[id]`` blocks at the head of that table have been through caching: each
-  is in the prefix-cache map, or an equal block already was (then the request holds a reference
-  on that one, ``req_to_pinned[id][i]``, and chains its later blocks to it: one prefix, one cached
-  copy). A block is cached once its tokens are all known (its hash exists on the request).
-- ``ref_cnt`` of a block = the block tables holding it + the requests pinning it.
+  is in the prefix-cache map, or an equal block already was. Then (one prefix, one cached copy)
+  the request chains its later blocks to that one and holds a reference on it
+  (``req_to_pinned[id][i]``) until :meth:`end_step`, when it replaces the request's own copy in the
+  table (the K/V of both is the same prefix's) and the copy is freed. A block is cached once its
+  tokens are all known (its hash exists on the request).
+- ``ref_cnt`` of a block = the block tables holding it + the requests pinning it (within a step)
+  + a partial hit's pin of its source (until :meth:`end_step`).
 - A lookup never returns the block holding the request's last token, so at least one token is
   computed and yields logits.
 - ``admit`` and ``allocate_slots`` either do everything asked for or change nothing.
@@ -117,8 +120,9 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, config, bytes_per_block=bytes_per_block, clock=clock)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_num_cached_blocks: dict[str, int] = {}
-        # Equal blocks cached before the request's own (one prefix, one cached copy): block index
-        # -> the cached block the request holds a reference on and chains its later blocks to.
+        # Equal blocks cached before the request's own, found this step (one prefix, one cached
+        # copy): block index -> the cached block the request holds and chains its later blocks to;
+        # it replaces the request's own copy at end_step.
         self.req_to_pinned: dict[str, dict[int, KVCacheBlock]] = {}
         self.stats = PrefixCacheStats()
         # Blocks cached since the last end_step (block id -> generation): K/V not written yet.
@@ -407,7 +411,8 @@ class KVCacheManager:
                 )
                 if cached is block:
                     self._cached_this_step[block.block_id] = block.generation
-                else:
+                else:  # held until end_step, then it replaces the request's own copy
+                    self.block_pool.record_hits([cached])
                     self.block_pool.touch([cached])
                     pinned = self.req_to_pinned.setdefault(rid, pinned)
                     pinned[i] = cached
@@ -418,20 +423,37 @@ class KVCacheManager:
     # -- step and request lifecycle -------------------------------------------------------------
 
     def end_step(self) -> None:
-        """Marks the step's K/V as written: unpins partial-hit sources, forgets pending copies."""
+        """Marks the step's K/V as written.
+
+        A request that recomputed a block already cached at the same place in the chain now takes
+        the cached block into its table in place of its own copy, which is freed (one prefix, one
+        cached copy, and no block held twice past the step). Partial-hit sources are unpinned and
+        the pending copies forgotten.
+        """
+        for rid, pinned in self.req_to_pinned.items():
+            table = self.req_to_blocks[rid]
+            own = [table[i] for i in sorted(pinned, reverse=True)]  # tail first, as free() does
+            for i, cached in pinned.items():
+                table[i] = cached
+            self.block_pool.free_blocks(own)
+        self.req_to_pinned.clear()
         sources, self._pinned_sources = self._pinned_sources, []
         self.block_pool.free_blocks(sources)
         self._cached_this_step.clear()
         self.pending_copy_ops = []
 
     def forget_step(self) -> None:
-        """After a failed step: evicts the blocks cached in it (their K/V was never written, or
-        only partly), then :meth:`end_step`. Blocks still in use stay uncached in their tables."""
+        """After a failed step: evicts the blocks cached in it (their K/V was never written, or only
+        partly) and unpins partial-hit sources. The step's requests are failed and freed next
+        (which releases the cached blocks they hold in place of their own copies)."""
         blocks = self.block_pool.blocks
         self.block_pool.uncache(
             blocks[i] for i, generation in self._cached_this_step.items() if blocks[i].generation == generation
         )
-        self.end_step()
+        sources, self._pinned_sources = self._pinned_sources, []
+        self.block_pool.free_blocks(sources)
+        self._cached_this_step.clear()
+        self.pending_copy_ops = []
 
     def fork(self, parent: Request, child: Request) -> None:
         """Gives ``child`` the parent's block table by reference (parallel sampling).

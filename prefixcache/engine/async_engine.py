@@ -3,7 +3,7 @@
 The engine is not thread-safe, so every engine call (add, abort, step, metrics, reset) runs on one
 dedicated thread, a single-worker executor; calls queue there in order and run between steps. The
 event loop never touches engine state, it only routes each step's outputs to per-request queues.
-Tokenization and chat templates run on a second thread with the input processor's own tokenizer,
+Tokenization and chat templates run on a second thread with its own copy of the tokenizer,
 so a huge prompt never stalls the steps that stream other clients' tokens::
 
     HTTP handlers ──tokenize──▶ [input thread: tokenize | render template ...]
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable
@@ -77,10 +78,12 @@ class AsyncLLMEngine:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="prefixcache-engine", initializer=self._init_thread
         )
-        # Tokenization and chat templates (the input processor's own tokenizer; one thread).
+        # Tokenization and chat templates: one thread with its own copy of the tokenizer (the engine
+        # thread detokenizes with the model's meanwhile). Template edits after this don't reach it.
         self._input_executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="prefixcache-input"
         )
+        self._tokenizer = copy.deepcopy(engine.tokenizer)
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._unfinished: dict[str, int] = {}  # request id -> samples not finished yet (n)
         self._counter = itertools.count()
@@ -167,16 +170,22 @@ class AsyncLLMEngine:
         return outputs
 
     def _dispatch(self, out: RequestOutput) -> None:
+        """Routes an output to its request's queue; forgets the request once it is done: every
+        sample finished, or one failed (its siblings, if any still run, are aborted)."""
         queue = self._queues.get(out.request_id)
         if out.finished:
             left = self._unfinished.get(out.request_id, 1) - 1
-            if left > 0:
+            failed = out.finish_reason == "error"
+            if left > 0 and not failed:
                 self._unfinished[out.request_id] = left
-            else:  # every sample of the request is done
+            else:  # the request is done
                 self._queues.pop(out.request_id, None)
                 self._unfinished.pop(out.request_id, None)
+                if left > 0:  # a failed sample ends its request: stop the others
+                    future = self._executor.submit(self.engine.abort_request_samples, out.request_id)
+                    future.add_done_callback(self._on_abort_done)
             if self.on_finish is not None:
-                self.on_finish(out, left <= 0)
+                self.on_finish(out, left <= 0 or failed)
         if queue is not None:
             queue.put_nowait(out)
 
@@ -233,20 +242,24 @@ class AsyncLLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._counter)}"
         if request_id in self._queues:
             raise InvalidInputError("request_id", f"request_id {request_id!r} is already in use")
-        if not isinstance(prompt, ProcessedPrompt):
-            prompt = await self._call_input(self.engine.input_processor.tokenize, prompt)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._queues[request_id] = queue  # before the add: the next step may already output
+        self._queues[request_id] = queue  # reserved now; before the add: the next step may output
         self._unfinished[request_id] = sampling_params.n
         try:
+            if not isinstance(prompt, ProcessedPrompt):
+                prompt = await self._call_input(self.engine.input_processor.tokenize, prompt, self._tokenizer)
             await self._call(
                 self.engine.add_request, prompt, sampling_params,
                 cache_salt=cache_salt, request_id=request_id, stream=stream, lora=lora,
                 tenant=tenant,
             )
-        except BaseException:
-            self._queues.pop(request_id, None)
-            self._unfinished.pop(request_id, None)
+        except BaseException as e:
+            if self._queues.get(request_id) is queue:
+                self._queues.pop(request_id)
+                self._unfinished.pop(request_id, None)
+            if not isinstance(e, Exception) and self.error is None:
+                # Cancelled while the add may be running on the engine thread: abort after it.
+                self._executor.submit(self.engine.abort_request_samples, request_id)
             raise
         self._wakeup.set()
         return self._stream(request_id, queue, sampling_params.n)
@@ -304,7 +317,7 @@ class AsyncLLMEngine:
             InvalidInputError: (field ``messages``) the template rejects the conversation, or it is
                 too long for the context.
         """
-        return await self._call_input(self.engine.input_processor.apply_chat_template, messages)
+        return await self._call_input(self.engine.input_processor.apply_chat_template, messages, True, self._tokenizer)
 
     async def get_stats(self) -> EngineStats:
         def take() -> EngineStats:

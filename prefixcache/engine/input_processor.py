@@ -6,8 +6,8 @@ Everything a request brings is checked here, before it is queued, with an
 scheduler. The cheap checks come first: a text prompt longer than any text that fits the context
 (more than ``max_model_len`` times the longest token's text) is refused before it is tokenized.
 
-Tokenization uses this processor's own copy of the tokenizer, so it may run on a thread of its own
-(the async engine tokenizes off the engine thread, which detokenizes with the model's tokenizer).
+Tokenization uses the model's tokenizer, or one passed in: the async engine tokenizes on a thread
+of its own with its own copy (the engine thread detokenizes with the model's tokenizer meanwhile).
 
 Prompt plus ``max_tokens`` must fit the context (``max_model_len``): a request that can't is refused
 (field ``max_tokens``), as OpenAI and vLLM's server do, rather than silently cut short.
@@ -15,7 +15,6 @@ Prompt plus ``max_tokens`` must fit the context (``max_model_len``): a request t
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
 from typing import NamedTuple
@@ -55,7 +54,7 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int, num_blocks: int) -> None:
         self.block_size = config.block_size
         self.loaded = loaded
-        self.tokenizer = copy.deepcopy(loaded.tokenizer)  # private: may be used off the engine thread
+        self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.config.vocab_size
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
@@ -83,21 +82,25 @@ class InputProcessor:
         return make_root_key(self.model_key, cache_salt, self._hash_seed, digest)
 
     # ------------------------------------------------------------------ tokenization
-    def tokenize(self, prompt: str | list[int] | ProcessedPrompt) -> ProcessedPrompt:
+    def tokenize(self, prompt: str | list[int] | ProcessedPrompt, tokenizer=None) -> ProcessedPrompt:
         """Text → token ids (special tokens added as the tokenizer does); token ids are checked.
+
+        Args:
+            prompt: text, token ids, or an already tokenized prompt (its ids checked again).
+            tokenizer: the one to use (a thread's own copy); default the model's.
 
         Raises:
             InvalidInputError: (field ``prompt``) empty, not text or token ids, text longer than
                 any prompt that fits the context, or a token id outside the vocabulary.
         """
         if isinstance(prompt, ProcessedPrompt):
-            return prompt
+            return ProcessedPrompt(prompt.text, self.tokenize(prompt.token_ids).token_ids)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidInputError("prompt", "prompt must not be empty")
             self.check_text_length(len(prompt))
             check_unicode("prompt", prompt)
-            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt, add_special_tokens=True))
+            return ProcessedPrompt(prompt, (tokenizer or self.tokenizer).encode(prompt, add_special_tokens=True))
         if not isinstance(prompt, (list, tuple)):
             raise InvalidInputError("prompt", f"prompt must be a string or a list of token ids, "
                                               f"got {type(prompt).__name__}")
@@ -119,8 +122,11 @@ class InputProcessor:
             raise InvalidInputError(field, f"{field} is {num_chars} characters, more than any prompt that fits "
                                            f"max_model_len {self.max_model_len} tokens can have")
 
-    def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Renders one conversation with the model's chat template → prompt token ids.
+    def apply_chat_template(
+        self, conversation: list[dict[str, str]], add_generation_prompt: bool = True, tokenizer=None
+    ) -> list[int]:
+        """Renders one conversation with the model's chat template → prompt token ids (with
+        ``tokenizer``, a thread's own copy, if given).
 
         Raises:
             InvalidInputError: (field ``messages``) malformed messages, a conversation too long for
@@ -136,13 +142,12 @@ class InputProcessor:
         for m in conversation:
             check_unicode("messages", m["role"])
             check_unicode("messages", m["content"])
+        tokenizer = tokenizer or self.tokenizer
         try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja raises its own errors for conversations it can't render
             raise InvalidInputError("messages", f"messages could not be rendered with the chat template: {e}") from e
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=False)
 
     # ------------------------------------------------------------------ approved prefixes
     def add_approved_prefix(self, prompt: str | list[int]) -> int:

@@ -221,22 +221,23 @@ class LLMEngine:
         return outputs
 
     def _fail_step(self, scheduler_output: SchedulerOutput, error: BaseException) -> list[RequestOutput]:
-        """Fails the step's requests: drops the blocks cached in the step, frees theirs."""
-        self.kv_cache_manager.forget_step()
-        failed = [self.scheduler.requests[s.request_id] for s in scheduler_output.seqs
-                  if s.request_id in self.scheduler.requests]
-        for request in failed:
-            request.error = f"engine step failed: {error!r}"
-        return self._finish(failed, RequestStatus.FINISHED_ERROR)
+        """Fails the step's requests (see :meth:`_fail`)."""
+        return self._fail([s.request_id for s in scheduler_output.seqs], f"engine step failed: {error!r}")
 
     def fail_all_requests(self, message: str) -> list[RequestOutput]:
-        """Finishes every request in flight with ``"error"`` (``message`` in their outputs) and drops
-        whatever the interrupted step cached; after an unexpected fault, to start clean."""
+        """Fails every request in flight (see :meth:`_fail`); after an unexpected fault, to start
+        clean."""
+        return self._fail(list(self.scheduler.requests), message)
+
+    def _fail(self, request_ids: list[str], message: str) -> list[RequestOutput]:
+        """Drops the blocks cached in the interrupted step (their K/V was never written, or only
+        partly), then finishes the requests with ``"error"`` (``message`` in their outputs) and frees
+        their blocks."""
         self.kv_cache_manager.forget_step()
-        requests = list(self.scheduler.requests.values())
-        for request in requests:
+        failed = [self.scheduler.requests[rid] for rid in request_ids if rid in self.scheduler.requests]
+        for request in failed:
             request.error = message
-        return self._finish(requests, RequestStatus.FINISHED_ERROR)
+        return self._finish(failed, RequestStatus.FINISHED_ERROR)
 
     def _finish(self, requests: list[Request], status: RequestStatus, now: float | None = None) -> list[RequestOutput]:
         """Ends requests with ``status``, frees their blocks; returns their final outputs."""
@@ -267,8 +268,10 @@ class LLMEngine:
         """
         if any(engine.has_unfinished_requests() for engine in list(self.loaded.users)):
             raise ValueError("load_weights: requests are still in flight; wait for them or abort them first")
-        self.loaded.replace_weights(weights)
-        self._follow_weights()
+        try:
+            self.loaded.replace_weights(weights)
+        finally:  # re-keyed even if the copy failed half-way
+            self._follow_weights()
 
     def _follow_weights(self) -> None:
         """Drops this engine's cached blocks once the shared model's weights changed."""

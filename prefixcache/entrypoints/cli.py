@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from prefixcache.cache.config import DEFAULT_BLOCK_SIZE
 from prefixcache.config import DEFAULT_MODEL
 
 _SUBCOMMAND_MODULES = {
@@ -35,7 +36,7 @@ def _main(argv: list[str] | None) -> int:
     demo = sub.add_parser("demo", help="shared system prompt + 10 questions, prefix caching off vs on")
     demo.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, HF directory or .gguf file")
     demo.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    demo.add_argument("--block-size", type=int, default=16)
+    demo.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
     demo.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
 
     fetch = sub.add_parser("fetch", help="download and convert the default model into $PREFIXCACHE_HOME")

@@ -11,6 +11,12 @@
   uvicorn's keep-alive timeout only covers idle connections *between* requests, so without this a
   client that sends half a request holds its connection forever. On expiry the server answers 408
   (when it has not answered yet) and closes the connection.
+
+Closing while the client is still sending (a 413 before a 50 MB body is read) is a lingering
+close, as HTTP servers do: the server half-closes (its response and a FIN go out), then reads and
+discards what still arrives for at most ``LINGER_S`` seconds before it closes. Closing at once
+would make the kernel reset the connection over the unread data, and the client could lose the
+413 it was sent.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from prefixcache.entrypoints.api_errors import error_body, error_json, error_response
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20  # see README "Limits" for why 16 MiB
+LINGER_S = 2.0  # at most this long, a closed connection's late request bytes are read and dropped
 logger = logging.getLogger("prefixcache.server")
 
 
@@ -112,9 +119,12 @@ class TimedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.transport = _LingeringTransport(transport, self)  # what uvicorn's cycles write to and close
         self._track_read(receiving=True)
 
     def data_received(self, data: bytes) -> None:
+        if self.transport.lingering:  # the response is out: drop what the client still sends
+            return
         super().data_received(data)
         self._track_read(receiving=True)
 
@@ -160,3 +170,31 @@ class TimedH11Protocol(H11Protocol):
             self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
                                  b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
         self.transport.close()  # the app, if it waits for the body, sees a disconnect
+
+
+class _LingeringTransport:
+    """The connection's transport, whose ``close()`` lingers while the client may still be sending
+    (see the module docstring); everything else goes to the real transport."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: TimedH11Protocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+        self.lingering = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        transport = self._transport
+        still_sending = self._protocol.conn.their_state is h11.SEND_BODY
+        if self.lingering or transport.is_closing() or not still_sending or not transport.can_write_eof():
+            transport.close()
+            return
+        self.lingering = True
+        self._protocol._set_read_phase(None)
+        transport.write_eof()  # the response and a FIN go out; reading goes on
+        transport.resume_reading()
+        self._protocol.loop.call_later(LINGER_S, transport.close)

@@ -56,7 +56,8 @@ class _EngineCollector:
         yield counter("prompt_tokens_computed", "Prompt tokens run through the model (recomputes included).",
                       m.prompt_tokens_computed)
         yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", m.num_preemptions)
-        yield counter("kv_block_evictions", "Cached KV blocks evicted to make room.", m.num_evictions)
+        yield counter("kv_block_evictions", "Cached KV blocks evicted (for room, expiry, invalidation or a failed step).",
+                      m.num_evictions)
         by_reason = CounterMetricFamily(
             PREFIX + "kv_block_evictions_by_reason",
             "Cached KV blocks evicted, by the policy's reason (lru, lfu, ttl, cost, invalidated).",

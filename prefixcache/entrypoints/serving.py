@@ -146,13 +146,26 @@ def stream_text(out: RequestOutput, stops: tuple[str, ...]) -> str:
     if out.finished:
         return text
     text = text.rstrip("\ufffd")
+    return text[: len(text) - stop_prefix_hold(text, stops)]
+
+
+def stop_prefix_hold(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of a stop string (0 if none).
+
+    Only tails starting at a character equal to a stop string's first one are compared, so the
+    work is about the stop strings' length, not its square.
+    """
     hold = 0
     for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:k]):
-                hold = k
+        window = len(stop) - 1
+        start = max(0, len(text) - window)
+        i = text.find(stop[0], start)
+        while 0 <= i and len(text) - i > hold:
+            if stop.startswith(text[i:]):
+                hold = len(text) - i
                 break
-    return text[: len(text) - hold]
+            i = text.find(stop[0], i + 1)
+    return hold
 
 
 def sse_event(data: dict) -> str:

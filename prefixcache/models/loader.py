@@ -9,6 +9,7 @@ the cache). Nothing here contacts a model hub: configs and tokenizers are read w
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import weakref
@@ -81,13 +82,19 @@ class LoadedModel:
             ValueError: an unknown parameter name or a shape mismatch (nothing is copied then, for
                 a mapping); ModelLoadError for a directory that can't be read.
         """
+        old = self.fingerprint
+        # Re-keyed before anything is copied: if copying fails half-way, the weights are neither
+        # the old nor the new ones, and no key may match either.
+        self.fingerprint = hashlib.sha256(old + b"loading" + os.urandom(16)).digest()
         if isinstance(weights, Mapping):
             digest = _copy_named_tensors(self.model, weights)
-            self.fingerprint = hashlib.sha256(self.fingerprint + b"weights" + digest).digest()
-        else:  # every parameter replaced: the weights are the checkpoint's, and so is the key
+        else:
             model_dir = resolve_model_dir(str(weights))
             load_weights(self.model, model_dir, self.config.tie_word_embeddings)
-            self.fingerprint = compute_fingerprint(model_dir)
+            digest = compute_fingerprint(model_dir)
+        # Chained to the old key: a new key even when the new files' sampled fingerprint is the old
+        # one (a checkpoint that differs only in a middle tensor).
+        self.fingerprint = hashlib.sha256(old + b"weights" + digest).digest()
 
 
 def _copy_named_tensors(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> bytes:

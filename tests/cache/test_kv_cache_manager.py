@@ -100,6 +100,23 @@ def test_same_step_duplicates_are_cached_once():
     assert_exact_hits(probe, hits)
 
 
+def test_recomputed_equal_block_replaces_the_own_copy_at_end_step():
+    """After the step that wrote it, a recomputed block already cached is swapped for the cached
+    one in the request's table and its own copy freed: no block is held twice past the step."""
+    m = make_manager(8, B)
+    r1 = make_request("r1", list(range(9)), block_size=B)
+    r2 = make_request("r2", list(range(9)), block_size=B)
+    m.allocate_slots(r1, 9)
+    m.allocate_slots(r2, 9)
+    m.end_step()
+    assert m.get_block_ids("r2") == [0, 1, 5] and m.req_to_pinned == {}
+    assert refs(m) == [2, 2, 1, 0, 0, 1, 0, 0]
+    assert free_ids(m) == [6, 7, 4, 3]  # the own copies, freed tail first
+    m.free(r2)
+    m.free(r1)
+    assert refs(m) == [0] * 8 and m.num_cached_blocks == 2
+
+
 def test_miss_on_different_prompt():
     m = make_manager(10, B)
     admit(m, make_request("a", list(range(10)), block_size=B))

@@ -73,7 +73,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         )
 
     def write(self, request: Request, num_new_tokens: int) -> None:
-        """The forward pass: the step's slot copies, then K/V for the request's next tokens.
+        """The forward pass: the step's slot copies, then K/V for the request's next tokens, then
+        the step's end (``end_step``), in the engine's order.
 
         A block the request already wrote part of (its own earlier tokens, a partial-hit copy or
         a copy-on-write copy) must hold exactly the request's tokens before ``start``: a sibling
@@ -83,7 +84,6 @@ class KVCacheMachine(RuleBasedStateMachine):
             root, prefix, extra = self.content[op.src_block_id]
             block_start = (len(prefix) - 1) // B * B
             self.content[op.dst_block_id] = (root, prefix[: block_start + op.num_tokens], extra)
-        self.manager.end_step()
         start = request.num_computed_tokens
         end = start + num_new_tokens
         table = self.manager.req_to_blocks[request.request_id]
@@ -95,6 +95,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             prefix = tuple(request.all_token_ids[: min(end, (j + 1) * B)])
             self.content[table[j].block_id] = (request.root_key, prefix, request.block_extra_key(j))
         request.num_computed_tokens = end
+        self.manager.end_step()
 
     def check_hits(self, request: Request, hits, num_hit_tokens: int) -> None:
         assert num_hit_tokens == len(hits) * B
@@ -136,6 +137,51 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert admission.num_new_tokens == min(chunk, request.num_tokens - num_hit_tokens - k)
         self.write(request, admission.num_new_tokens)
         self.running[request.request_id] = request
+
+    @rule(prompts=st.lists(PROMPTS, min_size=1, max_size=3), salt=SALTS, chunk=st.integers(1, 16),
+          index=st.integers(0, 50), cont=st.booleans())
+    def failed_step(self, prompts, salt, chunk, index, cont) -> None:
+        """A step whose forward pass raises: what LLMEngine does (forget_step, then its requests are
+        failed and freed). Nothing it cached may be hit afterwards (the oracle checks every hit)."""
+        batch = []
+        prefilling = [r for r in self.running.values() if r.num_computed_tokens < r.num_tokens]
+        if cont and prefilling:
+            r = prefilling[index % len(prefilling)]
+            if self.manager.allocate_slots(r, min(chunk, r.num_tokens - r.num_computed_tokens)) is not None:
+                batch.append(r)
+        for prompt in prompts:
+            request = self.make_request(prompt, salt, None, 0)
+            if self.manager.admit(request, chunk) is not None:
+                batch.append(request)
+        self.manager.forget_step()
+        for r in batch:
+            self.manager.free(r)
+            self.running.pop(r.request_id, None)
+
+    @rule(prompt=PROMPTS, salt=SALTS, k=st.integers(2, 3))
+    def same_step_batch(self, prompt, salt, k) -> None:
+        """k equal prompts admitted in one step (each after the others' blocks were cached), written,
+        then the step ends: recomputed equal blocks are swapped for the cached ones."""
+        admitted = []
+        for _ in range(k):
+            request = self.make_request(prompt, salt, None, 0)
+            admission = self.manager.admit(request, request.num_tokens)
+            if admission is None:
+                break
+            admitted.append((request, admission.num_new_tokens))
+        for op in self.manager.pending_copy_ops:
+            root, prefix, extra = self.content[op.src_block_id]
+            block_start = (len(prefix) - 1) // B * B
+            self.content[op.dst_block_id] = (root, prefix[: block_start + op.num_tokens], extra)
+        for request, num_new_tokens in admitted:
+            start, end = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
+            table = self.manager.req_to_blocks[request.request_id]
+            for j in range(start // B, -(-end // B)):
+                prefix = tuple(request.all_token_ids[: min(end, (j + 1) * B)])
+                self.content[table[j].block_id] = (request.root_key, prefix, request.block_extra_key(j))
+            request.num_computed_tokens = end
+            self.running[request.request_id] = request
+        self.manager.end_step()
 
     @precondition(lambda self: any(r.num_computed_tokens < r.num_tokens for r in self.running.values()))
     @rule(index=st.integers(0, 50), chunk=st.integers(1, 16))

@@ -21,6 +21,12 @@ def own_model():
     return load_model("smollm2-135m")
 
 
+@pytest.fixture(scope="module")
+def pristine_model():
+    """The default model as loaded, its weights never replaced (so its key is the files' own)."""
+    return load_model("smollm2-135m")
+
+
 def test_c2_new_weights_never_reuse_old_kv(own_model):
     rng = random.Random(2)
     p = [rng.randrange(200, 40000) for _ in range(2 * 16 + 7)]
@@ -56,8 +62,8 @@ def test_load_weights_refused_while_requests_run(own_model):
 
 
 @pytest.mark.parametrize("change", ["chat_template", "tokenizer"])
-def test_c2_changed_template_or_tokenizer_changes_the_key(own_model, tmp_path, change):
-    src = own_model.model_dir
+def test_c2_changed_template_or_tokenizer_changes_the_key(pristine_model, tmp_path, change):
+    src = pristine_model.model_dir
     dst = tmp_path / "model"
     dst.mkdir()
     for f in src.iterdir():
@@ -73,9 +79,41 @@ def test_c2_changed_template_or_tokenizer_changes_the_key(own_model, tmp_path, c
         cfg["clean_up_tokenization_spaces"] = not cfg.get("clean_up_tokenization_spaces", False)
         (dst / "tokenizer_config.json").write_text(json.dumps(cfg))
     other = load_model(str(dst))
-    a = LLM(loaded=own_model, num_threads=2, num_blocks=8, hash_seed=1)
+    a = LLM(loaded=pristine_model, num_threads=2, num_blocks=8, hash_seed=1)
     b = LLM(loaded=other, num_threads=2, num_blocks=8, hash_seed=1)
     assert a.engine.root_key() != b.engine.root_key()
     # Sanity: an identical copy gives the identical key.
     same = LLM(loaded=load_model(str(src)), num_threads=2, num_blocks=8, hash_seed=1)
     assert same.engine.root_key() == a.engine.root_key()
+
+
+def test_weights_reloaded_from_files_with_the_same_sampled_fingerprint_get_a_new_key(own_model, tmp_path):
+    """The files' fingerprint samples each safetensors file's ends only; loading a checkpoint that
+    differs in a middle tensor must still re-key (the key is chained to the previous one), and a
+    load that fails half-way re-keys too."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = own_model.model_dir
+    same_files, partial = tmp_path / "same", tmp_path / "partial"
+    for d in (same_files, partial):
+        d.mkdir()
+        for f in src.iterdir():
+            if f.is_file() and (d is same_files or f.suffix != ".safetensors"):
+                (d / f.name).symlink_to(f)
+    llm = LLM(loaded=own_model, num_threads=2, num_blocks=16)
+    key = llm.engine.root_key()
+    llm.load_weights(same_files)  # the same files: same sampled fingerprint, still a new key
+    assert llm.engine.root_key() != key
+    key = llm.engine.root_key()
+    tensors = {}
+    for f in src.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    tensors.pop("model.norm.weight")  # a checkpoint that lacks a tensor: refused half-way
+    save_file(tensors, partial / "model.safetensors")
+    with pytest.raises(ValueError, match="lacks"):
+        llm.load_weights(partial)
+    assert llm.engine.root_key() != key and llm.get_metrics().num_blocks_cached == 0
+    llm.load_weights(src)  # back to the original weights
+    assert torch.equal(dict(own_model.model.named_parameters())["model.layers.0.mlp.up_proj.weight"],
+                       tensors["model.layers.0.mlp.up_proj.weight"].to(torch.float32))

@@ -90,6 +90,22 @@ def test_parallel_sampling_seats():
     assert [s[3] for s in step(scheduler)] == [[2, 4], [2, 5], [2, 3]]
 
 
+def test_a_repeated_aligned_prompt_fits_the_pool_it_fitted_before():
+    """One cached copy per prefix costs no memory past the step: a repeat of a 3-block prompt with
+    max_tokens 4 runs in the 4 blocks it ran in alone, without preemption."""
+    scheduler = make_scheduler(num_blocks=4)
+    prompt = list(range(100, 112))  # 3 full blocks; + 4 tokens = exactly 4 blocks
+    for rid in ("a", "b", "c"):
+        request = make_request(rid, prompt, block_size=B, max_tokens=4)
+        scheduler.add_request(request)
+        while request.num_output_tokens < 4:
+            step(scheduler)
+        scheduler.finish_request(rid, RequestStatus.FINISHED_LENGTH)
+        assert request.num_cached_tokens == (0 if rid == "a" else 8 + 3)  # 2 blocks + 3 copied
+    assert scheduler.num_preemptions == 0
+    assert scheduler.kv_cache_manager.num_cached_blocks == 3
+
+
 def test_finish_and_abort_remove_in_place():
     scheduler = make_scheduler(num_blocks=16, max_num_seqs=1)
     for rid, base in (("a", 0), ("b", 100), ("c", 200)):

@@ -1,0 +1,133 @@
+"""AsyncLLMEngine's bookkeeping without a model (a fake engine): request ids reserved before the
+await on tokenization, a cancelled add aborted, a failed n > 1 request forgotten whole."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import types
+
+import pytest
+
+from prefixcache.engine.async_engine import AsyncLLMEngine
+from prefixcache.engine.input_processor import ProcessedPrompt
+from prefixcache.errors import InvalidInputError
+from prefixcache.outputs import RequestOutput
+from prefixcache.sampling_params import SamplingParams
+
+
+class FakeEngine:
+    """Adds requests; each step finishes every request with one token."""
+
+    def __init__(self, tokenize_gate: threading.Event | None = None) -> None:
+        self.device = types.SimpleNamespace(type="cuda")  # skip the CPU thread setup
+        self.tokenizer = None
+        self.requests: dict[str, bool] = {}
+        self.scheduler = types.SimpleNamespace(running={})
+        gate = tokenize_gate
+
+        def tokenize(prompt, tokenizer=None):
+            if gate is not None:
+                gate.wait(5)
+            return ProcessedPrompt(prompt, [1, 2, 3])
+
+        self.input_processor = types.SimpleNamespace(tokenize=tokenize)
+
+    def add_request(self, prompt, params, request_id, **_):
+        if request_id in self.requests:
+            raise InvalidInputError("request_id", f"request_id {request_id!r} is already in use")
+        self.requests[request_id] = True
+        return request_id
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        outs = [RequestOutput(rid, 0, None, [1], "x", [5], "length", None, 3, 0, None, None)
+                for rid in self.requests]
+        self.requests.clear()
+        return outs
+
+    def abort_request(self, rid):
+        self.requests.pop(rid, None)
+
+    def abort_request_samples(self, rid):
+        self.requests.pop(rid, None)
+        return []
+
+
+async def _collect(stream):
+    return [o async for o in stream]
+
+
+def test_duplicate_request_id_during_tokenization_does_not_orphan_the_first():
+    async def main():
+        gate = threading.Event()
+        engine = AsyncLLMEngine(FakeEngine(gate))
+        params = SamplingParams(max_tokens=1)
+        first = asyncio.ensure_future(engine.generate("a", params, request_id="same"))
+        second = asyncio.ensure_future(engine.generate("b", params, request_id="same"))
+        await asyncio.sleep(0.05)  # both passed the duplicate check, both wait on tokenization
+        gate.set()
+        results = await asyncio.gather(first, second, return_exceptions=True)
+        assert sum(isinstance(r, ValueError) for r in results) == 1
+        stream = next(r for r in results if not isinstance(r, BaseException))
+        try:
+            outs = await asyncio.wait_for(_collect(stream), 2)
+        finally:
+            await engine.shutdown()
+        assert outs[-1].finished
+
+    asyncio.run(main())
+
+
+def test_cancelled_while_adding_leaves_no_orphan_request():
+    async def main():
+        fake = FakeEngine()
+        gate = threading.Event()
+        add = fake.add_request
+
+        def slow_add(*args, **kwargs):
+            gate.wait(5)
+            return add(*args, **kwargs)
+
+        fake.add_request = slow_add
+        fake.step = lambda: []  # the orphan never finishes by itself
+        engine = AsyncLLMEngine(fake)
+        task = asyncio.ensure_future(engine.generate([1, 2], SamplingParams(max_tokens=1), request_id="r"))
+        await asyncio.sleep(0.05)
+        task.cancel()  # client gone / handler cancelled while the add runs on the engine thread
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.1)
+        orphans = dict(fake.requests)
+        await engine.shutdown()
+        assert orphans == {}  # aborted after the add it raced with
+
+    asyncio.run(main())
+
+
+def test_n2_request_failed_before_its_fork_leaves_no_queue_behind():
+    """The step computing an n=2 prompt fails: the engine reports sample 0 only (the fork never
+    happened); the stream ends on the error, and nothing of the request may stay behind."""
+    async def main():
+        fake = FakeEngine()
+
+        def failing_step():
+            outs = [RequestOutput(rid, 0, None, [1], "", [], "error", None, 3, 0, None, None, error="boom")
+                    for rid in fake.requests]
+            fake.requests.clear()
+            return outs
+
+        fake.step = failing_step
+        engine = AsyncLLMEngine(fake)
+        stream = await engine.generate([1, 2], SamplingParams(max_tokens=1, n=2), request_id="g")
+        outs = await asyncio.wait_for(_collect(stream), 2)
+        await asyncio.sleep(0.05)
+        left = dict(engine._queues), dict(engine._unfinished)
+        await engine.shutdown()
+        assert outs[-1].finish_reason == "error"
+        assert left == ({}, {})
+
+    asyncio.run(main())

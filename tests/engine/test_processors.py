@@ -1,0 +1,115 @@
+"""The input and output processors on their own (the real tokenizer; no forward pass)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixcache.config import EngineConfig
+from prefixcache.engine.input_processor import InputProcessor, ProcessedPrompt
+from prefixcache.engine.output_processor import OutputProcessor
+from prefixcache.entrypoints.serving import stop_prefix_hold
+from prefixcache.errors import InvalidInputError
+from prefixcache.request import Request, RequestStatus
+from prefixcache.sampling_params import SamplingParams
+
+EQUALS64 = "=" * 64
+
+
+@pytest.fixture(scope="module")
+def inputs(smollm2) -> InputProcessor:
+    return InputProcessor(EngineConfig(block_size=16), smollm2, max_model_len=256, num_blocks=32)
+
+
+@pytest.fixture(scope="module")
+def outputs(smollm2) -> OutputProcessor:
+    return OutputProcessor(smollm2.tokenizer, smollm2.eos_token_ids, max_model_len=256)
+
+
+def field_of(fn) -> str:
+    with pytest.raises(InvalidInputError) as e:
+        fn()
+    return e.value.field
+
+
+def test_input_errors_name_their_field(inputs):
+    assert field_of(lambda: inputs.tokenize("")) == "prompt"
+    assert field_of(lambda: inputs.tokenize([1, 49152])) == "prompt"
+    assert field_of(lambda: inputs.tokenize("ok \ud800")) == "prompt"
+    assert field_of(lambda: inputs.tokenize(ProcessedPrompt("x", [1, -1]))) == "prompt"  # ids checked again
+    assert field_of(lambda: inputs.apply_chat_template([{"role": "user", "content": "\udfff"}])) == "messages"
+    assert field_of(lambda: inputs.check_request(SamplingParams(stop=["a\ud800"]), None, None)) == "stop"
+    assert field_of(lambda: inputs.check_request(None, "s\ud800", None)) == "cache_salt"
+    assert field_of(lambda: inputs.check_request(None, None, "t\ud800")) == "tenant"
+    assert field_of(lambda: inputs.check_fits(256, SamplingParams(max_tokens=1))) == "prompt"
+    assert field_of(lambda: inputs.check_fits(200, SamplingParams(max_tokens=57))) == "max_tokens"
+    inputs.check_fits(200, SamplingParams(max_tokens=56))  # exactly fits the context
+    assert field_of(lambda: inputs.check_fits(200, SamplingParams(max_tokens=56, n=8))) == "max_tokens"  # the pool
+
+
+def test_text_too_long_for_any_tokenization_is_refused_without_tokenizing(inputs):
+    longest = inputs.max_prompt_chars // (256 * 4)
+    assert longest >= 16  # the longest token's text, in characters
+    start = time.perf_counter()
+    assert field_of(lambda: inputs.tokenize("a" * (inputs.max_prompt_chars + 1))) == "prompt"
+    assert time.perf_counter() - start < 0.5  # no tokenization of the megabytes
+    assert field_of(lambda: inputs.apply_chat_template(
+        [{"role": "user", "content": "b" * inputs.max_prompt_chars}])) == "messages"
+
+
+def test_root_key_follows_the_shared_models_fingerprint(inputs, smollm2):
+    key = inputs.root_key("salt")
+    original = smollm2.fingerprint
+    try:
+        smollm2.fingerprint = b"other weights"
+        assert inputs.root_key("salt") != key
+    finally:
+        smollm2.fingerprint = original
+    assert inputs.root_key("salt") == key
+
+
+def request_with_output(inputs, text_ids: list[int], params: SamplingParams) -> Request:
+    request = inputs.make_request("r", ProcessedPrompt(None, [1, 2, 3]), params)
+    for t in text_ids:
+        request.append_output_token_ids(t)
+    return request
+
+
+def test_stop_string_found_anywhere_in_the_steps_new_text(inputs, outputs, smollm2):
+    (eq64,) = smollm2.tokenizer.encode(EQUALS64, add_special_tokens=False)
+    word = smollm2.tokenizer.encode(" word", add_special_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=10, stop=["==="], ignore_eos=True)
+    request = request_with_output(inputs, word, params)
+    assert outputs.check_stop(request) is None
+    request.append_output_token_ids(eq64)  # one token of 64 '=': the match starts inside it
+    assert outputs.check_stop(request) == RequestStatus.FINISHED_STOPPED
+    assert (request.stop_reason, request.stop_text_end) == ("===", len(" word"))
+
+
+def test_stop_string_spanning_two_steps_and_the_earliest_wins(inputs, outputs, smollm2):
+    ids = smollm2.tokenizer.encode(" alpha beta gamma", add_special_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=10, stop=["gamma", "ha be"], ignore_eos=True)
+    request = request_with_output(inputs, [], params)
+    for num_tokens, t in enumerate(ids, start=1):
+        request.append_output_token_ids(t)
+        if outputs.check_stop(request) is not None:
+            break
+    assert request.stop_reason == "ha be" and request.stop_text_end == len(" alp")
+    text = smollm2.tokenizer.decode(ids[:num_tokens])
+    assert "ha be" in text and "ha be" not in smollm2.tokenizer.decode(ids[: num_tokens - 1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="ab=", max_size=14),
+       stops=st.lists(st.text(alphabet="ab=", min_size=1, max_size=6), min_size=1, max_size=3))
+def test_stream_hold_back_is_the_longest_tail_that_may_grow_into_a_stop(text, stops):
+    expected = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), expected, -1):
+            if text.endswith(stop[:k]):
+                expected = k
+                break
+    assert stop_prefix_hold(text, tuple(stops)) == expected
