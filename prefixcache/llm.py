@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,6 +10,7 @@ from tqdm.auto import tqdm
 
 from prefixcache.config import DEFAULT_MODEL, EngineConfig
 from prefixcache.engine.llm_engine import EngineMetrics, LLMEngine
+from prefixcache.errors import InvalidInputError
 from prefixcache.layers.lora import LoRARequest
 from prefixcache.models.loader import LoadedModel
 from prefixcache.outputs import RequestOutput
@@ -70,27 +72,27 @@ class LLM:
             share the prompt's KV blocks (copy-on-write).
 
         Raises:
-            ValueError: naming the field, for any invalid prompt or parameter; nothing is queued then.
+            InvalidInputError: (a ValueError) naming the field, for any invalid prompt or parameter;
+                nothing is queued then.
         """
         if not isinstance(prompts, (str, list, tuple)):
-            raise ValueError(f"prompts must be a string, a list of token ids or a list of those, "
-                             f"got {type(prompts).__name__}")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise InvalidInputError("prompts", f"prompts must be a string, a list of token ids or a list of those, "
+                                               f"got {type(prompts).__name__}")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         prompts = list(prompts)
         if not prompts:
-            raise ValueError("prompts must contain at least one prompt")
+            raise InvalidInputError("prompts", "prompts must contain at least one prompt")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(params)} entries but there are {len(prompts)} prompts"
-                )
+                raise InvalidInputError("sampling_params", f"sampling_params has {len(params)} entries but there "
+                                                           f"are {len(prompts)} prompts")
         loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
         if len(loras) != len(prompts):
-            raise ValueError(f"lora has {len(loras)} entries but there are {len(prompts)} prompts")
+            raise InvalidInputError("lora", f"lora has {len(loras)} entries but there are {len(prompts)} prompts")
         return self._run(
             [(p, sp, cache_salt, lr, tenant) for p, sp, lr in zip(prompts, params, loras)], use_tqdm
         )
@@ -114,8 +116,8 @@ class LLM:
             ValueError: malformed messages or anything ``generate`` rejects.
         """
         if not isinstance(messages, (list, tuple)):
-            raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts (or a list of such lists), "
-                             f"got {type(messages).__name__}")
+            raise InvalidInputError("messages", f"messages must be a list of {{'role', 'content'}} dicts (or a list "
+                                                f"of such lists), got {type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
         return self.generate(

@@ -8,6 +8,7 @@ from prefixcache.errors import InvalidInputError
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # per stop string: the stop search and the stream's hold-back scan this much
+MAX_STOP_TOKEN_IDS = 1024
 MAX_N = 64
 
 
@@ -27,7 +28,8 @@ class SamplingParams:
         max_tokens: new tokens to generate at most, >= 1, no upper bound (the context length,
             ``max_model_len``, also ends generation).
         seed: per-request RNG seed, in [-2**63, 2**64 - n] (what ``torch.Generator`` takes, for
-            every sample's ``seed + i``); the same seed and prompt give the same sample.
+            every sample's ``seed + i``); the same seed and prompt give the same sample, and all 64
+            bits count (the runner mixes them into the 32 bits torch's CPU generator keeps).
         stop: strings that end generation; the matched string is not included in the text.
         stop_token_ids: token ids that end generation besides EOS: any ints >= 0 (they are only
             compared with sampled ids, so one outside the vocabulary never matches).
@@ -88,6 +90,9 @@ class SamplingParams:
             if len(s) > MAX_STOP_CHARS:
                 raise InvalidInputError("stop", f"stop entries must be at most {MAX_STOP_CHARS} characters, "
                                                 f"got one of {len(s)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidInputError("stop_token_ids", f"stop_token_ids accepts at most {MAX_STOP_TOKEN_IDS} ids, "
+                                                      f"got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t)
             if t < 0:

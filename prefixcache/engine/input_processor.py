@@ -4,7 +4,10 @@ schedule (vLLM v1's ``InputProcessor`` role).
 Everything a request brings is checked here, before it is queued, with an
 :class:`~prefixcache.errors.InvalidInputError` naming the field; nothing invalid reaches the
 scheduler. The cheap checks come first: a text prompt longer than any text that fits the context
-(more than ``max_model_len`` times the longest token's text) is refused before it is tokenized.
+(more than ``max_model_len`` times the longest token's text) is refused before it is tokenized; a
+long one is tokenized in pieces first and refused as soon as its count clearly passes the context
+(so a 10 MB prompt costs milliseconds, not seconds of tokenizing); a conversation of more messages
+than the context has tokens is refused before the template renders it.
 
 Tokenization uses the model's tokenizer, or one passed in: the async engine tokenizes on a thread
 of its own with its own copy (the engine thread detokenizes with the model's tokenizer meanwhile).
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 from typing import NamedTuple
 
 from prefixcache.cache.hashing import BlockHasher, hash_seed_bytes, make_root_key, tenant_extra_key
@@ -32,6 +36,11 @@ MAX_CACHE_SALT_CHARS = 1024
 # A text of C characters has at least C / (longest token text) tokens; normalization may shrink a
 # text (composing characters), so the bound allows this factor on top.
 _NORMALIZATION_SLACK = 4
+# Texts longer than max_model_len * this many characters are first counted in pieces of
+# _SCREEN_CHUNK_CHARS (no real text averages more characters per token), and refused once the count
+# passes twice the context (cutting a text can change its token count, never double it).
+_SCREEN_CHARS_PER_TOKEN = 8
+_SCREEN_CHUNK_CHARS = 1 << 14
 
 
 class ProcessedPrompt(NamedTuple):
@@ -100,17 +109,32 @@ class InputProcessor:
                 raise InvalidInputError("prompt", "prompt must not be empty")
             self.check_text_length(len(prompt))
             check_unicode("prompt", prompt)
-            return ProcessedPrompt(prompt, (tokenizer or self.tokenizer).encode(prompt, add_special_tokens=True))
+            return ProcessedPrompt(prompt, self._encode(prompt, tokenizer or self.tokenizer, True, "prompt"))
         if not isinstance(prompt, (list, tuple)):
             raise InvalidInputError("prompt", f"prompt must be a string or a list of token ids, "
                                               f"got {type(prompt).__name__}")
         if not prompt:
             raise InvalidInputError("prompt", "prompt must not be empty")
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+        for t in prompt:  # any integer type (numpy's too), never a bool
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.vocab_size:
                 raise InvalidInputError("prompt", f"prompt token ids must be integers in [0, {self.vocab_size}), "
-                                                  f"got {str(t)[:40]!r}")
-        return ProcessedPrompt(None, list(prompt))
+                                                  f"got {str(t)[:40]!r} ({type(t).__name__})")
+        return ProcessedPrompt(None, [int(t) for t in prompt])
+
+    def _encode(self, text: str, tokenizer, add_special_tokens: bool, field: str) -> list[int]:
+        """``tokenizer.encode`` after the screen for texts far beyond the context (module docstring).
+
+        Raises:
+            InvalidInputError: naming ``field``, when the pieces' count passes twice the context.
+        """
+        if len(text) > self.max_model_len * _SCREEN_CHARS_PER_TOKEN:
+            limit, count = 2 * self.max_model_len + 1024, 0
+            for start in range(0, len(text), _SCREEN_CHUNK_CHARS):
+                count += len(tokenizer.encode(text[start : start + _SCREEN_CHUNK_CHARS], add_special_tokens=False))
+                if count > limit:
+                    raise InvalidInputError(field, f"{field} is over {count} tokens (counted {start + _SCREEN_CHUNK_CHARS} "
+                                                   f"of its {len(text)} characters); max_model_len is {self.max_model_len}")
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_text_length(self, num_chars: int, field: str = "prompt") -> None:
         """Refuses, without tokenizing, a text too long to fit the context in any tokenization.
@@ -138,6 +162,9 @@ class InputProcessor:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise InvalidInputError("messages", f"each message needs string 'role' and 'content', "
                                                     f"got {str(m)[:100]!r}")
+        if len(conversation) > self.max_model_len:  # every message renders to at least one token
+            raise InvalidInputError("messages", f"messages has {len(conversation)} messages; max_model_len is "
+                                                f"{self.max_model_len} tokens")
         self.check_text_length(sum(len(m["role"]) + len(m["content"]) for m in conversation), "messages")
         for m in conversation:
             check_unicode("messages", m["role"])
@@ -147,7 +174,7 @@ class InputProcessor:
             text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja raises its own errors for conversations it can't render
             raise InvalidInputError("messages", f"messages could not be rendered with the chat template: {e}") from e
-        return tokenizer.encode(text, add_special_tokens=False)
+        return self._encode(text, tokenizer, False, "messages")
 
     # ------------------------------------------------------------------ approved prefixes
     def add_approved_prefix(self, prompt: str | list[int]) -> int:

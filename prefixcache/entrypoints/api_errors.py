@@ -105,6 +105,8 @@ _ERROR_DOCS: Mapping[int, str] = MappingProxyType({
     401: "missing or wrong API key",
     403: "forbidden under --tenant-isolation",
     404: "unknown model",
+    405: "method not allowed on this route",
+    408: "request head or body not received within --timeout-request-header / --timeout-request-body",
     409: "requests hold KV blocks; retry when idle",
     413: "request body larger than --max-request-body-bytes",
     500: "unexpected server error, or the engine step that ran the request failed",

@@ -136,6 +136,17 @@ class TimedH11Protocol(H11Protocol):
         self._set_read_phase(None)
         super().connection_lost(exc)
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 can't parse (a bad request line, header or chunk), in
+        OpenAI's JSON error format like every other error, then the connection is closed."""
+        body = error_json(error_body(400, f"malformed HTTP request: {msg}", None, "invalid_http"))
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")))
+        self.transport.write(self.conn.send(h11.Data(data=body)))
+        self.transport.write(self.conn.send(h11.EndOfMessage()))
+        self.transport.close()
+
     def _track_read(self, receiving: bool) -> None:
         state = self.conn.their_state
         if state is h11.SEND_BODY:

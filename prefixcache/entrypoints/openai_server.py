@@ -48,7 +48,7 @@ from prefixcache.entrypoints.serving import OpenAIServing
 from prefixcache.layers.lora import LoRARequest
 
 # Parsed by every route but the GETs; every route may answer these.
-_ANY_ROUTE_ERRORS = (413, 500, 503)
+_ANY_ROUTE_ERRORS = (405, 408, 413, 500, 503)
 _V1_ERRORS = (400, 401, *_ANY_ROUTE_ERRORS)
 
 
@@ -144,7 +144,9 @@ async def _validation_error(_: Request, e: RequestValidationError) -> JSONRespon
 
 
 async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-    return error_response(e.status_code, str(e.detail), None, getattr(e, "code", None), headers=e.headers)
+    # FastAPI's only own 400 is a body it could not parse (not UTF-8, nested too deep, ...).
+    code = getattr(e, "code", None) or ("invalid_json" if e.status_code == 400 else None)
+    return error_response(e.status_code, str(e.detail), None, code, headers=e.headers)
 
 
 async def _engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
@@ -254,7 +256,7 @@ def build_app(
     metrics = ServerMetrics(served_model_name)
     async_engine.on_finish = metrics.observe_finished
 
-    app = FastAPI(title="prefixcache", lifespan=_lifespan)
+    app = FastAPI(title="prefixcache", lifespan=_lifespan, redirect_slashes=False)  # "/v1/x/" is a 404, not a 307
     app.state.engine = async_engine
     app.state.metrics = metrics
     app.state.serving = OpenAIServing(async_engine, served_model_name, lora_modules)

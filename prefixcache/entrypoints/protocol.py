@@ -83,6 +83,7 @@ _UNSUPPORTED_COMMON: Mapping[str, tuple[Any, ...]] = MappingProxyType({
     "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (), "prompt_logprobs": (),
     "truncate_prompt_tokens": (), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "return_tokens_as_token_ids": (False,),
 })
 UNSUPPORTED_FIELDS: Mapping[str, Mapping[str, tuple[Any, ...]]] = MappingProxyType({
     "completions": MappingProxyType({**_UNSUPPORTED_COMMON, "logprobs": (), "suffix": ("",)}),

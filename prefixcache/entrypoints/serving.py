@@ -299,8 +299,8 @@ class OpenAIServing:
                 top_k=0 if req.top_k is None else req.top_k,
                 max_tokens=default_max_tokens if max_tokens is None else max_tokens,
                 seed=req.seed,
-                stop=req.stop or (),
-                stop_token_ids=req.stop_token_ids or (),
+                stop=() if req.stop is None else req.stop,  # "" is refused, as [""] is
+                stop_token_ids=() if req.stop_token_ids is None else req.stop_token_ids,
                 ignore_eos=bool(req.ignore_eos),
                 include_stop_str_in_output=bool(req.include_stop_str_in_output),
                 n=1 if req.n is None else req.n,

@@ -40,7 +40,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, device
         )
-        self._default_generator = torch.Generator(device="cpu").manual_seed(seed)
+        self._default_generator = torch.Generator(device="cpu").manual_seed(generator_seed(seed))
         self._generators: dict[str, torch.Generator] = {}
         # Prompt tokens run through the model so far (recomputes after preemption included).
         self.num_prompt_tokens_computed = 0
@@ -108,5 +108,20 @@ class ModelRunner:
             return self._default_generator
         gen = self._generators.get(request_id)
         if gen is None:
-            gen = self._generators[request_id] = torch.Generator(device="cpu").manual_seed(params.seed)
+            gen = self._generators[request_id] = torch.Generator(device="cpu").manual_seed(generator_seed(params.seed))
         return gen
+
+
+def generator_seed(seed: int) -> int:
+    """A request's 64-bit seed mixed into the 32 bits torch's CPU generator uses (mt19937 keeps only
+    the low 32 bits, so seeds 0 and 2**32 would draw the same samples): splitmix64's finalizer,
+    then the high and low halves folded together.
+
+    Args:
+        seed: in ``[-2**63, 2**64)``.
+    """
+    z = (seed & 0xFFFF_FFFF_FFFF_FFFF) + 0x9E37_79B9_7F4A_7C15 & 0xFFFF_FFFF_FFFF_FFFF
+    z = (z ^ (z >> 30)) * 0xBF58_476D_1CE4_E5B9 & 0xFFFF_FFFF_FFFF_FFFF
+    z = (z ^ (z >> 27)) * 0x94D0_49BB_1331_11EB & 0xFFFF_FFFF_FFFF_FFFF
+    z ^= z >> 31
+    return (z ^ (z >> 32)) & 0xFFFF_FFFF

@@ -113,3 +113,23 @@ def test_stream_hold_back_is_the_longest_tail_that_may_grow_into_a_stop(text, st
                 expected = k
                 break
     assert stop_prefix_hold(text, tuple(stops)) == expected
+
+
+def test_long_texts_are_counted_in_pieces_and_refused_fast(inputs):
+    """Beyond max_model_len * 8 characters a text is counted in pieces first: one that is clearly
+    too long is refused in milliseconds; one that fits (64 '=' per token) is still served."""
+    start = time.perf_counter()
+    assert field_of(lambda: inputs.tokenize("\U0001F600" * 100_000)) == "prompt"
+    assert field_of(lambda: inputs.apply_chat_template([{"role": "user", "content": "x"}] * 300)) == "messages"
+    assert time.perf_counter() - start < 2.0
+    fits = EQUALS64 * 200  # 12,800 characters, 200 tokens: screened, and it fits
+    assert len(fits) > 256 * 8 and len(inputs.tokenize(fits).token_ids) == 200
+
+
+def test_token_ids_of_any_integer_type(inputs):
+    import numpy as np
+
+    assert inputs.tokenize(np.array([5, 6, 7], dtype=np.int64).tolist()).token_ids == [5, 6, 7]
+    ids = inputs.tokenize([np.int64(5), np.int32(6)]).token_ids
+    assert ids == [5, 6] and all(type(t) is int for t in ids)
+    assert field_of(lambda: inputs.tokenize([True, 2])) == "prompt"

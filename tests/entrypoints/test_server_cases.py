@@ -112,3 +112,42 @@ def test_a_fault_outside_the_forward_pass_resets_the_engine_and_it_goes_on(own_s
     assert own_server.wait_idle()["prefixcache:kv_blocks_in_use"] == 0
     r = httpx.post(own_server.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("raw", [
+    b"GARBAGE\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: -1\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+])
+def test_malformed_http_gets_a_json_400(server, raw):
+    import socket
+
+    port = int(server.base_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(raw)
+        sock.settimeout(10)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head.lower()
+    assert json.loads(body)["error"]["code"] == "invalid_http"
+
+
+def test_http_layer_answers_are_json_and_documented(server):
+    latin1 = httpx.post(server.base_url + "/v1/completions", content='{"prompt": "caf\xe9"}'.encode("latin-1"),
+                        headers={"content-type": "application/json"})
+    assert latin1.status_code == 400 and latin1.json()["error"]["code"] == "invalid_json"
+    slash = httpx.post(server.base_url + "/v1/completions/", json={"model": MODEL, "prompt": "hi"})
+    assert slash.status_code == 404 and "error" in slash.json()  # no redirect
+    head = httpx.get(server.base_url + "/v1/completions")
+    assert head.status_code == 405 and "error" in head.json()
+    documented = httpx.get(server.base_url + "/openapi.json").json()["paths"]["/v1/completions"]["post"]["responses"]
+    assert {"400", "405", "408", "413", "500", "503"} <= set(documented)
+
+
+@pytest.mark.parametrize("field,value", [("stop", ""), ("stop_token_ids", list(range(1025))),
+                                         ("return_tokens_as_token_ids", True)])
+def test_more_fields_refused_naming_them(server, field, value):
+    r = httpx.post(server.base_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field

@@ -68,3 +68,13 @@ def test_seeded_generators_are_per_request_and_dropped_when_finished(runner):
     assert "s" not in runner._generators
     again = runner.execute_model(SchedulerOutput([seq("s", [9, 9, 9], 0, [12], 3, params)]))
     assert again == first  # a fresh generator from the same seed
+
+
+def test_every_bit_of_a_64_bit_seed_counts():
+    """torch's CPU generator keeps 32 bits of a seed; the runner mixes all 64 into them."""
+    from prefixcache.runner.model_runner import generator_seed
+
+    seeds = [0, 1, 2**32, 2**32 + 1, 2**63, 2**64 - 1, -2, 12345, 12345 + 2**40]
+    mixed = [generator_seed(s) for s in seeds]
+    assert len(set(mixed)) == len(seeds) and all(0 <= m < 2**32 for m in mixed)
+    assert generator_seed(-1) == generator_seed(2**64 - 1) and generator_seed(-(2**63)) == generator_seed(2**63)
