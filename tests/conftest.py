@@ -37,3 +37,12 @@ def make_llm(smollm2):
         return LLM("smollm2-135m", loaded=smollm2, **options)
 
     return make
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that loads the real default model (the ``smollm2`` fixture, directly or through
+    another fixture) is ``slow``: ``pytest -m "not slow"`` is the fast subset (tiny models, the
+    cache, the scheduler, layers)."""
+    for item in items:
+        if "smollm2" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

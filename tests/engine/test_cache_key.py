@@ -11,6 +11,8 @@ import pytest
 from prefixcache import LLM, SamplingParams
 from prefixcache.models.loader import load_model
 
+pytestmark = pytest.mark.slow  # private copies of the default model
+
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LAYER = "model.layers.3.mlp.down_proj.weight"
 

@@ -90,6 +90,7 @@ def shared_model():
     return load_model("smollm2-135m")
 
 
+@pytest.mark.slow  # its own copy of the default model
 def test_c13_shared_weights_shared_invalidation(shared_model):
     rng = random.Random(13)
     prompt = rand_ids(rng, 2 * 16 + 8)

@@ -205,6 +205,7 @@ def assert_ended_by_shutdown(out: list) -> None:
                                                "service_unavailable_error", "param": None, "code": "engine_dead"}
 
 
+@pytest.mark.slow  # a real `serve` process / its own copy of the default model
 def test_sigterm_waits_for_requests_at_most_the_grace_period():
     s = ServeProcess("--timeout-graceful-shutdown", "2")
     started, out = threading.Event(), []
@@ -226,6 +227,7 @@ def test_sigterm_waits_for_requests_at_most_the_grace_period():
     assert "Traceback" not in s.stderr and "ending the requests still in flight" in s.stderr
 
 
+@pytest.mark.slow  # a real `serve` process / its own copy of the default model
 def test_second_ctrl_c_exits_at_once_and_quietly():
     s = ServeProcess("--timeout-graceful-shutdown", "60")
     started, out = threading.Event(), []
