@@ -270,6 +270,16 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.lora_modules = dict(lora_modules or {})
 
+    def begin(self, req: CompletionRequest | ChatCompletionRequest, kind: str) -> tuple[LoRARequest | None, str]:
+        """Checks a request's fields for ``kind`` (``"completions"`` or ``"chat"``); returns its
+        adapter and the model name its response carries.
+
+        Raises:
+            APIError: 400 for a refused field, 404 for an unknown model.
+        """
+        check_request(req, kind)
+        return self.lora_for(req.model), req.model or self.served_model_name
+
     def lora_for(self, model: str | None) -> LoRARequest | None:
         """The request's adapter (None for the base model).
 
@@ -355,9 +365,7 @@ class OpenAIServing:
             APIError: 400 / 404 for a bad request, 500 when the engine failed to run it.
             EngineDeadError: the engine loop has stopped.
         """
-        check_request(req, "completions")
-        lora = self.lora_for(req.model)
-        model_name = req.model or self.served_model_name
+        lora, model_name = self.begin(req, "completions")
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -398,9 +406,7 @@ class OpenAIServing:
             APIError: 400 / 404 for a bad request, 500 when the engine failed to run it.
             EngineDeadError: the engine loop has stopped.
         """
-        check_request(req, "chat")
-        lora = self.lora_for(req.model)
-        model_name = req.model or self.served_model_name
+        lora, model_name = self.begin(req, "chat")
         if not req.messages:
             raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
         conversation = [{"role": m.role, "content": message_text(m.content)} for m in req.messages]
