@@ -85,10 +85,6 @@ class Admission:
     num_new_tokens: int
     new_blocks: list[KVCacheBlock]
 
-    @property
-    def num_cached_tokens(self) -> int:
-        return self.num_hit_tokens + self.num_partial_tokens
-
 
 class KVCacheManager:
     """Allocates KV-cache blocks to requests and finds their cached prefixes.

@@ -95,7 +95,7 @@ class InputProcessor:
         """Text → token ids (special tokens added as the tokenizer does); token ids are checked.
 
         Args:
-            prompt: text, token ids, or an already tokenized prompt (its ids checked again).
+            prompt: text, token ids, or an already tokenized prompt (its ids range-checked again).
             tokenizer: the one to use (a thread's own copy); default the model's.
 
         Raises:
@@ -103,7 +103,10 @@ class InputProcessor:
                 any prompt that fits the context, or a token id outside the vocabulary.
         """
         if isinstance(prompt, ProcessedPrompt):
-            return ProcessedPrompt(prompt.text, self.tokenize(prompt.token_ids).token_ids)
+            ids = prompt.token_ids
+            if prompt.text is None or not ids or min(ids) < 0 or max(ids) >= self.vocab_size:
+                return ProcessedPrompt(prompt.text, self.tokenize(ids).token_ids)  # checked id by id
+            return prompt  # the tokenizer's own ids, in range: not checked one by one again
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidInputError("prompt", "prompt must not be empty")
