@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 # The dtype names users give: torch's names of the dtypes weights and K/V are computed in. (No torch
 # import here: the command line reads this module before it decides what it needs.)
 DTYPES = ("float32", "bfloat16", "float16")
+# How the linear layers' weights are stored and multiplied: "none" = in ``dtype``; "int8" = int8
+# weights × per-token int8 activations, exact int32 accumulation (prefixcache.layers.quant).
+QUANTIZATIONS = ("none", "int8")
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB when neither num_blocks nor a budget is given
 
@@ -53,6 +56,9 @@ class EngineConfig(CacheConfig, SchedulerConfig):
 
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "built-in name, HF directory or .gguf file"})
     dtype: str = field(default="float32", metadata={"help": "weights and KV dtype", "choices": DTYPES})
+    quantization: str = field(default="none", metadata={
+        "help": "linear-layer weights: none (in --dtype) or int8 (int8 weights x per-token int8 activations, "
+                "exact int32 sums: batch-invariant; see README 'Speed')", "choices": QUANTIZATIONS})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: CUDA if present)"})
     num_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks; overrides --kv-cache-memory"})
@@ -72,6 +78,9 @@ class EngineConfig(CacheConfig, SchedulerConfig):
             raise InvalidInputError("model", f"model must be a non-empty string, got {self.model!r}")
         if self.dtype not in DTYPES:
             raise InvalidInputError("dtype", f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidInputError("quantization", f"quantization must be one of {QUANTIZATIONS}, "
+                                                    f"got {self.quantization!r}")
         if self.device is not None and (not isinstance(self.device, str) or not self.device):
             raise InvalidInputError("device", f"device must be a torch device name such as 'cpu' or 'cuda', "
                                               f"got {self.device!r}")

@@ -77,12 +77,14 @@ class InputProcessor:
     # ------------------------------------------------------------------ keys
     @property
     def model_key(self) -> bytes:
-        """The cache key's model part: the weights' fingerprint and the dtype K/V is computed in.
-        Follows the loaded model's fingerprint, which changes whenever its weights are replaced."""
-        fingerprint = self.loaded.fingerprint
-        if self._model_key is None or self._model_key[0] != fingerprint:
-            key = hashlib.sha256(fingerprint + str(self.loaded.dtype).encode()).digest()
-            self._model_key = (fingerprint, key)
+        """The cache key's model part: the weights' fingerprint, the dtype K/V is computed in and the
+        weight quantization (K/V computed at another precision is never reused). Follows the loaded
+        model's fingerprint, which changes whenever its weights are replaced."""
+        memo = self.loaded.fingerprint + self.loaded.quantization.encode()
+        if self._model_key is None or self._model_key[0] != memo:
+            weights_format = f"{self.loaded.dtype}|quantization={self.loaded.quantization}"
+            key = hashlib.sha256(self.loaded.fingerprint + weights_format.encode()).digest()
+            self._model_key = (memo, key)
         return self._model_key[1]
 
     def root_key(self, cache_salt: str | None = None, adapter: LoRAAdapter | None = None) -> bytes:

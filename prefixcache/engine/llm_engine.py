@@ -70,7 +70,11 @@ class LLMEngine:
         self.device = _resolve_device(config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.resolved_num_threads())
-        self.loaded = loaded or load_model(config.model, dtype=config.torch_dtype, device=self.device)
+        self.loaded = loaded or load_model(config.model, dtype=config.torch_dtype, device=self.device,
+                                           quantization=config.quantization)
+        if self.loaded.quantization != config.quantization:
+            raise InvalidInputError("quantization", f"quantization={config.quantization!r} but the given model "
+                                                    f"was loaded with {self.loaded.quantization!r}")
         self.loaded.users.add(self)
         self.tokenizer = self.loaded.tokenizer
         mcfg = self.loaded.config

@@ -15,7 +15,19 @@ Invariants:
   `build_attention_metadata`; the per-layer work is tensor ops only.
 - Sequences with one new token (decode) are grouped into one padded SDPA call with a key-padding mask;
   each sequence with more new tokens (a prefill chunk) gets its own SDPA call with a causal mask offset by
-  its cached length (or `is_causal=True` when nothing is cached).
+  its cached length.
+
+Batch invariance (a query's output is the same bits whichever other queries share its call): torch's
+CPU flash-attention kernel (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp) splits the keys into
+blocks of 512 and the queries into blocks of 32, 64 or 256 rows, and merges key blocks by online
+softmax. Its GEMMs give a row the same bits for any block of >= 3 rows but not for 1 or 2 rows (a
+matrix-vector path), and a key block shorter than 512 sums in another order. So every call here has
+its keys padded, masked, to a multiple of 512 (`padded_num_keys`), always an explicit mask, and its
+queries padded so that no query block has 1 or 2 rows (`padded_num_queries`: a decode's one query is
+repeated to 3 rows). A query then gets the same bits in a decode, in a prefill chunk of any length
+after any cached prefix, and in any batch (`tests/layers/test_attention_invariance.py`); with exact
+(int8) linear layers, cache on and off give bit-identical logits. The padding costs compute only:
+masked key blocks add exact zeros.
 """
 
 from dataclasses import dataclass
@@ -25,6 +37,38 @@ import torch.nn.functional as F
 from torch import nn
 
 
+KV_SPLIT = 512  # keys per block of torch's CPU flash-attention kernel
+Q_ROW_QUANTUM = 32  # its query blocks are multiples of 32 rows
+MIN_Q_ROWS = 3  # a query block of 1 or 2 rows takes a different GEMM path (other rounding)
+
+
+def padded_num_keys(context_len: int) -> int:
+    """Keys a call attends over: ``context_len`` rounded up to a multiple of :data:`KV_SPLIT`."""
+    return -(-context_len // KV_SPLIT) * KV_SPLIT
+
+
+def padded_num_queries(num_queries: int) -> int:
+    """Query rows a call computes: at least :data:`MIN_Q_ROWS`, and never a last query block of 1
+    or 2 rows (``num_queries % 32`` in {1, 2} is padded to 3)."""
+    n = max(num_queries, MIN_Q_ROWS)
+    rest = n % Q_ROW_QUANTUM
+    return n + MIN_Q_ROWS - rest if n > Q_ROW_QUANTUM and 0 < rest < MIN_Q_ROWS else n
+
+
+Q_TILE = 256  # new tokens of a prefill attended per call: each call reads only the keys up to its tile
+
+
+@dataclass(slots=True)
+class QueryTile:
+    """Up to Q_TILE consecutive new tokens of one prefill, attended in one call."""
+
+    start: int  # first new token of the tile, counted from the sequence's first new token
+    end: int  # one past its last
+    num_keys: int  # padded_num_keys(keys up to its last token)
+    attn_mask: torch.Tensor  # [padded_num_queries(end - start), num_keys] bool, True = attend: causal, no
+    # padded key; the padding query rows repeat the last real row
+
+
 @dataclass(slots=True)
 class PrefillMetadata:
     """One sequence with more than one new token."""
@@ -32,8 +76,10 @@ class PrefillMetadata:
     token_start: int  # index of its first new token in the batch
     token_end: int  # one past its last new token in the batch
     context_len: int  # cached + new tokens
-    block_ids: torch.Tensor  # [ceil(context_len / block_size)] int64 blocks holding its context, in order
-    attn_mask: torch.Tensor | None  # [num_new_tokens, context_len] bool, True = attend; None = plain causal
+    block_ids: torch.Tensor  # [ceil(num_keys / block_size)] int64: its context's blocks, in order, padded
+    # with block 0
+    num_keys: int  # padded_num_keys(context_len): keys gathered (the last tile's)
+    tiles: list[QueryTile]  # its new tokens, Q_TILE at a time
 
 
 @dataclass(slots=True)
@@ -45,9 +91,10 @@ class AttentionMetadata:
     decode_token_indices: torch.Tensor | None  # [num_decodes] int64 batch index of each decode token; None
     # when the decodes are the whole batch, in order (no gather/scatter needed)
     decode_block_table: torch.Tensor | None  # [num_decodes, max_decode_blocks] int64, padded with block 0;
-    # None: no decodes. K/V are gathered a whole block at a time, keys = max_decode_blocks * block_size.
-    decode_attn_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_decode_blocks * block_size] bool, True =
-    # a real context token; None when every decode's context fills exactly max_decode_blocks blocks
+    # None: no decodes. K/V are gathered a whole block at a time; the first num_decode_keys keys are used.
+    decode_attn_mask: torch.Tensor | None  # [num_decodes, 1, MIN_Q_ROWS, num_decode_keys] bool (a stride-0
+    # expand over the query rows), True = a real context token; None: no decodes
+    num_decode_keys: int  # padded_num_keys(longest decode context); 0 without decodes
     num_tokens: int  # new tokens in the batch
 
 
@@ -72,19 +119,17 @@ def build_attention_metadata(
             short for the sequence's context.
     """
     num_blocks_per_seq = _num_blocks_per_seq(seqs, block_size)
-    max_num_blocks = max(num_blocks_per_seq)
+    max_num_blocks = -(-padded_num_keys(max(c + n for c, n, _ in seqs)) // block_size)
     block_table = torch.tensor(
         [list(ids[:nb]) + [0] * (max_num_blocks - nb) for (_, _, ids), nb in zip(seqs, num_blocks_per_seq)],
         dtype=torch.int64,
     )  # [num_seqs, max_num_blocks], padded with block 0 (masked out below)
     slot_mapping, positions = _slots_and_positions(seqs, block_table, block_size)
-    prefills, decode_rows, decode_token_indices = _split_prefills_and_decodes(
-        seqs, block_table, num_blocks_per_seq, device
-    )
-    decode_block_table, decode_attn_mask, decode_index_tensor = None, None, None
+    prefills, decode_rows, decode_token_indices = _split_prefills_and_decodes(seqs, block_table, block_size, device)
+    decode_block_table, decode_attn_mask, decode_index_tensor, num_decode_keys = None, None, None, 0
     if decode_rows:
-        decode_block_table, decode_attn_mask = _decode_tables(
-            seqs, block_table, num_blocks_per_seq, decode_rows, block_size, device
+        decode_block_table, decode_attn_mask, num_decode_keys = _decode_tables(
+            seqs, block_table, decode_rows, block_size, device
         )
         if len(decode_rows) != len(seqs):
             decode_index_tensor = torch.tensor(decode_token_indices, dtype=torch.int64, device=device)
@@ -94,6 +139,7 @@ def build_attention_metadata(
         decode_token_indices=decode_index_tensor,
         decode_block_table=decode_block_table,
         decode_attn_mask=decode_attn_mask,
+        num_decode_keys=num_decode_keys,
         num_tokens=sum(num_new for _, num_new, _ in seqs),
     )
     return metadata, positions.to(device)
@@ -139,7 +185,7 @@ def _slots_and_positions(
 def _split_prefills_and_decodes(
     seqs: list[tuple[int, int, list[int]]],
     block_table: torch.Tensor,
-    num_blocks_per_seq: list[int],
+    block_size: int,
     device: torch.device | str,
 ) -> tuple[list[PrefillMetadata], list[int], list[int]]:
     """Prefill metadata of the sequences with several new tokens; the decodes' rows and token indices."""
@@ -151,44 +197,49 @@ def _split_prefills_and_decodes(
             decode_rows.append(i)
             decode_token_indices.append(token_start)
         else:
-            attn_mask = None
-            if num_comp > 0:
-                query_pos = num_comp + torch.arange(num_new, dtype=torch.int64)
-                key_pos = torch.arange(context_len, dtype=torch.int64)
-                attn_mask = (key_pos[None, :] <= query_pos[:, None]).to(device)  # [num_new, context_len]
+            num_keys = padded_num_keys(context_len)
             prefills.append(
                 PrefillMetadata(
                     token_start=token_start,
                     token_end=token_start + num_new,
                     context_len=context_len,
-                    block_ids=block_table[i, : num_blocks_per_seq[i]].to(device),
-                    attn_mask=attn_mask,
+                    block_ids=block_table[i, : -(-num_keys // block_size)].to(device),
+                    num_keys=num_keys,
+                    tiles=[_query_tile(num_comp, start, min(start + Q_TILE, num_new), device)
+                           for start in range(0, num_new, Q_TILE)],
                 )
             )
         token_start += num_new
     return prefills, decode_rows, decode_token_indices
 
 
+def _query_tile(num_computed: int, start: int, end: int, device: torch.device | str) -> QueryTile:
+    """The tile of new tokens [start, end) of a sequence with num_computed cached tokens."""
+    num_keys = padded_num_keys(num_computed + end)
+    num_rows = padded_num_queries(end - start)
+    query_pos = num_computed + start + torch.arange(num_rows, dtype=torch.int64).clamp_(max=end - start - 1)
+    key_pos = torch.arange(num_keys, dtype=torch.int64)
+    attn_mask = key_pos[None, :] <= query_pos[:, None]  # [num_rows, num_keys]; the padded keys come after
+    # every query
+    return QueryTile(start=start, end=end, num_keys=num_keys, attn_mask=attn_mask.to(device))
+
+
 def _decode_tables(
     seqs: list[tuple[int, int, list[int]]],
     block_table: torch.Tensor,
-    num_blocks_per_seq: list[int],
     decode_rows: list[int],
     block_size: int,
     device: torch.device | str,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The decodes' block table [num_decodes, max_decode_blocks] and key mask (None when every
-    decode's context fills its blocks exactly)."""
-    max_decode_blocks = max(num_blocks_per_seq[i] for i in decode_rows)
-    max_keys = max_decode_blocks * block_size
-    rows = torch.tensor(decode_rows, dtype=torch.int64)
-    decode_block_table = block_table[rows, :max_decode_blocks].contiguous().to(device)
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The decodes' block table [num_decodes, blocks of num_keys], key mask [num_decodes, 1,
+    MIN_Q_ROWS, num_keys] and num_keys (the longest decode context, padded)."""
     context_lens = [seqs[i][0] + seqs[i][1] for i in decode_rows]
-    if all(n == max_keys for n in context_lens):
-        return decode_block_table, None
-    key_pos = torch.arange(max_keys, dtype=torch.int64)
-    mask = key_pos[None, :] < torch.tensor(context_lens, dtype=torch.int64)[:, None]  # [num_decodes, max_keys]
-    return decode_block_table, mask[:, None, None, :].to(device)  # [num_decodes, 1, 1, max_keys]
+    num_keys = padded_num_keys(max(context_lens))
+    rows = torch.tensor(decode_rows, dtype=torch.int64)
+    decode_block_table = block_table[rows, : -(-num_keys // block_size)].contiguous().to(device)
+    key_pos = torch.arange(num_keys, dtype=torch.int64)
+    mask = key_pos[None, :] < torch.tensor(context_lens, dtype=torch.int64)[:, None]  # [num_decodes, num_keys]
+    return decode_block_table, mask[:, None, None, :].expand(-1, 1, MIN_Q_ROWS, -1).to(device), num_keys
 
 
 class Attention(nn.Module):
@@ -250,23 +301,28 @@ class Attention(nn.Module):
     def _prefill_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: PrefillMetadata
     ) -> torch.Tensor:
-        """One sequence's chunk: shape = [num_new_tokens, num_heads, head_dim]."""
-        q_seq = q[p.token_start : p.token_end].transpose(0, 1)  # [num_heads, num_new, head_dim]
-        num_keys = p.block_ids.shape[0] * k_cache.shape[1]
-        kv_shape = (num_keys, self.num_kv_heads, self.head_dim)
-        k_seq = k_cache.index_select(0, p.block_ids).view(kv_shape)[: p.context_len]  # [context_len, kv_heads, hd]
-        v_seq = v_cache.index_select(0, p.block_ids).view(kv_shape)[: p.context_len]  # [context_len, kv_heads, hd]
-        k_seq, v_seq = k_seq.transpose(0, 1), v_seq.transpose(0, 1)  # [kv_heads, context_len, head_dim]
-        o = F.scaled_dot_product_attention(
-            q_seq.unsqueeze(0),
-            k_seq.unsqueeze(0),
-            v_seq.unsqueeze(0),
-            attn_mask=p.attn_mask,
-            is_causal=p.attn_mask is None,
-            scale=self.scale,
-            enable_gqa=True,
-        )  # [1, num_heads, num_new, head_dim]
-        return o[0].transpose(0, 1)
+        """One sequence's chunk, a query tile at a time: shape = [num_new_tokens, num_heads, head_dim]."""
+        num_slots = p.block_ids.shape[0] * k_cache.shape[1]
+        kv_shape = (num_slots, self.num_kv_heads, self.head_dim)
+        k_seq = k_cache.index_select(0, p.block_ids).view(kv_shape).transpose(0, 1)  # [kv_heads, slots, hd]
+        v_seq = v_cache.index_select(0, p.block_ids).view(kv_shape).transpose(0, 1)  # [kv_heads, slots, hd]
+        q_seq = q[p.token_start : p.token_end]  # [num_new, num_heads, head_dim]
+        outs = []
+        for tile in p.tiles:
+            q_tile = q_seq[tile.start : tile.end]  # [n, num_heads, head_dim]
+            num_rows, n = tile.attn_mask.shape[0], tile.end - tile.start
+            if num_rows > n:  # padding rows (see the module docstring): copies of the last query
+                q_tile = torch.cat([q_tile, q_tile[-1:].expand(num_rows - n, -1, -1)])
+            o = F.scaled_dot_product_attention(
+                q_tile.transpose(0, 1).unsqueeze(0),  # [1, num_heads, num_rows, head_dim]
+                k_seq[:, : tile.num_keys].unsqueeze(0),  # [1, kv_heads, num_keys, head_dim]
+                v_seq[:, : tile.num_keys].unsqueeze(0),
+                attn_mask=tile.attn_mask,
+                scale=self.scale,
+                enable_gqa=True,
+            )  # [1, num_heads, num_rows, head_dim]
+            outs.append(o[0, :, :n].transpose(0, 1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _decode_attention(
         self, q_dec: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata
@@ -279,18 +335,19 @@ class Attention(nn.Module):
         Returns:
             shape = [num_decodes, num_heads, head_dim].
         """
-        num_decodes, max_blocks = md.decode_block_table.shape
-        max_len = max_blocks * k_cache.shape[1]
-        flat_blocks = md.decode_block_table.view(num_decodes * max_blocks)  # [num_decodes * max_blocks]
-        kv_shape = (num_decodes, max_len, self.num_kv_heads, self.head_dim)
-        k_dec = k_cache.index_select(0, flat_blocks).view(kv_shape)  # [num_decodes, max_len, kv_heads, head_dim]
-        v_dec = v_cache.index_select(0, flat_blocks).view(kv_shape)  # [num_decodes, max_len, kv_heads, head_dim]
+        num_decodes, num_blocks = md.decode_block_table.shape
+        flat_blocks = md.decode_block_table.view(num_decodes * num_blocks)  # [num_decodes * num_blocks]
+        kv_shape = (num_decodes, num_blocks * k_cache.shape[1], self.num_kv_heads, self.head_dim)
+        keys = slice(0, md.num_decode_keys)
+        k_dec = k_cache.index_select(0, flat_blocks).view(kv_shape)[:, keys]  # [num_decodes, num_keys, kv_heads, hd]
+        v_dec = v_cache.index_select(0, flat_blocks).view(kv_shape)[:, keys]  # [num_decodes, num_keys, kv_heads, hd]
         o = F.scaled_dot_product_attention(
-            q_dec.unsqueeze(2),  # [num_decodes, num_heads, 1, head_dim]
-            k_dec.transpose(1, 2),  # [num_decodes, kv_heads, max_len, head_dim]
+            q_dec.unsqueeze(2).expand(-1, -1, MIN_Q_ROWS, -1).contiguous(),  # [num_decodes, num_heads, 3,
+            # head_dim]: the query repeated (see the module docstring)
+            k_dec.transpose(1, 2),  # [num_decodes, kv_heads, num_keys, head_dim]
             v_dec.transpose(1, 2),
             attn_mask=md.decode_attn_mask,
             scale=self.scale,
             enable_gqa=True,
-        )  # [num_decodes, num_heads, 1, head_dim]
-        return o.squeeze(2)
+        )  # [num_decodes, num_heads, 3, head_dim]
+        return o[:, :, 0]

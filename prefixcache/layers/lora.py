@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from prefixcache.layers.quant import Int8Weight, int8_linear, quantize_activations
+
 TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _UNSUPPORTED_OPTIONS = ("use_dora", "rank_pattern", "alpha_pattern", "layer_replication", "modules_to_save")
 
@@ -117,14 +119,30 @@ class LoRALinear(nn.Linear):
     """``nn.Linear`` that adds each request's LoRA delta to its own token range.
 
     ``module_name`` (set by the model after construction) is this layer's checkpoint path, the key
-    into ``LoRAAdapter.weights``.
+    into ``LoRAAdapter.weights``. ``int8`` (set by the model's ``quantize``) replaces the float
+    product with the exact W8A8 one of :mod:`prefixcache.layers.quant`; the float ``weight`` stays
+    (adapters and weight replacement read it), the int8 copy is what the forward pass reads.
     """
 
     module_name: str = ""
+    int8: Int8Weight | None = None
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """Args: x shape = [num_tokens, in_features]. Returns: shape = [num_tokens, out_features]."""
-        y = F.linear(x, self.weight, self.bias)
+        if self.int8 is None:
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = int8_linear(*quantize_activations(x), self.int8, x.dtype)
+        return self.add_lora(y, x, lora)
+
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        """Adds, in place, each segment's adapter delta for this module to ``y``.
+
+        Args:
+            y: this layer's base output, shape = [num_tokens, out_features] (may be a column slice
+                of a fused projection's output).
+            x: its input, shape = [num_tokens, in_features].
+        """
         if lora is None:
             return y
         for start, end, adapter in lora.segments:

@@ -16,6 +16,14 @@ from torch import nn
 from prefixcache.layers.attention import Attention, AttentionMetadata
 from prefixcache.layers.lora import LoRABatch, LoRALinear
 from prefixcache.layers.norm import RMSNorm
+from prefixcache.layers.quant import (
+    QUANTIZATIONS,
+    Int8Weight,
+    concat_weights,
+    int8_linear,
+    quantize_activations,
+    quantize_weight,
+)
 from prefixcache.layers.rotary import RotaryEmbedding, apply_rotary_emb
 from prefixcache.models.config import ModelConfig
 
@@ -40,6 +48,25 @@ class LlamaAttention(nn.Module):
             self.q_norm = None
             self.k_norm = None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
+        self.qkv_int8: Int8Weight | None = None  # q, k, v in one int8 matrix, set by `quantize`
+
+    def quantize(self, scheme: str) -> None:
+        """Sets (``"int8"``) or clears (``"none"``) the int8 weights of the four projections."""
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            proj.int8 = quantize_weight(proj.weight, proj.bias) if scheme == "int8" else None
+        self.qkv_int8 = None
+        if scheme == "int8":  # q, k, v run fused: their own int8 copies would only take memory
+            self.qkv_int8 = concat_weights([self.q_proj.int8, self.k_proj.int8, self.v_proj.int8])
+            self.q_proj.int8 = self.k_proj.int8 = self.v_proj.int8 = None
+
+    def _qkv(self, x: torch.Tensor, lora: LoRABatch | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v projections: [T, heads * hd], [T, kv_heads * hd], [T, kv_heads * hd]."""
+        if self.qkv_int8 is None:
+            return self.q_proj(x, lora), self.k_proj(x, lora), self.v_proj(x, lora)
+        qkv = int8_linear(*quantize_activations(x), self.qkv_int8, x.dtype)  # [T, (heads + 2 kv_heads) * hd]
+        kv_dim = self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([self.num_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
+        return self.q_proj.add_lora(q, x, lora), self.k_proj.add_lora(k, x, lora), self.v_proj.add_lora(v, x, lora)
 
     def forward(
         self,
@@ -55,9 +82,10 @@ class LlamaAttention(nn.Module):
             shape = [num_tokens, hidden_size].
         """
         num_tokens = hidden_states.shape[0]
-        q = self.q_proj(hidden_states, lora).view(num_tokens, self.num_heads, self.head_dim)  # [T, heads, hd]
-        k = self.k_proj(hidden_states, lora).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, hd]
-        v = self.v_proj(hidden_states, lora).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, hd]
+        q, k, v = self._qkv(hidden_states, lora)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, heads, hd]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, hd]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, hd]
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -76,10 +104,26 @@ class LlamaMLP(nn.Module):
         self.gate_proj = LoRALinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.up_proj = LoRALinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = LoRALinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_int8: Int8Weight | None = None  # gate and up in one int8 matrix, set by `quantize`
+
+    def quantize(self, scheme: str) -> None:
+        """Sets (``"int8"``) or clears (``"none"``) the int8 weights of the three projections."""
+        for proj in (self.gate_proj, self.up_proj, self.down_proj):
+            proj.int8 = quantize_weight(proj.weight, proj.bias) if scheme == "int8" else None
+        self.gate_up_int8 = None
+        if scheme == "int8":
+            self.gate_up_int8 = concat_weights([self.gate_proj.int8, self.up_proj.int8])
+            self.gate_proj.int8 = self.up_proj.int8 = None
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """Args: x shape = [num_tokens, hidden_size]. Returns: shape = [num_tokens, hidden_size]."""
-        return self.down_proj(F.silu(self.gate_proj(x, lora)) * self.up_proj(x, lora), lora)
+        if self.gate_up_int8 is None:
+            gate, up = self.gate_proj(x, lora), self.up_proj(x, lora)
+        else:
+            gate_up = int8_linear(*quantize_activations(x), self.gate_up_int8, x.dtype)  # [T, 2 * intermediate]
+            gate, up = gate_up.chunk(2, dim=-1)
+            gate, up = self.gate_proj.add_lora(gate, x, lora), self.up_proj.add_lora(up, x, lora)
+        return self.down_proj(F.silu(gate) * up, lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -148,6 +192,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head_int8: Int8Weight | None = None
+        self.quantization = "none"
         self.tie_weights()
         for name, module in self.named_modules():
             if isinstance(module, LoRALinear):
@@ -157,6 +203,22 @@ class LlamaForCausalLM(nn.Module):
         """Makes lm_head share the embedding weight when the config ties them."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def quantize(self, scheme: str) -> None:
+        """Derives the forward pass's weights from the float ones: ``"int8"`` (the W8A8 scheme of
+        :mod:`prefixcache.layers.quant` for every projection and lm_head; the embedding stays
+        float) or ``"none"`` (the float weights). Call again after the float weights change.
+
+        Raises:
+            ValueError: an unknown scheme.
+        """
+        if scheme not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {scheme!r}")
+        for layer in self.model.layers:
+            layer.self_attn.quantize(scheme)
+            layer.mlp.quantize(scheme)
+        self.lm_head_int8 = quantize_weight(self.lm_head.weight) if scheme == "int8" else None
+        self.quantization = scheme
 
     def forward(
         self,
@@ -183,4 +245,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Args: hidden_states shape = [n, hidden_size]. Returns: float32 logits, shape = [n, vocab_size]."""
+        if self.lm_head_int8 is not None:
+            return int8_linear(*quantize_activations(hidden_states), self.lm_head_int8, torch.float32)
         return self.lm_head(hidden_states).float()

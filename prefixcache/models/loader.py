@@ -71,6 +71,11 @@ class LoadedModel:
         """The dtype weights and K/V are computed in."""
         return next(self.model.parameters()).dtype
 
+    @property
+    def quantization(self) -> str:
+        """How the linear layers run: ``"none"`` (in :attr:`dtype`) or ``"int8"``."""
+        return self.model.quantization
+
     def replace_weights(self, weights: str | Path | Mapping[str, torch.Tensor]) -> None:
         """Copies new weights into the model in place and re-derives :attr:`fingerprint`.
 
@@ -92,6 +97,7 @@ class LoadedModel:
             model_dir = resolve_model_dir(str(weights))
             load_weights(self.model, model_dir, self.config.tie_word_embeddings)
             digest = compute_fingerprint(model_dir)
+        self.model.quantize(self.model.quantization)  # int8 copies derived from the new weights
         # Chained to the old key: a new key even when the new files' sampled fingerprint is the old
         # one (a checkpoint that differs only in a middle tensor).
         self.fingerprint = hashlib.sha256(old + b"weights" + digest).digest()
@@ -252,6 +258,7 @@ def load_model(
     device: str | torch.device = "cpu",
     load_tokenizer: bool = True,
     home: Path | None = None,
+    quantization: str = "none",
 ) -> LoadedModel:
     """Loads a model for inference.
 
@@ -261,6 +268,7 @@ def load_model(
         device: Device to place the model on.
         load_tokenizer: Load the tokenizer from the directory (tests of tokenizer-less dirs pass False).
         home: Cache folder for fetched/converted models; defaults to `$PREFIXCACHE_HOME`.
+        quantization: ``"none"`` or ``"int8"`` (see `LlamaForCausalLM.quantize`).
 
     Returns:
         The loaded model and its metadata.
@@ -288,6 +296,7 @@ def load_model(
     net = net.to(dtype=dtype).to_empty(device=device)
     net.tie_weights()
     load_weights(net, model_dir, config.tie_word_embeddings)
+    net.quantize(quantization)
     net.eval()
 
     tokenizer = None

@@ -2,7 +2,9 @@
 
 import pytest
 
-from prefixcache.layers.attention import build_attention_metadata
+from prefixcache.layers.attention import build_attention_metadata, padded_num_keys, padded_num_queries
+
+PAD = 512 // 4  # blocks of 4 tokens in the 512 keys every call attends over (masked beyond the context)
 
 
 def test_metadata_positions_slots_and_groups():
@@ -13,13 +15,20 @@ def test_metadata_positions_slots_and_groups():
     assert md.slot_mapping.tolist() == [8, 9, 10, 17, 7, 24]
     assert md.num_tokens == 6
     assert [(p.token_start, p.token_end) for p in md.prefills] == [(0, 3), (4, 6)]
-    assert md.prefills[0].attn_mask is None  # nothing cached: plain causal
-    assert (md.prefills[0].context_len, md.prefills[0].block_ids.tolist()) == (3, [2])
-    assert (md.prefills[1].context_len, md.prefills[1].block_ids.tolist()) == (5, [1, 6])  # block 9 unused
-    assert md.prefills[1].attn_mask.tolist() == [[True, True, True, True, False], [True] * 5]
+    # nothing cached: causal; 3 query rows (no padding needed), 512 keys
+    assert md.prefills[0].tiles[0].attn_mask[:, :4].tolist() == [[True, False, False, False], [True, True, False, False],
+                                                        [True, True, True, False]]
+    assert md.prefills[0].tiles[0].attn_mask.shape == (3, 512) and not md.prefills[0].tiles[0].attn_mask[:, 3:].any()
+    assert (md.prefills[0].context_len, md.prefills[0].num_keys) == (3, 512)
+    assert md.prefills[0].block_ids.tolist() == [2] + [0] * (PAD - 1)  # padded with block 0
+    assert (md.prefills[1].context_len, md.prefills[1].block_ids.tolist()[:3]) == (5, [1, 6, 0])  # 9 unused
+    # 2 new tokens after 3 cached: padded to 3 query rows, the third repeats the second
+    assert md.prefills[1].tiles[0].attn_mask[:, :6].tolist() == [[True] * 4 + [False] * 2, [True] * 5 + [False],
+                                                        [True] * 5 + [False]]
     assert md.decode_token_indices.tolist() == [3]
-    assert md.decode_block_table.tolist() == [[7, 4]]
-    assert md.decode_attn_mask.reshape(1, 8).tolist() == [[True] * 6 + [False] * 2]  # 6 of 8 block slots
+    assert md.decode_block_table.tolist() == [[7, 4] + [0] * (PAD - 2)]
+    assert md.num_decode_keys == 512 and md.decode_attn_mask.shape == (1, 1, 3, 512)
+    assert md.decode_attn_mask[0, 0, 2, :8].tolist() == [True] * 6 + [False] * 2
 
 
 def test_metadata_decode_only_batch_pads_and_masks():
@@ -27,10 +36,28 @@ def test_metadata_decode_only_batch_pads_and_masks():
     assert positions.tolist() == [2, 4]
     assert md.slot_mapping.tolist() == [14, 20]
     assert md.prefills == [] and md.decode_token_indices is None
-    assert md.decode_block_table.tolist() == [[3, 0], [6, 5]]  # padded with block 0
-    assert md.decode_attn_mask.reshape(2, 8).tolist() == [[True] * 3 + [False] * 5, [True] * 5 + [False] * 3]
-    md, _ = build_attention_metadata([(3, 1, [3]), (3, 1, [6])], 4, "cpu")
-    assert md.decode_attn_mask is None  # both contexts fill their blocks exactly
+    assert md.decode_block_table[:, :3].tolist() == [[3, 0, 0], [6, 5, 0]]  # padded with block 0
+    assert md.decode_attn_mask[:, 0, 1, :8].tolist() == [[True] * 3 + [False] * 5, [True] * 5 + [False] * 3]
+    assert md.decode_attn_mask[:, 0, :, 8:].any().item() is False
+    md, _ = build_attention_metadata([(600, 1, list(range(151))), (3, 1, [6])], 4, "cpu")
+    assert md.num_decode_keys == 1024 and md.decode_block_table.shape == (2, 256)
+    assert md.decode_attn_mask[:, 0, 0].sum(-1).tolist() == [601, 4]
+
+
+def test_long_prefill_is_attended_a_tile_at_a_time():
+    md, _ = build_attention_metadata([(100, 600, list(range(175)))], 4, "cpu")
+    p = md.prefills[0]
+    assert p.num_keys == 1024 and p.block_ids.shape == (256,)
+    tiles = [(t.start, t.end, t.num_keys, tuple(t.attn_mask.shape)) for t in p.tiles]
+    # tiles of 256 new tokens; each reads the keys up to its last token, padded to 512
+    assert tiles == [(0, 256, 512, (256, 512)), (256, 512, 1024, (256, 1024)), (512, 600, 1024, (88, 1024))]
+    assert p.tiles[1].attn_mask[0].sum().item() == 100 + 256 + 1
+
+
+def test_padded_sizes():
+    assert [padded_num_keys(n) for n in (1, 511, 512, 513, 2183)] == [512, 512, 512, 1024, 2560]
+    assert [padded_num_queries(n) for n in (1, 2, 3, 31, 32, 33, 34, 35, 64, 65, 257, 258, 259)] == [
+        3, 3, 3, 31, 32, 35, 35, 35, 64, 67, 259, 259, 259]
 
 
 @pytest.mark.parametrize("seqs", [[], [(0, 0, [1])], [(3, 2, [1])]])

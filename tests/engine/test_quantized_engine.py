@@ -1,0 +1,63 @@
+"""The int8 weight format end to end on the default model: batch-invariant, cache on == off, keyed apart.
+
+The linear layers' int32 sums are exact and activations are scaled per token, so a request's tokens
+do not depend on what else is in its batch (bf16's float kernels fail this: see README "Speed").
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixcache.errors import InvalidInputError
+from prefixcache.llm import LLM
+from prefixcache.sample_texts import QUESTIONS, SYSTEM_PROMPT
+from prefixcache.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def smollm2_int8(smollm2):  # depends on smollm2: marked slow, loaded after the fp32 copy is cached
+    from prefixcache.models.loader import load_model
+
+    return load_model("smollm2-135m", quantization="int8")
+
+
+def make(loaded, **options):
+    return LLM("smollm2-135m", loaded=loaded, quantization="int8", num_threads=2, **options)
+
+
+def seed_prompts(llm):
+    return [llm.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
+                                     {"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+def test_int8_one_batch_equals_one_at_a_time_and_cache_off(smollm2_int8):
+    llm = make(smollm2_int8)
+    prompts = seed_prompts(llm)
+    batched = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert llm.get_metrics().num_hit_requests == 9  # the shared system prompt is served from the cache
+    off = make(smollm2_int8, enable_prefix_caching=False)
+    alone = [off.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts]
+    assert batched == alone  # all 10: batch-invariant and cache on == off
+    # and the warm engine again, one at a time, every prompt now mostly cached
+    assert [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts] == alone
+
+
+def test_int8_is_close_to_fp32_and_keyed_apart(smollm2_int8, make_llm):
+    int8, fp32 = make(smollm2_int8), make_llm()
+    prompts = seed_prompts(int8)
+    assert int8.engine.cache_fingerprint != fp32.engine.cache_fingerprint
+    assert int8.engine.root_key() != fp32.engine.root_key()
+    a = [o.token_ids for o in int8.generate(prompts, GREEDY, use_tqdm=False)]
+    b = [o.token_ids for o in fp32.generate(prompts, GREEDY, use_tqdm=False)]
+    first_tokens_equal = sum(x[0] == y[0] for x, y in zip(a, b))
+    assert first_tokens_equal >= 8, (first_tokens_equal, a, b)
+
+
+def test_engine_refuses_a_model_loaded_in_another_format(smollm2):
+    with pytest.raises(InvalidInputError, match="quantization") as e:
+        LLM("smollm2-135m", loaded=smollm2, quantization="int8")
+    assert e.value.field == "quantization"
+    with pytest.raises(InvalidInputError, match="quantization must be one of"):
+        LLM("smollm2-135m", loaded=smollm2, quantization="int4")

@@ -1,0 +1,59 @@
+"""A query's attention output has the same bits however it is batched (see layers/attention.py)."""
+
+import random
+
+import torch
+
+from prefixcache.layers.attention import Attention, build_attention_metadata
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 32, 16
+_BLOCKS = random.Random(0).sample(range(1, 200), 83)
+TABLES = [_BLOCKS[:45], _BLOCKS[45:80], _BLOCKS[80:83]]  # shuffled, non-contiguous
+
+
+def _run(attn, kv_cache, q_all, k_all, v_all, batch):
+    """batch: (sequence, num_computed, num_new, positions) per sequence."""
+    md, _ = build_attention_metadata([(c, n, TABLES[i]) for i, c, n, _ in batch], BLOCK, "cpu")
+    pos = [p for *_, ps in batch for p in ps]
+    seq = [i for i, *_, ps in batch for _ in ps]
+    q = torch.stack([q_all[s][p] for s, p in zip(seq, pos)])
+    k = torch.stack([k_all[s][p] for s, p in zip(seq, pos)])
+    v = torch.stack([v_all[s][p] for s, p in zip(seq, pos)])
+    return attn(q, k, v, kv_cache, md).view(len(pos), HEADS, HEAD_DIM)
+
+
+def test_query_bits_do_not_depend_on_the_batch():
+    torch.manual_seed(0)
+    lens = [700, 530, 40]
+    q_all = [torch.randn(n, HEADS, HEAD_DIM) for n in lens]
+    k_all = [torch.randn(n, KV_HEADS, HEAD_DIM) for n in lens]
+    v_all = [torch.randn(n, KV_HEADS, HEAD_DIM) for n in lens]
+    attn = Attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    fresh = lambda: torch.zeros(2, 200, BLOCK, KV_HEADS, HEAD_DIM)  # noqa: E731
+
+    # Reference: sequence 0 prefilled in one chunk, then position 699 decoded alone.
+    cache = fresh()
+    whole = _run(attn, cache, q_all, k_all, v_all, [(0, 0, 699, list(range(699)))])
+    alone = _run(attn, cache, q_all, k_all, v_all, [(0, 699, 1, [699])])[0]
+    # The same position as the last row of different prefill chunks, alone and beside other sequences.
+    for start in (0, 1, 2, 31, 100, 512, 635, 650, 666, 697, 698):  # 700 - 635 = 65 rows: 32 + 32 + 1
+        cache = fresh()
+        if start:
+            _run(attn, cache, q_all, k_all, v_all, [(0, 0, start, list(range(start)))])
+        _run(attn, cache, q_all, k_all, v_all, [(2, 0, 39, list(range(39)))])
+        out = _run(attn, cache, q_all, k_all, v_all, [
+            (0, start, 700 - start, list(range(start, 700))),
+            (1, 0, 530, list(range(530))),
+            (2, 39, 1, [39]),
+        ])
+        assert torch.equal(out[700 - start - 1], alone), start
+        assert torch.equal(out[: 699 - start], whole[start:]), start  # every earlier row too
+    # Position 699 as a decode beside decodes of other lengths.
+    out = _run(attn, cache, q_all, k_all, v_all, [(1, 529, 1, [529]), (0, 699, 1, [699])])
+    assert torch.equal(out[1], alone)
+    # Positions decoded with p + 1 keys equal their rows in the 699-token prefill (699 keys, causal):
+    # the pool already holds every position's K/V, and a decode rewrites its own slot with the same.
+    cache = fresh()
+    _run(attn, cache, q_all, k_all, v_all, [(0, 0, 699, list(range(699)))])
+    for p in [*range(3, 699, 23), 511, 512, 513]:
+        assert torch.equal(_run(attn, cache, q_all, k_all, v_all, [(0, p, 1, [p])])[0], whole[p]), p
