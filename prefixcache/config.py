@@ -58,7 +58,7 @@ class EngineConfig(CacheConfig, SchedulerConfig):
     dtype: str = field(default="float32", metadata={"help": "weights and KV dtype", "choices": DTYPES})
     quantization: str = field(default="none", metadata={
         "help": "linear-layer weights: none (in --dtype) or int8 (int8 weights x per-token int8 activations, "
-                "exact int32 sums: batch-invariant; see README 'Speed')", "choices": QUANTIZATIONS})
+                "exact int32 sums: batch-invariant; README 'Weight formats')", "choices": QUANTIZATIONS})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: CUDA if present)"})
     num_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks; overrides --kv-cache-memory"})
