@@ -21,13 +21,15 @@ Batch invariance (a query's output is the same bits whichever other queries shar
 CPU flash-attention kernel (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp) splits the keys into
 blocks of 512 and the queries into blocks of 32, 64 or 256 rows, and merges key blocks by online
 softmax. Its GEMMs give a row the same bits for any block of >= 3 rows but not for 1 or 2 rows (a
-matrix-vector path), and a key block shorter than 512 sums in another order. So every call here has
-its keys padded, masked, to a multiple of 512 (`padded_num_keys`), always an explicit mask, and its
-queries padded so that no query block has 1 or 2 rows (`padded_num_queries`: a decode's one query is
-repeated to 3 rows). A query then gets the same bits in a decode, in a prefill chunk of any length
-after any cached prefix, and in any batch (`tests/layers/test_attention_invariance.py`); with exact
-(int8) linear layers, cache on and off give bit-identical logits. The padding costs compute only:
-masked key blocks add exact zeros.
+matrix-vector path), and a key block shorter than 512 sums in another order. With
+``batch_invariant`` every call has its keys padded, masked, to a multiple of 512
+(`padded_num_keys`), always an explicit mask, and its queries padded so that no query block has 1
+or 2 rows (`padded_num_queries`: a decode's one query is repeated to 3 rows). A query then gets the
+same bits in a decode, in a prefill chunk of any length after any cached prefix, and in any batch
+(`tests/layers/test_attention_invariance.py`). The runner turns it on for the int8 format, whose
+linear layers are exact, so cache on and off give bit-identical logits; fp32 and bf16 GEMMs round
+differently by batch size anyway, so they keep the cheaper unpadded calls. The padding costs
+compute only: masked key blocks add exact zeros.
 """
 
 from dataclasses import dataclass
@@ -42,14 +44,18 @@ Q_ROW_QUANTUM = 32  # its query blocks are multiples of 32 rows
 MIN_Q_ROWS = 3  # a query block of 1 or 2 rows takes a different GEMM path (other rounding)
 
 
-def padded_num_keys(context_len: int) -> int:
-    """Keys a call attends over: ``context_len`` rounded up to a multiple of :data:`KV_SPLIT`."""
-    return -(-context_len // KV_SPLIT) * KV_SPLIT
+def padded_num_keys(context_len: int, batch_invariant: bool = True) -> int:
+    """Keys a call attends over: ``context_len`` rounded up to a multiple of :data:`KV_SPLIT`
+    (``context_len`` itself when not ``batch_invariant``)."""
+    return -(-context_len // KV_SPLIT) * KV_SPLIT if batch_invariant else context_len
 
 
-def padded_num_queries(num_queries: int) -> int:
+def padded_num_queries(num_queries: int, batch_invariant: bool = True) -> int:
     """Query rows a call computes: at least :data:`MIN_Q_ROWS`, and never a last query block of 1
-    or 2 rows (``num_queries % 32`` in {1, 2} is padded to 3)."""
+    or 2 rows (``num_queries % 32`` in {1, 2} is padded to 3); ``num_queries`` when not
+    ``batch_invariant``."""
+    if not batch_invariant:
+        return num_queries
     n = max(num_queries, MIN_Q_ROWS)
     rest = n % Q_ROW_QUANTUM
     return n + MIN_Q_ROWS - rest if n > Q_ROW_QUANTUM and 0 < rest < MIN_Q_ROWS else n
@@ -92,14 +98,17 @@ class AttentionMetadata:
     # when the decodes are the whole batch, in order (no gather/scatter needed)
     decode_block_table: torch.Tensor | None  # [num_decodes, max_decode_blocks] int64, padded with block 0;
     # None: no decodes. K/V are gathered a whole block at a time; the first num_decode_keys keys are used.
-    decode_attn_mask: torch.Tensor | None  # [num_decodes, 1, MIN_Q_ROWS, num_decode_keys] bool (a stride-0
-    # expand over the query rows), True = a real context token; None: no decodes
+    decode_attn_mask: torch.Tensor | None  # [num_decodes, 1, num_decode_rows, num_decode_keys] bool (a
+    # stride-0 expand over the query rows), True = a real context token; None: no decodes
+    num_decode_rows: int  # rows each decode's query takes: MIN_Q_ROWS when batch-invariant, else 1
     num_decode_keys: int  # padded_num_keys(longest decode context); 0 without decodes
+    batch_invariant: bool  # built with the padding rules of the module docstring
     num_tokens: int  # new tokens in the batch
 
 
 def build_attention_metadata(
-    seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device | str
+    seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device | str,
+    batch_invariant: bool = False,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Builds a step's attention metadata and token positions.
 
@@ -109,6 +118,9 @@ def build_attention_metadata(
             num_computed_tokens + num_new_tokens tokens.
         block_size: Tokens per KV block.
         device: Device of the model.
+        batch_invariant: pad keys and queries as the module docstring says, so that a query's output
+            has the same bits in any call (worth it only when the rest of the model is exact too:
+            the int8 format); else each call attends over exactly its keys.
 
     Returns:
         (metadata, positions), positions shape = [num_tokens] int64, num_computed_tokens +
@@ -119,17 +131,19 @@ def build_attention_metadata(
             short for the sequence's context.
     """
     num_blocks_per_seq = _num_blocks_per_seq(seqs, block_size)
-    max_num_blocks = -(-padded_num_keys(max(c + n for c, n, _ in seqs)) // block_size)
+    inv = batch_invariant
+    max_num_blocks = -(-padded_num_keys(max(c + n for c, n, _ in seqs), inv) // block_size)
     block_table = torch.tensor(
         [list(ids[:nb]) + [0] * (max_num_blocks - nb) for (_, _, ids), nb in zip(seqs, num_blocks_per_seq)],
         dtype=torch.int64,
     )  # [num_seqs, max_num_blocks], padded with block 0 (masked out below)
     slot_mapping, positions = _slots_and_positions(seqs, block_table, block_size)
-    prefills, decode_rows, decode_token_indices = _split_prefills_and_decodes(seqs, block_table, block_size, device)
+    prefills, decode_rows, decode_token_indices = _split_prefills_and_decodes(seqs, block_table, block_size, device,
+                                                                              inv)
     decode_block_table, decode_attn_mask, decode_index_tensor, num_decode_keys = None, None, None, 0
     if decode_rows:
         decode_block_table, decode_attn_mask, num_decode_keys = _decode_tables(
-            seqs, block_table, decode_rows, block_size, device
+            seqs, block_table, decode_rows, block_size, device, inv
         )
         if len(decode_rows) != len(seqs):
             decode_index_tensor = torch.tensor(decode_token_indices, dtype=torch.int64, device=device)
@@ -140,6 +154,8 @@ def build_attention_metadata(
         decode_block_table=decode_block_table,
         decode_attn_mask=decode_attn_mask,
         num_decode_keys=num_decode_keys,
+        num_decode_rows=MIN_Q_ROWS if inv else 1,
+        batch_invariant=inv,
         num_tokens=sum(num_new for _, num_new, _ in seqs),
     )
     return metadata, positions.to(device)
@@ -187,6 +203,7 @@ def _split_prefills_and_decodes(
     block_table: torch.Tensor,
     block_size: int,
     device: torch.device | str,
+    batch_invariant: bool,
 ) -> tuple[list[PrefillMetadata], list[int], list[int]]:
     """Prefill metadata of the sequences with several new tokens; the decodes' rows and token indices."""
     prefills, decode_rows, decode_token_indices = [], [], []
@@ -197,7 +214,7 @@ def _split_prefills_and_decodes(
             decode_rows.append(i)
             decode_token_indices.append(token_start)
         else:
-            num_keys = padded_num_keys(context_len)
+            num_keys = padded_num_keys(context_len, batch_invariant)
             prefills.append(
                 PrefillMetadata(
                     token_start=token_start,
@@ -205,7 +222,7 @@ def _split_prefills_and_decodes(
                     context_len=context_len,
                     block_ids=block_table[i, : -(-num_keys // block_size)].to(device),
                     num_keys=num_keys,
-                    tiles=[_query_tile(num_comp, start, min(start + Q_TILE, num_new), device)
+                    tiles=[_query_tile(num_comp, start, min(start + Q_TILE, num_new), device, batch_invariant)
                            for start in range(0, num_new, Q_TILE)],
                 )
             )
@@ -213,10 +230,11 @@ def _split_prefills_and_decodes(
     return prefills, decode_rows, decode_token_indices
 
 
-def _query_tile(num_computed: int, start: int, end: int, device: torch.device | str) -> QueryTile:
+def _query_tile(num_computed: int, start: int, end: int, device: torch.device | str,
+                batch_invariant: bool) -> QueryTile:
     """The tile of new tokens [start, end) of a sequence with num_computed cached tokens."""
-    num_keys = padded_num_keys(num_computed + end)
-    num_rows = padded_num_queries(end - start)
+    num_keys = padded_num_keys(num_computed + end, batch_invariant)
+    num_rows = padded_num_queries(end - start, batch_invariant)
     query_pos = num_computed + start + torch.arange(num_rows, dtype=torch.int64).clamp_(max=end - start - 1)
     key_pos = torch.arange(num_keys, dtype=torch.int64)
     attn_mask = key_pos[None, :] <= query_pos[:, None]  # [num_rows, num_keys]; the padded keys come after
@@ -230,16 +248,18 @@ def _decode_tables(
     decode_rows: list[int],
     block_size: int,
     device: torch.device | str,
+    batch_invariant: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The decodes' block table [num_decodes, blocks of num_keys], key mask [num_decodes, 1,
-    MIN_Q_ROWS, num_keys] and num_keys (the longest decode context, padded)."""
+    rows, num_keys] and num_keys (the longest decode context, padded)."""
     context_lens = [seqs[i][0] + seqs[i][1] for i in decode_rows]
-    num_keys = padded_num_keys(max(context_lens))
+    num_keys = padded_num_keys(max(context_lens), batch_invariant)
     rows = torch.tensor(decode_rows, dtype=torch.int64)
     decode_block_table = block_table[rows, : -(-num_keys // block_size)].contiguous().to(device)
     key_pos = torch.arange(num_keys, dtype=torch.int64)
     mask = key_pos[None, :] < torch.tensor(context_lens, dtype=torch.int64)[:, None]  # [num_decodes, num_keys]
-    return decode_block_table, mask[:, None, None, :].expand(-1, 1, MIN_Q_ROWS, -1).to(device), num_keys
+    num_rows = MIN_Q_ROWS if batch_invariant else 1
+    return decode_block_table, mask[:, None, None, :].expand(-1, 1, num_rows, -1).to(device), num_keys
 
 
 class Attention(nn.Module):
@@ -342,7 +362,7 @@ class Attention(nn.Module):
         k_dec = k_cache.index_select(0, flat_blocks).view(kv_shape)[:, keys]  # [num_decodes, num_keys, kv_heads, hd]
         v_dec = v_cache.index_select(0, flat_blocks).view(kv_shape)[:, keys]  # [num_decodes, num_keys, kv_heads, hd]
         o = F.scaled_dot_product_attention(
-            q_dec.unsqueeze(2).expand(-1, -1, MIN_Q_ROWS, -1).contiguous(),  # [num_decodes, num_heads, 3,
+            q_dec.unsqueeze(2).expand(-1, -1, md.num_decode_rows, -1).contiguous(),  # [num_decodes, num_heads, 3,
             # head_dim]: the query repeated (see the module docstring)
             k_dec.transpose(1, 2),  # [num_decodes, kv_heads, num_keys, head_dim]
             v_dec.transpose(1, 2),

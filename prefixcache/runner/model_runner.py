@@ -70,6 +70,7 @@ class ModelRunner:
             [(s.num_computed_tokens, len(s.token_ids), s.block_ids) for s in seqs],
             self.block_size,
             self.device,
+            batch_invariant=self.model.quantization == "int8",  # exact linear layers: make attention exact too
         )
         lora_segments, start = [], 0
         for s in seqs:

@@ -13,7 +13,7 @@ TABLES = [_BLOCKS[:45], _BLOCKS[45:80], _BLOCKS[80:83]]  # shuffled, non-contigu
 
 def _run(attn, kv_cache, q_all, k_all, v_all, batch):
     """batch: (sequence, num_computed, num_new, positions) per sequence."""
-    md, _ = build_attention_metadata([(c, n, TABLES[i]) for i, c, n, _ in batch], BLOCK, "cpu")
+    md, _ = build_attention_metadata([(c, n, TABLES[i]) for i, c, n, _ in batch], BLOCK, "cpu", batch_invariant=True)
     pos = [p for *_, ps in batch for p in ps]
     seq = [i for i, *_, ps in batch for _ in ps]
     q = torch.stack([q_all[s][p] for s, p in zip(seq, pos)])

@@ -10,7 +10,7 @@ PAD = 512 // 4  # blocks of 4 tokens in the 512 keys every call attends over (ma
 def test_metadata_positions_slots_and_groups():
     # seq0: prefill 3 tokens in block 2; seq1: decode at position 5 (blocks 7, 4); seq2: chunk of 2 after 3
     # cached tokens (blocks 1, 6).
-    md, positions = build_attention_metadata([(0, 3, [2]), (5, 1, [7, 4]), (3, 2, [1, 6, 9])], 4, "cpu")
+    md, positions = build_attention_metadata([(0, 3, [2]), (5, 1, [7, 4]), (3, 2, [1, 6, 9])], 4, "cpu", batch_invariant=True)
     assert positions.tolist() == [0, 1, 2, 5, 3, 4]
     assert md.slot_mapping.tolist() == [8, 9, 10, 17, 7, 24]
     assert md.num_tokens == 6
@@ -32,26 +32,34 @@ def test_metadata_positions_slots_and_groups():
 
 
 def test_metadata_decode_only_batch_pads_and_masks():
-    md, positions = build_attention_metadata([(2, 1, [3]), (4, 1, [6, 5])], 4, "cpu")
+    md, positions = build_attention_metadata([(2, 1, [3]), (4, 1, [6, 5])], 4, "cpu", batch_invariant=True)
     assert positions.tolist() == [2, 4]
     assert md.slot_mapping.tolist() == [14, 20]
     assert md.prefills == [] and md.decode_token_indices is None
     assert md.decode_block_table[:, :3].tolist() == [[3, 0, 0], [6, 5, 0]]  # padded with block 0
     assert md.decode_attn_mask[:, 0, 1, :8].tolist() == [[True] * 3 + [False] * 5, [True] * 5 + [False] * 3]
     assert md.decode_attn_mask[:, 0, :, 8:].any().item() is False
-    md, _ = build_attention_metadata([(600, 1, list(range(151))), (3, 1, [6])], 4, "cpu")
+    md, _ = build_attention_metadata([(600, 1, list(range(151))), (3, 1, [6])], 4, "cpu", batch_invariant=True)
     assert md.num_decode_keys == 1024 and md.decode_block_table.shape == (2, 256)
     assert md.decode_attn_mask[:, 0, 0].sum(-1).tolist() == [601, 4]
 
 
 def test_long_prefill_is_attended_a_tile_at_a_time():
-    md, _ = build_attention_metadata([(100, 600, list(range(175)))], 4, "cpu")
+    md, _ = build_attention_metadata([(100, 600, list(range(175)))], 4, "cpu", batch_invariant=True)
     p = md.prefills[0]
     assert p.num_keys == 1024 and p.block_ids.shape == (256,)
     tiles = [(t.start, t.end, t.num_keys, tuple(t.attn_mask.shape)) for t in p.tiles]
     # tiles of 256 new tokens; each reads the keys up to its last token, padded to 512
     assert tiles == [(0, 256, 512, (256, 512)), (256, 512, 1024, (256, 1024)), (512, 600, 1024, (88, 1024))]
     assert p.tiles[1].attn_mask[0].sum().item() == 100 + 256 + 1
+
+
+def test_without_batch_invariance_each_call_attends_over_exactly_its_keys():
+    md, _ = build_attention_metadata([(0, 3, [2]), (5, 1, [7, 4]), (3, 2, [1, 6, 9])], 4, "cpu")
+    assert [(p.num_keys, p.block_ids.tolist(), tuple(p.tiles[0].attn_mask.shape)) for p in md.prefills] == [
+        (3, [2], (3, 3)), (5, [1, 6], (2, 5))]
+    assert (md.num_decode_keys, md.num_decode_rows, md.decode_block_table.tolist()) == (6, 1, [[7, 4]])
+    assert md.decode_attn_mask.reshape(1, 6).all()
 
 
 def test_padded_sizes():
