@@ -11,11 +11,23 @@ with the next prompt: its in-context prefix reuse, which :meth:`LlamaCppEngine.r
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 INSTALL_HINT = ("pip install 'prefixcache[llamacpp]' (compiles llama.cpp), or "
                 "PREFIXCACHE_LLAMACPP=1 bash scripts/setup.sh")
+# A 32-token prefill and 2 decode steps on a small context: the kernels the bench will use.
+_PROBE = """
+import sys
+from llama_cpp import Llama
+threads = int(sys.argv[2])
+llm = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=threads, n_threads_batch=threads, verbose=False)
+gen = llm.generate(list(range(100, 132)), temp=0.0)
+next(gen); next(gen)
+"""
 
 
 def llama_cpp_missing() -> str | None:
@@ -25,6 +37,30 @@ def llama_cpp_missing() -> str | None:
     except (ImportError, OSError, RuntimeError) as e:  # not installed, or its shared library won't load
         return f"llama-cpp-python is not importable ({e}); {INSTALL_HINT}"
     return None
+
+
+def llama_cpp_probe(gguf_path: Path | str, num_threads: int, timeout_s: float = 300.0) -> str | None:
+    """Runs llama.cpp on ``gguf_path`` in a child process first; returns why it failed, or None.
+
+    A llama.cpp build can die by a signal instead of raising: built with ``-march=native`` on a VM that
+    reports AMX, its AMX kernels get SIGILL (seen on this project's machines). In a child process that
+    costs the bench a line in the report, not the whole run.
+    """
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, str(gguf_path), str(num_threads)],
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"a llama.cpp probe (32-token prompt) did not finish in {timeout_s:.0f} s"
+    if done.returncode == 0:
+        return None
+    if done.returncode < 0:
+        name = signal.Signals(-done.returncode).name
+        hint = (" (an AMX build on a machine whose AMX doesn't work: rebuild with "
+                "CFLAGS/CXXFLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16', as scripts/setup.sh does)"
+                if name == "SIGILL" else "")
+        return f"a llama.cpp probe died with {name}{hint}"
+    tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+    return f"a llama.cpp probe failed (exit {done.returncode}: {tail[0]})"
 
 
 def llama_cpp_version() -> str | None:
