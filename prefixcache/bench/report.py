@@ -4,6 +4,7 @@ the prefix-sharing workloads, ``speed.png`` for the speed table."""
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 
@@ -209,7 +210,7 @@ def write_plots(result: dict, out: Path) -> list[Path]:
 def _speed_plot(speed: dict, out: Path, plt) -> Path:
     """``speed.png``: one panel per measurement, a bar per engine (the issue's absolute target dashed)."""
     rows = [r for r in speed["table"] if r["metric"] != "on_over_off"]
-    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.8), squeeze=False)
     for ax, r in zip(axes[0], rows):
         names = [e for e in _SPEED_ENGINES if r["values"][e] is not None]
         ax.bar(names, [r["values"][e] for e in names], color=[_SPEED_COLORS[e] for e in names])
@@ -217,7 +218,7 @@ def _speed_plot(speed: dict, out: Path, plt) -> Path:
             ax.axhline(float(r["target"].split()[-1]), color="k", linestyle="--", linewidth=1,
                        label=f"goal {r['target']}")
             ax.legend(fontsize=7)
-        ax.set_title(r["label"], fontsize=8, wrap=True)
+        ax.set_title(textwrap.fill(r["label"], 36), fontsize=8)
         ax.set_ylabel(r["unit"])
         ax.tick_params(axis="x", labelsize=7, rotation=15)
     fig.tight_layout()

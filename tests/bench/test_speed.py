@@ -229,10 +229,13 @@ def test_tiny_speed_run(smollm2, tmp_path):
                         cold_samples=1, micro=False, out=str(tmp_path))
     result = run_bench(opts, loaded=smollm2, log=lambda s: None)
     s = result["speed"]
-    have_llama = llamacpp_baseline.llama_cpp_missing() is None
-    expected = [OURS, HF] + ([LLAMA_CPP] if have_llama else [])
-    assert list(s["engines"]) == expected
-    assert (LLAMA_CPP in s["skipped"]) == (not have_llama)
+    if LLAMA_CPP in s["engines"]:  # importable, and its probe ran
+        assert list(s["engines"]) == [OURS, HF, LLAMA_CPP] and s["skipped"] == {}
+        assert s["engines"][LLAMA_CPP]["label"].startswith("llama.cpp Q4_1 (llama-cpp-python ")
+    else:
+        assert list(s["engines"]) == [OURS, HF] and list(s["skipped"]) == [LLAMA_CPP]
+        missing = llamacpp_baseline.llama_cpp_missing()
+        assert s["skipped"][LLAMA_CPP].startswith(f"not measured: {missing or 'a llama.cpp probe'}")
     assert result["workloads"] == [] and json.loads((tmp_path / "bench.json").read_text())["speed"] == s
     assert s["prompt_tokens"]["shared_prefix"] <= 64 and s["prompt_tokens"]["long"] == 200
     assert s["prompt_tokens"]["cold"] == s["prompt_tokens"]["per_request"][0] > 64
