@@ -185,15 +185,16 @@ def _quant_name(gguf_path: Path) -> str:
 # ---------------------------------------------------------------------------------------- measure
 
 
-def measure_engine(engine: SpeedEngine, prompts: SpeedPrompts, sizes: SpeedSizes,
-                   cold_samples: int) -> tuple[dict, list[list[int]]]:
-    """Runs the measurements of the module docstring on one engine.
+def measure_engine(engine: SpeedEngine, prompts: SpeedPrompts, sizes: SpeedSizes, cold_samples: int,
+                   log: Callable[[str], None] = lambda s: None) -> tuple[dict, list[list[int]]]:
+    """Runs the measurements of the module docstring on one engine (``log``: one line per phase).
 
     Returns:
         (its numbers, the batch run's output token ids).
     """
     shared, prefix = prompts.shared, prompts.shared[0][:prompts.prefix_tokens]
     engine.timed_generate(prompts.short, 2)  # warm-up: first-call overheads
+    log(f"cold TTFT x {cold_samples}, warm TTFT x {len(shared) - 1}")
     cold = []
     for _ in range(cold_samples):
         engine.reset()
@@ -201,11 +202,13 @@ def measure_engine(engine: SpeedEngine, prompts: SpeedPrompts, sizes: SpeedSizes
     engine.share_prefix(prefix)  # ours and llama.cpp: the cold request left it behind
     warm = [engine.timed_generate(p, 1)[1] for p in shared[1:]]
     engine.reset()
+    log(f"{len(shared)} requests x {sizes.max_tokens} tokens")
     start = time.perf_counter()
     engine.share_prefix(prefix)
     batch_ids = engine.generate_all(shared, sizes.max_tokens)
     batch_wall_s = time.perf_counter() - start
     engine.reset()
+    log(f"single-sequence decode, {sizes.decode_tokens} tokens")
     ids, ttft_s, e2e_s = engine.timed_generate(prompts.short, sizes.decode_tokens)
     numbers = {
         "cold_ttft_s": statistics.median(cold), "cold_ttft_samples_s": cold,
@@ -218,6 +221,7 @@ def measure_engine(engine: SpeedEngine, prompts: SpeedPrompts, sizes: SpeedSizes
     }
     if prompts.long is not None:
         engine.reset()
+        log(f"long context: {len(prompts.long)}-token prefill, {sizes.long_decode_tokens} tokens")
         ids, ttft_s, e2e_s = engine.timed_generate(prompts.long, sizes.long_decode_tokens)
         numbers.update(long_prefill_s=ttft_s, long_output_tokens=len(ids),
                        long_decode_ms_per_token=(e2e_s - ttft_s) / (len(ids) - 1) * 1e3)
@@ -248,7 +252,8 @@ def run_speed(loaded: LoadedModel, opts: BenchOptions, hf: HFBaselines | None, o
     for name, make in makers.items():
         log(f"[speed] {name} ...")
         engine = make()
-        numbers, batch_ids[name] = measure_engine(engine, prompts, sizes, opts.cold_samples)
+        numbers, batch_ids[name] = measure_engine(engine, prompts, sizes, opts.cold_samples,
+                                                  lambda s, name=name: log(f"[speed] {name}: {s} ..."))
         engines[name] = dict(numbers, label=engine.label)
         del engine
     torch.set_num_threads(opts.num_threads)
