@@ -12,6 +12,8 @@ outputs can differ after an EOS):
 - ``batched``: one ``generate`` per round with every prompt of the round left-padded.
 
 TTFT is measured with a streamer: ``generate`` hands it the prompt, then each new token.
+:meth:`HFBaselines.timed_generate` and :meth:`HFBaselines.prefill_prefix` are the pieces the speed
+workload (:mod:`prefixcache.bench.speed`) times one request at a time with.
 """
 
 from __future__ import annotations
@@ -33,16 +35,19 @@ VARIANTS = ("no_reuse", "prefix_copy", "batched")
 
 
 class _FirstTokenClock(BaseStreamer):
-    """Records when ``generate`` emits its first new token (its second ``put``)."""
+    """Records when ``generate`` emits its first new token (its second ``put``) and its last one."""
 
     def __init__(self) -> None:
         self.num_puts = 0
         self.first_token_s: float | None = None
+        self.last_token_s: float | None = None
 
     def put(self, value) -> None:
         self.num_puts += 1
-        if self.num_puts == 2:
-            self.first_token_s = time.perf_counter()
+        if self.num_puts >= 2:
+            self.last_token_s = time.perf_counter()
+            if self.num_puts == 2:
+                self.first_token_s = self.last_token_s
 
     def end(self) -> None:
         pass
@@ -131,16 +136,40 @@ class HFBaselines:
         self._one_by_one(run, [p for r in rounds for p in r], max_tokens, time.perf_counter(), None)
         return run
 
+    def timed_generate(self, prompt: list[int], max_tokens: int,
+                       prefix_cache: DynamicCache | None = None) -> tuple[list[int], float, float]:
+        """One greedy ``generate`` of exactly ``max_tokens`` tokens (from a deep copy of
+        ``prefix_cache`` when given, which must hold a prefix of ``prompt``).
+
+        Returns:
+            (output token ids, TTFT in seconds, seconds to the last token), both timed from before
+            the deep copy.
+        """
+        ids = torch.tensor([prompt])
+        clock = _FirstTokenClock()
+        t0 = time.perf_counter()
+        kw = {"cache": copy.deepcopy(prefix_cache)} if prefix_cache is not None else {}
+        out = self._generate(ids, torch.ones_like(ids), max_tokens, streamer=clock, **kw)
+        return out[0, len(prompt):].tolist(), clock.first_token_s - t0, clock.last_token_s - t0
+
+    def prefill_prefix(self, prefix: list[int]) -> DynamicCache:
+        """A ``DynamicCache`` holding ``prefix``'s K/V (one forward pass).
+
+        Raises:
+            RuntimeError: the cache does not hold exactly ``len(prefix)`` tokens.
+        """
+        cache = DynamicCache(config=self.model.config)
+        self.model(torch.tensor([prefix]), cache=cache, use_cache=True)
+        if cache.get_seq_length() != len(prefix):
+            raise RuntimeError(f"prefix cache holds {cache.get_seq_length()} tokens, expected {len(prefix)}")
+        return cache
+
     def _one_by_one(self, run: HFRun, prompts, max_tokens: int, start: float, prefix_cache) -> None:
         """Generates each prompt alone (from a copy of ``prefix_cache`` when given) into ``run``."""
         for prompt in prompts:
-            ids = torch.tensor([prompt])
-            clock = _FirstTokenClock()
-            t0 = time.perf_counter()
-            kw = {"cache": copy.deepcopy(prefix_cache)} if prefix_cache is not None else {}
-            out = self._generate(ids, torch.ones_like(ids), max_tokens, streamer=clock, **kw)
-            run.ttft_s.append(clock.first_token_s - t0)
-            run.output_token_ids.append(out[0, len(prompt):].tolist())
+            output_ids, ttft_s, _ = self.timed_generate(prompt, max_tokens, prefix_cache)
+            run.ttft_s.append(ttft_s)
+            run.output_token_ids.append(output_ids)
         run.wall_s = time.perf_counter() - start
         run.num_output_tokens = sum(len(o) for o in run.output_token_ids)
 
@@ -150,12 +179,7 @@ class HFBaselines:
         n_prefix = min(common_prefix_len(prompts), min(len(p) for p in prompts) - 1)
         run = HFRun("prefix_copy", 0.0, 0, shared_prefix_tokens=max(n_prefix, 0))
         start = time.perf_counter()
-        prefix_cache = None
-        if n_prefix > 0:
-            prefix_cache = DynamicCache(config=self.model.config)
-            self.model(torch.tensor([prompts[0][:n_prefix]]), cache=prefix_cache, use_cache=True)
-            if prefix_cache.get_seq_length() != n_prefix:
-                raise RuntimeError(f"prefix cache holds {prefix_cache.get_seq_length()} tokens, expected {n_prefix}")
+        prefix_cache = self.prefill_prefix(prompts[0][:n_prefix]) if n_prefix > 0 else None
         self._one_by_one(run, prompts, max_tokens, start, prefix_cache)
         return run
 

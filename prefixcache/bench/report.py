@@ -1,8 +1,10 @@
-"""The benchmark's outputs: ``bench.json``, ``bench.md`` (tables) and three PNG plots (Agg backend)."""
+"""The benchmark's outputs: ``bench.json``, ``bench.md`` (tables) and PNG plots (Agg backend): three for
+the prefix-sharing workloads, ``speed.png`` for the speed table."""
 
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 
@@ -31,6 +33,30 @@ def markdown(result: dict) -> str:
         f"{_f(m['load_average_start'][0])} at start, {_f(m['load_average_end'][0])} at end."
         + (f" Command: `{result['command']}`." if result.get("command") else ""),
     ]
+    if ws:
+        lines += _workload_tables(result)
+    if result.get("speed"):
+        lines += speed_markdown(result["speed"])
+    if result.get("micro"):
+        rows = [[str(mm["block_size"]), f"{mm['hash_tokens_per_s'] / 1e6:.1f}",
+                 f"{mm['lookup_verify_tokens_per_s'] / 1e6:.1f}", f"{mm['total_tokens_per_s'] / 1e6:.1f}"]
+                for mm in result["micro"]]
+        lines += _table("Chain hash + verify + lookup (fully cached 4096-token prompt)", [
+            "block size", "hash (M tok/s)", "lookup + verify (M tok/s)", "total (M tok/s)"], rows)
+    rows = []
+    for g in result["goals"]:
+        met = "–" if g["met"] is None else ("yes" if g["met"] else "**no**")
+        value = g["value"]
+        shown = "–" if value is None else (f"{value / 1e6:.1f} M" if value >= 1e5 else f"{value:.3f}")
+        rows.append([g["workload"], g["goal"], str(g["target"]), shown, met])
+    lines += _table("Goals", ["workload", "goal", "target", "measured", "met"], rows)
+    return "\n".join(lines) + "\n"
+
+
+def _workload_tables(result: dict) -> list[str]:
+    """The prefix-sharing workloads' tables."""
+    ws = result["workloads"]
+    lines = []
     rows = []
     for w in ws:
         p, kv = w["prefill"], w["kv"]
@@ -82,20 +108,32 @@ def markdown(result: dict) -> str:
     lines += _table("Is prefix caching worth enabling?", [
         "workload", "verdict", "block repeat rate", "mean hit (tok)", "prefill saved / request (ms)",
         "saved s per s of traffic", "KV held (MiB)", "reason"], rows)
-    if result.get("micro"):
-        rows = [[str(mm["block_size"]), f"{mm['hash_tokens_per_s'] / 1e6:.1f}",
-                 f"{mm['lookup_verify_tokens_per_s'] / 1e6:.1f}", f"{mm['total_tokens_per_s'] / 1e6:.1f}"]
-                for mm in result["micro"]]
-        lines += _table("Chain hash + verify + lookup (fully cached 4096-token prompt)", [
-            "block size", "hash (M tok/s)", "lookup + verify (M tok/s)", "total (M tok/s)"], rows)
+    return lines
+
+
+_UNIT_FORMAT = {"s": ".3f", "tok/s": ".1f", "ms/token": ".1f", "ratio": ".3f"}
+_SPEED_ENGINES = ("transformers", "llama.cpp", "prefixcache")  # = speed.ENGINES (no import of the bench here)
+_SPEED_COLORS = {"transformers": "#999999", "llama.cpp": "#d9822b", "prefixcache": "#2b7bd9"}
+
+
+def speed_markdown(speed: dict) -> list[str]:
+    """The speed section: one row per measurement, one column per engine, ratios ours / theirs."""
+    engines = speed["engines"]
+    header = ["", *(engines[e]["label"] if e in engines else f"{e} (not measured)" for e in _SPEED_ENGINES),
+              "ours / transformers", "ours / llama.cpp"]
     rows = []
-    for g in result["goals"]:
-        met = "–" if g["met"] is None else ("yes" if g["met"] else "**no**")
-        value = g["value"]
-        shown = "–" if value is None else (f"{value / 1e6:.1f} M" if value >= 1e5 else f"{value:.3f}")
-        rows.append([g["workload"], g["goal"], str(g["target"]), shown, met])
-    lines += _table("Goals", ["workload", "goal", "target", "measured", "met"], rows)
-    return "\n".join(lines) + "\n"
+    for r in speed["table"]:
+        spec = _UNIT_FORMAT.get(r["unit"], ".3g")
+        rows.append([f"{r['label']} ({r['unit']})", *(_f(r["values"][e], spec) for e in _SPEED_ENGINES),
+                     *(_f(r["ours_over"][e], ".2f") for e in ("transformers", "llama.cpp"))])
+    lines = _table(f"Speed, side by side ({speed['threads']} threads, same prompts, greedy, every engine "
+                   "warmed up)", header, rows)
+    lines += ["", f"Cache on / off: {speed['on_over_off_source']}."]
+    same = [f"{e} {engines[e]['batch_same_tokens_as_ours']:.0%}" for e in _SPEED_ENGINES[:2] if e in engines]
+    if same:
+        lines.append("Batch run, requests with the same tokens as ours: " + ", ".join(same) + ".")
+    lines += [f"{e}: {why}." for e, why in speed["skipped"].items()]
+    return lines
 
 
 def write_outputs(result: dict, out_dir: str | Path, plots: bool = True) -> list[Path]:
@@ -125,10 +163,12 @@ def write_plots(result: dict, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
     import numpy as np
 
+    paths = [_speed_plot(result["speed"], out, plt)] if result.get("speed") else []
     ws = result["workloads"]
+    if not ws:
+        return paths
     names = [w["name"] for w in ws]
     x = np.arange(len(ws))
-    paths = []
 
     def bars(series: dict[str, list[float]], ylabel: str, title: str, filename: str, log: bool = False) -> None:
         fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(ws)), 4))
@@ -165,3 +205,23 @@ def write_plots(result: dict, out: Path) -> list[Path]:
             tput[label] = [w["hf"][v]["output_tokens_per_s"] for w in ws]
     bars(tput, "output tokens/s", "Throughput vs transformers", "throughput_vs_transformers.png")
     return paths
+
+
+def _speed_plot(speed: dict, out: Path, plt) -> Path:
+    """``speed.png``: one panel per measurement, a bar per engine (the issue's absolute target dashed)."""
+    rows = [r for r in speed["table"] if r["metric"] != "on_over_off"]
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.8), squeeze=False)
+    for ax, r in zip(axes[0], rows):
+        names = [e for e in _SPEED_ENGINES if r["values"][e] is not None]
+        ax.bar(names, [r["values"][e] for e in names], color=[_SPEED_COLORS[e] for e in names])
+        if r["target"] is not None:  # "<= 0.08"
+            ax.axhline(float(r["target"].split()[-1]), color="k", linestyle="--", linewidth=1,
+                       label=f"goal {r['target']}")
+            ax.legend(fontsize=7)
+        ax.set_title(textwrap.fill(r["label"], 36), fontsize=8)
+        ax.set_ylabel(r["unit"])
+        ax.tick_params(axis="x", labelsize=7, rotation=15)
+    fig.tight_layout()
+    fig.savefig(out / "speed.png", dpi=110)
+    plt.close(fig)
+    return out / "speed.png"

@@ -14,11 +14,15 @@ Per workload, on the same model, threads and prompts (greedy; every request make
 
 Plus the chain-hash + verify + lookup micro-benchmark. Results: ``bench.json``, ``bench.md`` and
 PNGs in ``--out``.
+
+``--workload speed`` (not part of ``all``: it takes a few minutes, and ``--speed-long`` more) is the
+side-by-side speed table of :mod:`prefixcache.bench.speed`: prefixcache vs transformers vs llama.cpp.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -33,6 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from prefixcache.bench.accounting import IdealAccounting, ideal_accounting
+from prefixcache.bench.goals import goal as _goal
+from prefixcache.bench.speed import SPEED, SpeedSizes, run_speed
 from prefixcache.bench.workloads import DEFAULT_NUM_TURNS, WORKLOAD_NAMES, Workload, build_workload
 from prefixcache.bench.worth import WorthInputs, estimate_worth
 from prefixcache.cache.config import DEFAULT_BLOCK_SIZE, CacheConfig
@@ -69,6 +75,8 @@ class BenchOptions:
     out: str | None = "bench_results"  # None: write nothing
     plots: bool = True
     engine_options: dict = field(default_factory=dict)  # more EngineConfig fields for our engines
+    speed: SpeedSizes = field(default_factory=SpeedSizes)  # sizes of the `speed` workload
+    skip_llamacpp: bool = False  # speed: leave llama.cpp out
 
 
 @dataclass
@@ -369,10 +377,6 @@ def _bench_hf(hf, rounds, opts: BenchOptions, report: dict, flat_on: list[Reques
 # ---------------------------------------------------------------------------------------- goals
 
 
-def _goal(goal: str, value: float | None, target: str, met: bool | None) -> dict:
-    return {"goal": goal, "value": value, "target": target, "met": met}
-
-
 def workload_goals(r: dict) -> list[dict]:
     """The issue's goals that apply to this workload, with the measured value and whether met."""
     goals = []
@@ -447,8 +451,8 @@ def hash_lookup_throughput(block_size: int, num_tokens: int = 4096, seconds: flo
 def run_bench(opts: BenchOptions, loaded: LoadedModel | None = None, log=print) -> dict:
     """Runs the selected workloads and the micro-benchmark; writes the outputs when ``opts.out``."""
     for w in opts.workloads:
-        if w not in WORKLOAD_NAMES:
-            raise ValueError(f"workload must be one of {WORKLOAD_NAMES} or 'all', got {w!r}")
+        if w not in (*WORKLOAD_NAMES, SPEED):
+            raise ValueError(f"workload must be one of {(*WORKLOAD_NAMES, SPEED)} or 'all', got {w!r}")
     for name, v in (("max_tokens", opts.max_tokens), ("block_size", opts.block_size),
                     ("num_threads", opts.num_threads), ("repeats", opts.repeats),
                     ("cold_samples", opts.cold_samples)):
@@ -456,19 +460,20 @@ def run_bench(opts: BenchOptions, loaded: LoadedModel | None = None, log=print) 
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     started = datetime.datetime.now().astimezone()
     load_start = os.getloadavg()
-    loaded = loaded or load_model(opts.model)
+    loaded = loaded or load_model(opts.model, dtype=EngineConfig.from_kwargs(**opts.engine_options).torch_dtype)
     torch.set_num_threads(opts.num_threads)
     hf = None
     if not opts.skip_hf:
         from prefixcache.bench.hf_baselines import HFBaselines, load_hf_model
 
         hf = HFBaselines(load_hf_model(loaded.model_dir), loaded.eos_token_ids[0], opts.num_threads)
-    workloads = [bench_workload(loaded, name, opts, hf, log) for name in opts.workloads]
+    workloads = [bench_workload(loaded, name, opts, hf, log) for name in opts.workloads if name != SPEED]
+    speed = _bench_speed(loaded, opts, hf, workloads, log) if SPEED in opts.workloads else None
     micro = []
     if opts.micro:
         log("[micro] hash + verify + lookup ...")
         micro = [hash_lookup_throughput(bs, seconds=opts.micro_seconds) for bs in opts.micro_block_sizes]
-    goals = [dict(g, workload=w["name"]) for w in workloads for g in w["goals"]]
+    goals = [dict(g, workload=w["name"]) for w in (*workloads, *([speed] if speed else [])) for g in w["goals"]]
     for m in micro:
         if m["block_size"] == DEFAULT_BLOCK_SIZE:
             goals.append(dict(_goal("hash + verify + lookup tokens/s at block size 16", m["total_tokens_per_s"],
@@ -485,8 +490,9 @@ def run_bench(opts: BenchOptions, loaded: LoadedModel | None = None, log=print) 
             "load_average_end": os.getloadavg(),
         },
         "model": opts.model,
-        "options": {k: v for k, v in vars(opts).items()},
+        "options": dataclasses.asdict(opts),
         "workloads": workloads,
+        "speed": speed,
         "micro": micro,
         "goals": goals,
     }
@@ -498,6 +504,25 @@ def run_bench(opts: BenchOptions, loaded: LoadedModel | None = None, log=print) 
     return result
 
 
+def _bench_speed(loaded: LoadedModel, opts: BenchOptions, hf, workloads: list[dict], log) -> dict:
+    """The speed table; its caching on / off row from this run's no-sharing workload, else measured here."""
+    no_sharing = next((w for w in workloads if w["name"] == "no-sharing"), None)
+    if no_sharing is not None:
+        return run_speed(loaded, opts, hf, no_sharing["throughput"]["on_over_off"],
+                         "the no-sharing workload of this run", log)
+    workload = build_workload("no-sharing", loaded.tokenizer, loaded.eos_token_ids, opts.num_requests)
+    params = SamplingParams(temperature=0, max_tokens=opts.max_tokens, ignore_eos=True)
+    base = dict(block_size=opts.block_size, num_threads=opts.num_threads, **opts.engine_options)
+    num_blocks = _num_blocks_for([workload.build_round(0, [])], opts, _default_pool_blocks(loaded, opts))
+    on_llm = LLM(opts.model, loaded=loaded, enable_prefix_caching=True, num_blocks=num_blocks, **base)
+    off_llm = LLM(opts.model, loaded=loaded, enable_prefix_caching=False, num_blocks=num_blocks, **base)
+    runs = _throughput_runs(on_llm, off_llm, workload, params, opts, "speed: no-sharing", log)
+    del on_llm, off_llm
+    on_over_off = statistics.median(runs.off_walls) / statistics.median(runs.on_walls)  # same tokens: tok/s on / off
+    return run_speed(loaded, opts, hf, on_over_off, "the no-sharing workload, measured for this table "
+                     f"({workload.num_requests} requests x {opts.max_tokens} tokens, median of {runs.repeats})", log)
+
+
 # ---------------------------------------------------------------------------------------- CLI
 
 
@@ -505,8 +530,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     """``prefixcache bench``'s flags; their defaults are :class:`BenchOptions`' (declared once)."""
     d = BenchOptions()
     p.add_argument("--workload", default="all",
-                   help=f"'all' or a comma-separated list of: {', '.join(WORKLOAD_NAMES)}, "
-                        "or 'trace' (eviction-policy trace simulation, no model)")
+                   help=f"'all' (= {', '.join(WORKLOAD_NAMES)}) or a comma-separated list of those, 'all', "
+                        f"'{SPEED}' (side-by-side speed table vs transformers and llama.cpp, a few minutes) "
+                        "and 'trace' (eviction-policy trace simulation, no model)")
     p.add_argument("--model", default=d.model, help="built-in name, HF directory or .gguf file")
     p.add_argument("--num-requests", type=int, default=d.num_requests,
                    help="requests per workload (per round for multi-turn); default: seed 10, multi-turn 4, others 6")
@@ -515,10 +541,16 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument("--text-scale", type=float, default=d.text_scale,
                    help="keep this fraction of the long shared texts (quick runs)")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: the available cores)")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads, and llama.cpp's in the speed workload (default: the available cores)")
     p.add_argument("--repeats", type=int, default=d.repeats, help="throughput runs per mode, median wall (no-sharing: >= 3)")
     p.add_argument("--cold-samples", type=int, default=d.cold_samples, help="requests timed alone on an empty cache")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
+    p.add_argument("--skip-llamacpp", action="store_true", help="speed: skip the llama.cpp baseline")
+    p.add_argument("--speed-long", action="store_true",
+                   help="speed: also measure long context (8,000-token prefill, decode at 8k; a few minutes more)")
+    p.add_argument("--dtype", default=None, choices=EngineConfig.choices("dtype"),
+                   help="our engine's weights and KV dtype (default float32; the baselines keep theirs)")
     p.add_argument("--skip-micro", action="store_true", help="skip the hash + lookup micro-benchmark")
     p.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
     p.add_argument("--out", default=d.out, help="output directory")
@@ -541,8 +573,22 @@ def run_trace_cli(out_dir: str | None, block_size: int) -> None:
             json.dump(rows, f, indent=2)
 
 
+def parse_workloads(arg: str) -> tuple[str, ...]:
+    """``--workload``'s comma list, ``all`` expanded to :data:`WORKLOAD_NAMES`, duplicates dropped."""
+    return tuple(dict.fromkeys(n for w in arg.split(",")
+                               for n in (WORKLOAD_NAMES if w.strip() == "all" else (w.strip(),))))
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    """Our engines' options from the flags (the baselines keep theirs)."""
+    options = {"enable_partial_block_reuse": False} if args.no_partial_block_reuse else {}
+    if args.dtype is not None:
+        options["dtype"] = args.dtype
+    return options
+
+
 def run_cli(args: argparse.Namespace) -> int:
-    names = WORKLOAD_NAMES if args.workload == "all" else tuple(w.strip() for w in args.workload.split(","))
+    names = parse_workloads(args.workload)
     if "trace" in names:  # simulation only; `all` means the model workloads
         run_trace_cli(args.out, args.block_size)
         names = tuple(n for n in names if n != "trace")
@@ -555,7 +601,8 @@ def run_cli(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         cold_samples=args.cold_samples, skip_hf=args.skip_hf, micro=not args.skip_micro, out=args.out,
         plots=not args.no_plots,
-        engine_options={"enable_partial_block_reuse": False} if args.no_partial_block_reuse else {},
+        engine_options=_engine_options(args), speed=SpeedSizes(long=args.speed_long),
+        skip_llamacpp=args.skip_llamacpp,
     )
     result = run_bench(opts, log=lambda s: print(s, file=sys.stderr))
     from prefixcache.bench.report import markdown

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from prefixcache.bench import texts
+from prefixcache.bench.accounting import common_prefix_len
 from prefixcache.sample_texts import QUESTIONS as SEED_QUESTIONS
 from prefixcache.sample_texts import SYSTEM_PROMPT as SEED_SYSTEM_PROMPT
 
@@ -180,3 +181,74 @@ def _reply_text(tokenizer, token_ids: Sequence[int], eos: frozenset[int]) -> str
             ids = ids[:i]
             break
     return tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+# ---------------------------------------------------------------------------------------- speed
+
+SPEED_PREFIX_TOKENS = 2032  # the issue's shared system prompt, in tokens
+# Words the speed workload's system prompt is cut from: the support policy, then (for prefixes longer
+# than the policy) the report, as background reading.
+_SPEED_SYSTEM_TEXT = texts.SUPPORT_POLICY + "\nBackground reading, for context only:\n\n" + texts.RAG_DOCUMENT
+_LONG_TEXT = texts.RAG_DOCUMENT + "\n" + texts.SUPPORT_POLICY + "\n" + texts.FEW_SHOT_EXAMPLES
+
+
+@dataclass(frozen=True)
+class SpeedPrompts:
+    """The prompts of ``prefixcache bench --workload speed`` (see :mod:`prefixcache.bench.speed`).
+
+    Attributes:
+        shared: a ~``prefix_tokens``-token system prompt + one customer message each (chat template).
+        prefix_tokens: tokens every prompt of ``shared`` starts with (capped one short of the shortest).
+        short: the demo's system prompt + its first question: single-sequence decode.
+        long: exactly the asked number of plain-text tokens (long-context prefill), or None.
+    """
+
+    shared: list[Prompt]
+    prefix_tokens: int
+    short: Prompt
+    long: Prompt | None
+
+
+def build_speed_prompts(tokenizer, num_requests: int, prefix_tokens: int = SPEED_PREFIX_TOKENS,
+                        long_tokens: int | None = None) -> SpeedPrompts:
+    """Builds the speed workload's prompts for a model's tokenizer and chat template.
+
+    The system prompt is the longest word prefix of the support policy (then the report) whose
+    chat-templated prompts share at most ``prefix_tokens`` tokens (binary search over words).
+
+    Args:
+        tokenizer: the model's tokenizer (with a chat template).
+        num_requests: customer messages over the shared system prompt, ``>= 1``.
+        prefix_tokens: target length of the shared prefix, ``>= 1``.
+        long_tokens: length of the long plain-text prompt; None: none.
+
+    Raises:
+        ValueError: a size out of range.
+    """
+    for name, v in (("num_requests", num_requests), ("prefix_tokens", prefix_tokens),
+                    ("long_tokens", 1 if long_tokens is None else long_tokens)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+    def chat(system: str, user: str) -> Prompt:
+        conv = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def prefix_len(system: str) -> int:
+        return common_prefix_len([chat(system, "Hello."), chat(system, "Thanks!")])
+
+    words = _SPEED_SYSTEM_TEXT.split(" ")
+    lo, hi = 1, len(words)  # the largest word count whose prefix fits (at least one word)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if prefix_len(" ".join(words[:mid])) <= prefix_tokens else (lo, mid - 1)
+    system = " ".join(words[:lo])
+    shared = [chat(system, m) for m in _pick(texts.SUPPORT_MESSAGES, num_requests)]
+    n_prefix = min(common_prefix_len(shared), min(map(len, shared)) - 1)
+    short = chat(SEED_SYSTEM_PROMPT, SEED_QUESTIONS[0])
+    long = None
+    if long_tokens is not None:
+        ids = tokenizer.encode(_LONG_TEXT, add_special_tokens=False)
+        long = (ids * (long_tokens // len(ids) + 1))[:long_tokens]
+    return SpeedPrompts(shared, n_prefix, short, long)

