@@ -460,7 +460,8 @@ def run_bench(opts: BenchOptions, loaded: LoadedModel | None = None, log=print) 
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     started = datetime.datetime.now().astimezone()
     load_start = os.getloadavg()
-    loaded = loaded or load_model(opts.model, dtype=EngineConfig.from_kwargs(**opts.engine_options).torch_dtype)
+    engine_config = EngineConfig.from_kwargs(**opts.engine_options)
+    loaded = loaded or load_model(opts.model, dtype=engine_config.torch_dtype, quantization=engine_config.quantization)
     torch.set_num_threads(opts.num_threads)
     hf = None
     if not opts.skip_hf:
@@ -551,6 +552,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="speed: also measure long context (8,000-token prefill, decode at 8k; a few minutes more)")
     p.add_argument("--dtype", default=None, choices=EngineConfig.choices("dtype"),
                    help="our engine's weights and KV dtype (default float32; the baselines keep theirs)")
+    p.add_argument("--quantization", default=None, choices=EngineConfig.choices("quantization"),
+                   help="our engine's weight format (default none; int8: see README 'Weight formats')")
     p.add_argument("--skip-micro", action="store_true", help="skip the hash + lookup micro-benchmark")
     p.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
     p.add_argument("--out", default=d.out, help="output directory")
@@ -584,6 +587,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
     options = {"enable_partial_block_reuse": False} if args.no_partial_block_reuse else {}
     if args.dtype is not None:
         options["dtype"] = args.dtype
+    if args.quantization is not None:
+        options["quantization"] = args.quantization
     return options
 
 

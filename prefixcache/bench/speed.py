@@ -108,7 +108,9 @@ class OursEngine:
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
-        self.label = f"prefixcache {str(llm.engine.loaded.dtype).removeprefix('torch.')}"
+        loaded = llm.engine.loaded
+        self.label = f"prefixcache {str(loaded.dtype).removeprefix('torch.')}" + (
+            f" {loaded.quantization}" if loaded.quantization != "none" else "")
 
     def reset(self) -> None:
         self.llm.reset_prefix_cache()
