@@ -362,12 +362,12 @@ class Attention(nn.Module):
         k_dec = k_cache.index_select(0, flat_blocks).view(kv_shape)[:, keys]  # [num_decodes, num_keys, kv_heads, hd]
         v_dec = v_cache.index_select(0, flat_blocks).view(kv_shape)[:, keys]  # [num_decodes, num_keys, kv_heads, hd]
         o = F.scaled_dot_product_attention(
-            q_dec.unsqueeze(2).expand(-1, -1, md.num_decode_rows, -1).contiguous(),  # [num_decodes, num_heads, 3,
-            # head_dim]: the query repeated (see the module docstring)
+            q_dec.unsqueeze(2).expand(-1, -1, md.num_decode_rows, -1).contiguous(),  # [num_decodes, num_heads,
+            # num_decode_rows, head_dim]: the query repeated when batch-invariant (see the module docstring)
             k_dec.transpose(1, 2),  # [num_decodes, kv_heads, num_keys, head_dim]
             v_dec.transpose(1, 2),
             attn_mask=md.decode_attn_mask,
             scale=self.scale,
             enable_gqa=True,
-        )  # [num_decodes, num_heads, 3, head_dim]
+        )  # [num_decodes, num_heads, num_decode_rows, head_dim]
         return o[:, :, 0]
