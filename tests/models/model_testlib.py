@@ -93,3 +93,13 @@ class PagedDriver:
             start += len(toks)
             self.num_computed[s] += len(toks)
         return out
+
+
+def chunked_then_decoded(loaded, ids: list[int], seed: int = 3) -> tuple[torch.Tensor, list[int]]:
+    """Logits of `ids` run as a 6-token chunk, a 5-token chunk, then one decode step per token, on
+    shuffled blocks: ([len(ids), vocab], the block table used)."""
+    driver = PagedDriver(loaded, seed=seed)
+    driver.add("a", len(ids))
+    got = [driver.step([("a", ids[:6])])["a"], driver.step([("a", ids[6:11])])["a"]]
+    got += [driver.step([("a", [t])])["a"] for t in ids[11:]]  # decode, one token per step
+    return torch.cat(got), driver.block_tables["a"]

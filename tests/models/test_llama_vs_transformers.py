@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from model_testlib import PagedDriver, make_tiny_checkpoint
+from model_testlib import PagedDriver, chunked_then_decoded, make_tiny_checkpoint
 
 from prefixcache.layers.rotary import compute_inv_freq
 from prefixcache.models.loader import load_model
@@ -36,13 +36,9 @@ def test_chunked_prefill_then_decode_matches_transformers(tiny):
     ref, loaded = tiny
     ids = random_ids(19, seed=2)
     expected = reference_logits(ref, ids)
-    driver = PagedDriver(loaded, seed=3)
-    driver.add("a", len(ids))
-    assert driver.block_tables["a"] != sorted(driver.block_tables["a"])  # non-contiguous, shuffled
-    got = [driver.step([("a", ids[:6])])["a"], driver.step([("a", ids[6:11])])["a"]]
-    for t in ids[11:]:  # decode, one token per step
-        got.append(driver.step([("a", [t])])["a"])
-    torch.testing.assert_close(torch.cat(got), expected, atol=ATOL, rtol=0)
+    got, block_table = chunked_then_decoded(loaded, ids)
+    assert block_table != sorted(block_table)  # non-contiguous, shuffled
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
 def test_mixed_batch_equals_each_alone(tiny):

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from model_testlib import PagedDriver
+from model_testlib import PagedDriver, chunked_then_decoded
 
 from prefixcache.models.loader import load_model
 
@@ -45,11 +45,8 @@ def test_int8_chunked_prefill_and_decode_equal_one_prefill(tiny_pair):
     _, int8 = tiny_pair
     ids = random_ids(19, seed=3)
     expected = prefill(int8, ids)
-    driver = PagedDriver(int8, seed=3)
-    driver.add("a", len(ids))
-    got = [driver.step([("a", ids[:6])])["a"], driver.step([("a", ids[6:11])])["a"]]
-    got += [driver.step([("a", [t])])["a"] for t in ids[11:]]
-    assert torch.equal(torch.cat(got), expected)  # bit for bit: exact int8 sums, padded attention
+    got, _ = chunked_then_decoded(int8, ids)
+    assert torch.equal(got, expected)  # bit for bit: exact int8 sums, padded attention
 
 
 def test_int8_mixed_batch_is_bitwise_each_alone(tiny_pair):

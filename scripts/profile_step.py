@@ -1,0 +1,30 @@
+"""Where a forward pass spends its time: torch.profiler over one cold prefill, or a short decode.
+
+    .venv/bin/python scripts/profile_step.py [--quantization int8] [--prefill-tokens 2000 | --decode-tokens 16]
+"""
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from prefixcache import LLM, SamplingParams
+from prefixcache.sample_texts import SYSTEM_PROMPT
+
+p = argparse.ArgumentParser()
+p.add_argument("--quantization", default="none")
+p.add_argument("--num-threads", type=int, default=2)
+p.add_argument("--prefill-tokens", type=int, default=2000)
+p.add_argument("--decode-tokens", type=int, default=0, help="profile this many decode steps instead")
+args = p.parse_args()
+llm = LLM(quantization=args.quantization, num_threads=args.num_threads)
+llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
+if args.decode_tokens:
+    prompts, params = ["The capital of France is"], SamplingParams(temperature=0, max_tokens=args.decode_tokens,
+                                                                   ignore_eos=True)
+else:
+    ids = llm.engine.tokenizer((SYSTEM_PROMPT + " ") * 40).input_ids[: args.prefill_tokens]
+    prompts, params = [ids], SamplingParams(temperature=0, max_tokens=1)
+with profile(activities=[ProfilerActivity.CPU]) as prof:
+    llm.generate(prompts, params, use_tqdm=False)
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
