@@ -71,6 +71,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             batch_invariant=self.model.quantization == "int8",  # exact linear layers: make attention exact too
+            dtype=self.kv_caches[0].dtype,
         )
         lora_segments, start = [], 0
         for s in seqs:
