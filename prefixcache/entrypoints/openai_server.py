@@ -60,7 +60,14 @@ _V1_ERRORS = (400, 401, *_ANY_ROUTE_ERRORS)
 def _json_or_sse(model: type) -> dict[int | str, dict]:
     return {200: {"model": model, "description": "the answer, or with `stream: true` an SSE stream of chunks "
                                                   "ending with `data: [DONE]`",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                  "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
+
+
+# One server-sent event as parsed by a client (the WHATWG fields): ``data`` is a chunk's JSON, or
+# ``[DONE]`` at the end.
+_SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                                               "id": {"type": "string"}, "retry": {"type": "integer"}},
+              "required": ["data"]}
 
 
 class PrometheusResponse(Response):
