@@ -115,6 +115,30 @@ def load_lora_adapter(path: str | Path, model: nn.Module, name: str = "") -> LoR
     return LoRAAdapter(name=name, digest=digest, rank=rank, scaling=scaling, weights=weights)
 
 
+ROW_TILE = 32  # rows per bf16 GEMM call of a batch-invariant model (see row_tiled_linear)
+
+
+def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` in calls of at most :data:`ROW_TILE` rows, so each row's bits do not depend on
+    how many rows share the call.
+
+    Measured here (``scripts/probe_gemm_row_invariance.py --dtype bfloat16``): torch's bf16 GEMM on
+    this CPU (oneDNN) gives a row the same bits for every call of 1 to 32 rows, and other bits
+    beyond 32 (another kernel blocking), for every projection shape of the model and the lm_head.
+
+    Args:
+        x: shape = [num_tokens, in_features].
+        weight: shape = [out_features, in_features].
+        bias: shape = [out_features] or None.
+
+    Returns:
+        shape = [num_tokens, out_features].
+    """
+    if x.shape[0] <= ROW_TILE:
+        return F.linear(x, weight, bias)
+    return torch.cat([F.linear(x[i : i + ROW_TILE], weight, bias) for i in range(0, x.shape[0], ROW_TILE)])
+
+
 class LoRALinear(nn.Linear):
     """``nn.Linear`` that adds each request's LoRA delta to its own token range.
 
@@ -126,11 +150,12 @@ class LoRALinear(nn.Linear):
 
     module_name: str = ""
     int8: Int8Weight | None = None
+    row_tiled: bool = False  # float products in calls of <= ROW_TILE rows (a batch-invariant bf16 model)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """Args: x shape = [num_tokens, in_features]. Returns: shape = [num_tokens, out_features]."""
         if self.int8 is None:
-            y = F.linear(x, self.weight, self.bias)
+            y = row_tiled_linear(x, self.weight, self.bias) if self.row_tiled else F.linear(x, self.weight, self.bias)
         else:
             y = int8_linear(*quantize_activations(x), self.int8, x.dtype)
         return self.add_lora(y, x, lora)
@@ -149,5 +174,6 @@ class LoRALinear(nn.Linear):
             ab = adapter.weights.get(self.module_name)
             if ab is not None:
                 a, b = ab
-                y[start:end] += adapter.scaling * F.linear(F.linear(x[start:end], a), b)  # [n, out]
+                linear = row_tiled_linear if self.row_tiled else F.linear
+                y[start:end] += adapter.scaling * linear(linear(x[start:end], a), b)  # [n, out]
         return y

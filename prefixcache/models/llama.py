@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.layers.attention import Attention, AttentionMetadata
-from prefixcache.layers.lora import LoRABatch, LoRALinear
+from prefixcache.layers.lora import LoRABatch, LoRALinear, row_tiled_linear
 from prefixcache.layers.norm import RMSNorm
 from prefixcache.layers.quant import (
     QUANTIZATIONS,
@@ -219,6 +219,7 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.quantize(scheme)
         self.lm_head_int8 = quantize_weight(self.lm_head.weight) if scheme == "int8" else None
         self.quantization = scheme
+        self.set_row_tiling()
 
     def forward(
         self,
@@ -247,4 +248,22 @@ class LlamaForCausalLM(nn.Module):
         """Args: hidden_states shape = [n, hidden_size]. Returns: float32 logits, shape = [n, vocab_size]."""
         if self.lm_head_int8 is not None:
             return int8_linear(*quantize_activations(hidden_states), self.lm_head_int8, torch.float32)
+        if self.batch_invariant:
+            return row_tiled_linear(hidden_states, self.lm_head.weight, self.lm_head.bias).float()
         return self.lm_head(hidden_states).float()
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a token's result has the same bits in any batch: the int8 format (exact integer
+        GEMMs) and bfloat16 (its GEMMs run in calls of <= ROW_TILE rows, see
+        :func:`~prefixcache.layers.lora.row_tiled_linear`); the attention metadata then pads as
+        ``prefixcache.layers.attention`` says. float32's GEMMs round by batch size (MKL), so it
+        keeps the cheaper untiled calls and agrees with a batch only to float rounding."""
+        return self.quantization == "int8" or self.lm_head.weight.dtype == torch.bfloat16
+
+    def set_row_tiling(self) -> None:
+        """Makes every float projection row-tiled iff the model is bfloat16 (call after a dtype change)."""
+        tiled = self.quantization == "none" and self.lm_head.weight.dtype == torch.bfloat16
+        for module in self.modules():
+            if isinstance(module, LoRALinear):
+                module.row_tiled = tiled

@@ -74,7 +74,7 @@ class ModelRunner:
             [(s.num_computed_tokens, len(s.token_ids), s.block_ids) for s in seqs],
             self.block_size,
             self.device,
-            batch_invariant=self.model.quantization == "int8",  # exact linear layers: make attention exact too
+            batch_invariant=self.model.batch_invariant,  # batch-invariant linear layers: attention too
             dtype=self.kv_caches[0].dtype,
         )
         lora_segments, start = [], 0

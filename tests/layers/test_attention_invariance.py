@@ -2,6 +2,7 @@
 
 import random
 
+import pytest
 import torch
 
 from prefixcache.layers.attention import Attention, build_attention_metadata
@@ -13,7 +14,8 @@ TABLES = [_BLOCKS[:45], _BLOCKS[45:80], _BLOCKS[80:83]]  # shuffled, non-contigu
 
 def _run(attn, kv_cache, q_all, k_all, v_all, batch):
     """batch: (sequence, num_computed, num_new, positions) per sequence."""
-    md, _ = build_attention_metadata([(c, n, TABLES[i]) for i, c, n, _ in batch], BLOCK, "cpu", batch_invariant=True)
+    md, _ = build_attention_metadata([(c, n, TABLES[i]) for i, c, n, _ in batch], BLOCK, "cpu", batch_invariant=True,
+                                     dtype=kv_cache.dtype)
     pos = [p for *_, ps in batch for p in ps]
     seq = [i for i, *_, ps in batch for _ in ps]
     q = torch.stack([q_all[s][p] for s, p in zip(seq, pos)])
@@ -22,14 +24,15 @@ def _run(attn, kv_cache, q_all, k_all, v_all, batch):
     return attn(q, k, v, kv_cache, md).view(len(pos), HEADS, HEAD_DIM)
 
 
-def test_query_bits_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_bits_do_not_depend_on_the_batch(dtype):
     torch.manual_seed(0)
     lens = [700, 530, 40]
-    q_all = [torch.randn(n, HEADS, HEAD_DIM) for n in lens]
-    k_all = [torch.randn(n, KV_HEADS, HEAD_DIM) for n in lens]
-    v_all = [torch.randn(n, KV_HEADS, HEAD_DIM) for n in lens]
+    q_all = [torch.randn(n, HEADS, HEAD_DIM).to(dtype) for n in lens]
+    k_all = [torch.randn(n, KV_HEADS, HEAD_DIM).to(dtype) for n in lens]
+    v_all = [torch.randn(n, KV_HEADS, HEAD_DIM).to(dtype) for n in lens]
     attn = Attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
-    fresh = lambda: torch.zeros(2, 200, BLOCK, KV_HEADS, HEAD_DIM)  # noqa: E731
+    fresh = lambda: torch.zeros(2, 200, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)  # noqa: E731
 
     # Reference: sequence 0 prefilled in one chunk, then position 699 decoded alone.
     cache = fresh()
