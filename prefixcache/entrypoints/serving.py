@@ -29,7 +29,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from prefixcache.entrypoints.api_errors import APIError, clip, error_body, input_error
+from prefixcache.entrypoints.api_errors import APIError, clip, cut, error_body, input_error
 from prefixcache.entrypoints.protocol import (
     UNSUPPORTED_FIELDS,
     ChatChoice,
@@ -147,7 +147,7 @@ def structured_outputs(req: AnyRequest) -> StructuredOutputsParams | None:
         if name == "structured_outputs":
             for key, extra in (value.model_extra or {}).items():
                 if extra is not None:
-                    raise APIError(400, f"structured_outputs.{clip(key)} is not supported yet", name,
+                    raise APIError(400, f"structured_outputs.{cut(key)} is not supported yet", name,
                                    "unsupported_parameter")
             return StructuredOutputsParams(json=value.json_schema, regex=value.regex, choice=value.choice,
                                            json_object=bool(value.json_object))

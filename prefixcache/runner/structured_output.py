@@ -45,6 +45,7 @@ from collections.abc import Sequence
 import llguidance
 import llguidance.hf
 import llguidance.torch
+import numpy as np
 import torch
 
 from prefixcache.errors import InvalidInputError
@@ -75,17 +76,18 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     ``bitmask[i]``.
 
     Args:
-        logits: shape = [num_rows, vocab_size], float.
+        logits: shape = [num_rows, vocab_size], float32 or float64, on the CPU, not requiring grad.
         bitmask: shape = [len(rows), ceil(vocab_size / 32)], int32; bit ``t % 32`` of word
             ``t // 32`` is 1 where token ``t`` is allowed (llguidance's and xgrammar's layout).
         rows: the rows of ``logits`` the bitmask's rows apply to.
     """
-    num_masks, vocab_size = len(rows), logits.shape[-1]
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [num_masks, num_words, 32]
-    allowed = bits.reshape(num_masks, -1)[:, :vocab_size].bool()  # [num_masks, vocab_size]
-    index = torch.tensor(rows, dtype=torch.long)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    # In numpy, on the tensor's memory: single-threaded, no thread-pool barriers (on a busy 2-core
+    # machine, torch's indexing + masked_fill of one 49,152-wide row took 20-40 ms; this takes 0.3).
+    words = bitmask.numpy().astype("<i4", copy=False)  # little-endian: byte k holds bits 8k..8k+7
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")  # [len(rows), 32 * num_words]
+    values = logits.numpy()  # [num_rows, vocab_size], the same memory
+    for k, row in enumerate(rows):
+        np.putmask(values[row], bits[k, : values.shape[-1]] == 0, -np.inf)
 
 
 class StructuredOutputManager:
