@@ -5,6 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """One token's log probability (vLLM's ``Logprob``).
+
+    Attributes:
+        logprob: natural log of its probability.
+        rank: 1 + the tokens more likely than it.
+        decoded_token: its text alone.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, Logprob] | None]  # per prompt token; None for the first
+
+
 @dataclass
 class RequestOutput:
     """The result of one request.
@@ -24,6 +42,10 @@ class RequestOutput:
         ttft_s: seconds from arrival to the first generated token.
         e2e_s: seconds from arrival to finish (None while unfinished).
         finished: False only for the intermediate outputs of a streaming request.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs = k``, per prompt token (None for
+            the first) the token's own :class:`Logprob` then the k most likely ones at its position
+            (vLLM's layout); None otherwise, and until the prompt is computed.
+        num_cached_prompt_logprobs: of those entries, how many the prefix cache served.
         error: with finish_reason "error", what failed (an internal fault, not the request's input:
             bad input is refused before a request is queued).
     """
@@ -42,3 +64,5 @@ class RequestOutput:
     e2e_s: float | None
     finished: bool = True
     error: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_prompt_logprobs: int = 0

@@ -26,6 +26,7 @@ from prefixcache.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from prefixcache.cache.hashing import BlockHash, BlockHasher
     from prefixcache.layers.lora import LoRAAdapter
+    from prefixcache.prompt_logprobs import PromptLogprobsState
 
 
 def sample_request_id(group_id: str, sample_index: int) -> str:
@@ -111,6 +112,9 @@ class Request:
     stop_text_end: int | None = field(init=False, default=None)
     num_checked_chars: int = field(init=False, default=0)
     error: str | None = field(init=False, default=None)  # why it finished with FINISHED_ERROR
+    # With sampling_params.prompt_logprobs: the entries so far (set at first admission; the samples
+    # of an n > 1 request share it, their prompt is one).
+    prompt_logprobs: PromptLogprobsState | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

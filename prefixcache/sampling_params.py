@@ -12,6 +12,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # per stop string: the stop search and the stream's hold-back scan this much
 MAX_STOP_TOKEN_IDS = 1024
 MAX_N = 64
+MAX_PROMPT_LOGPROBS = 20  # = prefixcache.prompt_logprobs.PROMPT_LOGPROBS_TOPK, the alternatives a block keeps
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,10 @@ class SamplingParams:
             compared with sampled ids, so one outside the vocabulary never matches).
         ignore_eos: keep generating past the model's EOS tokens.
         include_stop_str_in_output: keep the matched stop string in the text.
+        prompt_logprobs: per prompt token from the second on, its logprob and rank and the top
+            ``prompt_logprobs`` alternatives (0..20) of the raw distribution predicting it
+            (vLLM's field; see ``prefixcache.prompt_logprobs``); None: not computed. Served from
+            the prefix cache for the cached part of the prompt.
         n: parallel samples of the prompt (1..64). They share the prompt's KV blocks; sample ``i``
             uses seed ``seed + i`` when a seed is given (vLLM v1's rule), so each sample equals the
             same prompt run alone with that seed.
@@ -134,6 +139,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     n: int = 1
+    prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -157,6 +163,11 @@ class SamplingParams:
         _check_int("n", self.n)
         if not 1 <= self.n <= MAX_N:
             raise InvalidInputError("n", f"n must be in [1, {MAX_N}], got {_show(self.n)}")
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs)
+            if not 0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
+                raise InvalidInputError("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}], "
+                                                           f"got {_show(self.prompt_logprobs)}")
         if self.seed is not None:
             _check_int("seed", self.seed)
             if not -(2**63) <= self.seed <= 2**64 - self.n:  # what torch.Generator.manual_seed accepts

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from prefixcache.prompt_logprobs import PromptLogprobsWork
 from prefixcache.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ class ScheduledSeq:
     # Parallel sampling: (request id, params) of samples forked from this step's logits.
     forks: list[tuple[str, SamplingParams]] = field(default_factory=list)
     num_prompt_tokens: int = 0  # the request's prompt length in tokens (positions below it are prompt)
+    prompt_logprobs: PromptLogprobsWork | None = None  # set: compute the chunk's prompt logprobs
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prefixcache.cache.hashing import BlockHash
+from prefixcache.prompt_logprobs import BlockPromptLogprobs
 
 
 @dataclass(slots=True, eq=False)
@@ -34,6 +35,8 @@ class KVCacheBlock:
         depth: blocks before this one in its chain when cached (0 for a first block).
         cached_s: when the block was cached (the pool's clock, seconds).
         num_cached_children: cached blocks whose live parent is this block.
+        prompt_logprobs: its tokens' prompt logprobs and its last hidden state, when the request
+            that computed it asked for prompt logprobs; cleared with the rest of the content.
     """
 
     block_id: int
@@ -48,6 +51,7 @@ class KVCacheBlock:
     depth: int = 0
     cached_s: float = 0.0
     num_cached_children: int = 0
+    prompt_logprobs: BlockPromptLogprobs | None = None
 
     def __repr__(self) -> str:
         cached = f", hash={self.block_hash.hex()[:8]}" if self.block_hash is not None else ""

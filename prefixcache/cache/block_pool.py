@@ -444,6 +444,7 @@ class BlockPool:
         block.parent_generation = 0
         block.root_key = None
         block.extra_key = b""
+        block.prompt_logprobs = None
         block.generation += 1
         self.num_cached_blocks -= 1
 

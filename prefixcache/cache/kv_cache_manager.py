@@ -56,6 +56,7 @@ from prefixcache.cache.metrics import PrefixCacheSnapshot, PrefixCacheStats
 from prefixcache.scheduler_output import CopyOp
 
 if TYPE_CHECKING:
+    from prefixcache.prompt_logprobs import BlockPromptLogprobs
     from prefixcache.request import Request
 
 __all__ = ["Admission", "CopyOp", "KVCacheManager", "PartialHit"]
@@ -150,7 +151,11 @@ class KVCacheManager:
             What was done, or ``None`` when the pool can't hold it now (nothing changed).
         """
         hits, num_hit = self.get_computed_blocks(request)
-        partial = self.get_partial_hit(request, hits)
+        if request.sampling_params.prompt_logprobs is None:
+            partial = self.get_partial_hit(request, hits)
+        else:  # a hit must also serve the block's prompt logprobs (prefixcache/prompt_logprobs.py)
+            n = next((i for i, b in enumerate(hits) if b.prompt_logprobs is None), len(hits))
+            hits, num_hit, partial = hits[:n], n * self.block_size, None
         num_partial = partial.num_tokens if partial is not None else 0
         num_new = min(request.num_tokens - num_hit - num_partial, token_budget)
         new_blocks = self.allocate_slots(request, num_new + num_lookahead_tokens, hits, num_hit, partial)
@@ -492,6 +497,27 @@ class KVCacheManager:
             self.block_pool.free_blocks(ordered)
         else:
             self.block_pool.free_blocks(reversed(blocks))
+
+    def store_prompt_logprobs(self, request: Request, block_index: int, data: BlockPromptLogprobs) -> bool:
+        """Keeps a prompt block's prompt logprobs with the cached block that now holds its K/V.
+
+        Args:
+            request: a running request whose block ``block_index`` is a full prompt block.
+            block_index: the block's index in the request's block table.
+            data: the entries of its tokens and its last hidden state.
+
+        Returns:
+            Whether they were stored: False when the block is not cached (caching off, or it was
+            dropped) or already has some (a hit, or another request's identical block).
+        """
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        if block_index >= len(blocks):
+            return False
+        block = blocks[block_index]
+        if block.block_hash is None or block.prompt_logprobs is not None:
+            return False
+        block.prompt_logprobs = data
+        return True
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids; ``[]`` for an unknown request."""

@@ -19,9 +19,14 @@ engine raises anywhere else, every request in flight is failed and the engine is
 emptied, prefix cache dropped); it goes on serving. Only if that recovery fails is the engine
 dead (:attr:`error` set, every call raises :class:`EngineDeadError`, ``/health`` says 503).
 
+Requests added together (:meth:`AsyncLLMEngine.generate_batch`: the prompts of one completion
+request) are added in one call on the engine thread, all or none, and share one queue and one
+stream, so their outputs arrive in the order the engine made them.
+
 Invariants:
 - a request id is in ``_queues`` from just before its add is submitted until its stream ends;
-- a stream that ends early (client gone, task cancelled) submits an abort, which frees its blocks.
+- a stream that ends early (client gone, task cancelled, a sample failed) submits an abort of each
+  of its requests, which frees their blocks.
 """
 
 from __future__ import annotations
@@ -237,35 +242,97 @@ class AsyncLLMEngine:
             ValueError: naming the field, as ``LLMEngine.add_request``.
             EngineDeadError: the background loop has failed.
         """
+        request_ids = None if request_id is None else [request_id]
+        return await self.generate_batch([prompt], sampling_params, cache_salt, request_ids, stream, lora, tenant)
+
+    async def generate_batch(
+        self,
+        prompts: list[str | list[int]],
+        sampling_params: SamplingParams,
+        cache_salt: str | None = None,
+        request_ids: list[str] | None = None,
+        stream: bool = True,
+        lora: LoRARequest | None = None,
+        tenant: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Adds one request per prompt, all in one call on the engine thread (so the scheduler
+        sees them together, in the same step), and returns their outputs as one async stream.
+
+        All or nothing: if any prompt is refused, none is queued. The stream yields the outputs
+        in the order the engine makes them (``request_id`` tells the prompts apart, ``index`` the
+        samples); it ends once every sample of every prompt finished, or at the first aborted or
+        failed one. Leaving it early aborts every request of the batch.
+
+        Args:
+            prompts: texts or token-id lists (at least one).
+            request_ids: one per prompt, distinct; default fresh ``"req-N"`` ids.
+            (the others as :meth:`generate`; ``sampling_params`` apply to every prompt.)
+
+        Raises:
+            ValueError: naming the field, as ``LLMEngine.add_request``; with several prompts the
+                message starts with the refused prompt's position (``"prompt[2]: ..."``).
+            EngineDeadError: the background loop has failed.
+        """
         if self._task is None:
             self.start()
-        request_id = request_id if request_id is not None else f"req-{next(self._counter)}"
-        if request_id in self._queues:
-            raise InvalidInputError("request_id", f"request_id {request_id!r} is already in use")
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._queues[request_id] = queue  # reserved now; before the add: the next step may output
-        self._unfinished[request_id] = sampling_params.n
+        if request_ids is None:
+            request_ids = [f"req-{next(self._counter)}" for _ in prompts]
+        if len(set(request_ids)) != len(request_ids) or len(request_ids) != len(prompts) or not prompts:
+            raise InvalidInputError("request_id", "give one distinct request_id per prompt, and at least one prompt")
+        for request_id in request_ids:
+            if request_id in self._queues:
+                raise InvalidInputError("request_id", f"request_id {request_id!r} is already in use")
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()  # shared by the batch
+        for request_id in request_ids:  # reserved now; before the add: the next step may output
+            self._queues[request_id] = queue
+            self._unfinished[request_id] = sampling_params.n
         try:
-            if not isinstance(prompt, ProcessedPrompt):
-                prompt = await self._call_input(self.engine.input_processor.tokenize, prompt, self._tokenizer)
-            await self._call(
-                self.engine.add_request, prompt, sampling_params,
-                cache_salt=cache_salt, request_id=request_id, stream=stream, lora=lora,
-                tenant=tenant,
-            )
+            processed = await self._call_input(self._tokenize_batch, prompts)
+            await self._call(self._add_batch, processed, sampling_params, request_ids,
+                             {"cache_salt": cache_salt, "stream": stream, "lora": lora, "tenant": tenant})
         except BaseException as e:
-            if self._queues.get(request_id) is queue:
-                self._queues.pop(request_id)
-                self._unfinished.pop(request_id, None)
+            for request_id in request_ids:
+                if self._queues.get(request_id) is queue:
+                    self._queues.pop(request_id)
+                    self._unfinished.pop(request_id, None)
             if not isinstance(e, Exception) and self.error is None:
                 # Cancelled while the add may be running on the engine thread: abort after it.
-                self._executor.submit(self.engine.abort_request_samples, request_id)
+                for request_id in request_ids:
+                    self._executor.submit(self.engine.abort_request_samples, request_id)
             raise
         self._wakeup.set()
-        return self._stream(request_id, queue, sampling_params.n)
+        return self._stream(request_ids, queue, sampling_params.n)
+
+    def _tokenize_batch(self, prompts: list[str | list[int]]) -> list[ProcessedPrompt]:
+        """Tokenizes the prompts of a batch, on the input thread."""
+        processed = []
+        for i, prompt in enumerate(prompts):
+            try:
+                processed.append(prompt if isinstance(prompt, ProcessedPrompt)
+                                 else self.engine.input_processor.tokenize(prompt, self._tokenizer))
+            except InvalidInputError as e:
+                raise _in_batch(e, i, len(prompts)) from e
+        return processed
+
+    def _add_batch(self, prompts: list[ProcessedPrompt], sampling_params: SamplingParams,
+                   request_ids: list[str], options: dict[str, Any]) -> None:
+        """Adds every prompt of a batch, on the engine thread; none if one is refused (those
+        already added are aborted before any step can run them)."""
+        added: list[str] = []
+        try:
+            for i, (prompt, request_id) in enumerate(zip(prompts, request_ids)):
+                try:
+                    self.engine.add_request(prompt, sampling_params, request_id=request_id, **options)
+                except InvalidInputError as e:
+                    raise _in_batch(e, i, len(prompts)) from e
+                added.append(request_id)
+        except BaseException:
+            for request_id in added:
+                self.engine.abort_request_samples(request_id)
+            raise
 
     async def _stream(
-        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException], n: int
+        self, request_ids: list[str], queue: asyncio.Queue[RequestOutput | BaseException], n: int
     ) -> AsyncIterator[RequestOutput]:
         finished = False
         num_finished = 0
@@ -276,11 +343,12 @@ class AsyncLLMEngine:
                     finished = True
                     raise item
                 num_finished += item.finished
-                finished = num_finished == n or item.finish_reason in ("abort", "error")
+                finished = num_finished == n * len(request_ids) or item.finish_reason in ("abort", "error")
                 yield item
         finally:
-            if not finished:  # the consumer left early: free the request's blocks
-                self.abort_nowait(request_id)
+            if num_finished < n * len(request_ids):  # left early, or a sample failed: free the rest
+                for request_id in request_ids:
+                    self.abort_nowait(request_id)
 
     def abort_nowait(self, request_id: str) -> None:
         """Queues an abort of ``request_id`` on the engine thread without waiting for it."""
@@ -310,14 +378,40 @@ class AsyncLLMEngine:
                 self.on_finish(out, i == len(outs) - 1)
 
     # ------------------------------------------------------------------ engine state
-    async def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Renders a conversation with the model's chat template, on the input thread.
+    async def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                                  add_special_tokens: bool = False) -> list[int]:
+        """Renders a conversation with the model's chat template, on the input thread (the chat
+        endpoint's tokenization, also behind ``/tokenize``).
 
         Raises:
             InvalidInputError: (field ``messages``) the template rejects the conversation, or it is
                 too long for the context.
         """
-        return await self._call_input(self.engine.input_processor.apply_chat_template, messages, True, self._tokenizer)
+        render = self.engine.input_processor.apply_chat_template
+        return await self._call_input(lambda: render(messages, add_generation_prompt, self._tokenizer,
+                                                     add_special_tokens))
+
+    async def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """A completion prompt's token ids exactly as a request feeds them to the engine (the input
+        processor's tokenization), on the input thread.
+
+        Raises:
+            InvalidInputError: (field ``prompt``) as :meth:`InputProcessor.tokenize`.
+        """
+        tokenize = self.engine.input_processor.tokenize
+        return (await self._call_input(lambda: tokenize(prompt, self._tokenizer, add_special_tokens))).token_ids
+
+    async def detokenize(self, token_ids: list[int], field: str = "tokens") -> str:
+        """Token ids → text (special tokens kept), on the input thread.
+
+        Raises:
+            InvalidInputError: naming ``field``, for an id outside the vocabulary.
+        """
+        return await self._call_input(self.engine.input_processor.detokenize, token_ids, self._tokenizer, field)
+
+    async def token_strs(self, token_ids: list[int]) -> list[str]:
+        """The vocabulary string of each (checked) token id, on the input thread."""
+        return await self._call_input(self.engine.input_processor.token_strs, token_ids, self._tokenizer)
 
     async def get_stats(self) -> EngineStats:
         def take() -> EngineStats:
@@ -329,3 +423,8 @@ class AsyncLLMEngine:
     async def reset_prefix_cache(self) -> bool:
         """Drops every cached block; False (nothing done) while any request holds blocks."""
         return await self._call(self.engine.reset_prefix_cache)
+
+
+def _in_batch(e: InvalidInputError, index: int, num_prompts: int) -> InvalidInputError:
+    """``e`` about the prompt at ``index`` of a batch: its message says which (same field)."""
+    return e if num_prompts == 1 else InvalidInputError(e.field, f"prompt[{index}]: {e.message}")

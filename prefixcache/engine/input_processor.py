@@ -93,12 +93,15 @@ class InputProcessor:
         return make_root_key(self.model_key, cache_salt, self._hash_seed, digest)
 
     # ------------------------------------------------------------------ tokenization
-    def tokenize(self, prompt: str | list[int] | ProcessedPrompt, tokenizer=None) -> ProcessedPrompt:
+    def tokenize(self, prompt: str | list[int] | ProcessedPrompt, tokenizer=None,
+                 add_special_tokens: bool = True) -> ProcessedPrompt:
         """Text → token ids (special tokens added as the tokenizer does); token ids are checked.
 
         Args:
             prompt: text, token ids, or an already tokenized prompt (its ids range-checked again).
             tokenizer: the one to use (a thread's own copy); default the model's.
+            add_special_tokens: add the tokenizer's special tokens (BOS...) to a text, as every
+                request does; ``/tokenize`` may turn it off (vLLM's ``add_special_tokens``).
 
         Raises:
             InvalidInputError: (field ``prompt``) empty, not text or token ids, text longer than
@@ -114,17 +117,40 @@ class InputProcessor:
                 raise InvalidInputError("prompt", "prompt must not be empty")
             self.check_text_length(len(prompt))
             check_unicode("prompt", prompt)
-            return ProcessedPrompt(prompt, self._encode(prompt, tokenizer or self.tokenizer, True, "prompt"))
+            ids = self._encode(prompt, tokenizer or self.tokenizer, add_special_tokens, "prompt")
+            return ProcessedPrompt(prompt, ids)
         if not isinstance(prompt, (list, tuple)):
             raise InvalidInputError("prompt", f"prompt must be a string or a list of token ids, "
                                               f"got {type(prompt).__name__}")
         if not prompt:
             raise InvalidInputError("prompt", "prompt must not be empty")
-        for t in prompt:  # any integer type (numpy's too), never a bool
+        return ProcessedPrompt(None, self.check_token_ids(prompt, "prompt"))
+
+    def check_token_ids(self, token_ids: list[int], field: str) -> list[int]:
+        """``token_ids`` as plain ints, each checked to be in the vocabulary.
+
+        Raises:
+            InvalidInputError: naming ``field``, for an id outside ``[0, vocab_size)`` or not an
+                integer (any integer type, numpy's too, is accepted; never a bool).
+        """
+        for t in token_ids:
             if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.vocab_size:
-                raise InvalidInputError("prompt", f"prompt token ids must be integers in [0, {self.vocab_size}), "
-                                                  f"got {str(t)[:40]!r} ({type(t).__name__})")
-        return ProcessedPrompt(None, [int(t) for t in prompt])
+                raise InvalidInputError(field, f"{field} token ids must be integers in [0, {self.vocab_size}), "
+                                               f"got {str(t)[:40]!r} ({type(t).__name__})")
+        return [int(t) for t in token_ids]
+
+    def detokenize(self, token_ids: list[int], tokenizer=None, field: str = "tokens") -> str:
+        """Token ids → text, special tokens kept (what the model reads; vLLM's ``/detokenize``).
+
+        Raises:
+            InvalidInputError: naming ``field``, for an id outside the vocabulary.
+        """
+        return (tokenizer or self.tokenizer).decode(self.check_token_ids(token_ids, field))
+
+    def token_strs(self, token_ids: list[int], tokenizer=None) -> list[str]:
+        """Each (in-vocabulary) token id's own string in the vocabulary (``"Ġthe"`` for a byte-level
+        BPE), as ``tokenizer.convert_ids_to_tokens`` gives it."""
+        return [str(t) for t in (tokenizer or self.tokenizer).convert_ids_to_tokens(token_ids)]
 
     def _encode(self, text: str, tokenizer, add_special_tokens: bool, field: str) -> list[int]:
         """``tokenizer.encode`` after the screen for texts far beyond the context (module docstring).
@@ -152,10 +178,13 @@ class InputProcessor:
                                            f"max_model_len {self.max_model_len} tokens can have")
 
     def apply_chat_template(
-        self, conversation: list[dict[str, str]], add_generation_prompt: bool = True, tokenizer=None
+        self, conversation: list[dict[str, str]], add_generation_prompt: bool = True, tokenizer=None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """Renders one conversation with the model's chat template → prompt token ids (with
-        ``tokenizer``, a thread's own copy, if given).
+        ``tokenizer``, a thread's own copy, if given). The template writes the special tokens
+        itself, so a chat request adds none when encoding (``add_special_tokens``: vLLM's
+        ``/tokenize`` option, default False as there).
 
         Raises:
             InvalidInputError: (field ``messages``) malformed messages, a conversation too long for
@@ -179,7 +208,7 @@ class InputProcessor:
             text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja raises its own errors for conversations it can't render
             raise InvalidInputError("messages", f"messages could not be rendered with the chat template: {e}") from e
-        return self._encode(text, tokenizer, False, "messages")
+        return self._encode(text, tokenizer, add_special_tokens, "messages")
 
     # ------------------------------------------------------------------ approved prefixes
     def add_approved_prefix(self, prompt: str | list[int]) -> int:

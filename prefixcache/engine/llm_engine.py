@@ -208,6 +208,7 @@ class LLMEngine:
                 raise
             return outputs
         updated = self.scheduler.update_from_output(scheduler_output, sampled)
+        self.scheduler.store_prompt_logprobs(self.runner.take_prompt_logprobs())
         return self._postprocess(updated)
 
     def _postprocess(self, updated: list[Request]) -> list[RequestOutput]:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from transformers import PreTrainedTokenizerBase
 
-from prefixcache.outputs import RequestOutput
+from prefixcache.outputs import Logprob, PromptLogprobs, RequestOutput
 from prefixcache.request import Request, RequestStatus
 
 
@@ -87,4 +87,26 @@ class OutputProcessor:
             e2e_s=None if request.finish_s is None else request.finish_s - request.arrival_s,
             finished=request.is_finished,
             error=request.error,
+            prompt_logprobs=self.prompt_logprobs(request),
+            num_cached_prompt_logprobs=0 if request.prompt_logprobs is None else request.prompt_logprobs.num_from_cache,
         )
+
+    def prompt_logprobs(self, request: Request) -> PromptLogprobs | None:
+        """vLLM's prompt-logprobs list of a request whose prompt is computed (else None): per prompt
+        token from the second on, its own entry, then the top ``k`` of its position not already in."""
+        state, k = request.prompt_logprobs, request.sampling_params.prompt_logprobs
+        if state is None or not state.complete:
+            return None
+        prompt = request.prompt_token_ids
+        top_ids, top_lps = state.topk_ids[:, :k].tolist(), state.topk_logprobs[:, :k].tolist()
+        ids = set(prompt) | {t for row in top_ids for t in row}
+        text = dict(zip(ids, self.tokenizer.batch_decode([[t] for t in ids])))
+        out: PromptLogprobs = [None]
+        for i, (lp, rank) in enumerate(zip(state.token_logprobs.tolist(), state.token_ranks.tolist())):
+            if i == 0:
+                continue
+            entry = {prompt[i]: Logprob(lp, rank, text[prompt[i]])}
+            for r, (t, tlp) in enumerate(zip(top_ids[i], top_lps[i]), start=1):
+                entry.setdefault(t, Logprob(tlp, r, text[t]))
+            out.append(entry)
+        return out

@@ -32,6 +32,7 @@ from collections import OrderedDict
 
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.config import SchedulerConfig
+from prefixcache.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsState
 from prefixcache.request import Request, RequestStatus, sample_request_id
 from prefixcache.sampling_params import SamplingParams
 from prefixcache.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -98,10 +99,34 @@ class Scheduler:
                 del self.waiting[request.request_id]
                 request.status = RequestStatus.RUNNING
                 self.running[request.request_id] = request
+                if request.sampling_params.prompt_logprobs is not None:
+                    self._take_cached_prompt_logprobs(request, admission.num_hit_tokens)
                 out.seqs.append(self._make_seq(request, admission.num_new_tokens))
                 budget -= admission.num_new_tokens
         out.copy_ops = list(kv.pending_copy_ops)
         return out
+
+    def _take_cached_prompt_logprobs(self, request: Request, num_hit_tokens: int) -> None:
+        """Fills a prompt-logprobs request's entries from its cache-hit blocks (each has them:
+        :meth:`KVCacheManager.admit` stops its hits at the first block without)."""
+        kv = self.kv_cache_manager
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = PromptLogprobsState(request.num_prompt_tokens, kv.block_size)
+        for i, block in enumerate(kv.req_to_blocks[request.request_id][: num_hit_tokens // kv.block_size]):
+            request.prompt_logprobs.add_cached_block(i, block.prompt_logprobs)
+
+    def store_prompt_logprobs(self, chunks: dict[str, PromptLogprobsChunk]) -> None:
+        """Records the step's computed prompt logprobs on their requests, and on each prompt block
+        they complete, so that later requests are served them from the cache."""
+        for request_id, chunk in chunks.items():
+            request = self.requests.get(request_id)
+            if request is None or request.prompt_logprobs is None:
+                continue
+            request.prompt_logprobs.add_chunk(chunk)
+            for block_index in chunk.block_hidden:
+                data = request.prompt_logprobs.block_entries(block_index)
+                if data is not None:
+                    self.kv_cache_manager.store_prompt_logprobs(request, block_index, data)
 
     def _make_seq(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
@@ -121,6 +146,8 @@ class Scheduler:
             lora=request.lora,
             forks=forks,
             num_prompt_tokens=request.num_prompt_tokens,
+            prompt_logprobs=None if request.prompt_logprobs is None else request.prompt_logprobs.work(
+                start, start + num_new, request.all_token_ids),
         )
 
     def _preempt_newest(self) -> Request:

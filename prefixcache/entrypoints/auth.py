@@ -44,10 +44,13 @@ def tenants_by_key(api_key: str | None, api_keys: Mapping[str, str] | None) -> d
     return keys
 
 
+PROTECTED_PATHS = frozenset({"/reset_prefix_cache", "/tokenize", "/detokenize"})  # besides /v1/*
+
+
 def needs_key(path: str) -> bool:
-    """Whether ``path`` is protected: ``/v1/*`` and ``/reset_prefix_cache`` (not ``/health``,
-    ``/metrics`` or the OpenAPI docs)."""
-    return path.startswith("/v1") or path == "/reset_prefix_cache"
+    """Whether ``path`` is protected: ``/v1/*``, ``/reset_prefix_cache``, ``/tokenize`` and
+    ``/detokenize`` (not ``/health``, ``/metrics`` or the OpenAPI docs)."""
+    return path.startswith("/v1") or path in PROTECTED_PATHS
 
 
 class APIKeyMiddleware:

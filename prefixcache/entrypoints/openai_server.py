@@ -4,7 +4,8 @@
 under uvicorn: :mod:`.launcher`). Endpoints: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (JSON, or SSE streams ending with ``data: [DONE]``; logic in
 :mod:`.serving`), ``GET /v1/models``, ``GET /health``, ``POST /reset_prefix_cache``,
-``GET /metrics`` (Prometheus). ``usage.prompt_tokens_details.cached_tokens`` is the request's real
+``GET /metrics`` (Prometheus), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's).
+``usage.prompt_tokens_details.cached_tokens`` is the request's real
 number of prompt tokens served from the prefix cache; ``cache_salt`` in the body isolates a
 request's cache namespace. With tenant isolation every API key belongs to a tenant
 (:mod:`.auth`) and each tenant gets its own cache namespace; only operator-approved shared
@@ -41,8 +42,12 @@ from prefixcache.entrypoints.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from prefixcache.entrypoints.serving import OpenAIServing
 from prefixcache.layers.lora import LoRARequest
@@ -55,7 +60,14 @@ _V1_ERRORS = (400, 401, *_ANY_ROUTE_ERRORS)
 def _json_or_sse(model: type) -> dict[int | str, dict]:
     return {200: {"model": model, "description": "the answer, or with `stream: true` an SSE stream of chunks "
                                                   "ending with `data: [DONE]`",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                  "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
+
+
+# One server-sent event as parsed by a client (the WHATWG fields): ``data`` is a chunk's JSON, or
+# ``[DONE]`` at the end.
+_SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                                               "id": {"type": "string"}, "retry": {"type": "integer"}},
+              "required": ["data"]}
 
 
 class PrometheusResponse(Response):
@@ -111,6 +123,14 @@ async def create_chat_completion(req: ChatCompletionRequest, raw_request: Reques
     return await _serving(raw_request).create_chat_completion(req, raw_request, _tenant(raw_request))
 
 
+async def tokenize(req: TokenizeRequest, raw_request: Request) -> TokenizeResponse:
+    return await _serving(raw_request).tokenize(req)
+
+
+async def detokenize(req: DetokenizeRequest, raw_request: Request) -> DetokenizeResponse:
+    return await _serving(raw_request).detokenize(req)
+
+
 # (path, method, endpoint, route options)
 _ROUTES: tuple[tuple[str, str, Any, dict[str, Any]], ...] = (
     ("/health", "GET", health, {"response_class": Response, "responses": {
@@ -125,6 +145,8 @@ _ROUTES: tuple[tuple[str, str, Any, dict[str, Any]], ...] = (
         **_json_or_sse(CompletionResponse), **error_docs(404, *_V1_ERRORS)}}),
     ("/v1/chat/completions", "POST", create_chat_completion, {"response_model": None, "responses": {
         **_json_or_sse(ChatCompletionResponse), **error_docs(404, *_V1_ERRORS)}}),
+    ("/tokenize", "POST", tokenize, {"responses": error_docs(404, *_V1_ERRORS)}),
+    ("/detokenize", "POST", detokenize, {"responses": error_docs(404, *_V1_ERRORS)}),
 )
 
 

@@ -94,7 +94,9 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
+    # One prompt (text or token ids), or a list of them: one choice per prompt and sample.
     prompt: str | list[Int64] | list[str] | list[list[Int64]]
+    echo: bool | None = None  # OpenAI's legacy echo: each choice's text starts with its prompt
 
 
 class ChatMessage(_Request):
@@ -109,7 +111,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 # Accepted-but-unimplemented fields → the values that change nothing (null always passes).
 _UNSUPPORTED_COMMON: Mapping[str, tuple[Any, ...]] = MappingProxyType({
-    "best_of": (1,), "echo": (False,), "logit_bias": ({},), "presence_penalty": (0,),
+    "best_of": (1,), "logit_bias": ({},), "presence_penalty": (0,),
     "frequency_penalty": (0,),
     # vLLM's sampling and decoding extras
     "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "use_beam_search": (False,),
@@ -121,12 +123,39 @@ _UNSUPPORTED_COMMON: Mapping[str, tuple[Any, ...]] = MappingProxyType({
 UNSUPPORTED_FIELDS: Mapping[str, Mapping[str, tuple[Any, ...]]] = MappingProxyType({
     "completions": MappingProxyType({**_UNSUPPORTED_COMMON, "logprobs": (), "suffix": ("",)}),
     "chat": MappingProxyType({
-        **_UNSUPPORTED_COMMON, "logprobs": (False,), "top_logprobs": (0,), "tools": ([],),
+        **_UNSUPPORTED_COMMON, "echo": (False,), "logprobs": (False,), "top_logprobs": (0,), "tools": ([],),
         "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
         "parallel_tool_calls": (True,), "audio": (), "modalities": (["text"],), "prediction": (),
         "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
     }),
+    "tokenize": MappingProxyType({
+        "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": (), "tools": ([],),
+    }),
 })
+
+
+class TokenizeRequest(_Request):
+    """``POST /tokenize`` (vLLM's): a completion prompt or a chat conversation, exactly one.
+
+    One model for vLLM's two forms (``TokenizeCompletionRequest``: ``prompt``,
+    ``add_special_tokens`` default true; ``TokenizeChatRequest``: ``messages``,
+    ``add_generation_prompt`` default true, ``add_special_tokens`` default false). A token-id
+    ``prompt`` is our extension: it is checked, not changed.
+    """
+
+    model: str | None = None
+    prompt: str | list[Int64] | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None  # default True
+    return_token_strs: bool | None = None  # default False
+
+
+class DetokenizeRequest(_Request):
+    """``POST /detokenize`` (vLLM's)."""
+
+    model: str | None = None
+    tokens: list[Int64]
 
 
 # ---------------------------------------------------------------------------- responses
@@ -176,6 +205,25 @@ class ChatChoice(_Choice):
 class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+
+
+class PrefixCacheBlocks(_Model):
+    """How a tokenized prompt falls into the prefix cache's blocks (our extension of vLLM's answer)."""
+
+    block_size: int  # tokens per KV block
+    num_full_blocks: int  # count // block_size: the blocks of this prompt the cache keeps (chained hashes)
+
+
+class TokenizeResponse(_Model):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+    prefix_cache: PrefixCacheBlocks
+
+
+class DetokenizeResponse(_Model):
+    prompt: str
 
 
 class ModelCard(_Model):

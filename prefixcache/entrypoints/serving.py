@@ -1,6 +1,8 @@
 """Serving logic of ``/v1/completions`` and ``/v1/chat/completions`` (vLLM's ``serving_completion``
-and ``serving_chat``): a parsed request → checks → :class:`SamplingParams` → an engine request →
-a JSON answer or an SSE stream, with usage.
+and ``serving_chat``): a parsed request → checks → :class:`SamplingParams` → engine requests (one
+per prompt of a completion's list) → a JSON answer or an SSE stream, with usage; and of
+``/tokenize`` / ``/detokenize`` (vLLM's ``serving_tokenization``), which tokenize by the very code
+a request's prompt goes through.
 
 A request is checked in this order, each failure a 400 naming the field in ``param`` unless said:
 its JSON and field types (FastAPI with ``protocol.py``, before this module), lone surrogates in
@@ -17,11 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from fastapi import Request
@@ -35,11 +38,17 @@ from prefixcache.entrypoints.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    PrefixCacheBlocks,
     PromptTokensDetails,
     ResponseMessage,
+    TokenizeRequest,
+    TokenizeResponse,
     Usage,
 )
 from prefixcache.errors import InvalidInputError
@@ -48,12 +57,14 @@ from prefixcache.outputs import RequestOutput
 from prefixcache.sampling_params import SamplingParams, StructuredOutputsParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_PROMPTS_PER_REQUEST = 1024  # prompts in one /v1/completions request (each is an engine request)
 MAX_CHAT_DEFAULT_MAX_TOKENS = 512  # chat default: the rest of the context, capped at this
 logger = logging.getLogger("prefixcache.server")
 
 AnyRequest = CompletionRequest | ChatCompletionRequest
 # The request fields that constrain the output (at most one per request), in the order checked.
 STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice")
+CheckedRequest = CompletionRequest | ChatCompletionRequest | TokenizeRequest | DetokenizeRequest
 # (sample index, text delta) -> the choice of a stream chunk; (final outputs, created) -> the answer
 StreamChoice = Callable[[int, str], dict]
 MakeResponse = Callable[[list[RequestOutput], int], BaseModel]
@@ -94,8 +105,9 @@ def _changes_nothing(value: Any, noops: tuple[Any, ...]) -> bool:
     return value is None or any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in noops)
 
 
-def check_request(req: AnyRequest, endpoint: str) -> None:
-    """Refuses lone surrogates and fields we don't implement (``endpoint``: "completions" or "chat").
+def check_request(req: CheckedRequest, endpoint: str) -> None:
+    """Refuses lone surrogates and fields we don't implement (``endpoint``: "completions", "chat"
+    or "tokenize").
 
     Raises:
         APIError: 400 naming the field.
@@ -173,16 +185,66 @@ def message_text(content: str | list[dict] | None) -> str:
     return "".join(parts)
 
 
+def chat_conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The ``{role, content}`` dicts the chat template renders (chat completions and ``/tokenize``).
+
+    Raises:
+        APIError: 400 (``messages``) for an empty list or a non-text content part.
+    """
+    if not messages:
+        raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    return [{"role": m.role, "content": message_text(m.content)} for m in messages]
+
+
+def completion_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """A completion request's prompts: one text or token-id list, or a list of them.
+
+    Raises:
+        APIError: 400 (``prompt``) for an empty list of prompts or more than
+            :data:`MAX_PROMPTS_PER_REQUEST` (an empty single prompt is the engine's to refuse).
+    """
+    if isinstance(prompt, str) or not prompt or not isinstance(prompt[0], (str, list)):
+        return [prompt]  # one text, or one token-id list ([] included: the engine names it)
+    if len(prompt) > MAX_PROMPTS_PER_REQUEST:
+        raise APIError(400, f"prompt: a list of {len(prompt)} prompts; at most {MAX_PROMPTS_PER_REQUEST} per "
+                            "request", "prompt")
+    return list(prompt)
+
+
+def check_echo(req: CompletionRequest) -> None:
+    """``echo`` needs prompt logprobs when ``logprobs`` is asked too, which we don't compute yet.
+
+    Raises:
+        APIError: 400 (``echo``) for ``echo: true`` with a non-null ``logprobs``.
+    """
+    if req.echo and getattr(req, "logprobs", None) is not None:  # a declared field or an extra one
+        raise APIError(400, "echo with logprobs is not supported yet", "echo", "unsupported_parameter")
+
+
 # ---------------------------------------------------------------------------- outputs
 def usage(outs: list[RequestOutput]) -> Usage:
-    """Usage of a request from its samples' final outputs (the prompt counted once)."""
+    """Usage of a request from its samples' final outputs: each prompt counted once (its first
+    sample's counts; several prompts of one completion request are summed, as vLLM does), the
+    completion tokens of every sample."""
+    prompts = {o.request_id: o for o in reversed(outs)}  # the lowest choice index of each prompt
+    prompt_tokens = sum(o.num_prompt_tokens for o in prompts.values())
     completion_tokens = sum(len(o.token_ids) for o in outs)
     return Usage(
-        prompt_tokens=outs[0].num_prompt_tokens,
+        prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
-        total_tokens=outs[0].num_prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=outs[0].num_cached_tokens),
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in prompts.values())),
     )
+
+
+async def numbered(stream: AsyncIterator[RequestOutput],
+                   first_choice: Mapping[str, int]) -> AsyncIterator[RequestOutput]:
+    """The outputs of a multi-prompt request with ``index`` turned into the choice index:
+    ``first_choice[request_id] + sample index``, i.e. ``prompt_index * n + sample_index``
+    (vLLM's ``serving_completion`` rule). Closing it closes ``stream`` (aborting what runs)."""
+    async with contextlib.aclosing(stream):
+        async for out in stream:
+            yield dataclasses.replace(out, index=first_choice[out.request_id] + out.index)
 
 
 def stream_text(out: RequestOutput, stops: tuple[str, ...]) -> str:
@@ -369,22 +431,27 @@ class OpenAIServing:
         except ValueError as e:
             raise input_error(e, prompt_field) from e
 
-    async def start(self, prompt: str | list[int], params: SamplingParams, req: AnyRequest, request_id: str,
+    async def start(self, prompts: list[str | list[int]], params: SamplingParams, req: AnyRequest, request_id: str,
                     prompt_field: str, lora: LoRARequest | None, tenant: str | None) -> AsyncIterator[RequestOutput]:
-        """Adds the request to the engine; its outputs as a stream.
+        """Adds one engine request per prompt, together (the scheduler runs them in the same
+        steps; none is queued if one is refused); their outputs as one stream, ``index`` being
+        the choice index (``prompt_index * n + sample_index``). The engine ids are ``request_id``
+        for one prompt, ``request_id-i`` for several (vLLM's).
 
         Raises:
             APIError: 400 for input the engine refuses.
             EngineDeadError: the engine loop has stopped.
         """
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         try:
-            return await self.engine.generate(prompt, params, cache_salt=req.cache_salt, request_id=request_id,
-                                              stream=bool(req.stream), lora=lora, tenant=tenant)
+            stream = await self.engine.generate_batch(prompts, params, cache_salt=req.cache_salt, request_ids=ids,
+                                                      stream=bool(req.stream), lora=lora, tenant=tenant)
         except ValueError as e:
             if isinstance(e, InvalidInputError) and e.field == "structured_outputs":  # a schema that doesn't compile
                 name = structured_output_field(req)
                 raise APIError(400, f"{name}: {e}", name) from e
             raise input_error(e, prompt_field) from e
+        return stream if len(ids) == 1 else numbered(stream, {rid: i * params.n for i, rid in enumerate(ids)})
 
     async def respond(self, req: AnyRequest, params: SamplingParams, stream: AsyncIterator[RequestOutput],
                       raw_request: Request, head: dict, stream_choice: StreamChoice,
@@ -413,33 +480,96 @@ class OpenAIServing:
 
     async def create_completion(self, req: CompletionRequest, raw_request: Request,
                                 tenant: str | None) -> Response | BaseModel:
-        """``POST /v1/completions``.
+        """``POST /v1/completions``: one prompt or a list of them (``n`` choices each, indexes
+        ``prompt_index * n + sample_index``, usage summed over the prompts); ``echo`` starts each
+        choice's text with its prompt (a streamed choice's first chunk carries it).
 
         Raises:
             APIError: 400 / 404 for a bad request, 500 when the engine failed to run it.
             EngineDeadError: the engine loop has stopped.
         """
+        check_echo(req)
         lora, model_name = self.begin(req, "completions")
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, f"prompt: a batch of {len(prompt)} prompts is not supported yet; "
-                                    "send one prompt per request", "prompt")
-            prompt = prompt[0]
+        prompts = completion_prompts(req.prompt)
         params = self.sampling_params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
+        echoes = await self.prompt_texts(prompts) if req.echo else None
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await self.start(prompt, params, req, request_id, "prompt", lora, tenant)
+        stream = await self.start(prompts, params, req, request_id, "prompt", lora, tenant)
+        echoed: set[int] = set()  # choices whose prompt went out (streaming)
+
+        def choice(index: int, delta: str) -> dict:
+            if echoes is not None and index not in echoed:
+                echoed.add(index)
+                delta = echoes[index // params.n] + delta
+            return {"index": index, "text": delta}
 
         def response(outs: list[RequestOutput], created: int) -> CompletionResponse:
             return CompletionResponse(
                 id=request_id, created=created, model=model_name, usage=usage(outs),
-                choices=[CompletionChoice(index=o.index, text=o.text, finish_reason=o.finish_reason,
-                                          stop_reason=o.stop_reason) for o in outs],
+                choices=[CompletionChoice(index=o.index, finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                                          text=o.text if echoes is None else echoes[o.index // params.n] + o.text)
+                         for o in outs],
             )
 
         head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model_name}
-        return await self.respond(req, params, stream, raw_request, head,
-                                  lambda index, delta: {"index": index, "text": delta}, response)
+        return await self.respond(req, params, stream, raw_request, head, choice, response)
+
+    async def prompt_texts(self, prompts: list[str | list[int]]) -> list[str]:
+        """Each prompt's text for ``echo``: a text as sent, token ids decoded (special tokens kept).
+
+        Raises:
+            APIError: 400 (``prompt``) for a token id outside the vocabulary.
+        """
+        texts = []
+        for i, prompt in enumerate(prompts):
+            try:
+                texts.append(prompt if isinstance(prompt, str) else await self.engine.detokenize(prompt, "prompt"))
+            except ValueError as e:
+                where = f"prompt[{i}]: " if len(prompts) > 1 else ""
+                raise APIError(400, where + str(e), "prompt") from e
+        return texts
+
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        """``POST /tokenize`` (vLLM's): the token ids a completion (``prompt``) or chat
+        (``messages``) request with the same input feeds the engine, by the same code
+        (``usage.prompt_tokens`` is their count), and how they fall into KV blocks.
+
+        Raises:
+            APIError: 400 naming the field (``prompt`` / ``messages`` for bad input, or when neither
+                or both are given), 404 for an unknown model.
+        """
+        check_request(req, "tokenize")
+        self.lora_for(req.model)  # adapters don't change tokenization, but the name must exist
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt (a completion's input) or messages (a chat's)", "prompt")
+        try:
+            if req.messages is not None:
+                generation_prompt = req.add_generation_prompt is not False
+                ids = await self.engine.apply_chat_template(chat_conversation(req.messages), generation_prompt,
+                                                            bool(req.add_special_tokens))
+            else:
+                ids = await self.engine.tokenize(req.prompt, req.add_special_tokens is not False)
+        except ValueError as e:
+            raise input_error(e, "prompt" if req.messages is None else "messages") from e
+        block_size = self.engine.engine.config.block_size
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.engine.engine.max_model_len, tokens=ids,
+            token_strs=await self.engine.token_strs(ids) if req.return_token_strs else None,
+            prefix_cache=PrefixCacheBlocks(block_size=block_size, num_full_blocks=len(ids) // block_size),
+        )
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        """``POST /detokenize`` (vLLM's): token ids → text, special tokens kept.
+
+        Raises:
+            APIError: 400 (``tokens``) for an id outside the vocabulary, 404 for an unknown model.
+        """
+        check_request(req, "tokenize")
+        self.lora_for(req.model)
+        try:
+            return DetokenizeResponse(prompt=await self.engine.detokenize(req.tokens, "tokens"))
+        except ValueError as e:
+            raise input_error(e, "tokens") from e
 
     def chat_default_max_tokens(self, num_prompt_tokens: int, n: int) -> int:
         """Chat's default ``max_tokens``: the rest of the context, as far as the pool can hold it for
@@ -461,18 +591,15 @@ class OpenAIServing:
             EngineDeadError: the engine loop has stopped.
         """
         lora, model_name = self.begin(req, "chat")
-        if not req.messages:
-            raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-        conversation = [{"role": m.role, "content": message_text(m.content)} for m in req.messages]
         try:
-            prompt_ids = await self.engine.apply_chat_template(conversation)
+            prompt_ids = await self.engine.apply_chat_template(chat_conversation(req.messages))
         except ValueError as e:
             raise APIError(400, str(e), "messages") from e
         n = req.n if isinstance(req.n, int) and req.n >= 1 else 1
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens, self.chat_default_max_tokens(len(prompt_ids), n), "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self.start(prompt_ids, params, req, request_id, "messages", lora, tenant)
+        stream = await self.start([prompt_ids], params, req, request_id, "messages", lora, tenant)
         started: set[int] = set()  # samples whose first chunk (with the role) went out
 
         def choice(index: int, delta: str) -> dict:

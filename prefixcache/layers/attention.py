@@ -30,6 +30,17 @@ same bits in a decode, in a prefill chunk of any length after any cached prefix,
 linear layers are exact, so cache on and off give bit-identical logits; fp32 and bf16 GEMMs round
 differently by batch size anyway, so they keep the cheaper unpadded calls. The padding costs
 compute only: masked key blocks add exact zeros.
+
+Shared-prefix (cascade) decode attention: decodes whose contexts start with the same pool blocks
+(requests over one system prompt, the samples of an ``n > 1`` request) attend to that shared run
+once: one call for all their queries over the run's keys, read in place when the blocks are
+consecutive in the pool, then each decode's own tail in one padded call, the two merged by their
+log-sum-exp. This is FlashInfer's cascade inference (Ye et al., "Cascade Inference: Memory
+Bandwidth Efficient Shared Prefix Batch Decoding", 2024) and vLLM's cascade attention
+(vllm/v1/attention/backends/flash_attn.py, ``use_cascade_attention``), written over torch's CPU
+flash kernel, which returns the log-sum-exp. It changes rounding (the softmax is summed in two
+parts), so it is used only without ``batch_invariant``; the int8 format keeps one call per decode
+over its whole context, which gives the same bits as a prefill row.
 """
 
 from dataclasses import dataclass
@@ -88,6 +99,19 @@ class PrefillMetadata:
     tiles: list[QueryTile]  # its new tokens, Q_TILE at a time
 
 
+MIN_CASCADE_KEYS = 128  # shared keys below which a separate shared-prefix call does not pay
+
+
+@dataclass(slots=True)
+class CascadeGroup:
+    """Decodes whose contexts start with the same run of pool blocks (see the module docstring)."""
+
+    members: torch.Tensor  # [num_members] int64: indices into the step's decodes, >= 2 of them
+    block_ids: torch.Tensor | None  # [num_shared_blocks] int64: the shared run; None when consecutive
+    first_block: int  # the run's first block (read as a view when block_ids is None)
+    num_keys: int  # shared tokens: num_shared_blocks * block_size
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """Per-step inputs of every attention layer, built once by `build_attention_metadata`."""
@@ -97,18 +121,22 @@ class AttentionMetadata:
     decode_token_indices: torch.Tensor | None  # [num_decodes] int64 batch index of each decode token; None
     # when the decodes are the whole batch, in order (no gather/scatter needed)
     decode_block_table: torch.Tensor | None  # [num_decodes, max_decode_blocks] int64, padded with block 0;
-    # None: no decodes. K/V are gathered a whole block at a time; the first num_decode_keys keys are used.
-    decode_attn_mask: torch.Tensor | None  # [num_decodes, 1, num_decode_rows, num_decode_keys] bool (a
-    # stride-0 expand over the query rows), True = a real context token; None: no decodes
+    # None: no decodes. Each decode's tail: its context's blocks after its cascade group's shared run (all
+    # of them outside a group). K/V are gathered a whole block at a time; the first num_decode_keys are used.
+    decode_attn_mask: torch.Tensor | None  # [num_decodes, 1, 1, num_decode_keys] bool, True = a real
+    # tail token; None: no decodes
+    decode_key_bias: torch.Tensor | None  # decode_attn_mask as the kernel takes it: 0 where True, -inf
+    # elsewhere, in the model's dtype
+    cascade_groups: list[CascadeGroup]  # shared-prefix groups of decodes; empty when batch-invariant
     num_decode_rows: int  # rows each decode's query takes: MIN_Q_ROWS when batch-invariant, else 1
-    num_decode_keys: int  # padded_num_keys(longest decode context); 0 without decodes
+    num_decode_keys: int  # tail keys: padded_num_keys(longest decode tail); 0 without decodes
     batch_invariant: bool  # built with the padding rules of the module docstring
     num_tokens: int  # new tokens in the batch
 
 
 def build_attention_metadata(
     seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device | str,
-    batch_invariant: bool = False,
+    batch_invariant: bool = False, dtype: torch.dtype = torch.float32,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Builds a step's attention metadata and token positions.
 
@@ -120,7 +148,9 @@ def build_attention_metadata(
         device: Device of the model.
         batch_invariant: pad keys and queries as the module docstring says, so that a query's output
             has the same bits in any call (worth it only when the rest of the model is exact too:
-            the int8 format); else each call attends over exactly its keys.
+            the int8 format); else each call attends over exactly its keys, and decodes sharing
+            prefix blocks attend to them once (cascade, see the module docstring).
+        dtype: the model's activation dtype (of the decode key bias).
 
     Returns:
         (metadata, positions), positions shape = [num_tokens] int64, num_computed_tokens +
@@ -140,11 +170,15 @@ def build_attention_metadata(
     slot_mapping, positions = _slots_and_positions(seqs, block_table, block_size)
     prefills, decode_rows, decode_token_indices = _split_prefills_and_decodes(seqs, block_table, block_size, device,
                                                                               inv)
-    decode_block_table, decode_attn_mask, decode_index_tensor, num_decode_keys = None, None, None, 0
+    decode_block_table, decode_attn_mask, decode_key_bias, decode_index_tensor = None, None, None, None
+    cascade_groups, num_decode_keys = [], 0
     if decode_rows:
+        cascade_groups = [] if inv else _cascade_groups(seqs, block_table, decode_rows, block_size, device)
         decode_block_table, decode_attn_mask, num_decode_keys = _decode_tables(
-            seqs, block_table, decode_rows, block_size, device, inv
+            seqs, block_table, decode_rows, cascade_groups, block_size, device, inv
         )
+        decode_key_bias = torch.zeros(decode_attn_mask.shape, dtype=dtype, device=device).masked_fill_(
+            ~decode_attn_mask, float("-inf"))
         if len(decode_rows) != len(seqs):
             decode_index_tensor = torch.tensor(decode_token_indices, dtype=torch.int64, device=device)
     metadata = AttentionMetadata(
@@ -153,6 +187,8 @@ def build_attention_metadata(
         decode_token_indices=decode_index_tensor,
         decode_block_table=decode_block_table,
         decode_attn_mask=decode_attn_mask,
+        decode_key_bias=decode_key_bias,
+        cascade_groups=cascade_groups,
         num_decode_keys=num_decode_keys,
         num_decode_rows=MIN_Q_ROWS if inv else 1,
         batch_invariant=inv,
@@ -242,24 +278,67 @@ def _query_tile(num_computed: int, start: int, end: int, device: torch.device | 
     return QueryTile(start=start, end=end, num_keys=num_keys, attn_mask=attn_mask.to(device))
 
 
-def _decode_tables(
+def _cascade_groups(
     seqs: list[tuple[int, int, list[int]]],
     block_table: torch.Tensor,
     decode_rows: list[int],
     block_size: int,
     device: torch.device | str,
+) -> list[CascadeGroup]:
+    """Groups of >= 2 decodes whose contexts start with the same >= MIN_CASCADE_KEYS tokens of pool
+    blocks (their longest common run of block ids, only blocks before each one's last token)."""
+    by_first_block: dict[int, list[int]] = {}
+    for d, row in enumerate(decode_rows):
+        if (seqs[row][0] + seqs[row][1] - 1) // block_size > 0:  # a full block before its last token
+            by_first_block.setdefault(int(block_table[row, 0]), []).append(d)
+    groups = []
+    for members in by_first_block.values():
+        if len(members) < 2:
+            continue
+        rows = [decode_rows[d] for d in members]
+        num_full = min((seqs[r][0] + seqs[r][1] - 1) // block_size for r in rows)
+        ids = block_table[rows, :num_full]  # [num_members, num_full]
+        same = (ids == ids[0]).all(0)  # [num_full]
+        num_shared = num_full if bool(same.all()) else int(same.to(torch.int8).argmin())
+        if num_shared * block_size < MIN_CASCADE_KEYS:
+            continue
+        run = ids[0, :num_shared]
+        consecutive = bool((run == run[0] + torch.arange(num_shared)).all())
+        groups.append(CascadeGroup(
+            members=torch.tensor(members, dtype=torch.int64, device=device),
+            block_ids=None if consecutive else run.to(device),
+            first_block=int(run[0]),
+            num_keys=num_shared * block_size,
+        ))
+    return groups
+
+
+def _decode_tables(
+    seqs: list[tuple[int, int, list[int]]],
+    block_table: torch.Tensor,
+    decode_rows: list[int],
+    cascade_groups: list[CascadeGroup],
+    block_size: int,
+    device: torch.device | str,
     batch_invariant: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The decodes' block table [num_decodes, blocks of num_keys], key mask [num_decodes, 1,
-    rows, num_keys] and num_keys (the longest decode context, padded)."""
-    context_lens = [seqs[i][0] + seqs[i][1] for i in decode_rows]
-    num_keys = padded_num_keys(max(context_lens), batch_invariant)
-    rows = torch.tensor(decode_rows, dtype=torch.int64)
-    decode_block_table = block_table[rows, : -(-num_keys // block_size)].contiguous().to(device)
+    """The decodes' tail block table [num_decodes, blocks of num_keys], key mask [num_decodes, 1, 1,
+    num_keys] and num_keys (the longest tail, padded): each decode's context after its group's shared
+    blocks."""
+    first_tail_block = [0] * len(decode_rows)
+    for g in cascade_groups:
+        for d in g.members.tolist():
+            first_tail_block[d] = g.num_keys // block_size
+    tail_lens = [seqs[r][0] + seqs[r][1] - b * block_size for r, b in zip(decode_rows, first_tail_block)]
+    num_keys = padded_num_keys(max(tail_lens), batch_invariant)
+    num_blocks = -(-num_keys // block_size)
+    table = torch.zeros(len(decode_rows), num_blocks, dtype=torch.int64)  # padded with block 0 (masked)
+    for d, (r, b) in enumerate(zip(decode_rows, first_tail_block)):
+        tail = block_table[r, b : b + num_blocks]
+        table[d, : tail.shape[0]] = tail
     key_pos = torch.arange(num_keys, dtype=torch.int64)
-    mask = key_pos[None, :] < torch.tensor(context_lens, dtype=torch.int64)[:, None]  # [num_decodes, num_keys]
-    num_rows = MIN_Q_ROWS if batch_invariant else 1
-    return decode_block_table, mask[:, None, None, :].expand(-1, 1, num_rows, -1).to(device), num_keys
+    mask = key_pos[None, :] < torch.tensor(tail_lens, dtype=torch.int64)[:, None]  # [num_decodes, num_keys]
+    return table.to(device), mask[:, None, None, :].to(device), num_keys
 
 
 class Attention(nn.Module):
@@ -347,7 +426,8 @@ class Attention(nn.Module):
     def _decode_attention(
         self, q_dec: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata
     ) -> torch.Tensor:
-        """All decode tokens in one padded call.
+        """All decode tokens: one padded call over their tails, one call per cascade group over its
+        shared blocks, merged by log-sum-exp.
 
         Args:
             q_dec: shape = [num_decodes, num_heads, head_dim].
@@ -361,13 +441,76 @@ class Attention(nn.Module):
         keys = slice(0, md.num_decode_keys)
         k_dec = k_cache.index_select(0, flat_blocks).view(kv_shape)[:, keys]  # [num_decodes, num_keys, kv_heads, hd]
         v_dec = v_cache.index_select(0, flat_blocks).view(kv_shape)[:, keys]  # [num_decodes, num_keys, kv_heads, hd]
-        o = F.scaled_dot_product_attention(
-            q_dec.unsqueeze(2).expand(-1, -1, md.num_decode_rows, -1).contiguous(),  # [num_decodes, num_heads,
-            # num_decode_rows, head_dim]: the query repeated when batch-invariant (see the module docstring)
-            k_dec.transpose(1, 2),  # [num_decodes, kv_heads, num_keys, head_dim]
-            v_dec.transpose(1, 2),
-            attn_mask=md.decode_attn_mask,
-            scale=self.scale,
-            enable_gqa=True,
-        )  # [num_decodes, num_heads, num_decode_rows, head_dim]
-        return o[:, :, 0]
+        group = self.num_heads // self.num_kv_heads
+        rows = md.num_decode_rows
+        q = q_dec.view(num_decodes, self.num_kv_heads, group, 1, self.head_dim)
+        q = q.expand(-1, -1, -1, rows, -1).reshape(num_decodes, self.num_kv_heads, group * rows, self.head_dim)
+        # The query heads of one KV head as rows of one call (GQA without repeating K/V); the query
+        # repeated to num_decode_rows rows when batch-invariant (see the module docstring).
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k_dec.transpose(1, 2), v_dec.transpose(1, 2), attn_mask=md.decode_key_bias, scale=self.scale
+        )[:2]  # [num_decodes, kv_heads, group * rows, head_dim], [num_decodes, kv_heads, group * rows]
+        out = out.reshape(num_decodes, self.num_heads, rows, self.head_dim)[:, :, 0]  # [num_decodes, heads, hd]
+        if not md.cascade_groups:
+            return out
+        lse = lse.reshape(num_decodes, self.num_heads, rows)[:, :, 0]  # [num_decodes, num_heads]
+        for g in md.cascade_groups:
+            o_shared, lse_shared = self._shared_prefix_attention(q_dec.index_select(0, g.members), k_cache, v_cache, g)
+            merged = merge_attention_states(o_shared, lse_shared, out.index_select(0, g.members),
+                                            lse.index_select(0, g.members))
+            out.index_copy_(0, g.members, merged)
+        return out
+
+    def _shared_prefix_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: CascadeGroup
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A cascade group's queries over its shared blocks, in one call.
+
+        Args:
+            q: shape = [num_members, num_heads, head_dim].
+
+        Returns:
+            (out, lse): shape = [num_members, num_heads, head_dim] and [num_members, num_heads] float32.
+        """
+        num_members = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        kv_shape = (g.num_keys, self.num_kv_heads, self.head_dim)
+        if g.block_ids is None:  # consecutive blocks: a view of the pool, no copy
+            num_blocks = g.num_keys // k_cache.shape[1]
+            k = k_cache[g.first_block : g.first_block + num_blocks].view(kv_shape)
+            v = v_cache[g.first_block : g.first_block + num_blocks].view(kv_shape)
+        else:
+            k = k_cache.index_select(0, g.block_ids).view(kv_shape)
+            v = v_cache.index_select(0, g.block_ids).view(kv_shape)
+        q_rows = q.view(num_members, self.num_kv_heads, group, self.head_dim).transpose(0, 1)
+        q_rows = q_rows.reshape(1, self.num_kv_heads, num_members * group, self.head_dim)  # members' heads as rows
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_rows, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=self.scale
+        )[:2]  # [1, kv_heads, num_members * group, head_dim], [1, kv_heads, num_members * group]
+        out = out.reshape(self.num_kv_heads, num_members, group, self.head_dim).transpose(0, 1)
+        lse = lse.reshape(self.num_kv_heads, num_members, group).transpose(0, 1)
+        return (out.reshape(num_members, self.num_heads, self.head_dim),
+                lse.reshape(num_members, self.num_heads))
+
+
+def merge_attention_states(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """Attention over keys A ∪ B from attention over A and over B (disjoint), by their log-sum-exp.
+
+    ``out = (out_a * exp(lse_a - m) + out_b * exp(lse_b - m)) / (exp(lse_a - m) + exp(lse_b - m))``
+    with ``m = max(lse_a, lse_b)`` (the merge of FlashInfer's cascade inference and of vLLM's
+    ``merge_attn_states``), in float32.
+
+    Args:
+        out_a, out_b: shape = [num_tokens, num_heads, head_dim].
+        lse_a, lse_b: shape = [num_tokens, num_heads], natural-log sums of exp(scores).
+
+    Returns:
+        shape = [num_tokens, num_heads, head_dim], out_a's dtype.
+    """
+    m = torch.maximum(lse_a, lse_b)
+    w_a = torch.exp(lse_a - m).unsqueeze(-1)  # [num_tokens, num_heads, 1]
+    w_b = torch.exp(lse_b - m).unsqueeze(-1)
+    merged = (out_a.float() * w_a + out_b.float() * w_b) / (w_a + w_b)
+    return merged.to(out_a.dtype)

@@ -16,9 +16,12 @@ from prefixcache.layers.attention import build_attention_metadata
 from prefixcache.layers.lora import LoRABatch
 from prefixcache.layers.sampler import sample
 from prefixcache.models.loader import LoadedModel
+from prefixcache.prompt_logprobs import PROMPT_LOGPROBS_TOPK, PromptLogprobsChunk
 from prefixcache.runner.kv_pool import allocate_kv_caches
 from prefixcache.runner.structured_output import StructuredOutputManager
-from prefixcache.scheduler_output import SchedulerOutput
+from prefixcache.scheduler_output import ScheduledSeq, SchedulerOutput
+
+PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at a time (each row: vocab_size floats)
 
 
 class ModelRunner:
@@ -48,6 +51,7 @@ class ModelRunner:
         self.structured_output = StructuredOutputManager(loaded.tokenizer, cfg.vocab_size, loaded.eos_token_ids)
         # Prompt tokens run through the model so far (recomputes after preemption included).
         self.num_prompt_tokens_computed = 0
+        self._prompt_logprobs: dict[str, PromptLogprobsChunk] = {}  # the last step's, until taken
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
@@ -76,6 +80,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             batch_invariant=self.model.quantization == "int8",  # exact linear layers: make attention exact too
+            dtype=self.kv_caches[0].dtype,
         )
         lora_segments, start = [], 0
         for s in seqs:
@@ -88,6 +93,12 @@ class ModelRunner:
             max(0, min(s.num_computed_tokens + len(s.token_ids), s.num_prompt_tokens) - s.num_computed_tokens)
             for s in seqs
         )
+        start = 0
+        for s in seqs:
+            if s.prompt_logprobs is not None:
+                self._prompt_logprobs[s.request_id] = self._prompt_logprobs_chunk(
+                    hidden[start : start + len(s.token_ids)], s)
+            start += len(s.token_ids)
 
         # Logits only at each sampling sequence's last new token.
         rows, sampling = [], []  # sampling: (request id, params, index into rows)
@@ -110,6 +121,46 @@ class ModelRunner:
         tokens = sample(self.structured_output.mask_logits(logits, req_ids, params), params, generators)
         self.structured_output.accept_tokens(req_ids, params, tokens)
         return {rid: t for (rid, _, _), t in zip(sampling, tokens)}
+
+    def take_prompt_logprobs(self) -> dict[str, PromptLogprobsChunk]:
+        """The prompt logprobs the last step computed, by request id (then forgotten here)."""
+        out, self._prompt_logprobs = self._prompt_logprobs, {}
+        return out
+
+    def _prompt_logprobs_chunk(self, hidden: torch.Tensor, s: ScheduledSeq) -> PromptLogprobsChunk:
+        """Prompt logprobs of the tokens a chunk's positions predict (see ``prefixcache.prompt_logprobs``).
+
+        Args:
+            hidden: shape = [len(s.token_ids), hidden_size], the chunk's final hidden states.
+            s: the chunk, with ``prompt_logprobs`` set.
+        """
+        work, start, bs = s.prompt_logprobs, s.num_computed_tokens, self.block_size
+        num_rows = max(0, min(start + len(s.token_ids), s.num_prompt_tokens - 1) - start)  # positions
+        # predicting a prompt token: position p predicts token p + 1
+        rows, targets = hidden[:num_rows], s.token_ids[1 : num_rows + 1]
+        if len(targets) < num_rows:
+            targets = targets + [work.next_token_id]
+        first = start + 1
+        if work.prev_hidden is not None:  # the chunk's first token, predicted by the last cached position
+            rows = torch.cat([work.prev_hidden[None].to(hidden.dtype), rows])
+            targets, first = [s.token_ids[0]] + targets, start
+        targets_t = torch.tensor(targets, dtype=torch.int64)
+        parts = []
+        for i in range(0, rows.shape[0], PROMPT_LOGITS_ROWS):
+            logprobs = self.model.compute_logits(rows[i : i + PROMPT_LOGITS_ROWS]).float().cpu().log_softmax(-1)
+            chosen = logprobs.gather(1, targets_t[i : i + PROMPT_LOGITS_ROWS, None])  # [n, 1]
+            top = logprobs.topk(PROMPT_LOGPROBS_TOPK, dim=-1)
+            parts.append((chosen[:, 0], (logprobs > chosen).sum(-1) + 1, top.indices, top.values))
+        if parts:
+            chosen, ranks, top_ids, top_values = (torch.cat(x) for x in zip(*parts))
+        else:  # a chunk of the prompt's last token only, nothing before it to predict
+            chosen, ranks = torch.zeros(0), torch.zeros(0, dtype=torch.int64)
+            top_ids, top_values = torch.zeros(0, PROMPT_LOGPROBS_TOPK, dtype=torch.int64), torch.zeros(0, PROMPT_LOGPROBS_TOPK)
+        block_hidden = {
+            p // bs: hidden[p - start].clone()
+            for p in range(start, min(start + len(s.token_ids), s.num_prompt_tokens)) if (p + 1) % bs == 0
+        }
+        return PromptLogprobsChunk(first, chosen, ranks, top_ids, top_values, block_hidden)
 
     def _generator(self, request_id: str, params) -> torch.Generator:
         if params.seed is None:

@@ -131,3 +131,46 @@ def test_n2_request_failed_before_its_fork_leaves_no_queue_behind():
         assert left == ({}, {})
 
     asyncio.run(main())
+
+
+def test_batch_is_all_or_nothing_and_one_stream_aborts_all():
+    """generate_batch: a refused prompt leaves none of the batch queued (the message names its
+    position); a batch's stream ends after every request finished; closed early, it aborts all."""
+    async def main():
+        fake = FakeEngine()
+        add = fake.add_request
+
+        def add_request(prompt, params, request_id, **kwargs):
+            if prompt.text == "bad":
+                raise InvalidInputError("prompt", "prompt is bad")
+            return add(prompt, params, request_id=request_id, **kwargs)
+
+        fake.add_request = add_request
+        aborted = []
+        fake.abort_request_samples = lambda rid: (aborted.append(rid), fake.requests.pop(rid, None), [])[2]
+        engine = AsyncLLMEngine(fake)
+        params = SamplingParams(max_tokens=1)
+        try:
+            with pytest.raises(InvalidInputError) as e:
+                await engine.generate_batch(["a", "b", "bad"], params, request_ids=["x-0", "x-1", "x-2"])
+            assert (e.value.field, str(e.value)) == ("prompt", "prompt[2]: prompt is bad")
+            assert fake.requests == {} and aborted == ["x-0", "x-1"] and engine._queues == {}
+
+            stream = await engine.generate_batch(["a", "b"], params, request_ids=["y-0", "y-1"])
+            outs = await asyncio.wait_for(_collect(stream), 2)
+            assert sorted(o.request_id for o in outs) == ["y-0", "y-1"] and engine._queues == {}
+
+            fake.step = lambda: []  # nothing finishes now: close the stream before its end
+            aborted.clear()
+            it = await engine.generate_batch(["a", "b"], params, request_ids=["w-0", "w-1"])
+            task = asyncio.ensure_future(it.__anext__())
+            await asyncio.sleep(0.05)
+            task.cancel()  # a consumer gone mid-wait aborts every request of its batch
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.05)
+            assert {"w-0", "w-1"} <= set(aborted) and not {"w-0", "w-1"} & set(fake.requests)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())

@@ -61,3 +61,17 @@ def test_engine_refuses_a_model_loaded_in_another_format(smollm2):
     assert e.value.field == "quantization"
     with pytest.raises(InvalidInputError, match="quantization must be one of"):
         LLM("smollm2-135m", loaded=smollm2, quantization="int4")
+
+
+def test_int8_prompt_logprobs_from_the_cache_equal_a_cold_run(smollm2_int8):
+    """Exact layers and attention: the entries a warm request takes from cached blocks, and the one it
+    computes from the last cached block's stored hidden state, have the bits of a cold run's."""
+    llm = make(smollm2_int8)
+    prompt = seed_prompts(llm)[0]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=4)
+    llm.generate([prompt[:70]], params, use_tqdm=False)
+    warm = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert warm.num_cached_prompt_logprobs == 63  # 4 blocks of 16, less token 0
+    cold = make(smollm2_int8, enable_prefix_caching=False, max_num_batched_tokens=50).generate(
+        [prompt], params, use_tqdm=False)[0]  # chunked differently, nothing cached
+    assert warm.prompt_logprobs == cold.prompt_logprobs

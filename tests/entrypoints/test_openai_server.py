@@ -256,6 +256,9 @@ def test_api_key(smollm2):
             r = httpx.get(url + "/v1/models", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.post(url + "/reset_prefix_cache").status_code == 401
+        for path, body in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1]})):
+            assert httpx.post(url + path, json=body).status_code == 401
+            assert httpx.post(url + path, json=body, headers={"Authorization": "Bearer sekret"}).status_code == 200
         assert httpx.get(url + "/health").status_code == 200
         keyed = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
         assert keyed.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1

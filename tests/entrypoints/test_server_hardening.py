@@ -217,7 +217,7 @@ def test_exception_while_streaming_ends_the_stream_with_an_error_event(limited, 
 def fail_final_outputs(monkeypatch, server) -> None:
     """Makes the engine finish every request with finish_reason "error" (as it will when the step
     that ran the request fails), by rewriting the real engine's final outputs."""
-    real_generate = server.engine.generate
+    real_generate = server.engine.generate_batch  # what the server calls, for one prompt or several
 
     async def generate(*args, **kwargs):
         stream = await real_generate(*args, **kwargs)
@@ -228,7 +228,7 @@ def fail_final_outputs(monkeypatch, server) -> None:
 
         return outputs()
 
-    monkeypatch.setattr(server.engine, "generate", generate)
+    monkeypatch.setattr(server.engine, "generate_batch", generate)
 
 
 def test_request_failed_in_the_engine_is_a_500(server, client, monkeypatch):
@@ -252,7 +252,7 @@ def test_request_failed_in_the_engine_is_a_500(server, client, monkeypatch):
 
 # ---------------------------------------------------------------------------- 4. unsupported fields
 UNSUPPORTED = [
-    ("completions", "logprobs", 1), ("completions", "echo", True), ("completions", "suffix", " end"),
+    ("completions", "logprobs", 1), ("completions", "suffix", " end"),
     ("completions", "best_of", 2), ("completions", "logit_bias", {"50256": -100}),
     ("completions", "presence_penalty", 0.5), ("completions", "frequency_penalty", -1),
     ("completions", "repetition_penalty", 1.2), ("completions", "min_p", 0.1), ("completions", "min_tokens", 4),

@@ -27,8 +27,8 @@ def test_metadata_positions_slots_and_groups():
                                                         [True] * 5 + [False]]
     assert md.decode_token_indices.tolist() == [3]
     assert md.decode_block_table.tolist() == [[7, 4] + [0] * (PAD - 2)]
-    assert md.num_decode_keys == 512 and md.decode_attn_mask.shape == (1, 1, 3, 512)
-    assert md.decode_attn_mask[0, 0, 2, :8].tolist() == [True] * 6 + [False] * 2
+    assert md.num_decode_keys == 512 and md.decode_attn_mask.shape == (1, 1, 1, 512) and md.num_decode_rows == 3
+    assert md.decode_attn_mask[0, 0, 0, :8].tolist() == [True] * 6 + [False] * 2
 
 
 def test_metadata_decode_only_batch_pads_and_masks():
@@ -37,7 +37,7 @@ def test_metadata_decode_only_batch_pads_and_masks():
     assert md.slot_mapping.tolist() == [14, 20]
     assert md.prefills == [] and md.decode_token_indices is None
     assert md.decode_block_table[:, :3].tolist() == [[3, 0, 0], [6, 5, 0]]  # padded with block 0
-    assert md.decode_attn_mask[:, 0, 1, :8].tolist() == [[True] * 3 + [False] * 5, [True] * 5 + [False] * 3]
+    assert md.decode_attn_mask[:, 0, 0, :8].tolist() == [[True] * 3 + [False] * 5, [True] * 5 + [False] * 3]
     assert md.decode_attn_mask[:, 0, :, 8:].any().item() is False
     md, _ = build_attention_metadata([(600, 1, list(range(151))), (3, 1, [6])], 4, "cpu", batch_invariant=True)
     assert md.num_decode_keys == 1024 and md.decode_block_table.shape == (2, 256)
@@ -72,3 +72,29 @@ def test_padded_sizes():
 def test_metadata_rejects_bad_input(seqs):
     with pytest.raises(ValueError):
         build_attention_metadata(seqs, 4, "cpu")
+
+
+def test_decodes_sharing_prefix_blocks_form_a_cascade_group():
+    # block_size 4; decodes 0, 1 and 3 start with blocks 10..49 (160 tokens, >= MIN_CASCADE_KEYS);
+    # decode 3 diverges after 35 of them; decode 2 shares nothing.
+    run = list(range(10, 50))
+    seqs = [(170, 1, run + [60, 61, 62]), (165, 1, run + [70, 71]), (9, 1, [80, 81, 82]),
+            (150, 1, run[:35] + [90, 91, 92, 93, 94, 95])]
+    md, _ = build_attention_metadata(seqs, 4, "cpu")
+    (g,) = md.cascade_groups
+    assert g.members.tolist() == [0, 1, 3] and g.num_keys == 35 * 4  # the common run of all three
+    assert g.block_ids is None and g.first_block == 10  # consecutive: read as a view
+    # tails: context after the shared 140 tokens (all of decode 2's 10 tokens)
+    assert md.num_decode_keys == 171 - 140
+    assert md.decode_attn_mask[:, 0, 0].sum(-1).tolist() == [31, 26, 10, 11]
+    assert md.decode_block_table[:, :8].tolist() == [[45, 46, 47, 48, 49, 60, 61, 62], [45, 46, 47, 48, 49, 70, 71, 0],
+                                                     [80, 81, 82, 0, 0, 0, 0, 0], [90, 91, 92, 0, 0, 0, 0, 0]]
+    assert md.decode_key_bias[3, 0, 0, 10:12].tolist() == [0.0, float("-inf")]
+    # shuffled shared blocks are gathered; a run below MIN_CASCADE_KEYS, or batch invariance, makes no group
+    shuffled = run[::-1]
+    md, _ = build_attention_metadata([(170, 1, shuffled + [1, 2, 3]), (161, 1, shuffled + [4])], 4, "cpu")
+    assert md.cascade_groups[0].block_ids.tolist() == shuffled and md.cascade_groups[0].num_keys == 160
+    md, _ = build_attention_metadata([(130, 1, run[:31] + [1, 2]), (125, 1, run[:31] + [4, 5])], 4, "cpu")
+    assert md.cascade_groups == []  # 31 blocks = 124 tokens < 128
+    md, _ = build_attention_metadata(seqs, 4, "cpu", batch_invariant=True)
+    assert md.cascade_groups == []
