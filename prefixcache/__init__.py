@@ -4,7 +4,7 @@ from prefixcache.config import EngineConfig
 from prefixcache.layers.lora import LoRARequest
 from prefixcache.llm import LLM
 from prefixcache.outputs import RequestOutput
-from prefixcache.sampling_params import SamplingParams
+from prefixcache.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "EngineConfig", "LoRARequest", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "LoRARequest", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"

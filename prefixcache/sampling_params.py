@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json as jsonlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from prefixcache.errors import InvalidInputError
 
@@ -11,6 +13,83 @@ MAX_STOP_CHARS = 1024  # per stop string: the stop search and the stream's hold-
 MAX_STOP_TOKEN_IDS = 1024
 MAX_N = 64
 MAX_PROMPT_LOGPROBS = 20  # = prefixcache.prompt_logprobs.PROMPT_LOGPROBS_TOPK, the alternatives a block keeps
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's ``StructuredOutputsParams``): exactly one of
+    ``json``, ``regex``, ``choice`` or ``json_object`` is set.
+
+    The runner masks, at every step, the tokens that can't continue a text the constraint accepts
+    (``prefixcache.runner.structured_output``), and EOS is allowed only once the text is complete.
+    JSON is generated in one fixed layout, ``json.dumps``'s default (``", "`` and ``": "``, no other
+    whitespace), so a small model can't wander off into endless whitespace.
+
+    Attributes:
+        json: a JSON schema, as a dict or as JSON text; kept as compact JSON text (its key order
+            kept: properties are generated in the schema's order), so equal schemas compile once.
+            The output is JSON text valid against it.
+        regex: the output fully matches this regular expression (Rust ``regex`` syntax: no
+            look-around or backreferences).
+        choice: the output is exactly one of these non-empty strings.
+        json_object: the output is any JSON object (OpenAI's ``{"type": "json_object"}``).
+
+    Raises:
+        InvalidInputError: (field ``structured_outputs``) none or several constraints set, wrong
+            types, a schema that is not a JSON object. Whether a schema or regex compiles is checked
+            when the engine admits the request (same field).
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        name = "structured_outputs"
+        if not isinstance(self.json_object, bool):
+            raise InvalidInputError(name, f"json_object must be a bool, got {_show(self.json_object)}")
+        given = [k for k in ("json", "regex", "choice") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidInputError(name, "give exactly one of json, regex, choice or json_object, "
+                                          f"got {given or 'none'}")
+        if self.json is not None:
+            object.__setattr__(self, "json", _schema_text(self.json))
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise InvalidInputError(name, f"regex must be a non-empty string, got {_show(self.regex)}")
+        if self.choice is not None:
+            choice = _as_tuple(name, [self.choice] if isinstance(self.choice, str) else self.choice)
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                raise InvalidInputError(name, f"choice must be a non-empty list of non-empty strings, "
+                                              f"got {_show(self.choice)}")
+            object.__setattr__(self, "choice", choice)
+        for text in [self.json, self.regex, *(self.choice or ())]:
+            if text is not None and not _encodes(text):
+                raise InvalidInputError(name, "the constraint contains a lone surrogate, which is not valid Unicode")
+
+
+def _schema_text(schema: Any) -> str:
+    """A JSON schema (dict or JSON text) as compact JSON text; refuses anything but an object."""
+    if isinstance(schema, str):
+        try:
+            schema = jsonlib.loads(schema)
+        except ValueError as e:
+            raise InvalidInputError("structured_outputs", f"json schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise InvalidInputError("structured_outputs", f"json schema must be a JSON object, got {_show(schema)}")
+    try:
+        return jsonlib.dumps(schema, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidInputError("structured_outputs", f"json schema is not JSON data: {e}") from None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -43,6 +122,8 @@ class SamplingParams:
         n: parallel samples of the prompt (1..64). They share the prompt's KV blocks; sample ``i``
             uses seed ``seed + i`` when a seed is given (vLLM v1's rule), so each sample equals the
             same prompt run alone with that seed.
+        structured_outputs: constrain the output to a JSON schema, a regex, a list of choices or
+            any JSON object (:class:`StructuredOutputsParams`); ``None``: free text.
 
     Raises:
         InvalidInputError: a ``ValueError``, from :meth:`__post_init__`, naming the invalid field.
@@ -59,6 +140,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     n: int = 1
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple("stop", self.stop)
@@ -108,6 +190,9 @@ class SamplingParams:
             _check_int("stop_token_ids", t)
             if t < 0:
                 raise InvalidInputError("stop_token_ids", f"stop_token_ids must be >= 0, got {_show(t)}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidInputError("structured_outputs", f"structured_outputs must be a StructuredOutputsParams, "
+                                                          f"got {_show(self.structured_outputs)}")
 
     @property
     def greedy(self) -> bool:

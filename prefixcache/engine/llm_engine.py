@@ -132,9 +132,11 @@ class LLMEngine:
         Raises:
             InvalidInputError: naming the field: empty/oversized prompt, token id outside the
                 vocabulary, prompt + max_tokens beyond the context or the KV pool, bad cache_salt,
-                tenant or adapter, duplicate request_id.
+                tenant or adapter, duplicate request_id, a ``structured_outputs`` schema or regex
+                that doesn't compile.
         """
         params = self.input_processor.check_request(sampling_params, cache_salt, tenant)
+        self.runner.structured_output.compile(params.structured_outputs)  # a bad schema fails here, not in a step
         prompt = self.input_processor.tokenize(prompt)
         self.input_processor.check_fits(len(prompt.token_ids), params)
         adapter = self.lora_manager.get(lora) if lora is not None else None

@@ -40,6 +40,33 @@ class StreamOptions(_Request):
     include_usage: bool | None = None  # default False
 
 
+class JsonSchemaFormat(_Request):
+    """OpenAI's ``response_format.json_schema``. ``strict`` is accepted either way: the schema is
+    always enforced exactly."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's ``structured_outputs`` (its ``StructuredOutputsParams``): exactly one of these; its
+    other keys (``grammar``, ``structural_tag``, ...) are refused."""
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(_Request):
     """Fields shared by both endpoints. ``None`` means the server's default."""
 
@@ -58,6 +85,12 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None  # vLLM extra: the request's prefix-cache namespace
     user: str | None = None  # OpenAI's end-user id: metadata, accepted and not used
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -79,12 +112,12 @@ class ChatCompletionRequest(_SamplingFields):
 # Accepted-but-unimplemented fields → the values that change nothing (null always passes).
 _UNSUPPORTED_COMMON: Mapping[str, tuple[Any, ...]] = MappingProxyType({
     "best_of": (1,), "logit_bias": ({},), "presence_penalty": (0,),
-    "frequency_penalty": (0,), "response_format": ({"type": "text"},),
+    "frequency_penalty": (0,),
     # vLLM's sampling and decoding extras
     "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "use_beam_search": (False,),
     "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (), "prompt_logprobs": (),
     "truncate_prompt_tokens": (), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "guided_grammar": (),
     "return_tokens_as_token_ids": (False,),
 })
 UNSUPPORTED_FIELDS: Mapping[str, Mapping[str, tuple[Any, ...]]] = MappingProxyType({

@@ -32,7 +32,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from prefixcache.entrypoints.api_errors import APIError, clip, error_body, input_error
+from prefixcache.entrypoints.api_errors import APIError, clip, cut, error_body, input_error
 from prefixcache.entrypoints.protocol import (
     UNSUPPORTED_FIELDS,
     ChatChoice,
@@ -51,9 +51,10 @@ from prefixcache.entrypoints.protocol import (
     TokenizeResponse,
     Usage,
 )
+from prefixcache.errors import InvalidInputError
 from prefixcache.layers.lora import LoRARequest
 from prefixcache.outputs import RequestOutput
-from prefixcache.sampling_params import SamplingParams
+from prefixcache.sampling_params import SamplingParams, StructuredOutputsParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS_PER_REQUEST = 1024  # prompts in one /v1/completions request (each is an engine request)
@@ -61,6 +62,8 @@ MAX_CHAT_DEFAULT_MAX_TOKENS = 512  # chat default: the rest of the context, capp
 logger = logging.getLogger("prefixcache.server")
 
 AnyRequest = CompletionRequest | ChatCompletionRequest
+# The request fields that constrain the output (at most one per request), in the order checked.
+STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice")
 CheckedRequest = CompletionRequest | ChatCompletionRequest | TokenizeRequest | DetokenizeRequest
 # (sample index, text delta) -> the choice of a stream chunk; (final outputs, created) -> the answer
 StreamChoice = Callable[[int, str], dict]
@@ -117,6 +120,53 @@ def check_request(req: CheckedRequest, endpoint: str) -> None:
     for name, value in (req.model_extra or {}).items():
         if name in unsupported and not _changes_nothing(value, unsupported[name]):
             raise APIError(400, f"{name} is not supported yet", name, "unsupported_parameter")
+
+
+def structured_output_field(req: AnyRequest) -> str | None:
+    """The field holding the request's output constraint (``response_format`` of type ``text``
+    constrains nothing), or None.
+
+    Raises:
+        APIError: 400 naming the second such field when a request sets two.
+    """
+    given = [name for name in STRUCTURED_OUTPUT_FIELDS if getattr(req, name) is not None]
+    if req.response_format is not None and req.response_format.type == "text":
+        given.remove("response_format")
+    if len(given) > 1:
+        raise APIError(400, f"{given[1]} can't be combined with {given[0]}: give one output constraint", given[1])
+    return given[0] if given else None
+
+
+def structured_outputs(req: AnyRequest) -> StructuredOutputsParams | None:
+    """The request's output constraint (OpenAI's ``response_format``, vLLM's ``structured_outputs``
+    or its older ``guided_json`` / ``guided_regex`` / ``guided_choice``), or None.
+
+    Raises:
+        APIError: 400 naming the field: two constraints, a ``json_schema`` without ``schema``, a
+            ``structured_outputs`` key we don't implement (``grammar``, ...), or a malformed one.
+    """
+    name = structured_output_field(req)
+    if name is None:
+        return None
+    value = getattr(req, name)
+    try:
+        if name == "response_format":
+            if value.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if value.json_schema is None or value.json_schema.json_schema is None:
+                raise APIError(400, "response_format: json_schema.schema is required for type json_schema", name)
+            return StructuredOutputsParams(json=value.json_schema.json_schema)
+        if name == "structured_outputs":
+            for key, extra in (value.model_extra or {}).items():
+                if extra is not None:
+                    raise APIError(400, f"structured_outputs.{cut(key)} is not supported yet", name,
+                                   "unsupported_parameter")
+            return StructuredOutputsParams(json=value.json_schema, regex=value.regex, choice=value.choice,
+                                           json_object=bool(value.json_object))
+        keyword = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}[name]
+        return StructuredOutputsParams(**{keyword: value})
+    except InvalidInputError as e:
+        raise APIError(400, f"{name}: {e}", name) from e
 
 
 def message_text(content: str | list[dict] | None) -> str:
@@ -376,6 +426,7 @@ class OpenAIServing:
                 ignore_eos=bool(req.ignore_eos),
                 include_stop_str_in_output=bool(req.include_stop_str_in_output),
                 n=1 if req.n is None else req.n,
+                structured_outputs=structured_outputs(req),
             )
         except ValueError as e:
             raise input_error(e, prompt_field) from e
@@ -396,6 +447,9 @@ class OpenAIServing:
             stream = await self.engine.generate_batch(prompts, params, cache_salt=req.cache_salt, request_ids=ids,
                                                       stream=bool(req.stream), lora=lora, tenant=tenant)
         except ValueError as e:
+            if isinstance(e, InvalidInputError) and e.field == "structured_outputs":  # a schema that doesn't compile
+                name = structured_output_field(req)
+                raise APIError(400, f"{name}: {e}", name) from e
             raise input_error(e, prompt_field) from e
         return stream if len(ids) == 1 else numbered(stream, {rid: i * params.n for i, rid in enumerate(ids)})
 

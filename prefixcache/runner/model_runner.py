@@ -1,9 +1,11 @@
 """Turns a :class:`SchedulerOutput` into tensors, runs the model, samples tokens.
 
-The runner makes no scheduling decision. It owns the KV pool (one tensor per layer) and the
-per-request sampling generators; everything else comes in the step's ``SchedulerOutput``. It counts
-the prompt tokens it actually runs through the model (``num_prompt_tokens_computed``), the
-ground truth that every claimed cache hit must show up in as work not done.
+The runner makes no scheduling decision. It owns the KV pool (one tensor per layer), the
+per-request sampling generators and the structured-output matchers
+(:mod:`prefixcache.runner.structured_output`, applied to the logits just before sampling);
+everything else comes in the step's ``SchedulerOutput``. It counts the prompt tokens it actually
+runs through the model (``num_prompt_tokens_computed``), the ground truth that every claimed cache
+hit must show up in as work not done.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from prefixcache.layers.sampler import sample
 from prefixcache.models.loader import LoadedModel
 from prefixcache.prompt_logprobs import PROMPT_LOGPROBS_TOPK, PromptLogprobsChunk
 from prefixcache.runner.kv_pool import allocate_kv_caches
+from prefixcache.runner.structured_output import StructuredOutputManager
 from prefixcache.scheduler_output import ScheduledSeq, SchedulerOutput
 
 PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at a time (each row: vocab_size floats)
@@ -45,6 +48,7 @@ class ModelRunner:
         )
         self._default_generator = torch.Generator(device="cpu").manual_seed(generator_seed(seed))
         self._generators: dict[str, torch.Generator] = {}
+        self.structured_output = StructuredOutputManager(loaded.tokenizer, cfg.vocab_size, loaded.eos_token_ids)
         # Prompt tokens run through the model so far (recomputes after preemption included).
         self.num_prompt_tokens_computed = 0
         self._prompt_logprobs: dict[str, PromptLogprobsChunk] = {}  # the last step's, until taken
@@ -60,6 +64,7 @@ class ModelRunner:
         """
         for req_id in scheduler_output.finished_req_ids:
             self._generators.pop(req_id, None)
+        self.structured_output.free(scheduler_output.finished_req_ids)
         seqs = scheduler_output.seqs
         if not seqs:
             return {}
@@ -112,7 +117,9 @@ class ModelRunner:
             logits = logits[torch.tensor([row for _, _, row in sampling])]
         params = [p for _, p, _ in sampling]
         generators = [self._generator(rid, p) for rid, p, _ in sampling]
-        tokens = sample(logits, params, generators)
+        req_ids = [rid for rid, _, _ in sampling]
+        tokens = sample(self.structured_output.mask_logits(logits, req_ids, params), params, generators)
+        self.structured_output.accept_tokens(req_ids, params, tokens)
         return {rid: t for (rid, _, _), t in zip(sampling, tokens)}
 
     def take_prompt_logprobs(self) -> dict[str, PromptLogprobsChunk]:

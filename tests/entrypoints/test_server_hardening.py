@@ -256,12 +256,11 @@ UNSUPPORTED = [
     ("completions", "best_of", 2), ("completions", "logit_bias", {"50256": -100}),
     ("completions", "presence_penalty", 0.5), ("completions", "frequency_penalty", -1),
     ("completions", "repetition_penalty", 1.2), ("completions", "min_p", 0.1), ("completions", "min_tokens", 4),
-    ("completions", "guided_json", {"type": "object"}), ("completions", "response_format", {"type": "json_object"}),
+    ("completions", "guided_grammar", "root ::= \"a\""),
     ("chat/completions", "logprobs", True), ("chat/completions", "top_logprobs", 2),
     ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("chat/completions", "tool_choice", "required"), ("chat/completions", "functions", [{"name": "f"}]),
     ("chat/completions", "function_call", {"name": "f"}), ("chat/completions", "parallel_tool_calls", False),
-    ("chat/completions", "response_format", {"type": "json_schema", "json_schema": {}}),
     ("chat/completions", "presence_penalty", 1.0), ("chat/completions", "logit_bias", {"1": 1}),
     ("chat/completions", "modalities", ["text", "audio"]), ("chat/completions", "echo", True),
 ]
