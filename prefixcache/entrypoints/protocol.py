@@ -71,6 +71,7 @@ class _SamplingFields(_Request):
     """Fields shared by both endpoints. ``None`` means the server's default."""
 
     model: str | None = None
+    prompt_logprobs: Int64 | None = None  # vLLM extra: 0..20 alternatives per prompt token; not with stream
     max_tokens: Int64 | None = None
     temperature: float | None = None  # default 1.0 (OpenAI's)
     top_p: float | None = None
@@ -115,7 +116,7 @@ _UNSUPPORTED_COMMON: Mapping[str, tuple[Any, ...]] = MappingProxyType({
     "frequency_penalty": (0,),
     # vLLM's sampling and decoding extras
     "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "use_beam_search": (False,),
-    "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (), "prompt_logprobs": (),
+    "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
     "truncate_prompt_tokens": (), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "guided_grammar": (),
     "return_tokens_as_token_ids": (False,),
@@ -177,6 +178,17 @@ class _Choice(_Model):
     stop_reason: int | str | None = None  # vLLM extra: the stop string or token that matched
 
 
+class PromptLogprob(_Model):
+    """One entry of vLLM's ``prompt_logprobs`` (its ``Logprob``)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobsField = list[dict[str, PromptLogprob] | None] | None  # per prompt token, keyed by token id
+
+
 class _Response(_Model):
     id: str
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -186,6 +198,7 @@ class _Response(_Model):
 
 class CompletionChoice(_Choice):
     text: str
+    prompt_logprobs: PromptLogprobsField = None  # vLLM extra
 
 
 class CompletionResponse(_Response):
@@ -205,6 +218,7 @@ class ChatChoice(_Choice):
 class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    prompt_logprobs: PromptLogprobsField = None  # vLLM extra
 
 
 class PrefixCacheBlocks(_Model):

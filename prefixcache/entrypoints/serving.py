@@ -280,6 +280,15 @@ def stop_prefix_hold(text: str, stops: tuple[str, ...]) -> int:
     return hold
 
 
+def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, dict] | None] | None:
+    """vLLM's JSON of a request's prompt logprobs: per prompt token, token id (as a string) →
+    {logprob, rank, decoded_token}; None when not asked for."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in e.items()} for e in out.prompt_logprobs]
+
+
 def sse_event(data: dict) -> str:
     """One SSE event carrying ``data`` as JSON."""
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
@@ -390,6 +399,8 @@ class OpenAIServing:
             APIError: 400 for a refused field, 404 for an unknown model.
         """
         check_request(req, kind)
+        if req.prompt_logprobs is not None and req.stream:  # as vLLM: they come whole, after the prompt
+            raise APIError(400, "prompt_logprobs is not available with stream: true", "prompt_logprobs")
         return self.lora_for(req.model), req.model or self.served_model_name
 
     def lora_for(self, model: str | None) -> LoRARequest | None:
@@ -427,6 +438,7 @@ class OpenAIServing:
                 include_stop_str_in_output=bool(req.include_stop_str_in_output),
                 n=1 if req.n is None else req.n,
                 structured_outputs=structured_outputs(req),
+                prompt_logprobs=req.prompt_logprobs,
             )
         except ValueError as e:
             raise input_error(e, prompt_field) from e
@@ -507,7 +519,8 @@ class OpenAIServing:
             return CompletionResponse(
                 id=request_id, created=created, model=model_name, usage=usage(outs),
                 choices=[CompletionChoice(index=o.index, finish_reason=o.finish_reason, stop_reason=o.stop_reason,
-                                          text=o.text if echoes is None else echoes[o.index // params.n] + o.text)
+                                          text=o.text if echoes is None else echoes[o.index // params.n] + o.text,
+                                          prompt_logprobs=prompt_logprobs_json(o))
                          for o in outs],
             )
 
@@ -614,6 +627,7 @@ class OpenAIServing:
                 id=request_id, created=created, model=model_name, usage=usage(outs),
                 choices=[ChatChoice(index=o.index, message=ResponseMessage(content=o.text),
                                     finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in outs],
+                prompt_logprobs=prompt_logprobs_json(outs[0]) if outs else None,
             )
 
         head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name}
