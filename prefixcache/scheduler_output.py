@@ -1,8 +1,9 @@
 """What the scheduler hands the model runner for one step: the contract between the two.
 
 A low-level data module (the runner and the cache see it without importing the engine). The runner
-makes no scheduling decision: it does the slot copies, runs the tokens of every scheduled sequence
-in one forward pass, and samples where ``sampling_params`` is set.
+makes no scheduling decision: it writes the blocks loaded from KV tiers, does the slot copies, runs
+the tokens of every scheduled sequence in one forward pass, and samples where ``sampling_params``
+is set.
 """
 
 from __future__ import annotations
@@ -28,6 +29,18 @@ class CopyOp:
     src_block_id: int
     dst_block_id: int
     num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOp:
+    """Write a block's K/V loaded from a KV tier into ``block_id``, all layers, all slots.
+
+    ``payload``: ``shape = [num_layers, 2, block_size, num_kv_heads, head_dim]`` in the pool's dtype,
+    C order, as bytes (verified against the request by the tier stack before it gets here).
+    """
+
+    block_id: int
+    payload: bytes | bytearray | memoryview
 
 
 @dataclass(slots=True)
@@ -59,6 +72,8 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)  # finished since the last step
     # Partial-block reuse and copy-on-write: slot copies the runner does before the forward pass.
     copy_ops: list[CopyOp] = field(default_factory=list)
+    # KV tier loads: blocks the runner fills from tier entries, before the copies and the forward pass.
+    load_ops: list[LoadOp] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -15,6 +15,8 @@ from prefixcache.errors import InvalidInputError
 
 DEFAULT_BLOCK_SIZE = 16  # tokens
 DEFAULT_CACHE_TTL_S = 300.0
+DEFAULT_KV_DISK_BYTES = 10 << 30
+DEFAULT_KV_REDIS_TTL_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,9 @@ class CacheConfig:
     hash_seed: int | None = field(default=None, metadata={
         "help": "mixed into every block hash; fix it for keys reproducible across processes "
                 "(default: random per process)"})
+    hash_seed_file: str | None = field(default=None, metadata={
+        "help": "file whose bytes (>= 16) are the hash seed: a deployment secret shared by the processes "
+                "that share KV tiers (instead of --hash-seed)"})
     eviction_policy: str = field(default="lru", metadata={
         "help": "which free cached block is evicted first (a name registered in cache/eviction.py)"})
     cache_ttl_s: float = field(default=DEFAULT_CACHE_TTL_S, metadata={
@@ -42,6 +47,16 @@ class CacheConfig:
     cost_attention_tokens: float = field(default=2048.0, metadata={
         "help": "cost policy: context length (tokens) at which attention costs as much per token as "
                 "the rest of a layer"})
+    kv_disk_dir: str | None = field(default=None, metadata={
+        "help": "KV tier on local disk: full blocks are written here and reused after a restart "
+                "(needs --hash-seed or --hash-seed-file)"})
+    kv_disk_bytes: int = field(default=DEFAULT_KV_DISK_BYTES, metadata={
+        "help": "size cap of --kv-disk-dir, e.g. 20GiB; least recently used entries go first (default: 10GiB)",
+        "memory": True})
+    kv_redis_url: str | None = field(default=None, metadata={
+        "help": "KV tier shared through Redis, redis://host:port/db (needs --hash-seed or --hash-seed-file)"})
+    kv_redis_ttl_s: float = field(default=DEFAULT_KV_REDIS_TTL_S, metadata={
+        "help": "seconds a Redis tier entry lives after its last store or hit"})
 
     def validate(self) -> None:
         """Checks every field.
@@ -62,6 +77,26 @@ class CacheConfig:
         check_bool("enable_partial_block_reuse", self.enable_partial_block_reuse)
         check_positive_float("cost_half_life_s", self.cost_half_life_s)
         check_positive_float("cost_attention_tokens", self.cost_attention_tokens)
+        self._validate_tiers()
+
+    def _validate_tiers(self) -> None:
+        """The KV tier fields and the hash seed they need (keys must be the same in every process)."""
+        for name in ("hash_seed_file", "kv_disk_dir", "kv_redis_url"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidInputError(name, f"{name} must be a non-empty string, got {value!r}")
+        if self.hash_seed is not None and self.hash_seed_file is not None:
+            raise InvalidInputError("hash_seed_file", "give hash_seed or hash_seed_file, not both")
+        check_int("kv_disk_bytes", self.kv_disk_bytes, 1)
+        check_positive_float("kv_redis_ttl_s", self.kv_redis_ttl_s)
+        if self.kv_redis_url is not None and not self.kv_redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise InvalidInputError("kv_redis_url", f"kv_redis_url must start with redis://, rediss:// or unix://, "
+                                                    f"got {self.kv_redis_url!r}")
+        tiered = self.kv_disk_dir is not None or self.kv_redis_url is not None
+        if tiered and self.hash_seed is None and self.hash_seed_file is None:
+            raise InvalidInputError("hash_seed", "KV tiers (kv_disk_dir, kv_redis_url) need hash_seed or "
+                                                 "hash_seed_file: the default seed is random per process, so no "
+                                                 "other process (or restart) could ever hit their entries")
 
 
 def check_int(name: str, value: object, low: int, high: int | None = None) -> None:

@@ -32,6 +32,8 @@ from typing import NewType
 
 import xxhash
 
+from prefixcache.errors import InvalidInputError
+
 BlockHash = NewType("BlockHash", bytes)
 
 def _sha256(data: bytes) -> bytes:
@@ -47,8 +49,26 @@ _UINT32 = next(code for code in "IL" if array(code).itemsize == 4)
 _PROCESS_HASH_SEED = os.urandom(16)
 
 
-def hash_seed_bytes(hash_seed: int | None) -> bytes:
-    """The seed mixed into every root key: ``hash_seed`` as 8 bytes, or this process's random seed."""
+def hash_seed_bytes(hash_seed: int | None, hash_seed_file: str | None = None) -> bytes:
+    """The seed mixed into every root key: ``hash_seed`` as 8 bytes, the sha256 of the secret in
+    ``hash_seed_file`` (a deployment's key file, shared by the processes that share KV tiers), or
+    this process's random seed. None of it depends on ``PYTHONHASHSEED``.
+
+    Raises:
+        InvalidInputError: (field ``hash_seed_file``) the file can't be read or holds fewer than 16
+            bytes.
+    """
+    if hash_seed_file is not None:
+        try:
+            with open(os.path.expanduser(hash_seed_file), "rb") as f:
+                secret = f.read()
+        except OSError as e:
+            raise InvalidInputError("hash_seed_file", f"hash_seed_file: cannot read {hash_seed_file!r}: "
+                                                      f"{e.strerror or e}") from None
+        if len(secret.strip()) < 16:
+            raise InvalidInputError("hash_seed_file", f"hash_seed_file {hash_seed_file!r} must hold a secret of "
+                                                      f"at least 16 bytes")
+        return hashlib.sha256(b"hash_seed_file\0" + secret.strip()).digest()
     if hash_seed is None:
         return _PROCESS_HASH_SEED
     return hash_seed.to_bytes(8, "little", signed=False)

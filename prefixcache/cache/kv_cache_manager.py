@@ -17,6 +17,15 @@ forward pass. ``admit`` is built from three calls that tests and tools may also 
     | full-block hits | k copied | computed now ... |
                       ^ first new block: slots [0, k) copied from the partial hit
 
+With KV tiers (``tiers``, :mod:`prefixcache.cache.tiers`), the lookup goes on past the pool's last
+hit into the tiers, in chain order, up to the first miss; the loaded blocks are allocated and
+cached like computed ones, and a :class:`LoadOp` per block has the runner write their K/V before
+the forward pass (no partial hit then)::
+
+    | pool hits | tier hits (LoadOp) | computed now ... |
+
+Blocks computed in a step are stored to the tiers after it (:meth:`take_tier_stores`, write-through).
+
 Parallel sampling (``n > 1``) forks a request once its prompt is computed: ``fork(parent, child)``
 gives the child the parent's whole block table by reference (``ref_cnt += 1``, zero copy). The
 prompt's full blocks stay shared for good; the last, partial block is shared until a sequence
@@ -53,9 +62,11 @@ from prefixcache.cache.block import KVCacheBlock, verified_chain_length
 from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.config import CacheConfig
 from prefixcache.cache.metrics import PrefixCacheSnapshot, PrefixCacheStats
-from prefixcache.scheduler_output import CopyOp
+from prefixcache.scheduler_output import CopyOp, LoadOp
 
 if TYPE_CHECKING:
+    from prefixcache.cache.tiers.entry import EntryKey
+    from prefixcache.cache.tiers.stack import KVTierStack
     from prefixcache.prompt_logprobs import BlockPromptLogprobs
     from prefixcache.request import Request
 
@@ -78,13 +89,15 @@ class Admission:
         num_hit_tokens: tokens served from cached full blocks (``len * block_size``).
         num_partial_tokens: tokens copied from a partial hit, after the full blocks.
         num_new_tokens: tokens to compute in this step, after those.
-        new_blocks: the blocks allocated for them (not the hits).
+        new_blocks: the blocks allocated for the tier hits and the new tokens (not the pool hits).
+        num_tier_tokens: tokens loaded from KV tiers, after the pool hits (then no partial hit).
     """
 
     num_hit_tokens: int
     num_partial_tokens: int
     num_new_tokens: int
     new_blocks: list[KVCacheBlock]
+    num_tier_tokens: int = 0
 
 
 class KVCacheManager:
@@ -95,6 +108,7 @@ class KVCacheManager:
         config: the cache options, taken whole (``block_size`` must match the requests' hasher).
         bytes_per_block: KV bytes of one block over all layers (for ``cost`` and ``cached_bytes``).
         clock: current time in seconds (``time.monotonic``; a virtual clock in simulations).
+        tiers: KV tiers below the pool, or ``None``.
 
     Raises:
         ValueError: ``num_blocks < 1``; InvalidInputError: a bad config field.
@@ -107,6 +121,7 @@ class KVCacheManager:
         *,
         bytes_per_block: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        tiers: KVTierStack | None = None,
     ) -> None:
         config = config or CacheConfig()
         config.validate()
@@ -129,6 +144,11 @@ class KVCacheManager:
         self.pending_copy_ops: list[CopyOp] = []
         self.num_cow_forks = 0  # fork() calls
         self.num_cow_copies = 0  # blocks copied on first write
+        self.tiers = tiers
+        # Tier loads for the runner, and blocks cached this step by computing them (request, block
+        # index, block, generation): stored to the tiers once the step has written their K/V.
+        self.pending_load_ops: list[LoadOp] = []
+        self._tier_stores: list[tuple[Request, int, KVCacheBlock, int]] = []
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -151,21 +171,63 @@ class KVCacheManager:
             What was done, or ``None`` when the pool can't hold it now (nothing changed).
         """
         hits, num_hit = self.get_computed_blocks(request)
+        tier_load = None
         if request.sampling_params.prompt_logprobs is None:
-            partial = self.get_partial_hit(request, hits)
+            tier_load = self._load_from_tiers(request, len(hits))
+            partial = None if tier_load is not None and tier_load.payloads else self.get_partial_hit(request, hits)
         else:  # a hit must also serve the block's prompt logprobs (prefixcache/prompt_logprobs.py)
             n = next((i for i, b in enumerate(hits) if b.prompt_logprobs is None), len(hits))
             hits, num_hit, partial = hits[:n], n * self.block_size, None
+        num_tier = len(tier_load.payloads) * self.block_size if tier_load is not None else 0
         num_partial = partial.num_tokens if partial is not None else 0
-        num_new = min(request.num_tokens - num_hit - num_partial, token_budget)
-        new_blocks = self.allocate_slots(request, num_new + num_lookahead_tokens, hits, num_hit, partial)
+        num_new = min(request.num_tokens - num_hit - num_tier - num_partial, token_budget)
+        new_blocks = self.allocate_slots(request, num_tier + num_new + num_lookahead_tokens, hits, num_hit, partial)
         if new_blocks is None:
             return None
+        if num_tier:
+            self._add_load_ops(new_blocks, tier_load.payloads)
         if request.num_cached_tokens is None:  # first admission
-            request.num_cached_tokens = num_hit + num_partial
+            request.num_cached_tokens = num_hit + num_tier + num_partial
             self.stats.record(request.num_tokens, num_hit, num_partial)
-        request.num_computed_tokens = num_hit + num_partial
-        return Admission(num_hit, num_partial, num_new, new_blocks)
+            if tier_load is not None:
+                self.tiers.record_admission(tier_load)
+        request.num_computed_tokens = num_hit + num_tier + num_partial
+        return Admission(num_hit, num_partial, num_new, new_blocks, num_tier)
+
+    def _load_from_tiers(self, request: Request, num_hit_blocks: int):
+        """The request's blocks after its pool hits that the KV tiers hold (verified), as many as
+        the free blocks can take; ``None`` without tiers or caching."""
+        if self.tiers is None or not self.enable_caching:
+            return None
+        max_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        stop = min(max_blocks, num_hit_blocks + self.block_pool.get_num_free_blocks() - 1)
+        return self.tiers.load_chain(request, num_hit_blocks, stop)
+
+    def _add_load_ops(self, new_blocks: list[KVCacheBlock], payloads: list) -> None:
+        """Has the runner write the loaded K/V into the first new blocks (cached by allocation); they
+        are not stored back to the tiers."""
+        loaded = new_blocks[: len(payloads)]
+        self.pending_load_ops += [LoadOp(b.block_id, p) for b, p in zip(loaded, payloads)]
+        ids = {b.block_id for b in loaded}
+        self._tier_stores = [s for s in self._tier_stores if s[2].block_id not in ids]
+
+    def take_tier_stores(self) -> list[tuple[int, EntryKey]]:
+        """The blocks this step computed and cached, to store to the KV tiers now that the step
+        has written their K/V: ``(block id, entry key)`` each. Call after the forward pass, before
+        :meth:`end_step`; empty without tiers."""
+        stores, self._tier_stores = self._tier_stores, []
+        by_request: dict[str, list[tuple[int, KVCacheBlock]]] = {}
+        requests = {}
+        for request, index, block, generation in stores:
+            if block.generation == generation and block.block_hash is not None:  # still cached
+                by_request.setdefault(request.request_id, []).append((index, block))
+                requests[request.request_id] = request
+        out = []
+        for rid, items in by_request.items():
+            first = min(i for i, _ in items)
+            keys = self.tiers.entry_keys(requests[rid], first, max(i for i, _ in items) + 1)
+            out += [(block.block_id, keys[index - first]) for index, block in items]
+        return out
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Finds the longest verified cached prefix of the request, in full blocks.
@@ -412,6 +474,8 @@ class KVCacheManager:
                 )
                 if cached is block:
                     self._cached_this_step[block.block_id] = block.generation
+                    if self.tiers is not None:
+                        self._tier_stores.append((request, i, block, block.generation))
                 else:  # held until end_step, then it replaces the request's own copy
                     self.block_pool.record_hits([cached])
                     self.block_pool.touch([cached])
@@ -442,6 +506,8 @@ class KVCacheManager:
         self.block_pool.free_blocks(sources)
         self._cached_this_step.clear()
         self.pending_copy_ops = []
+        self.pending_load_ops = []
+        self._tier_stores = []
 
     def forget_step(self) -> None:
         """After a failed step: evicts the blocks cached in it (their K/V was never written, or only
@@ -455,6 +521,8 @@ class KVCacheManager:
         self.block_pool.free_blocks(sources)
         self._cached_this_step.clear()
         self.pending_copy_ops = []
+        self.pending_load_ops = []
+        self._tier_stores = []
 
     def fork(self, parent: Request, child: Request) -> None:
         """Gives ``child`` the parent's block table by reference (parallel sampling).

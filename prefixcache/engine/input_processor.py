@@ -54,7 +54,7 @@ class InputProcessor:
     """Turns what a caller sends into a validated, keyed :class:`Request`.
 
     Args:
-        config: the engine's options (``block_size``, ``hash_seed``).
+        config: the engine's options (``block_size``, ``hash_seed``, ``hash_seed_file``).
         loaded: the model (tokenizer, vocabulary, the weights' fingerprint).
         max_model_len: the context limit in tokens.
         num_blocks: the KV pool's size (a request that can never fit is refused).
@@ -69,7 +69,7 @@ class InputProcessor:
         self.num_blocks = num_blocks
         self.block_hasher = BlockHasher(config.block_size, config.hash_algo)
         self.approved_prefixes = ApprovedPrefixes()
-        self._hash_seed = hash_seed_bytes(config.hash_seed)
+        self._hash_seed = hash_seed_bytes(config.hash_seed, config.hash_seed_file)
         self._model_key: tuple[bytes, bytes] | None = None  # (loaded.fingerprint, key) memo
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = max_model_len * max(1, longest) * _NORMALIZATION_SLACK

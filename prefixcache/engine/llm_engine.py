@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Mapping
 
@@ -27,6 +27,7 @@ import torch
 
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.cache.metrics import PrefixCacheSnapshot
+from prefixcache.cache.tiers.stack import make_kv_tiers
 from prefixcache.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from prefixcache.engine.input_processor import InputProcessor, ProcessedPrompt
 from prefixcache.engine.lora_manager import LoRAManager
@@ -38,7 +39,7 @@ from prefixcache.layers.lora import LoRARequest
 from prefixcache.models.loader import LoadedModel, load_model
 from prefixcache.outputs import RequestOutput
 from prefixcache.request import Request, RequestStatus
-from prefixcache.runner.kv_pool import kv_cache_bytes_per_block, num_blocks_for_memory
+from prefixcache.runner.kv_pool import kv_block_layout, kv_cache_bytes_per_block, num_blocks_for_memory
 from prefixcache.runner.model_runner import ModelRunner
 from prefixcache.sampling_params import SamplingParams
 from prefixcache.scheduler_output import SchedulerOutput
@@ -51,6 +52,9 @@ class EngineMetrics(PrefixCacheSnapshot):
 
     prompt_tokens_computed: int = 0  # prompt tokens run through the model (recomputes included)
     num_preemptions: int = 0
+    # Per KV tier (by name): its counters, see prefixcache/cache/tiers/stack.py. num_cached_tokens
+    # counts tier hits; prefix_cache_hits counts the pool's only.
+    kv_tiers: dict[str, dict] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -86,7 +90,10 @@ class LLMEngine:
             config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES, mcfg.num_hidden_layers,
             config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, self.loaded.dtype,
         )
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, config, bytes_per_block=self.kv_cache_bytes_per_block)
+        self.kv_tiers = make_kv_tiers(config, kv_block_layout(
+            mcfg.num_hidden_layers, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, self.loaded.dtype))
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, config, bytes_per_block=self.kv_cache_bytes_per_block,
+                                               tiers=self.kv_tiers)
         self.scheduler = Scheduler(self.kv_cache_manager, config)
         self.runner = ModelRunner(self.loaded, self.num_blocks, config.block_size, self.device, config.seed)
         self.input_processor = InputProcessor(config, self.loaded, self.max_model_len, self.num_blocks)
@@ -207,9 +214,24 @@ class LLMEngine:
             if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: cleaned up, then go
                 raise
             return outputs
+        self._store_to_tiers()
         updated = self.scheduler.update_from_output(scheduler_output, sampled)
         self.scheduler.store_prompt_logprobs(self.runner.take_prompt_logprobs())
         return self._postprocess(updated)
+
+    def _store_to_tiers(self) -> None:
+        """Hands the K/V of the blocks this step computed to the KV tiers' writer (write-through)."""
+        if self.kv_tiers is None:
+            return
+        stores = self.kv_cache_manager.take_tier_stores()
+        if stores:
+            payloads = self.runner.read_blocks([block_id for block_id, _ in stores])
+            self.kv_tiers.submit([(key, payload) for (_, key), payload in zip(stores, payloads)])
+
+    def close(self) -> None:
+        """Stores the blocks still queued for the KV tiers and closes them (nothing else to release)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
 
     def _postprocess(self, updated: list[Request]) -> list[RequestOutput]:
         """Stop checks and outputs for the requests that got a token this step."""
@@ -300,6 +322,7 @@ class LLMEngine:
             **{f: getattr(snapshot, f) for f in snapshot.__dataclass_fields__},
             prompt_tokens_computed=self.runner.num_prompt_tokens_computed,
             num_preemptions=self.scheduler.num_preemptions,
+            kv_tiers=self.kv_tiers.snapshot() if self.kv_tiers is not None else {},
         )
 
 

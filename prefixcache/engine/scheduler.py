@@ -104,6 +104,7 @@ class Scheduler:
                 out.seqs.append(self._make_seq(request, admission.num_new_tokens))
                 budget -= admission.num_new_tokens
         out.copy_ops = list(kv.pending_copy_ops)
+        out.load_ops = list(kv.pending_load_ops)
         return out
 
     def _take_cached_prompt_logprobs(self, request: Request, num_hit_tokens: int) -> None:

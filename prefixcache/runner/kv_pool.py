@@ -8,6 +8,8 @@ by the slot directly.
 
 import torch
 
+from prefixcache.cache.tiers.entry import KVBlockLayout
+
 
 def kv_cache_bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
@@ -26,6 +28,15 @@ def kv_cache_bytes_per_block(
     """
     element_size = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+
+
+def kv_block_layout(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> KVBlockLayout:
+    """One block's K/V as a KV tier entry holds it: ``shape = [num_layers, 2, block_size,
+    num_kv_heads, head_dim]`` in the pool's dtype (what ``ModelRunner.read_blocks`` returns)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return KVBlockLayout(str(dtype).removeprefix("torch."), (num_layers, 2, block_size, num_kv_heads, head_dim), itemsize)
 
 
 def num_blocks_for_memory(

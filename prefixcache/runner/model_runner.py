@@ -19,7 +19,7 @@ from prefixcache.models.loader import LoadedModel
 from prefixcache.prompt_logprobs import PROMPT_LOGPROBS_TOPK, PromptLogprobsChunk
 from prefixcache.runner.kv_pool import allocate_kv_caches
 from prefixcache.runner.structured_output import StructuredOutputManager
-from prefixcache.scheduler_output import ScheduledSeq, SchedulerOutput
+from prefixcache.scheduler_output import LoadOp, ScheduledSeq, SchedulerOutput
 
 PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at a time (each row: vocab_size floats)
 
@@ -68,6 +68,8 @@ class ModelRunner:
         seqs = scheduler_output.seqs
         if not seqs:
             return {}
+        if scheduler_output.load_ops:  # KV tier hits, before the copies and the forward pass
+            self.write_blocks(scheduler_output.load_ops)
         # Partial-block reuse and copy-on-write, in order, before anything reads or writes the KV.
         for op in scheduler_output.copy_ops:
             for kv_cache in self.kv_caches:  # [2, num_blocks, block_size, kv_heads, head_dim]
@@ -121,6 +123,37 @@ class ModelRunner:
         tokens = sample(self.structured_output.mask_logits(logits, req_ids, params), params, generators)
         self.structured_output.accept_tokens(req_ids, params, tokens)
         return {rid: t for (rid, _, _), t in zip(sampling, tokens)}
+
+    def write_blocks(self, load_ops: list[LoadOp]) -> None:
+        """Writes K/V loaded from a KV tier into pool blocks (all layers, all slots).
+
+        Args:
+            load_ops: each a block id and its payload, ``shape = [num_layers, 2, block_size,
+                num_kv_heads, head_dim]`` in the pool's dtype (see :class:`LoadOp`).
+        """
+        data = bytearray().join(op.payload for op in load_ops)  # one writable host buffer
+        kv0 = self.kv_caches[0]
+        blocks = torch.frombuffer(data, dtype=kv0.dtype).view(
+            len(load_ops), len(self.kv_caches), 2, *kv0.shape[2:])  # [n, layers, 2, block_size, kv_heads, head_dim]
+        blocks = blocks.to(self.device, non_blocking=False)
+        ids = torch.tensor([op.block_id for op in load_ops], device=self.device)
+        for layer, kv_cache in enumerate(self.kv_caches):  # [2, num_blocks, block_size, kv_heads, head_dim]
+            kv_cache[:, ids] = blocks[:, layer].transpose(0, 1)
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Copies blocks' K/V out of the pool (for a KV tier), in :class:`LoadOp`'s payload layout.
+
+        Returns:
+            One bytes object per block, ``shape = [num_layers, 2, block_size, num_kv_heads,
+            head_dim]`` in the pool's dtype, C order; later steps can't change them.
+        """
+        if not block_ids:
+            return []
+        ids = torch.tensor(block_ids, device=self.device)
+        blocks = torch.stack([kv[:, ids] for kv in self.kv_caches], dim=1)  # [2, layers, n, block_size, ...]
+        blocks = blocks.permute(2, 1, 0, 3, 4, 5).contiguous().cpu()  # [n, layers, 2, block_size, kv_heads, head_dim]
+        flat = blocks.view(torch.uint8).view(len(block_ids), -1).numpy()
+        return [row.tobytes() for row in flat]
 
     def take_prompt_logprobs(self) -> dict[str, PromptLogprobsChunk]:
         """The prompt logprobs the last step computed, by request id (then forgotten here)."""

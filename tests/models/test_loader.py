@@ -137,3 +137,23 @@ def test_builtin_fetch_failure_says_what_to_do(tmp_path, monkeypatch, capsys):
     with pytest.raises(ModelLoadError, match="prefixcache fetch"):
         load_model("smollm2-135m", home=tmp_path)
     assert "fetching the default model" in capsys.readouterr().err
+
+
+def test_fingerprint_covers_a_middle_tensor(tmp_path, tiny_llama_dir):
+    """Two checkpoints that differ only in a tensor far from both ends of the file (a middle layer)
+    get different fingerprints, so different cache keys in every tier (C15)."""
+    from safetensors.torch import save_file
+
+    shutil.copy(tiny_llama_dir / "config.json", tmp_path / "config.json")
+    tensors = {"a.first": torch.zeros(1 << 19), "b.middle": torch.zeros(1 << 14), "c.last": torch.zeros(1 << 19)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))  # 2 MiB, 64 KiB, 2 MiB of data
+    base = compute_fingerprint(tmp_path)
+    tensors["b.middle"][100] = 1.0
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    # The changed bytes lie more than 1 MiB from both ends of the data region.
+    header_len = int.from_bytes(data[:8], "little")
+    offset = 8 + header_len + (1 << 21) + 400
+    assert data[offset : offset + 4] == torch.tensor([1.0]).numpy().tobytes()
+    assert offset - (8 + header_len) > 1 << 20 and len(data) - offset > 1 << 20
+    assert compute_fingerprint(tmp_path) != base

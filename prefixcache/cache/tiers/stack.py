@@ -1,0 +1,319 @@
+"""The tiers below the block pool, in lookup order, with their writer thread and counters.
+
+Data path (the cache manager drives it, see ``KVCacheManager.admit``)::
+
+    pool hits | disk hits ... | redis hits ... | computed
+              ^ lookup continues past the pool's last hit, tier by tier, in chain order,
+                stopping at the first block no tier holds
+
+- Load (engine thread, at admission): :meth:`KVTierStack.load_chain` asks each tier in turn for
+  the blocks after the previous one's last hit, verifies each entry against the request
+  (:func:`~prefixcache.cache.tiers.entry.decode_entry`) and stops at the first miss or bad entry;
+  a bad entry is removed from its tier. The payloads become ordinary cached pool blocks: the
+  runner copies them into the pool before the forward pass (``LoadOp``).
+- Store (write-through, off the engine loop): after each step the engine copies the K/V of the
+  blocks computed in that step out of the pool and :meth:`KVTierStack.submit` queues them; a
+  background thread encodes each entry and stores it in every tier. The queue is bounded
+  (``max_queued_bytes``): when it is full a block is not stored (counted as a drop), the engine
+  never waits for a tier.
+- A tier that raises (Redis stopped, a full disk) is counted (``errors``), logged once, and rested
+  for ``retry_s`` seconds: lookups skip it and stores to it are dropped, so requests go on with the
+  pool (and the other tiers) alone.
+
+Counters per tier (tokens in tokens): ``queries`` (tokens looked up in it at requests' first
+admission), ``hits`` (of those, tokens loaded from it), ``bytes_loaded``, ``bytes_stored``,
+``stores``, ``store_drops``, ``bad_entries`` (entries that failed verification and were removed),
+``errors``, and per-block load and store latency histograms.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prefixcache.cache.tiers.base import KVTier
+from prefixcache.cache.tiers.entry import (
+    FORMAT_VERSION, EntryError, EntryKey, KVBlockLayout, decode_entry, encode_entry, prefix_digests, sha256,
+)
+
+if TYPE_CHECKING:
+    from prefixcache.cache.config import CacheConfig
+    from prefixcache.request import Request
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BOUNDS_S = (0.0005, 0.001, 0.005, 0.02, 0.1, 0.5)  # histogram bucket upper bounds; +inf last
+DEFAULT_MAX_QUEUED_BYTES = 256 << 20
+DEFAULT_RETRY_S = 5.0
+
+
+@dataclass(slots=True)
+class TierStats:
+    """One tier's counters (see the module docstring)."""
+
+    queries: int = 0
+    hits: int = 0
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    stores: int = 0
+    store_drops: int = 0
+    bad_entries: int = 0
+    errors: int = 0
+    load_latency: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS_S) + 1))
+    store_latency: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS_S) + 1))
+
+    def as_dict(self) -> dict:
+        return {name: (list(v) if isinstance(v, list) else v)
+                for name in self.__slots__ for v in [getattr(self, name)]}
+
+
+@dataclass(frozen=True, slots=True)
+class TierLoad:
+    """What :meth:`KVTierStack.load_chain` found.
+
+    Attributes:
+        payloads: verified K/V of consecutive blocks from the first asked (layout of the entries).
+        num_queried_blocks: the blocks asked for.
+        per_tier: ``(tier name, blocks asked of it, blocks loaded from it)`` for each tier asked.
+    """
+
+    payloads: list[memoryview]
+    num_queried_blocks: int
+    per_tier: list[tuple[str, int, int]]
+
+
+class KVTierStack:
+    """The configured tiers in lookup order (fastest first), one writer thread for them all.
+
+    Args:
+        tiers: the backends, in lookup order.
+        layout: this engine's K/V payload dtype and shape.
+        max_queued_bytes: payload bytes waiting for the writer at most (more are dropped).
+        retry_s: seconds a failing tier rests before it is tried again.
+        clock: seconds (``time.monotonic``).
+    """
+
+    def __init__(
+        self,
+        tiers: list[KVTier],
+        layout: KVBlockLayout,
+        *,
+        max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES,
+        retry_s: float = DEFAULT_RETRY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tiers = tiers
+        self.layout = layout
+        self.retry_s = retry_s
+        self.clock = clock
+        self.stats = {t.name: TierStats() for t in tiers}
+        self._resting_until = {t.name: None for t in tiers}  # None: healthy
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, max_queued_bytes // layout.payload_bytes))
+        self._writer = threading.Thread(target=self._write_loop, name="prefixcache-kv-tier-writer", daemon=True)
+        self._writer.start()
+
+    # -- keys -----------------------------------------------------------------------------------
+
+    def entry_keys(self, request: Request, start: int, stop: int) -> list[EntryKey]:
+        """The request's expectations of the entries of its blocks ``[start, stop)`` (full blocks)."""
+        bs, hashes, tokens = self.layout.block_size, request.block_hashes, request.all_token_ids
+        digests = prefix_digests(request.root_key, tokens, bs, request.block_extra_key, stop)
+        root_hash = request.block_hasher.root_hash(request.root_key)
+        root_digest = sha256(request.root_key)
+        extra_digests: dict[bytes, bytes] = {}
+        keys = []
+        for i in range(start, stop):
+            extra = request.block_extra_key(i)
+            if extra not in extra_digests:
+                extra_digests[extra] = sha256(extra)
+            keys.append(EntryKey(
+                hashes[i], hashes[i - 1] if i else root_hash, digests[i], root_digest, extra_digests[extra], i,
+                tuple(tokens[i * bs : (i + 1) * bs]),
+            ))
+        return keys
+
+    # -- load -----------------------------------------------------------------------------------
+
+    def load_chain(self, request: Request, start: int, stop: int) -> TierLoad:
+        """Loads the request's blocks ``[start, stop)`` that the tiers hold, in chain order.
+
+        Each tier continues where the previous one stopped; the result ends at the first block
+        no tier holds, or whose entry fails verification (that entry is removed). Never raises
+        for a tier's fault (see the module docstring).
+        """
+        if stop <= start:
+            return TierLoad([], 0, [])
+        keys = self.entry_keys(request, start, stop)
+        payloads: list[memoryview] = []
+        per_tier = []
+        for tier in self.tiers:
+            if len(payloads) == len(keys) or self._is_resting(tier):
+                continue
+            asked = keys[len(payloads):]
+            got = self._load_from(tier, asked)
+            per_tier.append((tier.name, len(asked), len(got)))
+            payloads += got
+        return TierLoad(payloads, len(keys), per_tier)
+
+    def _load_from(self, tier: KVTier, keys: list[EntryKey]) -> list[memoryview]:
+        stats, t0 = self.stats[tier.name], time.perf_counter()
+        try:
+            n = tier.lookup([k.name for k in keys])
+            blobs = tier.load([k.name for k in keys[:n]]) if n else []
+        except Exception as e:  # a tier's fault is a miss, never the request's error
+            self._fail(tier, "load", e)
+            return []
+        self._recovered(tier)
+        out: list[memoryview] = []
+        for key, blob in zip(keys, blobs):
+            if blob is None:
+                break
+            try:
+                out.append(decode_entry(blob, key, self.layout))
+            except EntryError as e:
+                logger.warning("kv tier %s: entry %s is bad (%s); removed", tier.name, key.name, e)
+                with self._lock:
+                    stats.bad_entries += 1
+                self._remove(tier, key.name)
+                break
+        seconds = (time.perf_counter() - t0) / max(1, len(out))
+        with self._lock:
+            stats.bytes_loaded += len(out) * self.layout.payload_bytes
+            for _ in out:
+                stats.load_latency[bisect.bisect_left(LATENCY_BOUNDS_S, seconds)] += 1
+        return out
+
+    def _remove(self, tier: KVTier, name: str) -> None:
+        try:
+            tier.remove(name)
+        except Exception as e:
+            self._fail(tier, "remove", e)
+
+    def record_admission(self, load: TierLoad) -> None:
+        """Counts one request's first admission: tokens asked of each tier and loaded from it."""
+        bs = self.layout.block_size
+        with self._lock:
+            for name, asked, got in load.per_tier:
+                self.stats[name].queries += asked * bs
+                self.stats[name].hits += got * bs
+
+    # -- store ----------------------------------------------------------------------------------
+
+    def submit(self, entries: list[tuple[EntryKey, bytes]]) -> None:
+        """Queues computed blocks (their keys and K/V payloads) for every tier; never blocks."""
+        for item in entries:
+            try:
+                self._queue.put_nowait(item)
+            except queue.Full:
+                with self._lock:
+                    for stats in self.stats.values():
+                        stats.store_drops += 1
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            except Exception:  # never let one entry stop the writer
+                logger.exception("kv tier writer: could not store an entry")
+            finally:
+                self._queue.task_done()
+
+    def _write(self, key: EntryKey, payload: bytes) -> None:
+        blob = encode_entry(key, self.layout, payload)
+        for tier in self.tiers:
+            stats = self.stats[tier.name]
+            if self._is_resting(tier):
+                with self._lock:
+                    stats.store_drops += 1
+                continue
+            t0 = time.perf_counter()
+            try:
+                tier.store(key.name, blob)
+            except Exception as e:
+                self._fail(tier, "store", e)
+                continue
+            self._recovered(tier)
+            seconds = time.perf_counter() - t0
+            with self._lock:
+                stats.stores += 1
+                stats.bytes_stored += len(blob)
+                stats.store_latency[bisect.bisect_left(LATENCY_BOUNDS_S, seconds)] += 1
+
+    def flush(self) -> None:
+        """Waits until every queued block has been stored (or dropped)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Stores what is queued, stops the writer and closes the tiers."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+        for tier in self.tiers:
+            try:
+                tier.close()
+            except Exception as e:
+                logger.warning("kv tier %s: close failed: %r", tier.name, e)
+
+    # -- health ---------------------------------------------------------------------------------
+
+    def _is_resting(self, tier: KVTier) -> bool:
+        until = self._resting_until[tier.name]
+        return until is not None and self.clock() < until
+
+    def _fail(self, tier: KVTier, what: str, error: Exception) -> None:
+        with self._lock:
+            self.stats[tier.name].errors += 1
+            was_healthy = self._resting_until[tier.name] is None
+            self._resting_until[tier.name] = self.clock() + self.retry_s
+        if was_healthy:
+            logger.warning("kv tier %s unavailable (%s: %r); serving without it, retrying every %.0f s",
+                           tier.name, what, error, self.retry_s)
+
+    def _recovered(self, tier: KVTier) -> None:
+        if self._resting_until[tier.name] is not None:
+            with self._lock:
+                self._resting_until[tier.name] = None
+            logger.warning("kv tier %s is back", tier.name)
+
+    def snapshot(self) -> dict[str, dict]:
+        """Each tier's counters (and, where it knows, its entries and bytes held), by tier name."""
+        with self._lock:
+            out = {name: stats.as_dict() for name, stats in self.stats.items()}
+        for tier in self.tiers:
+            out[tier.name].update(tier.usage())
+        return out
+
+
+def tier_namespace(hash_algo: str, layout: KVBlockLayout) -> str:
+    """The part of every entry's location naming what kind of entries they are: entry format,
+    hash algorithm, K/V dtype and payload shape (block size included)."""
+    return f"v{FORMAT_VERSION}-{hash_algo}-{layout.dtype}-" + "x".join(str(d) for d in layout.shape)
+
+
+def make_kv_tiers(config: CacheConfig, layout: KVBlockLayout) -> KVTierStack | None:
+    """The stack of the tiers ``config`` names (disk first, then Redis), or ``None`` for none.
+
+    Raises:
+        OSError: the disk directory can't be created; ValueError: a malformed Redis URL.
+    """
+    namespace = tier_namespace(config.hash_algo, layout)
+    tiers: list[KVTier] = []
+    if config.kv_disk_dir is not None:
+        from prefixcache.cache.tiers.disk import DiskTier
+
+        tiers.append(DiskTier(config.kv_disk_dir, namespace, config.kv_disk_bytes))
+    if config.kv_redis_url is not None:
+        from prefixcache.cache.tiers.redis_tier import RedisTier
+
+        tiers.append(RedisTier(config.kv_redis_url, namespace, config.kv_redis_ttl_s))
+    return KVTierStack(tiers, layout) if tiers else None

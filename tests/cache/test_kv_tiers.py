@@ -1,0 +1,321 @@
+"""KV tiers without a model: the entry format and its checks (C17), the disk tier (atomic writes,
+LRU cap, restart, kill -9), the Redis tier against a real redis-server (TTL, a server that goes
+down), the stack's chain loading, keys across processes (C15) and the tier options."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from prefixcache.cache.config import CacheConfig
+from prefixcache.cache.hashing import BlockHasher, hash_seed_bytes, make_root_key, tenant_extra_key
+from prefixcache.cache.tiers.disk import DiskTier
+from prefixcache.cache.tiers.entry import EntryError, KVBlockLayout, decode_entry, encode_entry, prefix_digests
+from prefixcache.cache.tiers.redis_tier import RedisTier
+from prefixcache.cache.tiers.stack import KVTierStack, tier_namespace
+from prefixcache.errors import InvalidInputError
+from prefixcache.request import Request
+from prefixcache.sampling_params import SamplingParams
+
+BS = 4
+LAYOUT = KVBlockLayout("float32", (2, 2, BS, 1, 2), 4)  # 2 layers, 1 KV head of dim 2: 64 payload bytes
+BIG_LAYOUT = KVBlockLayout("float32", (2, 2, BS, 1, 128), 4)  # 4 KiB payloads (64 x LAYOUT's)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_request(tokens, salt=None, tenant=None, num_shared_blocks=0, seed=7, rid="r"):
+    root_key = make_root_key(b"model", salt, hash_seed_bytes(seed))
+    return Request(rid, list(tokens), SamplingParams(max_tokens=1), BlockHasher(BS), root_key,
+                   tenant_key=tenant_extra_key(tenant), num_shared_blocks=num_shared_blocks)
+
+
+def payload(i: int) -> bytes:
+    """A distinct, recognisable payload for block ``i``."""
+    return bytes((i * 7 + j) % 251 for j in range(LAYOUT.payload_bytes))
+
+
+def stack_of(*tiers, **kwargs) -> KVTierStack:
+    return KVTierStack(list(tiers), LAYOUT, **kwargs)
+
+
+def store_chain(stack: KVTierStack, request: Request, num_blocks: int) -> list:
+    keys = stack.entry_keys(request, 0, num_blocks)
+    stack.submit([(k, payload(k.depth)) for k in keys])
+    stack.flush()
+    return keys
+
+
+# ---------------------------------------------------------------------------- entry format
+def test_entry_round_trip_and_every_bad_entry_is_refused():
+    stack = stack_of()
+    request = make_request(range(100, 113))  # 3 full blocks + 1 token
+    k0, k1, k2 = stack.entry_keys(request, 0, 3)
+    blob = encode_entry(k1, LAYOUT, payload(1))
+    assert bytes(decode_entry(blob, k1, LAYOUT)) == payload(1)
+    assert k1.parent_hash == request.block_hashes[0] and k0.parent_hash == BlockHasher(BS).root_hash(request.root_key)
+
+    bad = {
+        "truncated payload": blob[:-1],
+        "truncated header": blob[:20],
+        "empty": b"",
+        "zeroed K/V, header kept": blob[: -LAYOUT.payload_bytes] + bytes(LAYOUT.payload_bytes),
+        "one flipped payload bit": blob[:-3] + bytes([blob[-3] ^ 1]) + blob[-2:],
+        "another block's entry under this key": encode_entry(k2, LAYOUT, payload(2)),
+        "not an entry": b"x" * len(blob),
+    }
+    for what, data in bad.items():
+        with pytest.raises(EntryError):
+            decode_entry(data, k1, LAYOUT)
+    # The same block under another layout (dtype or shape) is refused too.
+    with pytest.raises(EntryError, match="dtype"):
+        decode_entry(blob, k1, KVBlockLayout("bfloat16", LAYOUT.shape, 2))
+    with pytest.raises(EntryError, match="shape"):
+        decode_entry(blob, k1, KVBlockLayout("float32", (1, 2, BS, 2, 2), 4))
+
+
+def test_entry_of_another_namespace_is_refused_whatever_the_hash(constant_hash):
+    """With every block hash equal (C4's forced collision), the prefix digest still tells the salt,
+    the tenant and an earlier block's tokens apart (C16)."""
+    stack = stack_of()
+    base = make_request(range(100, 113), salt="s1", tenant="t1")
+    (key,) = stack.entry_keys(base, 1, 2)
+    blob = encode_entry(key, LAYOUT, payload(1))
+    others = [
+        make_request(range(100, 113), salt="s2", tenant="t1"),
+        make_request(range(100, 113), salt=None, tenant="t1"),
+        make_request(range(100, 113), salt="s1", tenant="t2"),
+        make_request(range(100, 113), salt="s1", tenant=None),
+        make_request([99, *range(101, 113)], salt="s1", tenant="t1"),  # first block differs
+        make_request(range(100, 113), salt="s1", tenant="t1", seed=8),  # another hash seed
+    ]
+    for other in others:
+        (other_key,) = stack.entry_keys(other, 1, 2)
+        assert other_key.block_hash == key.block_hash  # the hash can't tell them apart
+        with pytest.raises(EntryError):
+            decode_entry(blob, other_key, LAYOUT)
+    (same,) = stack.entry_keys(make_request(range(100, 113), salt="s1", tenant="t1", rid="other"), 1, 2)
+    assert bytes(decode_entry(blob, same, LAYOUT)) == payload(1)
+
+
+def test_prefix_digests_chain_over_root_tokens_and_extra_keys():
+    tokens = list(range(12))
+    d = prefix_digests(b"root", tokens, BS, lambda i: b"", 3)
+    assert d == prefix_digests(b"root", tokens, BS, lambda i: b"", 3) and len(set(d)) == 3
+    assert prefix_digests(b"root2", tokens, BS, lambda i: b"", 3)[2] != d[2]
+    assert prefix_digests(b"root", [1] + tokens[1:], BS, lambda i: b"", 3)[2] != d[2]
+    assert prefix_digests(b"root", tokens, BS, lambda i: b"t" if i == 0 else b"", 3)[2] != d[2]
+
+
+# ---------------------------------------------------------------------------- disk tier
+def test_disk_tier_stores_loads_and_survives_a_restart(tmp_path):
+    disk = DiskTier(tmp_path, "ns", max_bytes=1 << 20)
+    stack = stack_of(disk)
+    request = make_request(range(200, 213))
+    store_chain(stack, request, 3)
+    assert disk.usage()["entries"] == 3
+    assert sorted(p.name for p in (tmp_path / "ns").glob("*/*")) == sorted(
+        f"{h.hex()}.kv" for h in request.block_hashes)
+
+    restarted = stack_of(DiskTier(tmp_path, "ns", max_bytes=1 << 20))
+    assert restarted.tiers[0].usage()["entries"] == 3
+    load = restarted.load_chain(request, 0, 3)
+    assert [bytes(p) for p in load.payloads] == [payload(0), payload(1), payload(2)]
+    assert load.per_tier == [("disk", 3, 3)]
+    restarted.record_admission(load)
+    assert restarted.snapshot()["disk"]["hits"] == 3 * BS and restarted.snapshot()["disk"]["queries"] == 3 * BS
+    # From block 1 on (the pool held block 0).
+    assert [bytes(p) for p in restarted.load_chain(request, 1, 3).payloads] == [payload(1), payload(2)]
+
+
+def test_disk_chain_stops_at_the_first_bad_file_which_is_removed(tmp_path):
+    stack = stack_of(DiskTier(tmp_path, "ns", max_bytes=1 << 20))
+    request = make_request(range(300, 317))  # 4 full blocks + 1
+    keys = store_chain(stack, request, 4)
+    path = lambda k: tmp_path / "ns" / k.name[:2] / f"{k.name}.kv"  # noqa: E731
+    data = path(keys[1]).read_bytes()
+    path(keys[1]).write_bytes(data[: len(data) // 2])  # truncated
+    load = stack.load_chain(request, 0, 4)
+    assert [bytes(p) for p in load.payloads] == [payload(0)]
+    assert not path(keys[1]).exists() and path(keys[2]).exists()
+    assert stack.snapshot()["disk"]["bad_entries"] == 1
+
+    data = path(keys[3]).read_bytes()
+    path(keys[3]).write_bytes(data[: -LAYOUT.payload_bytes] + bytes(LAYOUT.payload_bytes))  # zeroed K/V
+    assert [bytes(p) for p in stack.load_chain(request, 2, 4).payloads] == [payload(2)]
+    assert not path(keys[3]).exists()
+    assert stack.snapshot()["disk"]["bad_entries"] == 2
+
+
+def test_disk_cap_removes_least_recently_used_first(tmp_path):
+    entry_bytes = len(encode_entry(stack_of().entry_keys(make_request(range(4 + 1)), 0, 1)[0], LAYOUT, payload(0)))
+    disk = DiskTier(tmp_path, "ns", max_bytes=3 * entry_bytes)
+    stack = stack_of(disk)
+    requests = [make_request([i] * 5, rid=str(i)) for i in range(4)]  # one block each
+    for r in requests[:3]:
+        store_chain(stack, r, 1)
+    assert stack.load_chain(requests[0], 0, 1).payloads  # a hit: request 0's entry is now the newest
+    store_chain(stack, requests[3], 1)  # over the cap: the least recently used (request 1's) goes
+    assert disk.usage() == {"entries": 3, "bytes": 3 * entry_bytes}
+    assert [len(stack.load_chain(r, 0, 1).payloads) for r in requests] == [1, 0, 1, 1]
+
+
+def test_kill_9_during_writes_leaves_only_whole_entries(tmp_path):
+    """A process storing entries is killed with SIGKILL; every entry file left is whole and
+    verifies against its block, and a new process loads them (the rest are misses)."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_kv_tiers import BIG_LAYOUT, make_request, payload
+        from prefixcache.cache.tiers.disk import DiskTier
+        from prefixcache.cache.tiers.stack import KVTierStack
+        stack = KVTierStack([DiskTier({str(tmp_path)!r}, "ns", 1 << 30)], BIG_LAYOUT)
+        i = 0
+        while True:
+            r = make_request([i % 50000] * 4 * 8 + [1], rid=str(i))
+            stack.submit([(k, payload(k.depth) * 64) for k in stack.entry_keys(r, 0, 8)])
+            stack.flush()
+            i += 1
+            if i == 3:
+                print("writing", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert proc.stdout.readline() == b"writing\n"
+        time.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    files = list((tmp_path / "ns").glob("*/*.kv"))
+    assert len(files) >= 3 * 8
+    stack = KVTierStack([DiskTier(tmp_path, "ns", 1 << 30)], BIG_LAYOUT)
+    num_written = len(files) // 8 + 2
+    found = 0
+    for i in range(num_written):
+        r = make_request([i % 50000] * 4 * 8 + [1], rid=str(i))
+        load = stack.load_chain(r, 0, 8)
+        assert [bytes(p) for p in load.payloads] == [payload(d) * 64 for d in range(len(load.payloads))]
+        found += len(load.payloads)
+    assert found == len(files) and stack.snapshot()["disk"]["bad_entries"] == 0
+
+
+# ---------------------------------------------------------------------------- redis tier
+def test_redis_tier_set_with_ttl_load_and_remove(redis_server):
+    redis_tier = RedisTier(redis_server.url, "ns", ttl_s=120)
+    stack = stack_of(redis_tier)
+    request = make_request(range(400, 413))
+    keys = store_chain(stack, request, 3)
+    names = sorted(k.decode() for k in redis_server.client.keys("*"))
+    assert names == sorted(f"prefixcache:ns:{k.name}" for k in keys)
+    assert 0 < redis_server.client.ttl(names[0]) <= 120
+    assert [bytes(p) for p in stack.load_chain(request, 0, 3).payloads] == [payload(0), payload(1), payload(2)]
+    # A valid key holding another block's entry is a miss, and is deleted.
+    redis_server.client.set(f"prefixcache:ns:{keys[1].name}", encode_entry(keys[2], LAYOUT, payload(2)))
+    assert [bytes(p) for p in stack.load_chain(request, 0, 3).payloads] == [payload(0)]
+    assert not redis_server.client.exists(f"prefixcache:ns:{keys[1].name}")
+    assert stack.snapshot()["redis"]["bad_entries"] == 1
+
+
+def test_redis_down_is_a_miss_an_error_count_and_a_rest(redis_server, caplog):
+    now = [0.0]
+    stack = stack_of(RedisTier(redis_server.url, "ns", ttl_s=60), retry_s=5.0, clock=lambda: now[0])
+    request = make_request(range(500, 513))
+    store_chain(stack, request, 3)
+    redis_server.stop()
+    with caplog.at_level("WARNING"):
+        assert stack.load_chain(request, 0, 3).payloads == []
+    assert stack.snapshot()["redis"]["errors"] == 1
+    assert "kv tier redis unavailable" in caplog.text
+    # Resting: neither asked (no error, no timeout) nor written.
+    assert stack.load_chain(request, 0, 3).per_tier == []
+    store_chain(stack, make_request(range(600, 605)), 1)
+    assert stack.snapshot()["redis"]["errors"] == 1 and stack.snapshot()["redis"]["store_drops"] == 1
+    now[0] = 6.0  # rest over: tried again, still down
+    assert stack.load_chain(request, 0, 3).payloads == []
+    assert stack.snapshot()["redis"]["errors"] == 2
+
+
+def test_tiers_are_asked_in_order_each_continuing_the_chain(tmp_path, redis_server):
+    disk = DiskTier(tmp_path, "ns", max_bytes=1 << 20)
+    redis_tier = RedisTier(redis_server.url, "ns", ttl_s=60)
+    request = make_request(range(700, 717))  # 4 blocks
+    keys = stack_of().entry_keys(request, 0, 4)
+    disk.store(keys[0].name, encode_entry(keys[0], LAYOUT, payload(0)))
+    for k in keys[1:3]:
+        redis_tier.store(k.name, encode_entry(k, LAYOUT, payload(k.depth)))
+    stack = stack_of(disk, redis_tier)
+    load = stack.load_chain(request, 0, 4)
+    assert [bytes(p) for p in load.payloads] == [payload(0), payload(1), payload(2)]
+    assert load.per_tier == [("disk", 4, 1), ("redis", 3, 2)]
+
+
+# ---------------------------------------------------------------------------- keys across processes
+@pytest.mark.slow  # two fresh interpreters import the package (seconds each)
+def test_c15_block_hashes_are_the_same_in_every_process_only_with_the_same_seed(tmp_path):
+    """Keys depend on the configured seed (or key file), never on PYTHONHASHSEED."""
+    key_file = tmp_path / "seed.key"
+    key_file.write_bytes(b"0123456789abcdef-deployment-secret")
+    script = textwrap.dedent("""
+        import json, sys
+        from prefixcache.cache.hashing import BlockHasher, hash_seed_bytes, make_root_key
+        out = {}
+        for seed in ("7", "8", sys.argv[1]):
+            for algo in ("xxh64", "sha256"):
+                hashes = []
+                seed_bytes = hash_seed_bytes(int(seed)) if seed.isdigit() else hash_seed_bytes(None, seed)
+                root = make_root_key(b"fingerprint", "salt", seed_bytes)
+                BlockHasher(16, algo).extend(hashes, list(range(53)), root, b"tenant", 1)
+                out[f"{seed}|{algo}"] = [h.hex() for h in hashes]
+        print(json.dumps(out))
+    """)
+
+    def run(python_hash_seed: str) -> dict:
+        env = {**os.environ, "PYTHONHASHSEED": python_hash_seed, "PYTHONPATH": str(REPO)}
+        return json.loads(subprocess.run([sys.executable, "-c", script, str(key_file)], env=env, check=True,
+                                         capture_output=True, text=True).stdout)
+
+    first, second = run("1"), run("2")
+    assert first == second and len(first) == 6
+    chains = [tuple(c) for c in first.values()]
+    assert len(set(chains)) == 6 and all(len(c) == 3 for c in chains)  # seed, key file and algo all matter
+
+
+def test_tier_options_are_checked():
+    with pytest.raises(InvalidInputError) as e:
+        CacheConfig(kv_disk_dir="/tmp/x").validate()
+    assert e.value.field == "hash_seed"
+    with pytest.raises(InvalidInputError) as e:
+        CacheConfig(kv_redis_url="http://localhost", hash_seed=1).validate()
+    assert e.value.field == "kv_redis_url"
+    with pytest.raises(InvalidInputError) as e:
+        CacheConfig(hash_seed=1, hash_seed_file="k").validate()
+    assert e.value.field == "hash_seed_file"
+    with pytest.raises(InvalidInputError) as e:
+        CacheConfig(kv_disk_dir="/tmp/x", hash_seed=1, kv_disk_bytes=0).validate()
+    assert e.value.field == "kv_disk_bytes"
+    CacheConfig(kv_disk_dir="/tmp/x", kv_redis_url="redis://h:1/0", hash_seed=1).validate()
+
+
+def test_hash_seed_file_is_read_and_checked(tmp_path):
+    short = tmp_path / "short"
+    short.write_bytes(b"tooshort")
+    for path in (short, tmp_path / "missing"):
+        with pytest.raises(InvalidInputError) as e:
+            hash_seed_bytes(None, str(path))
+        assert e.value.field == "hash_seed_file"
+    good = tmp_path / "good"
+    good.write_bytes(b"a-secret-of-enough-bytes\n")
+    assert hash_seed_bytes(None, str(good)) == hash_seed_bytes(None, str(good)) != hash_seed_bytes(7)
+
+
+def test_namespace_names_format_algo_dtype_and_shape():
+    assert tier_namespace("xxh64", LAYOUT) == "v1-xxh64-float32-2x2x4x1x2"
+    assert tier_namespace("sha256", LAYOUT) != tier_namespace("xxh64", LAYOUT)
