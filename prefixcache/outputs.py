@@ -3,6 +3,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class Logprob(NamedTuple):
+    """One token's log-probability in a generated position (vLLM's ``Logprob``).
+
+    Attributes:
+        logprob: natural log of the token's probability under the model's raw logits (see
+            ``SamplingParams.logprobs``).
+        rank: 1 + the number of other tokens whose logprob is >= this one's (vLLM's rule: ties
+            take the worse rank); the top-k entries have ranks 1..k in order.
+        decoded_token: the token's text on its own (its UTF-8 bytes decoded with replacement, so a
+            token holding part of a character reads U+FFFD).
+    """
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# Per generated token: token id -> Logprob for the k most likely tokens (ranks 1..k, in that
+# order) and the chosen token (last, when it is not among them).
+SampleLogprobs = list[dict[int, Logprob]]
 
 
 @dataclass
@@ -26,6 +49,8 @@ class RequestOutput:
         finished: False only for the intermediate outputs of a streaming request.
         error: with finish_reason "error", what failed (an internal fault, not the request's input:
             bad input is refused before a request is queued).
+        logprobs: with ``SamplingParams.logprobs`` set, one dict per generated token (aligned with
+            ``token_ids``; see :data:`SampleLogprobs`); None otherwise.
     """
 
     request_id: str
@@ -42,3 +67,4 @@ class RequestOutput:
     e2e_s: float | None
     finished: bool = True
     error: str | None = None
+    logprobs: SampleLogprobs | None = None

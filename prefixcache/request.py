@@ -25,6 +25,7 @@ from prefixcache.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from prefixcache.cache.hashing import BlockHash, BlockHasher
+    from prefixcache.outputs import SampleLogprobs
     from prefixcache.layers.lora import LoRAAdapter
 
 
@@ -111,6 +112,8 @@ class Request:
     stop_text_end: int | None = field(init=False, default=None)
     num_checked_chars: int = field(init=False, default=0)
     error: str | None = field(init=False, default=None)  # why it finished with FINISHED_ERROR
+    # With sampling_params.logprobs set: one dict per output token (see outputs.SampleLogprobs).
+    logprobs: SampleLogprobs = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -158,6 +161,7 @@ class Request:
         child.all_token_ids = list(self.all_token_ids)
         child.output_token_ids = list(self.output_token_ids)
         child.block_hashes = list(self.block_hashes)
+        child.logprobs = list(self.logprobs)
         return child
 
     def block_extra_key(self, block_index: int) -> bytes:

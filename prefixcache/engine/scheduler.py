@@ -121,6 +121,8 @@ class Scheduler:
             lora=request.lora,
             forks=forks,
             num_prompt_tokens=request.num_prompt_tokens,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
         )
 
     def _preempt_newest(self) -> Request:

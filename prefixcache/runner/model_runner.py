@@ -1,21 +1,45 @@
 """Turns a :class:`SchedulerOutput` into tensors, runs the model, samples tokens.
 
-The runner makes no scheduling decision. It owns the KV pool (one tensor per layer) and the
-per-request sampling generators; everything else comes in the step's ``SchedulerOutput``. It counts
+The runner makes no scheduling decision. It owns the KV pool (one tensor per layer), the
+per-request sampling generators and the token histories the penalties read
+(:mod:`prefixcache.runner.token_history`); everything else comes in the step's
+``SchedulerOutput``. Sampling is one call: the runner gathers each sampling row's
+:class:`SamplingMetadata` and hands it with the logits to :func:`sample_batch`. It counts
 the prompt tokens it actually runs through the model (``num_prompt_tokens_computed``), the
 ground truth that every claimed cache hit must show up in as work not done.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from prefixcache.layers.attention import build_attention_metadata
 from prefixcache.layers.lora import LoRABatch
-from prefixcache.layers.sampler import sample
+from prefixcache.layers.sampler import SamplingMetadata, TokenLogprobs, sample_batch
 from prefixcache.models.loader import LoadedModel
 from prefixcache.runner.kv_pool import allocate_kv_caches
-from prefixcache.scheduler_output import SchedulerOutput
+from prefixcache.runner.token_history import TokenHistories
+from prefixcache.sampling_params import SamplingParams
+from prefixcache.scheduler_output import ScheduledSeq, SchedulerOutput
+
+# One sampling row: (request id, params, index into the logits rows, the sequence it comes from).
+SamplingRow = tuple[str, SamplingParams, int, ScheduledSeq]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What one step sampled (vLLM's ``ModelRunnerOutput``).
+
+    Attributes:
+        sampled_token_ids: request id -> sampled token id, for each sequence that completed its
+            tokens this step and each sample forked from such a sequence.
+        logprobs: request id -> the sampled position's logprobs, for those whose params ask.
+    """
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -42,23 +66,26 @@ class ModelRunner:
         )
         self._default_generator = torch.Generator(device="cpu").manual_seed(generator_seed(seed))
         self._generators: dict[str, torch.Generator] = {}
+        self._histories = TokenHistories()
+        self.eos_token_ids = tuple(loaded.eos_token_ids)
         # Prompt tokens run through the model so far (recomputes after preemption included).
         self.num_prompt_tokens_computed = 0
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step.
 
         Returns:
-            request id → sampled token id, for each sequence that completed its tokens this step,
-            and for each sample forked from such a sequence (its last logits, sampled again with
-            the fork's params and generator).
+            The token sampled for each sequence that completed its tokens this step, and for each
+            sample forked from such a sequence (its last logits, sampled again with the fork's
+            params and generator), with logprobs where asked.
         """
         for req_id in scheduler_output.finished_req_ids:
             self._generators.pop(req_id, None)
+            self._histories.drop(req_id)
         seqs = scheduler_output.seqs
         if not seqs:
-            return {}
+            return ModelRunnerOutput()
         # Partial-block reuse and copy-on-write, in order, before anything reads or writes the KV.
         for op in scheduler_output.copy_ops:
             for kv_cache in self.kv_caches:  # [2, num_blocks, block_size, kv_heads, head_dim]
@@ -85,24 +112,46 @@ class ModelRunner:
         )
 
         # Logits only at each sampling sequence's last new token.
-        rows, sampling = [], []  # sampling: (request id, params, index into rows)
+        rows, sampling = [], []  # sampling: SamplingRow per sampled sequence and fork
         end = 0
         for s in seqs:
             end += len(s.token_ids)
             if s.sampling_params is not None:
                 rows.append(end - 1)
-                sampling.append((s.request_id, s.sampling_params, len(rows) - 1))
-                sampling.extend((fork_id, params, len(rows) - 1) for fork_id, params in s.forks)
+                sampling.append((s.request_id, s.sampling_params, len(rows) - 1, s))
+                sampling.extend((fork_id, params, len(rows) - 1, s) for fork_id, params in s.forks)
         if not rows:
-            return {}
+            return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
         logits = logits.float().cpu()  # [num_rows, vocab_size]
         if len(sampling) > len(rows):  # forked samples reuse their parent's row
-            logits = logits[torch.tensor([row for _, _, row in sampling])]
-        params = [p for _, p, _ in sampling]
-        generators = [self._generator(rid, p) for rid, p, _ in sampling]
-        tokens = sample(logits, params, generators)
-        return {rid: t for (rid, _, _), t in zip(sampling, tokens)}
+            logits = logits[torch.tensor([row for _, _, row, _ in sampling])]
+        out = sample_batch(logits, self._sampling_metadata(sampling, logits.shape[-1]))
+        ids = [rid for rid, *_ in sampling]
+        return ModelRunnerOutput(
+            dict(zip(ids, out.token_ids)), {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None}
+        )
+
+    def _sampling_metadata(self, sampling: list[SamplingRow], vocab_size: int) -> SamplingMetadata:
+        """The step's sampling rows as the sampler takes them; penalty rows' histories brought up
+        to date (O(new tokens) each, see :mod:`prefixcache.runner.token_history`)."""
+        metadata = SamplingMetadata(
+            params=[p for _, p, _, _ in sampling],
+            generators=[self._generator(rid, p) for rid, p, _, _ in sampling],
+            # A fork samples in its parent's first sampling step: nothing generated yet by either.
+            num_output_tokens=[len(s.output_token_ids or ()) for *_, s in sampling],
+            eos_token_ids=self.eos_token_ids,
+            history_rows=[-1] * len(sampling),
+        )
+        histories = []
+        for i, (rid, params, _, s) in enumerate(sampling):
+            if params.has_penalties:
+                metadata.history_rows[i] = len(histories)
+                histories.append(self._histories.get(rid, s.prompt_token_ids or [], s.output_token_ids or [], vocab_size))
+        if histories:
+            metadata.prompt_mask = torch.stack([h.prompt_mask for h in histories])  # [num_history_rows, vocab_size]
+            metadata.output_counts = torch.stack([h.output_counts for h in histories])
+        return metadata
 
     def _generator(self, request_id: str, params) -> torch.Generator:
         if params.seed is None:
