@@ -245,7 +245,8 @@ def batch_top_k_drop(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor | 
     if not any(active):
         return None
     kth_index = torch.tensor([k - 1 if a else 0 for k, a in zip(top_ks, active)])[:, None]  # [num_rows, 1]
-    kth = logits.sort(dim=-1, descending=True).values.gather(1, kth_index)  # the k-th largest value
+    max_k = max(k for k, a in zip(top_ks, active) if a)
+    kth = logits.topk(max_k, dim=-1).values.gather(1, kth_index)  # [num_rows, 1]: the k-th largest value
     return (logits < kth) & torch.tensor(active)[:, None]
 
 
