@@ -156,7 +156,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
     Returns:
         One token id per row (see :func:`sample_batch`).
+
+    Raises:
+        ValueError: a row has a penalty (penalties need the token histories of :func:`sample_batch`).
     """
+    if any(p.has_penalties for p in params):
+        raise ValueError("sample() has no token histories; use sample_batch() for penalties")
     return sample_batch(logits, SamplingMetadata(params, generators, num_output_tokens=[0] * len(params))).token_ids
 
 
