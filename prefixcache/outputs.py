@@ -3,21 +3,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class Logprob:
-    """One token's log probability (vLLM's ``Logprob``).
+class Logprob(NamedTuple):
+    """One token's log-probability in a generated position (vLLM's ``Logprob``).
 
     Attributes:
-        logprob: natural log of its probability.
-        rank: 1 + the tokens more likely than it.
-        decoded_token: its text alone.
+        logprob: natural log of the token's probability under the model's raw logits (see
+            ``SamplingParams.logprobs``).
+        rank: 1 + the number of other tokens whose logprob is >= this one's (vLLM's rule: ties
+            take the worse rank); the top-k entries have ranks 1..k in order.
+        decoded_token: the token's text on its own (its UTF-8 bytes decoded with replacement, so a
+            token holding part of a character reads U+FFFD).
     """
 
     logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
+    rank: int
+    decoded_token: str
+
+
+# Per generated token: token id -> Logprob for the k most likely tokens (ranks 1..k, in that
+# order) and the chosen token (last, when it is not among them).
+SampleLogprobs = list[dict[int, Logprob]]
 
 
 PromptLogprobs = list[dict[int, Logprob] | None]  # per prompt token; None for the first
@@ -48,6 +56,8 @@ class RequestOutput:
         num_cached_prompt_logprobs: of those entries, how many the prefix cache served.
         error: with finish_reason "error", what failed (an internal fault, not the request's input:
             bad input is refused before a request is queued).
+        logprobs: with ``SamplingParams.logprobs`` set, one dict per generated token (aligned with
+            ``token_ids``; see :data:`SampleLogprobs`); None otherwise.
     """
 
     request_id: str
@@ -66,3 +76,4 @@ class RequestOutput:
     error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_prompt_logprobs: int = 0
+    logprobs: SampleLogprobs | None = None

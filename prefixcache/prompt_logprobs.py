@@ -48,7 +48,7 @@ class PromptLogprobsChunk:
     Attributes:
         start: the first prompt token covered, >= 1.
         token_logprobs: shape = [n] float32, each token's logprob.
-        token_ranks: shape = [n] int64, 1 + the tokens with a larger logprob.
+        token_ranks: shape = [n] int64, the tokens with a logprob >= its own (itself included: vLLM's rank).
         topk_ids: shape = [n, PROMPT_LOGPROBS_TOPK] int64, the most likely tokens, best first.
         topk_logprobs: shape = [n, PROMPT_LOGPROBS_TOPK] float32.
         block_hidden: block index -> shape = [hidden_size]: the final hidden state of the last
@@ -105,6 +105,7 @@ class PromptLogprobsState:
     filled: torch.Tensor = field(init=False)  # [num_prompt_tokens] bool; token 0 counts as filled
     block_hidden: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
     num_from_cache: int = field(init=False, default=0)  # entries taken from cached blocks
+    built: list | None = field(init=False, default=None)  # the output's list, once complete (shared by samples)
 
     def __post_init__(self) -> None:
         n, k = self.num_prompt_tokens, PROMPT_LOGPROBS_TOPK

@@ -25,6 +25,7 @@ from prefixcache.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from prefixcache.cache.hashing import BlockHash, BlockHasher
+    from prefixcache.outputs import SampleLogprobs
     from prefixcache.layers.lora import LoRAAdapter
     from prefixcache.prompt_logprobs import PromptLogprobsState
 
@@ -115,6 +116,8 @@ class Request:
     # With sampling_params.prompt_logprobs: the entries so far (set at first admission; the samples
     # of an n > 1 request share it, their prompt is one).
     prompt_logprobs: PromptLogprobsState | None = field(init=False, default=None)
+    # With sampling_params.logprobs set: one dict per output token (see outputs.SampleLogprobs).
+    logprobs: SampleLogprobs = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -162,6 +165,7 @@ class Request:
         child.all_token_ids = list(self.all_token_ids)
         child.output_token_ids = list(self.output_token_ids)
         child.block_hashes = list(self.block_hashes)
+        child.logprobs = list(self.logprobs)
         return child
 
     def block_extra_key(self, block_index: int) -> bytes:

@@ -12,6 +12,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # per stop string: the stop search and the stream's hold-back scan this much
 MAX_STOP_TOKEN_IDS = 1024
 MAX_N = 64
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs (and OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_ABS_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's and vLLM's range)
 MAX_PROMPT_LOGPROBS = 20  # = prefixcache.prompt_logprobs.PROMPT_LOGPROBS_TOPK, the alternatives a block keeps
 
 
@@ -124,6 +127,30 @@ class SamplingParams:
             same prompt run alone with that seed.
         structured_outputs: constrain the output to a JSON schema, a regex, a list of choices or
             any JSON object (:class:`StructuredOutputsParams`); ``None``: free text.
+        presence_penalty: in [-2, 2]; subtracted once from the logit of every token that appears in
+            the generated tokens so far (OpenAI's definition, as vLLM applies it). > 0 discourages
+            repeats.
+        frequency_penalty: in [-2, 2]; subtracted from each token's logit once per time it appears
+            in the generated tokens so far (OpenAI's definition, as vLLM applies it).
+        repetition_penalty: finite and > 0 (1 = off); every token that appears in the prompt or the
+            generated tokens has a positive logit divided by it and a negative one multiplied by
+            it (the CTRL paper's rule as HF's ``RepetitionPenaltyLogitsProcessor`` and vLLM apply
+            it). > 1 discourages repeats.
+        min_p: in [0, 1]; after temperature, drops tokens whose probability is below ``min_p``
+            times the most likely token's (vLLM's ``MinPLogitsProcessor``); 0 = off.
+        min_tokens: >= 0 and <= max_tokens; until this many tokens are generated, EOS and
+            ``stop_token_ids`` get logit -inf (vLLM's ``MinTokensLogitsProcessor``: EOS is masked
+            even with ``ignore_eos``). Stop strings still stop.
+        logit_bias: token id -> bias in [-100, 100] added to that token's logit (OpenAI's field;
+            vLLM's ``LogitBiasLogitsProcessor``). Ids are checked against the model's vocabulary
+            when the request is added. Stored as a dict with int keys.
+        logprobs: None (off) or k in [0, 20]: for each generated token, its log-probability, its
+            rank, and the k most likely tokens' log-probabilities. As vLLM v1 does by default
+            (``logprobs_mode="raw_logprobs"``), these are ``log_softmax`` of the model's raw logits,
+            before logit_bias, penalties, temperature, min_p, top-k and top-p.
+
+    Greedy rows (temperature 0) take the argmax after logit_bias, min_tokens and the penalties (as
+    vLLM does); temperature, min_p, top-k and top-p apply to sampled rows only.
 
     Raises:
         InvalidInputError: a ``ValueError``, from :meth:`__post_init__`, naming the invalid field.
@@ -141,6 +168,13 @@ class SamplingParams:
     n: int = 1
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple("stop", self.stop)
@@ -193,6 +227,36 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise InvalidInputError("structured_outputs", f"structured_outputs must be a StructuredOutputsParams, "
                                                           f"got {_show(self.structured_outputs)}")
+        self._check_penalties_and_filters()
+
+    def _check_penalties_and_filters(self) -> None:
+        """The fields borrowed from vLLM and OpenAI beyond temperature/top-p/top-k (ranges as theirs)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name))
+            if not -MAX_ABS_PENALTY <= getattr(self, name) <= MAX_ABS_PENALTY:
+                raise InvalidInputError(name, f"{name} must be in [-2, 2], got {_show(getattr(self, name))}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise InvalidInputError("repetition_penalty", f"repetition_penalty must be finite and > 0, "
+                                                          f"got {_show(self.repetition_penalty)}")
+        _check_number("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise InvalidInputError("min_p", f"min_p must be in [0, 1], got {_show(self.min_p)}")
+        _check_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidInputError("min_tokens", f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                                                  f"got {_show(self.min_tokens)}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise InvalidInputError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {_show(self.logprobs)}")
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether a penalty reads the request's token history (prompt and output)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
@@ -207,6 +271,22 @@ def _check_number(name: str, value: object) -> None:
         float(value)
     except OverflowError:
         raise InvalidInputError(name, f"{name} must be finite, got {_show(value)}") from None
+
+
+def _check_logit_bias(value: object) -> dict[int, float]:
+    """A copy of ``logit_bias`` with int keys >= 0 and float values in [-100, 100]."""
+    if not isinstance(value, dict):
+        raise InvalidInputError("logit_bias", f"logit_bias must be a dict of token id -> bias, got {_show(value)}")
+    checked = {}
+    for token_id, bias in value.items():
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise InvalidInputError("logit_bias", f"logit_bias keys must be token ids (ints >= 0), got {_show(token_id)}")
+        # (NaN fails the range test; ints of any size compare exactly)
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidInputError("logit_bias", f"logit_bias values must be numbers in [-100, 100], "
+                                                  f"got {_show(bias)} for token {token_id}")
+        checked[token_id] = float(bias)
+    return checked
 
 
 def _check_int(name: str, value: object) -> None:

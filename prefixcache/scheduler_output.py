@@ -61,6 +61,11 @@ class ScheduledSeq:
     forks: list[tuple[str, SamplingParams]] = field(default_factory=list)
     num_prompt_tokens: int = 0  # the request's prompt length in tokens (positions below it are prompt)
     prompt_logprobs: PromptLogprobsWork | None = None  # set: compute the chunk's prompt logprobs
+    # The request's prompt and generated tokens so far, by reference (no copy; read-only for the
+    # runner: the scheduler appends this step's token after the step). The sampler's penalties
+    # and min_tokens read them; None where the caller has none (treated as empty).
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)

@@ -237,7 +237,8 @@ class InputProcessor:
         """Checks what a request brings besides its prompt; returns its sampling params.
 
         Raises:
-            InvalidInputError: naming ``sampling_params``, ``cache_salt`` or ``tenant``.
+            InvalidInputError: naming ``sampling_params``, ``cache_salt``, ``tenant``, ``stop`` or
+                ``logit_bias`` (a token id outside the vocabulary).
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -252,6 +253,11 @@ class InputProcessor:
             check_unicode("cache_salt", cache_salt)
         for stop in params.stop:
             check_unicode("stop", stop)
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if t >= self.vocab_size]
+            if bad:
+                raise InvalidInputError("logit_bias", f"logit_bias token ids must be in [0, {self.vocab_size}), "
+                                                      f"got {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else ""))
         try:
             validate_tenant(tenant)
         except ValueError as e:

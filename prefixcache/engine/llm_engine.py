@@ -36,6 +36,7 @@ from prefixcache.engine.parallel_sampling import SampleGroups
 from prefixcache.engine.scheduler import Scheduler
 from prefixcache.errors import InvalidInputError
 from prefixcache.layers.lora import LoRARequest
+from prefixcache.layers.sampler import TokenLogprobs
 from prefixcache.models.loader import LoadedModel, load_model
 from prefixcache.outputs import RequestOutput
 from prefixcache.request import Request, RequestStatus
@@ -208,16 +209,16 @@ class LLMEngine:
         self.kv_cache_manager.sweep_expired()
         scheduler_output = self.scheduler.schedule()
         try:
-            sampled = self.runner.execute_model(scheduler_output)
+            runner_output = self.runner.execute_model(scheduler_output)
         except BaseException as e:
             outputs = self._fail_step(scheduler_output, e)
             if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: cleaned up, then go
                 raise
             return outputs
         self._store_to_tiers()
-        updated = self.scheduler.update_from_output(scheduler_output, sampled)
-        self.scheduler.store_prompt_logprobs(self.runner.take_prompt_logprobs())
-        return self._postprocess(updated)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        self.scheduler.store_prompt_logprobs(runner_output.prompt_logprobs)
+        return self._postprocess(updated, runner_output.logprobs)
 
     def _store_to_tiers(self) -> None:
         """Hands the K/V of the blocks this step computed to the KV tiers' writer (write-through)."""
@@ -233,13 +234,15 @@ class LLMEngine:
         if self.kv_tiers is not None:
             self.kv_tiers.close()
 
-    def _postprocess(self, updated: list[Request]) -> list[RequestOutput]:
-        """Stop checks and outputs for the requests that got a token this step."""
+    def _postprocess(self, updated: list[Request], logprobs: Mapping[str, TokenLogprobs]) -> list[RequestOutput]:
+        """Logprobs, stop checks and outputs for the requests that got a token this step."""
         now = time.monotonic()
         outputs, finished = [], []
         for request in updated:
             if request.first_token_s is None:
                 request.first_token_s = now
+            if request.request_id in logprobs:
+                self.output_processor.append_logprobs(request, logprobs[request.request_id])
             status = self.output_processor.check_stop(request)
             if status is not None:
                 finished.append((request, status))

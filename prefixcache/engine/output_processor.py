@@ -12,12 +12,71 @@ when the next token arrives.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from transformers import PreTrainedTokenizerBase
 
+from prefixcache.layers.sampler import TokenLogprobs
 from prefixcache.outputs import Logprob, PromptLogprobs, RequestOutput
 from prefixcache.request import Request, RequestStatus
+
+_SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the character standing for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class TokenDecoder:
+    """A single token's exact bytes and text, memoised per id (logprobs name tokens one by one).
+
+    Byte-level BPE tokenizers (GPT-2's alphabet, as SmolLM2's) spell each byte as one character:
+    the token's string maps back to its bytes exactly, a piece of a multi-byte character included.
+    SentencePiece byte tokens ``<0xNN>`` are that byte; any other token is its decoded text's UTF-8.
+    The text is the bytes decoded with replacement (U+FFFD for a partial character), as the token
+    reads on its own.
+
+    Args:
+        tokenizer: the model's tokenizer.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        self._byte_level = _byte_level_decoder() if type(decoder).__name__ == "ByteLevel" else None
+        self._memo: dict[int, tuple[str, bytes]] = {}
+
+    def text(self, token_id: int) -> str:
+        return self._lookup(token_id)[0]
+
+    def bytes(self, token_id: int) -> bytes:
+        return self._lookup(token_id)[1]
+
+    def _lookup(self, token_id: int) -> tuple[str, bytes]:
+        found = self._memo.get(token_id)
+        if found is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if piece is None:  # an id past the tokenizer's vocabulary (a padded lm_head row)
+                raw = b""
+            elif self._byte_level is not None and all(c in self._byte_level for c in piece):
+                raw = bytes(self._byte_level[c] for c in piece)
+            elif (m := _SENTENCEPIECE_BYTE.fullmatch(piece)) is not None:
+                raw = bytes([int(m.group(1), 16)])
+            else:
+                raw = self.tokenizer.decode([token_id]).encode("utf-8")
+            found = self._memo[token_id] = (raw.decode("utf-8", errors="replace"), raw)
+        return found
 
 
 class OutputProcessor:
@@ -31,6 +90,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Iterable[int], max_model_len: int) -> None:
         self.tokenizer = tokenizer
+        self.token_decoder = TokenDecoder(tokenizer)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 
@@ -67,6 +127,16 @@ class OutputProcessor:
         request.stop_text_end = idx + (len(stop) if params.include_stop_str_in_output else 0)
         return True
 
+    def append_logprobs(self, request: Request, sampled: TokenLogprobs) -> None:
+        """Adds the logprobs of the request's newest token: the top-k (ranks 1..k), then the
+        chosen token when it is not among them (vLLM's ``{token_id: Logprob}`` per position)."""
+        text = self.token_decoder.text
+        entry = {t: Logprob(lp, rank, text(t))
+                 for rank, (t, lp) in enumerate(zip(sampled.top_token_ids, sampled.top_logprobs), start=1)}
+        if sampled.token_id not in entry:
+            entry[sampled.token_id] = Logprob(sampled.logprob, sampled.rank, text(sampled.token_id))
+        request.logprobs.append(entry)
+
     def make_output(self, request: Request) -> RequestOutput:
         """The request's output now: cumulative text and tokens, finish state and timings."""
         text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
@@ -89,24 +159,25 @@ class OutputProcessor:
             error=request.error,
             prompt_logprobs=self.prompt_logprobs(request),
             num_cached_prompt_logprobs=0 if request.prompt_logprobs is None else request.prompt_logprobs.num_from_cache,
+            logprobs=None if request.sampling_params.logprobs is None else list(request.logprobs),
         )
 
     def prompt_logprobs(self, request: Request) -> PromptLogprobs | None:
         """vLLM's prompt-logprobs list of a request whose prompt is computed (else None): per prompt
-        token from the second on, its own entry, then the top ``k`` of its position not already in."""
+        token from the second on, the top ``k`` of its position (ranks 1..k), then the token itself
+        when it is not among them (the layout of the generated tokens' logprobs). Built once."""
         state, k = request.prompt_logprobs, request.sampling_params.prompt_logprobs
         if state is None or not state.complete:
             return None
-        prompt = request.prompt_token_ids
-        top_ids, top_lps = state.topk_ids[:, :k].tolist(), state.topk_logprobs[:, :k].tolist()
-        ids = set(prompt) | {t for row in top_ids for t in row}
-        text = dict(zip(ids, self.tokenizer.batch_decode([[t] for t in ids])))
-        out: PromptLogprobs = [None]
-        for i, (lp, rank) in enumerate(zip(state.token_logprobs.tolist(), state.token_ranks.tolist())):
-            if i == 0:
-                continue
-            entry = {prompt[i]: Logprob(lp, rank, text[prompt[i]])}
-            for r, (t, tlp) in enumerate(zip(top_ids[i], top_lps[i]), start=1):
-                entry.setdefault(t, Logprob(tlp, r, text[t]))
-            out.append(entry)
-        return out
+        if state.built is None:
+            prompt, text = request.prompt_token_ids, self.token_decoder.text
+            top_ids, top_lps = state.topk_ids[:, :k].tolist(), state.topk_logprobs[:, :k].tolist()
+            out: PromptLogprobs = [None]
+            for i, (lp, rank) in enumerate(zip(state.token_logprobs.tolist(), state.token_ranks.tolist())):
+                if i == 0:
+                    continue
+                entry = {t: Logprob(tlp, r, text(t)) for r, (t, tlp) in enumerate(zip(top_ids[i], top_lps[i]), start=1)}
+                entry.setdefault(prompt[i], Logprob(lp, rank, text(prompt[i])))
+                out.append(entry)
+            state.built = out
+        return state.built

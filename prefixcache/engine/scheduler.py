@@ -149,6 +149,8 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             prompt_logprobs=None if request.prompt_logprobs is None else request.prompt_logprobs.work(
                 start, start + num_new, request.all_token_ids),
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
         )
 
     def _preempt_newest(self) -> Request:

@@ -92,12 +92,19 @@ class _SamplingFields(_Request):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    presence_penalty: float | None = None  # default 0, in [-2, 2]
+    frequency_penalty: float | None = None  # default 0, in [-2, 2]
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias in [-100, 100]
+    repetition_penalty: float | None = None  # vLLM extra; default 1 (off)
+    min_p: float | None = None  # vLLM extra; default 0 (off)
+    min_tokens: Int64 | None = None  # vLLM extra; default 0
 
 
 class CompletionRequest(_SamplingFields):
     # One prompt (text or token ids), or a list of them: one choice per prompt and sample.
     prompt: str | list[Int64] | list[str] | list[list[Int64]]
     echo: bool | None = None  # OpenAI's legacy echo: each choice's text starts with its prompt
+    logprobs: Int64 | None = None  # legacy: the k most likely tokens' logprobs per token, 0..20
 
 
 class ChatMessage(_Request):
@@ -108,23 +115,23 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: Int64 | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None  # default False: the chosen tokens' logprobs
+    top_logprobs: Int64 | None = None  # with logprobs: the k most likely tokens' logprobs, 0..20
 
 
 # Accepted-but-unimplemented fields → the values that change nothing (null always passes).
 _UNSUPPORTED_COMMON: Mapping[str, tuple[Any, ...]] = MappingProxyType({
-    "best_of": (1,), "logit_bias": ({},), "presence_penalty": (0,),
-    "frequency_penalty": (0,),
+    "best_of": (1,),
     # vLLM's sampling and decoding extras
-    "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "use_beam_search": (False,),
-    "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
+    "use_beam_search": (False,), "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
     "truncate_prompt_tokens": (), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "guided_grammar": (),
     "return_tokens_as_token_ids": (False,),
 })
 UNSUPPORTED_FIELDS: Mapping[str, Mapping[str, tuple[Any, ...]]] = MappingProxyType({
-    "completions": MappingProxyType({**_UNSUPPORTED_COMMON, "logprobs": (), "suffix": ("",)}),
+    "completions": MappingProxyType({**_UNSUPPORTED_COMMON, "suffix": ("",)}),
     "chat": MappingProxyType({
-        **_UNSUPPORTED_COMMON, "echo": (False,), "logprobs": (False,), "top_logprobs": (0,), "tools": ([],),
+        **_UNSUPPORTED_COMMON, "echo": (False,), "tools": ([],),
         "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
         "parallel_tool_calls": (True,), "audio": (), "modalities": (["text"],), "prediction": (),
         "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
@@ -173,7 +180,6 @@ class Usage(_Model):
 
 class _Choice(_Model):
     index: int = 0
-    logprobs: None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM extra: the stop string or token that matched
 
@@ -189,6 +195,31 @@ class PromptLogprob(_Model):
 PromptLogprobsField = list[dict[str, PromptLogprob] | None] | None  # per prompt token, keyed by token id
 
 
+class TopLogprob(_Model):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token's UTF-8 bytes (exact, a partial character too)
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)  # the top_logprobs most likely, best first
+
+
+class ChatLogprobs(_Model):
+    """OpenAI's ``choices[].logprobs`` of a chat completion: one entry per generated token."""
+
+    content: list[ChatLogprobToken] | None = None
+
+
+class CompletionLogprobs(_Model):
+    """The legacy completions ``logprobs`` object: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)  # each token's start in the choice's text
+
+
 class _Response(_Model):
     id: str
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -199,6 +230,9 @@ class _Response(_Model):
 class CompletionChoice(_Choice):
     text: str
     prompt_logprobs: PromptLogprobsField = None  # vLLM extra
+
+
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(_Response):
@@ -213,6 +247,7 @@ class ResponseMessage(_Model):
 
 class ChatChoice(_Choice):
     message: ResponseMessage
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(_Response):

@@ -13,11 +13,20 @@ last, so a refused request never holds a KV block; a client that leaves aborts i
 A request that the engine finishes with ``finish_reason == "error"`` (the step that ran it
 failed) is answered with a 500 in OpenAI's error format, or in a stream with an error event
 followed by ``data: [DONE]``; other requests go on.
+
+Logprobs (chat ``logprobs``/``top_logprobs``, completions ``logprobs``) are the engine's: the
+model's raw distribution (``SamplingParams.logprobs``), one entry per generated token, shaped as
+OpenAI's chat ``choices[].logprobs.content[]`` or the legacy completions object. A stream sends a
+token's logprobs in the chunk whose text delta completes the token's text: a token whose text is
+held back (a possible stop string, an incomplete UTF-8 character) waits with it, and the final
+chunk carries every token left, so the chunks' logprobs concatenate to the non-streamed ones.
+-inf is sent as -9999.0 (vLLM's clamp; JSON has no infinity).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import dataclasses
 import json
@@ -32,14 +41,18 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from prefixcache.engine.output_processor import TokenDecoder
 from prefixcache.entrypoints.api_errors import APIError, clip, cut, error_body, input_error
 from prefixcache.entrypoints.protocol import (
     UNSUPPORTED_FIELDS,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
+    ChatLogprobToken,
     ChatMessage,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
@@ -49,6 +62,7 @@ from prefixcache.entrypoints.protocol import (
     ResponseMessage,
     TokenizeRequest,
     TokenizeResponse,
+    TopLogprob,
     Usage,
 )
 from prefixcache.errors import InvalidInputError
@@ -61,12 +75,15 @@ MAX_PROMPTS_PER_REQUEST = 1024  # prompts in one /v1/completions request (each i
 MAX_CHAT_DEFAULT_MAX_TOKENS = 512  # chat default: the rest of the context, capped at this
 logger = logging.getLogger("prefixcache.server")
 
+MIN_LOGPROB = -9999.0  # what -inf is sent as (vLLM's clamp)
+
 AnyRequest = CompletionRequest | ChatCompletionRequest
 # The request fields that constrain the output (at most one per request), in the order checked.
 STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice")
 CheckedRequest = CompletionRequest | ChatCompletionRequest | TokenizeRequest | DetokenizeRequest
-# (sample index, text delta) -> the choice of a stream chunk; (final outputs, created) -> the answer
-StreamChoice = Callable[[int, str], dict]
+# (output, text delta, tokens [lo, hi) whose logprobs go with it) -> the choice of a stream chunk;
+# (final outputs, created) -> the answer
+StreamChoice = Callable[[RequestOutput, str, int, int], dict]
 MakeResponse = Callable[[list[RequestOutput], int], BaseModel]
 
 
@@ -212,13 +229,31 @@ def completion_prompts(prompt: str | list[int] | list[str] | list[list[int]]) ->
 
 
 def check_echo(req: CompletionRequest) -> None:
-    """``echo`` needs prompt logprobs when ``logprobs`` is asked too, which we don't compute yet.
+    """``echo`` with ``logprobs`` covers the prompt's tokens too (from its prompt logprobs, which
+    come whole once the prompt is computed), so it is not streamed, as vLLM's prompt logprobs.
 
     Raises:
-        APIError: 400 (``echo``) for ``echo: true`` with a non-null ``logprobs``.
+        APIError: 400 (``echo``) for ``echo: true`` with ``logprobs`` and ``stream: true``.
     """
-    if req.echo and getattr(req, "logprobs", None) is not None:  # a declared field or an extra one
-        raise APIError(400, "echo with logprobs is not supported yet", "echo", "unsupported_parameter")
+    if req.echo and req.logprobs is not None and req.stream:
+        raise APIError(400, "echo with logprobs is not available with stream: true", "echo", "unsupported_parameter")
+
+
+def echo_logprobs(out: RequestOutput, num_logprobs: int, decoder: TokenDecoder) -> CompletionLogprobs:
+    """The legacy ``logprobs`` of an echoed prompt's tokens (vLLM's layout: the first token has
+    ``None``; offsets add up the tokens' texts from 0), from ``out.prompt_logprobs``."""
+    result = CompletionLogprobs()
+    offset = 0
+    for i, token_id in enumerate(out.prompt_token_ids):
+        entry = out.prompt_logprobs[i]
+        text = decoder.text(token_id) if entry is None else entry[token_id].decoded_token
+        result.tokens.append(text)
+        result.token_logprobs.append(None if entry is None else _logprob(entry[token_id].logprob))
+        result.top_logprobs.append(None if entry is None else {
+            lp.decoded_token: _logprob(lp.logprob) for lp in list(entry.values())[:num_logprobs]})
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result
 
 
 # ---------------------------------------------------------------------------- outputs
@@ -339,16 +374,37 @@ async def final_outputs(stream: AsyncIterator[RequestOutput], raw_request: Reque
     return None
 
 
+class _TokenCoverage:
+    """Which of a streamed sample's tokens its sent text covers: token i goes out once the text
+    sent reaches the length its text had when it arrived (trailing U+FFFD not counted)."""
+
+    def __init__(self) -> None:
+        self.needs: list[int] = []  # per token, non-decreasing
+        self.num_sent = 0  # tokens whose logprobs went out
+
+    def advance(self, out: RequestOutput, num_chars_sent: int) -> tuple[int, int]:
+        """Records ``out``'s new tokens; returns the token range ``[lo, hi)`` to send now."""
+        if len(self.needs) < len(out.token_ids):
+            need = max(len(out.text.rstrip("\ufffd")), self.needs[-1] if self.needs else 0)
+            self.needs.extend([need] * (len(out.token_ids) - len(self.needs)))
+        lo = self.num_sent
+        hi = len(out.token_ids) if out.finished else bisect.bisect_right(self.needs, num_chars_sent)
+        return lo, max(lo, hi)
+
+
 async def sse_events(
     stream: AsyncIterator[RequestOutput],
     stops: tuple[str, ...],
-    make_chunk: Callable[[int, str, RequestOutput | None], dict],
+    make_chunk: Callable[[RequestOutput, str, int, int], dict],
     usage_chunk: Callable[[list[RequestOutput]], dict] | None,
 ) -> AsyncIterator[str]:
     """SSE events: one chunk per text delta of each sample (its last one with finish_reason),
-    then usage once every sample finished, then ``[DONE]``. A failure (a sample finished with
-    ``"error"``, the engine gone, a bug here) becomes an error event before ``[DONE]``."""
+    then usage once every sample finished, then ``[DONE]``. ``make_chunk(out, delta, lo, hi)``
+    gets the tokens ``[lo, hi)`` whose text the chunk completes (module docstring). A failure (a
+    sample finished with ``"error"``, the engine gone, a bug here) becomes an error event before
+    ``[DONE]``."""
     sent: dict[int, int] = {}
+    coverage: dict[int, _TokenCoverage] = {}
     finals: dict[int, RequestOutput] = {}
     try:
         async with contextlib.aclosing(stream):  # leaving early aborts the rest of the request
@@ -360,8 +416,11 @@ async def sse_events(
                 text = stream_text(out, stops)
                 done = sent.get(out.index, 0)
                 delta, sent[out.index] = text[done:], max(done, len(text))
+                tokens = coverage.setdefault(out.index, _TokenCoverage())
+                lo, hi = tokens.advance(out, sent[out.index])
                 if delta or out.finished:
-                    yield sse_event(make_chunk(out.index, delta, out if out.finished else None))
+                    yield sse_event(make_chunk(out, delta, lo, hi))
+                    tokens.num_sent = hi
                 if out.finished:
                     finals[out.index] = out
             else:
@@ -373,6 +432,62 @@ async def sse_events(
         logger.exception("streaming a response failed")
         yield sse_event(error_body(500, f"internal server error ({type(e).__name__})", None, "internal_error"))
     yield "data: [DONE]\n\n"
+
+
+def _logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def chat_logprobs(out: RequestOutput, lo: int, hi: int, top_logprobs: int, decoder: TokenDecoder) -> ChatLogprobs:
+    """OpenAI's chat ``logprobs`` of tokens ``[lo, hi)`` of ``out``: each chosen token with its
+    text, logprob and bytes, and the ``top_logprobs`` most likely tokens (best first)."""
+    content = []
+    for token_id, entry in zip(out.token_ids[lo:hi], out.logprobs[lo:hi]):
+        top = [TopLogprob(token=lp.decoded_token, logprob=_logprob(lp.logprob), bytes=list(decoder.bytes(t)))
+               for t, lp in list(entry.items())[:top_logprobs]]
+        chosen = entry[token_id]
+        content.append(ChatLogprobToken(token=chosen.decoded_token, logprob=_logprob(chosen.logprob),
+                                        bytes=list(decoder.bytes(token_id)), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(out: RequestOutput, lo: int, hi: int, num_logprobs: int, text_offset: int) -> CompletionLogprobs:
+    """The legacy completions ``logprobs`` of tokens ``[lo, hi)`` of ``out``; ``text_offset`` is
+    where token ``lo`` starts (offsets add up the tokens' texts, as vLLM's do)."""
+    result = CompletionLogprobs()
+    for token_id, entry in zip(out.token_ids[lo:hi], out.logprobs[lo:hi]):
+        chosen = entry[token_id]
+        result.tokens.append(chosen.decoded_token)
+        result.token_logprobs.append(_logprob(chosen.logprob))
+        result.top_logprobs.append({lp.decoded_token: _logprob(lp.logprob) for lp in list(entry.values())[:num_logprobs]})
+        result.text_offset.append(text_offset)
+        text_offset += len(chosen.decoded_token)
+    return result
+
+
+def _renamed(error: APIError, renames: dict[str, str]) -> APIError:
+    """``error`` naming the field the client sent (``max_completion_tokens`` for ``max_tokens``)."""
+    if error.param not in renames:
+        return error
+    name = renames[error.param]
+    message = error.message.replace(error.param, name, 1) if error.message.startswith(error.param) else error.message
+    return APIError(error.status, message, name, error.code)
+
+
+def logit_bias_ids(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """JSON's ``{"token id": bias}`` with int keys.
+
+    Raises:
+        APIError: 400 (``logit_bias``) for a key that is not a decimal token id.
+    """
+    if logit_bias is None:
+        return None
+    converted = {}
+    for key, bias in logit_bias.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 20:
+            raise APIError(400, f"logit_bias keys must be token ids (decimal strings), got {clip(key)}", "logit_bias")
+        converted[int(key)] = bias
+    return converted
 
 
 # ---------------------------------------------------------------------------- the endpoints
@@ -390,6 +505,7 @@ class OpenAIServing:
         self.engine = async_engine
         self.served_model_name = served_model_name
         self.lora_modules = dict(lora_modules or {})
+        self.token_decoder = TokenDecoder(async_engine.engine.tokenizer)  # logprobs' token bytes
 
     def begin(self, req: CompletionRequest | ChatCompletionRequest, kind: str) -> tuple[LoRARequest | None, str]:
         """Checks a request's fields for ``kind`` (``"completions"`` or ``"chat"``); returns its
@@ -418,37 +534,53 @@ class OpenAIServing:
                        "model_not_found")
 
     @staticmethod
-    def sampling_params(req: AnyRequest, max_tokens: int | None, default_max_tokens: int,
-                        prompt_field: str) -> SamplingParams:
+    def sampling_params(req: AnyRequest, max_tokens: int | None, default_max_tokens: int, prompt_field: str,
+                        logprobs: int | None = None, renames: dict[str, str] | None = None) -> SamplingParams:
         """The request's :class:`SamplingParams` (``None`` fields take the defaults).
+
+        Args:
+            logprobs: ``SamplingParams.logprobs`` (the endpoint reads it from its own fields).
+            renames: SamplingParams field -> the request field an error names instead.
 
         Raises:
             APIError: 400 naming the invalid field.
         """
+        def default(value, fallback):
+            return fallback if value is None else value
+
         try:
             return SamplingParams(
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=0 if req.top_k is None else req.top_k,
-                max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+                temperature=default(req.temperature, 1.0),
+                top_p=default(req.top_p, 1.0),
+                top_k=default(req.top_k, 0),
+                max_tokens=default(max_tokens, default_max_tokens),
                 seed=req.seed,
-                stop=() if req.stop is None else req.stop,  # "" is refused, as [""] is
-                stop_token_ids=() if req.stop_token_ids is None else req.stop_token_ids,
+                stop=default(req.stop, ()),  # "" is refused, as [""] is
+                stop_token_ids=default(req.stop_token_ids, ()),
                 ignore_eos=bool(req.ignore_eos),
                 include_stop_str_in_output=bool(req.include_stop_str_in_output),
-                n=1 if req.n is None else req.n,
+                n=default(req.n, 1),
                 structured_outputs=structured_outputs(req),
                 prompt_logprobs=req.prompt_logprobs,
+                presence_penalty=default(req.presence_penalty, 0.0),
+                frequency_penalty=default(req.frequency_penalty, 0.0),
+                repetition_penalty=default(req.repetition_penalty, 1.0),
+                min_p=default(req.min_p, 0.0),
+                min_tokens=default(req.min_tokens, 0),
+                logit_bias=logit_bias_ids(req.logit_bias),
+                logprobs=logprobs,
             )
         except ValueError as e:
-            raise input_error(e, prompt_field) from e
+            raise _renamed(input_error(e, prompt_field), renames or {}) from e
 
     async def start(self, prompts: list[str | list[int]], params: SamplingParams, req: AnyRequest, request_id: str,
-                    prompt_field: str, lora: LoRARequest | None, tenant: str | None) -> AsyncIterator[RequestOutput]:
+                    prompt_field: str, lora: LoRARequest | None, tenant: str | None,
+                    renames: dict[str, str] | None = None) -> AsyncIterator[RequestOutput]:
         """Adds one engine request per prompt, together (the scheduler runs them in the same
         steps; none is queued if one is refused); their outputs as one stream, ``index`` being
         the choice index (``prompt_index * n + sample_index``). The engine ids are ``request_id``
-        for one prompt, ``request_id-i`` for several (vLLM's).
+        for one prompt, ``request_id-i`` for several (vLLM's). ``renames``: see
+        :meth:`sampling_params`.
 
         Raises:
             APIError: 400 for input the engine refuses.
@@ -462,26 +594,26 @@ class OpenAIServing:
             if isinstance(e, InvalidInputError) and e.field == "structured_outputs":  # a schema that doesn't compile
                 name = structured_output_field(req)
                 raise APIError(400, f"{name}: {e}", name) from e
-            raise input_error(e, prompt_field) from e
+            raise _renamed(input_error(e, prompt_field), renames or {}) from e
         return stream if len(ids) == 1 else numbered(stream, {rid: i * params.n for i, rid in enumerate(ids)})
 
     async def respond(self, req: AnyRequest, params: SamplingParams, stream: AsyncIterator[RequestOutput],
                       raw_request: Request, head: dict, stream_choice: StreamChoice,
                       make_response: MakeResponse) -> Response | BaseModel:
         """An SSE stream of chunks (``head`` = id, object, created, model; one choice each, from
-        ``stream_choice(index, delta)`` plus the finish and stop reasons), or
-        ``make_response(final outputs, created)``; 499 if a non-streaming client went away."""
+        ``stream_choice(out, delta, lo, hi)`` (with its logprobs) plus the finish and stop
+        reasons), or ``make_response(final outputs, created)``; 499 if a non-streaming client went
+        away."""
         if not req.stream:
             outs = await final_outputs(stream, raw_request)
             return Response(status_code=499) if outs is None else make_response(outs, head["created"])
         with_usage = bool(req.stream_options is not None and req.stream_options.include_usage)
 
-        def chunk(index: int, delta: str, final: RequestOutput | None) -> dict:
-            choice = stream_choice(index, delta)
-            choice["logprobs"] = None
-            choice["finish_reason"] = None if final is None else final.finish_reason
-            if final is not None:
-                choice["stop_reason"] = final.stop_reason
+        def chunk(out: RequestOutput, delta: str, lo: int, hi: int) -> dict:
+            choice = stream_choice(out, delta, lo, hi)
+            choice["finish_reason"] = out.finish_reason if out.finished else None
+            if out.finished:
+                choice["stop_reason"] = out.stop_reason
             return {**head, "choices": [choice], **({"usage": None} if with_usage else {})}
 
         def usage_chunk(outs: list[RequestOutput]) -> dict:
@@ -503,24 +635,43 @@ class OpenAIServing:
         check_echo(req)
         lora, model_name = self.begin(req, "completions")
         prompts = completion_prompts(req.prompt)
-        params = self.sampling_params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
+        params = self.sampling_params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt", req.logprobs)
+        echo_lps = bool(req.echo) and params.logprobs is not None  # the prompt's tokens get logprobs too
+        if echo_lps:
+            params = dataclasses.replace(params, prompt_logprobs=max(params.logprobs, params.prompt_logprobs or 0))
         echoes = await self.prompt_texts(prompts) if req.echo else None
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await self.start(prompts, params, req, request_id, "prompt", lora, tenant)
         echoed: set[int] = set()  # choices whose prompt went out (streaming)
+        offsets: dict[int, int] = {}  # per streamed choice: where its next token's text starts
 
-        def choice(index: int, delta: str) -> dict:
-            if echoes is not None and index not in echoed:
-                echoed.add(index)
-                delta = echoes[index // params.n] + delta
-            return {"index": index, "text": delta}
+        def logprobs(out: RequestOutput, lo: int, hi: int) -> CompletionLogprobs | None:
+            if params.logprobs is None:
+                return None
+            head = echo_logprobs(out, params.logprobs, self.token_decoder) if echo_lps else None
+            start = offsets.get(out.index, 0) if head is None else sum(len(t) for t in head.tokens)
+            result = completion_logprobs(out, lo, hi, params.logprobs, start)
+            offsets[out.index] = start + sum(len(t) for t in result.tokens)
+            if head is not None:  # non-streamed: the prompt's tokens first
+                for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    getattr(head, name).extend(getattr(result, name))
+                return head
+            return result
+
+        def choice(out: RequestOutput, delta: str, lo: int, hi: int) -> dict:
+            if echoes is not None and out.index not in echoed:
+                echoed.add(out.index)
+                delta = echoes[out.index // params.n] + delta
+            lp = logprobs(out, lo, hi)
+            return {"index": out.index, "text": delta, "logprobs": None if lp is None else lp.model_dump()}
 
         def response(outs: list[RequestOutput], created: int) -> CompletionResponse:
             return CompletionResponse(
                 id=request_id, created=created, model=model_name, usage=usage(outs),
                 choices=[CompletionChoice(index=o.index, finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                                           text=o.text if echoes is None else echoes[o.index // params.n] + o.text,
-                                          prompt_logprobs=prompt_logprobs_json(o))
+                                          logprobs=logprobs(o, 0, len(o.token_ids)),
+                                          prompt_logprobs=None if req.prompt_logprobs is None else prompt_logprobs_json(o))
                          for o in outs],
             )
 
@@ -609,26 +760,48 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e), "messages") from e
         n = req.n if isinstance(req.n, int) and req.n >= 1 else 1
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling_params(req, max_tokens, self.chat_default_max_tokens(len(prompt_ids), n), "messages")
+        max_tokens, renames = req.max_tokens, {}
+        if req.max_completion_tokens is not None:
+            max_tokens, renames = req.max_completion_tokens, {"max_tokens": "max_completion_tokens"}
+        params = self.sampling_params(req, max_tokens, self.chat_default_max_tokens(len(prompt_ids), n), "messages",
+                                      chat_num_logprobs(req), {**renames, "logprobs": "top_logprobs"})
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self.start([prompt_ids], params, req, request_id, "messages", lora, tenant)
+        stream = await self.start([prompt_ids], params, req, request_id, "messages", lora, tenant, renames)
         started: set[int] = set()  # samples whose first chunk (with the role) went out
 
-        def choice(index: int, delta: str) -> dict:
+        def logprobs(out: RequestOutput, lo: int, hi: int) -> ChatLogprobs | None:
+            return None if params.logprobs is None else chat_logprobs(out, lo, hi, params.logprobs, self.token_decoder)
+
+        def choice(out: RequestOutput, delta: str, lo: int, hi: int) -> dict:
             message = {"content": delta}
-            if index not in started:
+            if out.index not in started:
                 message["role"] = "assistant"
-                started.add(index)
-            return {"index": index, "delta": message}
+                started.add(out.index)
+            lp = logprobs(out, lo, hi)
+            return {"index": out.index, "delta": message, "logprobs": None if lp is None else lp.model_dump()}
 
         def response(outs: list[RequestOutput], created: int) -> ChatCompletionResponse:
             return ChatCompletionResponse(
                 id=request_id, created=created, model=model_name, usage=usage(outs),
                 choices=[ChatChoice(index=o.index, message=ResponseMessage(content=o.text),
-                                    finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in outs],
+                                    finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                                    logprobs=logprobs(o, 0, len(o.token_ids))) for o in outs],
                 prompt_logprobs=prompt_logprobs_json(outs[0]) if outs else None,
             )
 
         head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name}
         return await self.respond(req, params, stream, raw_request, head, choice, response)
+
+
+def chat_num_logprobs(req: ChatCompletionRequest) -> int | None:
+    """``SamplingParams.logprobs`` of a chat request: ``top_logprobs`` (default 0) when ``logprobs``
+    is true, else None.
+
+    Raises:
+        APIError: 400 (``top_logprobs``) for top_logprobs > 0 without ``logprobs: true`` (OpenAI's rule).
+    """
+    if req.logprobs:
+        return 0 if req.top_logprobs is None else req.top_logprobs
+    if req.top_logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+    return None

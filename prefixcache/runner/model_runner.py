@@ -1,27 +1,53 @@
 """Turns a :class:`SchedulerOutput` into tensors, runs the model, samples tokens.
 
 The runner makes no scheduling decision. It owns the KV pool (one tensor per layer), the
-per-request sampling generators and the structured-output matchers
-(:mod:`prefixcache.runner.structured_output`, applied to the logits just before sampling);
-everything else comes in the step's ``SchedulerOutput``. It counts the prompt tokens it actually
-runs through the model (``num_prompt_tokens_computed``), the ground truth that every claimed cache
-hit must show up in as work not done.
+per-request sampling generators, the structured-output matchers
+(:mod:`prefixcache.runner.structured_output`, applied to the logits just before sampling) and the
+token histories the penalties read (:mod:`prefixcache.runner.token_history`); everything else comes
+in the step's ``SchedulerOutput``. Sampling is one call: the runner gathers each sampling row's
+:class:`SamplingMetadata` and hands it with the logits to :func:`sample_batch`. It counts the prompt
+tokens it actually runs through the model (``num_prompt_tokens_computed``), the ground truth that
+every claimed cache hit must show up in as work not done.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from prefixcache.layers.attention import build_attention_metadata
 from prefixcache.layers.lora import LoRABatch
-from prefixcache.layers.sampler import sample
+from prefixcache.layers.sampler import SamplingMetadata, TokenLogprobs, sample_batch
 from prefixcache.models.loader import LoadedModel
 from prefixcache.prompt_logprobs import PROMPT_LOGPROBS_TOPK, PromptLogprobsChunk
 from prefixcache.runner.kv_pool import allocate_kv_caches
 from prefixcache.runner.structured_output import StructuredOutputManager
+from prefixcache.runner.token_history import TokenHistories
+from prefixcache.sampling_params import SamplingParams
 from prefixcache.scheduler_output import LoadOp, ScheduledSeq, SchedulerOutput
 
 PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at a time (each row: vocab_size floats)
+
+# One sampling row: (request id, params, index into the logits rows, the sequence it comes from).
+SamplingRow = tuple[str, SamplingParams, int, ScheduledSeq]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What one step computed for the engine (vLLM's ``ModelRunnerOutput``).
+
+    Attributes:
+        sampled_token_ids: request id -> sampled token id, for each sequence that completed its
+            tokens this step and each sample forked from such a sequence.
+        logprobs: request id -> the sampled position's logprobs, for those whose params ask.
+        prompt_logprobs: request id -> the prompt logprobs of its chunk, for those whose
+            ``ScheduledSeq.prompt_logprobs`` is set (see ``prefixcache.prompt_logprobs``).
+    """
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -49,25 +75,27 @@ class ModelRunner:
         self._default_generator = torch.Generator(device="cpu").manual_seed(generator_seed(seed))
         self._generators: dict[str, torch.Generator] = {}
         self.structured_output = StructuredOutputManager(loaded.tokenizer, cfg.vocab_size, loaded.eos_token_ids)
+        self._histories = TokenHistories()
+        self.eos_token_ids = tuple(loaded.eos_token_ids)
         # Prompt tokens run through the model so far (recomputes after preemption included).
         self.num_prompt_tokens_computed = 0
-        self._prompt_logprobs: dict[str, PromptLogprobsChunk] = {}  # the last step's, until taken
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step.
 
         Returns:
-            request id → sampled token id, for each sequence that completed its tokens this step,
-            and for each sample forked from such a sequence (its last logits, sampled again with
-            the fork's params and generator).
+            The token sampled for each sequence that completed its tokens this step, and for each
+            sample forked from such a sequence (its last logits, sampled again with the fork's
+            params and generator), with logprobs where asked.
         """
         for req_id in scheduler_output.finished_req_ids:
             self._generators.pop(req_id, None)
+            self._histories.drop(req_id)
         self.structured_output.free(scheduler_output.finished_req_ids)
         seqs = scheduler_output.seqs
         if not seqs:
-            return {}
+            return ModelRunnerOutput()
         if scheduler_output.load_ops:  # KV tier hits, before the copies and the forward pass
             self.write_blocks(scheduler_output.load_ops)
         # Partial-block reuse and copy-on-write, in order, before anything reads or writes the KV.
@@ -95,34 +123,55 @@ class ModelRunner:
             max(0, min(s.num_computed_tokens + len(s.token_ids), s.num_prompt_tokens) - s.num_computed_tokens)
             for s in seqs
         )
-        start = 0
+        output, start = ModelRunnerOutput(), 0
         for s in seqs:
             if s.prompt_logprobs is not None:
-                self._prompt_logprobs[s.request_id] = self._prompt_logprobs_chunk(
-                    hidden[start : start + len(s.token_ids)], s)
+                output.prompt_logprobs[s.request_id] = self._prompt_logprobs_chunk(hidden[start : start + len(s.token_ids)], s)
             start += len(s.token_ids)
 
         # Logits only at each sampling sequence's last new token.
-        rows, sampling = [], []  # sampling: (request id, params, index into rows)
+        rows, sampling = [], []  # sampling: SamplingRow per sampled sequence and fork
         end = 0
         for s in seqs:
             end += len(s.token_ids)
             if s.sampling_params is not None:
                 rows.append(end - 1)
-                sampling.append((s.request_id, s.sampling_params, len(rows) - 1))
-                sampling.extend((fork_id, params, len(rows) - 1) for fork_id, params in s.forks)
+                sampling.append((s.request_id, s.sampling_params, len(rows) - 1, s))
+                sampling.extend((fork_id, params, len(rows) - 1, s) for fork_id, params in s.forks)
         if not rows:
-            return {}
+            return output
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
         logits = logits.float().cpu()  # [num_rows, vocab_size]
         if len(sampling) > len(rows):  # forked samples reuse their parent's row
-            logits = logits[torch.tensor([row for _, _, row in sampling])]
-        params = [p for _, p, _ in sampling]
-        generators = [self._generator(rid, p) for rid, p, _ in sampling]
-        req_ids = [rid for rid, _, _ in sampling]
-        tokens = sample(self.structured_output.mask_logits(logits, req_ids, params), params, generators)
-        self.structured_output.accept_tokens(req_ids, params, tokens)
-        return {rid: t for (rid, _, _), t in zip(sampling, tokens)}
+            logits = logits[torch.tensor([row for _, _, row, _ in sampling])]
+        ids, params = [rid for rid, *_ in sampling], [p for _, p, _, _ in sampling]
+        logits = self.structured_output.mask_logits(logits, ids, params)  # grammar: -inf where not allowed
+        out = sample_batch(logits, self._sampling_metadata(sampling, logits.shape[-1]))
+        self.structured_output.accept_tokens(ids, params, out.token_ids)
+        output.sampled_token_ids = dict(zip(ids, out.token_ids))
+        output.logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None}
+        return output
+
+    def _sampling_metadata(self, sampling: list[SamplingRow], vocab_size: int) -> SamplingMetadata:
+        """The step's sampling rows as the sampler takes them; penalty rows' histories brought up
+        to date (O(new tokens) each, see :mod:`prefixcache.runner.token_history`)."""
+        metadata = SamplingMetadata(
+            params=[p for _, p, _, _ in sampling],
+            generators=[self._generator(rid, p) for rid, p, _, _ in sampling],
+            # A fork samples in its parent's first sampling step: nothing generated yet by either.
+            num_output_tokens=[len(s.output_token_ids or ()) for *_, s in sampling],
+            eos_token_ids=self.eos_token_ids,
+            history_rows=[-1] * len(sampling),
+        )
+        histories = []
+        for i, (rid, params, _, s) in enumerate(sampling):
+            if params.has_penalties:
+                metadata.history_rows[i] = len(histories)
+                histories.append(self._histories.get(rid, s.prompt_token_ids or [], s.output_token_ids or [], vocab_size))
+        if histories:
+            metadata.prompt_mask = torch.stack([h.prompt_mask for h in histories])  # [num_history_rows, vocab_size]
+            metadata.output_counts = torch.stack([h.output_counts for h in histories])
+        return metadata
 
     def write_blocks(self, load_ops: list[LoadOp]) -> None:
         """Writes K/V loaded from a KV tier into pool blocks (all layers, all slots).
@@ -155,11 +204,6 @@ class ModelRunner:
         flat = blocks.view(torch.uint8).view(len(block_ids), -1).numpy()
         return [row.tobytes() for row in flat]
 
-    def take_prompt_logprobs(self) -> dict[str, PromptLogprobsChunk]:
-        """The prompt logprobs the last step computed, by request id (then forgotten here)."""
-        out, self._prompt_logprobs = self._prompt_logprobs, {}
-        return out
-
     def _prompt_logprobs_chunk(self, hidden: torch.Tensor, s: ScheduledSeq) -> PromptLogprobsChunk:
         """Prompt logprobs of the tokens a chunk's positions predict (see ``prefixcache.prompt_logprobs``).
 
@@ -183,7 +227,7 @@ class ModelRunner:
             logprobs = self.model.compute_logits(rows[i : i + PROMPT_LOGITS_ROWS]).float().cpu().log_softmax(-1)
             chosen = logprobs.gather(1, targets_t[i : i + PROMPT_LOGITS_ROWS, None])  # [n, 1]
             top = logprobs.topk(PROMPT_LOGPROBS_TOPK, dim=-1)
-            parts.append((chosen[:, 0], (logprobs > chosen).sum(-1) + 1, top.indices, top.values))
+            parts.append((chosen[:, 0], (logprobs >= chosen).sum(-1), top.indices, top.values))  # rank: vLLM's, ties worse
         if parts:
             chosen, ranks, top_ids, top_values = (torch.cat(x) for x in zip(*parts))
         else:  # a chunk of the prompt's last token only, nothing before it to predict

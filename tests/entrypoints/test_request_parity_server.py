@@ -188,13 +188,26 @@ def test_echo_prepends_each_prompt(server, client):
     assert [c["text"] for c in full["choices"]] == [PROMPTS[i // 2] + plain.choices[i // 2].text for i in range(4)]
 
 
-def test_echo_with_logprobs_is_refused_and_chat_echo_still_is(server):
-    for logprobs in (0, 2):
-        r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "echo": True, "logprobs": logprobs})
-        assert r.status_code == 400
-        assert r.json()["error"] == {"message": "echo with logprobs is not supported yet",
-                                     "type": "invalid_request_error", "param": "echo",
-                                     "code": "unsupported_parameter"}
+def test_echo_with_logprobs_covers_the_prompt_and_chat_echo_is_refused(server):
+    prompt = "The capital of France is"
+    ids = server.engine.engine.tokenizer(prompt).input_ids
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 2, "prompt_logprobs": 2}
+    plain = post(server, "/v1/completions", body).json()["choices"][0]
+    echoed = post(server, "/v1/completions", {**body, "echo": True}).json()["choices"][0]
+    lps, prompt_lps = echoed["logprobs"], echoed["prompt_logprobs"]
+    n = len(ids)
+    assert len(lps["tokens"]) == n + 3 and lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+    for i in range(1, n):  # the prompt's tokens: their prompt logprobs
+        assert lps["token_logprobs"][i] == prompt_lps[i][str(ids[i])]["logprob"]
+        assert lps["top_logprobs"][i] == {e["decoded_token"]: e["logprob"] for e in list(prompt_lps[i].values())[:2]}
+    assert lps["tokens"][n:] == plain["logprobs"]["tokens"]  # then the generated ones, as without echo
+    assert lps["token_logprobs"][n:] == plain["logprobs"]["token_logprobs"]
+    offsets = [0]
+    for t in lps["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(t))
+    assert lps["text_offset"] == offsets and "".join(lps["tokens"]) == echoed["text"]
+    r = post(server, "/v1/completions", {**body, "echo": True, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "echo": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
     assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "echo": False}).status_code == 200

@@ -32,7 +32,7 @@ def test_counts_the_prompt_tokens_it_runs(runner):
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
     runner.execute_model(SchedulerOutput([seq("a", prompt[:6], 0, [0, 1], 10)]))
     assert runner.num_prompt_tokens_computed - before == 6
-    sampled = runner.execute_model(SchedulerOutput([seq("a", prompt[6:], 6, [0, 1, 2], 10, GREEDY)]))
+    sampled = runner.execute_model(SchedulerOutput([seq("a", prompt[6:], 6, [0, 1, 2], 10, GREEDY)])).sampled_token_ids
     assert runner.num_prompt_tokens_computed - before == 10 and set(sampled) == {"a"}
     runner.execute_model(SchedulerOutput([seq("a", [sampled["a"]], 10, [0, 1, 2], 10, GREEDY)]))
     assert runner.num_prompt_tokens_computed - before == 10  # a decode is not a prompt token
@@ -53,10 +53,10 @@ def test_copies_run_before_the_forward_pass(runner):
 def test_forks_sample_from_their_parents_row_and_greedy_is_argmax(runner):
     tokens = [3, 1, 4, 1, 5]
     out = SchedulerOutput([seq("g", tokens, 0, [7, 8], 5, GREEDY, forks=[("g#1", GREEDY), ("g#2", GREEDY)])])
-    sampled = runner.execute_model(out)
+    sampled = runner.execute_model(out).sampled_token_ids
     assert set(sampled) == {"g", "g#1", "g#2"} and len(set(sampled.values())) == 1
     # The same prompt alone in other blocks gives the same greedy token (batch and block invariance).
-    again = runner.execute_model(SchedulerOutput([seq("h", tokens, 0, [9, 10], 5, GREEDY)]))
+    again = runner.execute_model(SchedulerOutput([seq("h", tokens, 0, [9, 10], 5, GREEDY)])).sampled_token_ids
     assert again["h"] == sampled["g"]
 
 
