@@ -33,9 +33,11 @@ for prompt in prompts[1:4]:
     llm.reset_prefix_cache()
     cold.append(ttft(prompt, with_lps)[0])
 llm.reset_prefix_cache()
+ttft(prompts[0], plain)  # caches the prefix
+warm_plain = [ttft(prompt, plain)[0] for prompt in prompts[1:]]
+llm.reset_prefix_cache()
 ttft(prompts[0], with_lps)  # caches the prefix with its entries
 warm = [ttft(prompt, with_lps) for prompt in prompts[1:]]
-warm_plain = [ttft(prompt, plain)[0] for prompt in prompts[1:]]
 print(f"prompt tokens {len(prompts[1])}-{max(map(len, prompts))}, k={args.k}, {args.dtype}")
 print(f"cold (nothing reused), median of {len(cold)}: {statistics.median(cold):.3f} s")
 print(f"warm, entries from the cache (cached tokens {warm[0][1]}, cached entries {warm[0][2]}), "

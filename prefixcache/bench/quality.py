@@ -33,7 +33,7 @@ def perplexity(loaded: LoadedModel, token_ids: list[int], block_size: int = 16) 
     kv = allocate_kv_caches(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
                             cfg.head_dim, loaded.dtype, "cpu")
     md, positions = build_attention_metadata([(0, len(token_ids), list(range(num_blocks)))], block_size, "cpu",
-                                              batch_invariant=loaded.quantization == "int8")
+                                              batch_invariant=loaded.model.batch_invariant, dtype=loaded.dtype)
     ids = torch.tensor(token_ids, dtype=torch.int64)
     logits = loaded.model.compute_logits(loaded.model(ids, positions, md, kv))  # [n, vocab] float32
     nll = torch.nn.functional.cross_entropy(logits[:-1].double(), ids[1:], reduction="mean")
