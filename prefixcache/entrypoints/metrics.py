@@ -13,7 +13,7 @@ Token counters count tokens; ``*_seconds`` histograms are in seconds.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from prefixcache.engine.async_engine import EngineStats
 from prefixcache.outputs import RequestOutput
@@ -81,6 +81,48 @@ class _EngineCollector:
         yield gauge("kv_blocks_free", "KV blocks with ref_cnt == 0 (cached or not).", m.num_blocks_free)
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use, 0..1.",
                     m.num_blocks_in_use / m.num_blocks_total if m.num_blocks_total else 0.0)
+        if m.kv_tiers:
+            yield from _tier_families(m.kv_tiers, labels, values)
+
+
+# (counter name, KVTierStack counter, help) of each tier series, label ``tier`` (disk, redis).
+_TIER_COUNTERS = (
+    ("kv_tier_queries", "queries", "Prompt tokens looked up in a KV tier (past the pool's hits)."),
+    ("kv_tier_hits", "hits", "Prompt tokens loaded from a KV tier."),
+    ("kv_tier_loaded_bytes", "bytes_loaded", "K/V bytes loaded from a KV tier."),
+    ("kv_tier_stored_bytes", "bytes_stored", "K/V bytes stored in a KV tier (write-through)."),
+    ("kv_tier_stores", "stores", "Blocks stored in a KV tier."),
+    ("kv_tier_store_drops", "store_drops", "Blocks not stored because the writer's queue was full."),
+    ("kv_tier_bad_entries", "bad_entries", "Tier entries that failed verification (a miss; removed)."),
+    ("kv_tier_errors", "errors", "Tier operations that failed (the tier then rests; requests go on)."),
+)
+
+
+def _tier_families(tiers: dict[str, dict], labels: list[str], values: list[str]):
+    """The KV tiers' counters, block latency histograms and usage, one series per tier."""
+    from prefixcache.cache.tiers.stack import LATENCY_BOUNDS_S
+
+    for name, key, doc in _TIER_COUNTERS:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=[*labels, "tier"])
+        for tier, stats in sorted(tiers.items()):
+            family.add_metric([*values, tier], stats[key])
+        yield family
+    for kind in ("load", "store"):
+        family = HistogramMetricFamily(PREFIX + f"kv_tier_{kind}_latency_seconds",
+                                       f"Seconds to {kind} and verify one block in a KV tier.", labels=[*labels, "tier"])
+        for tier, stats in sorted(tiers.items()):
+            counts = stats[f"{kind}_latency"]
+            cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
+            buckets = [(str(b), c) for b, c in zip(LATENCY_BOUNDS_S, cumulative)] + [("+Inf", cumulative[-1])]
+            family.add_metric([*values, tier], buckets, sum_value=stats[f"{kind}_seconds"])
+        yield family
+    for name, key, doc in (("kv_tier_entries", "entries", "Entries a KV tier holds (where it knows)."),
+                           ("kv_tier_bytes", "bytes", "Bytes a KV tier holds (where it knows).")):
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=[*labels, "tier"])
+        for tier, stats in sorted(tiers.items()):
+            if key in stats:
+                family.add_metric([*values, tier], stats[key])
+        yield family
 
 
 class ServerMetrics:

@@ -67,6 +67,8 @@ class TierStats:
     errors: int = 0
     load_latency: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS_S) + 1))
     store_latency: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS_S) + 1))
+    load_seconds: float = 0.0  # the latencies' sums (a Prometheus histogram's _sum)
+    store_seconds: float = 0.0
 
     def as_dict(self) -> dict:
         return {name: (list(v) if isinstance(v, list) else v)
@@ -188,6 +190,7 @@ class KVTierStack:
             stats.bytes_loaded += len(out) * self.layout.payload_bytes
             for _ in out:
                 stats.load_latency[bisect.bisect_left(LATENCY_BOUNDS_S, seconds)] += 1
+                stats.load_seconds += seconds
         return out
 
     def _remove(self, tier: KVTier, name: str) -> None:
@@ -248,6 +251,7 @@ class KVTierStack:
                 stats.stores += 1
                 stats.bytes_stored += len(blob)
                 stats.store_latency[bisect.bisect_left(LATENCY_BOUNDS_S, seconds)] += 1
+                stats.store_seconds += seconds
 
     def flush(self) -> None:
         """Waits until every queued block has been stored (or dropped)."""
