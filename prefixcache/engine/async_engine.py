@@ -118,7 +118,8 @@ class AsyncLLMEngine:
         self._task = self._loop.create_task(self._run_loop(), name="prefixcache-engine-loop")
 
     async def shutdown(self) -> None:
-        """Stops the loop, aborts what is left and releases the engine thread."""
+        """Stops the loop, aborts what is left, closes the engine (the KV tiers' writer stores what
+        it has queued) and releases the engine thread."""
         if self._task is not None:
             self._task.cancel()
             try:
@@ -128,6 +129,7 @@ class AsyncLLMEngine:
         for request_id in list(self._queues):
             self._queues.pop(request_id).put_nowait(EngineDeadError("server is shutting down"))
             self._executor.submit(self.engine.abort_request, request_id)
+        self._executor.submit(self.engine.close)
         self._executor.shutdown(wait=True)
         self._input_executor.shutdown(wait=True)
 

@@ -55,6 +55,9 @@ class FakeEngine:
         self.requests.pop(rid, None)
         return []
 
+    def close(self):
+        self.closed = True
+
 
 async def _collect(stream):
     return [o async for o in stream]

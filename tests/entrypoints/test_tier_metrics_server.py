@@ -33,6 +33,7 @@ def test_tier_series_count_a_restart(smollm2, tmp_path):
     full_blocks = prompt_tokens // 16
     assert value(text, f"prefixcache:kv_tier_stores_total{labels}") == full_blocks
     assert value(text, f"prefixcache:kv_tier_entries{labels}") == full_blocks
+    assert not first.engine.engine.kv_tiers._writer.is_alive()  # shutdown closed the engine: writer done
     second = start_server(smollm2, **options)
     try:
         out = httpx.post(second.base_url + "/v1/completions", json=body, timeout=60).json()
