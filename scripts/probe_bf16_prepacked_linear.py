@@ -1,0 +1,39 @@
+"""oneDNN's prepacked bf16 linear (the weight reordered once, as torch.compile's CPU path does) vs the
+plain one: same bits? invariant in the number of rows? faster at one row (a decode step)?
+
+Measured here (2 threads, 2026-11-30): the prepacked product gives the bits of the plain one at one
+row and the same bits for every call of 1..32 rows on every SmolLM2 shape (1536 -> 576 differs at
+256 rows: keep the 32-row tiles). One idle run: ~1.6x faster at one row (0.065 vs 0.107 ms for
+576 -> 1536; the plain bf16 path reorders the weight on every call, a likely reason why bf16 decode
+loses to fp32 today); a rerun under load was inconclusive. Not used yet (issue 12).
+
+    .venv/bin/python scripts/probe_bf16_prepacked_linear.py
+"""
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+torch.set_num_threads(2)
+g = torch.Generator().manual_seed(0)
+for n, k in ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)):
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    x = torch.randn(300, k, generator=g).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+
+    def prepacked(rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+
+    single = torch.cat([prepacked(x[i : i + 1]) for i in range(300)])
+    same_as_plain = torch.equal(single, torch.cat([F.linear(x[i : i + 1], w) for i in range(300)]))
+    bad = [m for m in (2, 3, 7, 16, 32, 33, 64, 100, 256, 300) if not torch.equal(prepacked(x[:m]), single[:m])]
+    times = {}
+    for name, f in (("prepacked", lambda: prepacked(x[:1])), ("plain", lambda: F.linear(x[:1], w))):
+        f()
+        start = time.perf_counter()
+        for _ in range(50):
+            f()
+        times[name] = (time.perf_counter() - start) / 50 * 1e3
+    print(f"[{k} -> {n}] same bits as plain at 1 row: {same_as_plain}; row counts whose bits differ from 1 row: "
+          f"{bad}; 1 row: prepacked {times['prepacked']:.3f} ms, plain {times['plain']:.3f} ms")
