@@ -83,6 +83,7 @@ class AsyncLLMEngine:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="prefixcache-engine", initializer=self._init_thread
         )
+        self._closed = False  # shutdown closed the engine
         # Tokenization and chat templates: one thread with its own copy of the tokenizer (the engine
         # thread detokenizes with the model's meanwhile). Template edits after this don't reach it.
         self._input_executor = concurrent.futures.ThreadPoolExecutor(
@@ -129,7 +130,9 @@ class AsyncLLMEngine:
         for request_id in list(self._queues):
             self._queues.pop(request_id).put_nowait(EngineDeadError("server is shutting down"))
             self._executor.submit(self.engine.abort_request, request_id)
-        self._executor.submit(self.engine.close)
+        if not self._closed:  # shutdown may run twice (a second Ctrl-C): the executor is gone then
+            self._closed = True
+            self._executor.submit(self.engine.close)
         self._executor.shutdown(wait=True)
         self._input_executor.shutdown(wait=True)
 
