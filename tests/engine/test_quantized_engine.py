@@ -1,7 +1,8 @@
 """The int8 weight format end to end on the default model: batch-invariant, cache on == off, keyed apart.
 
 The linear layers' int32 sums are exact and activations are scaled per token, so a request's tokens
-do not depend on what else is in its batch (bf16's float kernels fail this: see README "Speed").
+do not depend on what else is in its batch (bf16 gets there by 32-row GEMM calls instead:
+tests/engine/test_bf16_engine.py; fp32's MKL GEMMs don't: README "Weight formats and batch invariance").
 """
 
 from __future__ import annotations
