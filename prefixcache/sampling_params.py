@@ -68,7 +68,7 @@ class StructuredOutputsParams:
                                               f"got {_show(self.choice)}")
             object.__setattr__(self, "choice", choice)
         for text in [self.json, self.regex, *(self.choice or ())]:
-            if text is not None and not _encodes(text):
+            if text is not None and not encodes_utf8(text):
                 raise InvalidInputError(name, "the constraint contains a lone surrogate, which is not valid Unicode")
 
 
@@ -87,7 +87,8 @@ def _schema_text(schema: Any) -> str:
         raise InvalidInputError("structured_outputs", f"json schema is not JSON data: {e}") from None
 
 
-def _encodes(text: str) -> bool:
+def encodes_utf8(text: str) -> bool:
+    """Whether ``text`` is valid Unicode (no lone UTF-16 surrogate): it encodes as UTF-8."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

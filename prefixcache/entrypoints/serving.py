@@ -68,7 +68,7 @@ from prefixcache.entrypoints.protocol import (
 from prefixcache.errors import InvalidInputError
 from prefixcache.layers.lora import LoRARequest
 from prefixcache.outputs import RequestOutput
-from prefixcache.sampling_params import SamplingParams, StructuredOutputsParams
+from prefixcache.sampling_params import SamplingParams, StructuredOutputsParams, encodes_utf8
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS_PER_REQUEST = 1024  # prompts in one /v1/completions request (each is an engine request)
@@ -97,7 +97,7 @@ def lone_surrogate_field(req: BaseModel) -> str | None:
         while stack:
             value = stack.pop()
             if isinstance(value, str):
-                if not value.isascii() and not _encodes(value):
+                if not value.isascii() and not encodes_utf8(value):
                     return name
             elif isinstance(value, BaseModel):
                 stack.extend(getattr(value, f) for f in type(value).model_fields)
@@ -107,14 +107,6 @@ def lone_surrogate_field(req: BaseModel) -> str | None:
             elif isinstance(value, (list, tuple)):
                 stack.extend(value)
     return None
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _changes_nothing(value: Any, noops: tuple[Any, ...]) -> bool:
