@@ -208,6 +208,7 @@ class LLMEngine:
         """
         self.kv_cache_manager.sweep_expired()
         scheduler_output = self.scheduler.schedule()
+        start = time.perf_counter()
         try:
             runner_output = self.runner.execute_model(scheduler_output)
         except BaseException as e:
@@ -215,6 +216,8 @@ class LLMEngine:
             if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: cleaned up, then go
                 raise
             return outputs
+        if self.kv_tiers is not None:  # what computing costs, for the tiers' load-or-recompute rule
+            self.kv_tiers.observe_compute(time.perf_counter() - start, sum(len(s.token_ids) for s in scheduler_output.seqs))
         self._store_to_tiers()
         updated = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         self.scheduler.store_prompt_logprobs(runner_output.prompt_logprobs)
