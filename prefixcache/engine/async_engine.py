@@ -425,6 +425,11 @@ class AsyncLLMEngine:
 
         return await self._call(take)
 
+    async def inspect(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Runs ``fn(engine)`` on the engine thread, between steps, and returns its result (a
+        read-only look at engine state: the dashboard's prefix tree)."""
+        return await self._call(fn, self.engine)
+
     async def reset_prefix_cache(self) -> bool:
         """Drops every cached block; False (nothing done) while any request holds blocks."""
         return await self._call(self.engine.reset_prefix_cache)
