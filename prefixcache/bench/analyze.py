@@ -14,8 +14,9 @@ The report:
   its pool never evicts);
 - ``breakers``: the top cache breakers (:mod:`prefixcache.cache.breakers`), each with
   ``hit_rate_if_moved``: the hit rate once that breaker's spans, in every prompt it involves (the
-  breaking prompts and the chain they broke from), are moved to the end of their prompt (token ids
-  moved as they are, not re-tokenized); ``hit_rate_if_all_moved`` does so for every breaker found.
+  breaking prompts, the chain they broke from, and the prompts equal to, or a prefix of, one of those),
+  are moved to the end of their prompt (token ids moved as they are, not re-tokenized);
+  ``hit_rate_if_all_moved`` does so for every breaker found.
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ def read_prompts(path: str | Path, tokenizer) -> list[Prompt]:
         try:
             item = json.loads(line)
         except ValueError as e:
-            raise InvalidInputError(field, f"not JSON: {e}") from e
+            raise InvalidInputError(field, f"{field}: not JSON: {e}") from e
         item = {"prompt": item} if isinstance(item, str) else item
         if not isinstance(item, dict):
-            raise InvalidInputError(field, "each line must be a JSON object or string")
+            raise InvalidInputError(field, f"{field}: each line must be a JSON object or string")
         prompts.append(Prompt((item.get("tenant"), item.get("cache_salt")), _tokenize(item, tokenizer, field)))
     return prompts
 
@@ -67,14 +68,14 @@ def _tokenize(item: dict, tokenizer, field: str) -> list[int]:
         try:
             text = tokenizer.apply_chat_template(item["messages"], tokenize=False, add_generation_prompt=True)
         except Exception as e:  # jinja's own errors
-            raise InvalidInputError(field, f"messages could not be rendered with the chat template: {e}") from e
+            raise InvalidInputError(field, f"{field}: messages could not be rendered with the chat template: {e}") from e
         return tokenizer.encode(text, add_special_tokens=False)
     prompt = item.get("prompt")
     if isinstance(prompt, str) and prompt:
         return tokenizer.encode(prompt, add_special_tokens=True)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
-    raise InvalidInputError(field, 'expected {"prompt": text or token ids} or {"messages": [...]}')
+    raise InvalidInputError(field, f'{field}: expected {{"prompt": text or token ids}} or {{"messages": [...]}}')
 
 
 def _hit_stats(prompts: Sequence[Prompt], block_size: int) -> tuple[int, int, int]:
@@ -114,6 +115,7 @@ def analyze(prompts: Sequence[Prompt], block_size: int, decode, top: int = 10) -
     tracker = BreakerTracker(block_size, decode, max_chains=len(prompts) + 1, max_chain_tokens=1 << 30)
     chain_prompt: dict[int, int] = {}  # chain id -> prompt index
     spans: dict[tuple, dict[int, tuple[int, int]]] = {}  # breaker group key -> prompt index -> span
+    alias: dict[int, int] = {}  # a prompt that is a prefix of an earlier one -> that one (moved with it)
     seen: dict = {}
     exact = 0
     for i, p in enumerate(prompts):
@@ -123,10 +125,16 @@ def analyze(prompts: Sequence[Prompt], block_size: int, decode, top: int = 10) -
         b = tracker.observe(p.namespace, p.token_ids)
         if tracker.last_chain_id is not None:
             chain_prompt[tracker.last_chain_id] = i
+        elif tracker.last_match_id is not None:
+            alias[i] = chain_prompt[tracker.last_match_id]
         if b is not None:
             group = spans.setdefault((p.namespace, b.chain_id, b.position, b.kind), {})
             group.setdefault(i, (b.position, b.span_tokens))
             group.setdefault(chain_prompt[b.chain_id], (b.position, b.chain_span_tokens))
+    for group in spans.values():
+        for i, k in alias.items():
+            if k in group and sum(group[k]) <= len(prompts[i].token_ids):
+                group.setdefault(i, group[k])
     total, hits, hit_requests = _hit_stats(prompts, block_size)
     everything: dict[int, tuple[int, int]] = {}
     breakers = []

@@ -208,6 +208,7 @@ class BreakerTracker:
         self.num_breakers = 0
         self.tokens_lost = 0
         self.last_chain_id: int | None = None  # the chain the last observed prompt became (None: a prefix of one)
+        self.last_match_id: int | None = None  # the chain it was compared with (the longest common prefix)
 
     def observe(self, namespace: Hashable, token_ids: Sequence[int]) -> Breaker | None:
         """Compares a prompt with its namespace's chains, records a breaker if it broke from one,
@@ -232,6 +233,7 @@ class BreakerTracker:
         if best is not None and (best_len >= self.block_size or breaker is not None):
             best.uses += 1
             chains.move_to_end(best.chain_id)
+        self.last_match_id = best.chain_id if best is not None else None
         self.last_chain_id = self._remember(chains, tokens) if best_len < len(tokens) else None
         if breaker is not None:
             self._record(namespace, breaker)
