@@ -130,7 +130,8 @@ def render_page(doc: dict) -> str:
 <section><h2>Cache breakers</h2>
 <p class="muted">Prompts that left a cached chain early: where (token, block), what changed, and the tokens
 after it that the chain held. Keep what never changes first; move timestamps and ids to the end.
-{b['count']} breakers cost {b['tokens_lost']} tokens.</p>
+<span id="breakers-count" data-stat="breakers.count" data-fmt="int">{b['count']}</span> breakers cost
+<span id="breakers-lost" data-stat="breakers.tokens_lost" data-fmt="int">{b['tokens_lost']}</span> tokens.</p>
 <table><thead><tr><th>kind</th><th>token</th><th>block</th><th>count</th><th>tokens lost</th><th>example</th></tr></thead>
 <tbody id="breakers-body">{_breakers(b)}</tbody></table></section>
 <section><h2>Cached prefixes</h2><div id="prefixes">{_prefixes(doc['prefixes'])}</div></section>
