@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from prefixcache.cache.worth import WorthInputs, estimate_worth
 from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStats
 from prefixcache.engine.cache_insight import CacheInsight
+from prefixcache.engine.llm_engine import EngineMetrics
 from prefixcache.outputs import RequestOutput
 
 
@@ -189,7 +190,7 @@ class DashboardState:
         report = await self.engine.inspect(lambda _: self.insight.report(tenant, self.previews))
         m = stats.metrics
         now = time.time()
-        doc = {
+        return {
             "model": self.model_name, "time_s": now, "uptime_s": now - self.started_s,
             "interval_s": self.options.interval_s, "previews": self.previews,
             "totals": {
@@ -210,16 +211,14 @@ class DashboardState:
             "prefixes": report["prefixes"],
             "breakers": report["breakers"],
         }
-        return doc
 
-    def _worth(self, m, report: dict) -> dict:
+    def _worth(self, m: EngineMetrics, report: dict) -> dict:
         """The live verdict, or why there is none yet."""
         cold = self.ttft["cold"]
         if cold.count == 0 or cold.sum_s <= 0:
             return {"verdict": None, "reason": "no cold request finished yet: the prefill speed is unknown"}
-        window = [s for s in self.history]
-        span_s = sum(s["duration_s"] for s in window)
-        requests_per_s = (sum(s["requests"] for s in window) / span_s if span_s > 0
+        span_s = sum(s["duration_s"] for s in self.history)
+        requests_per_s = (sum(s["requests"] for s in self.history) / span_s if span_s > 0
                           else m.num_requests / max(time.time() - self.started_s, 1e-9))
         inputs = WorthInputs(
             num_requests=m.num_requests, hit_tokens=m.prefix_cache_hits + m.prefix_cache_partial_hits,
@@ -231,7 +230,7 @@ class DashboardState:
         return {**estimate_worth(inputs).to_dict(), "inputs": inputs.__dict__}
 
 
-def _pool(m, bytes_per_block: int) -> dict:
+def _pool(m: EngineMetrics, bytes_per_block: int) -> dict:
     return {
         "blocks_total": m.num_blocks_total, "blocks_in_use": m.num_blocks_in_use,
         "blocks_cached": m.num_blocks_cached, "blocks_free": m.num_blocks_free,

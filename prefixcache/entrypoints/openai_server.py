@@ -275,11 +275,13 @@ def build_app(
         dashboard_options: ``/dashboard`` and ``/v1/cache/stats`` settings (previews, history).
 
     Returns:
-        The app; ``app.state.engine`` is the async engine, ``app.state.metrics`` its metrics.
+        The app; ``app.state.engine`` is the async engine, ``app.state.metrics`` its metrics,
+        ``app.state.dashboard`` the dashboard's state.
 
     Raises:
         ValueError: ``tenant_isolation`` without keys, a bad key or tenant name, an empty
-            approved prefix, an adapter that can't be loaded, a body limit < 1 byte.
+            approved prefix, an adapter that can't be loaded, a body limit < 1 byte, a bad dashboard
+            option.
     """
     async_engine = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
     key_to_tenant = tenants_by_key(api_key, api_keys)
