@@ -112,7 +112,8 @@ def analyze(prompts: Sequence[Prompt], block_size: int, decode, top: int = 10) -
         decode: token ids → text (for the breakers' classes and spans).
         top: breaker groups reported.
     """
-    tracker = BreakerTracker(block_size, decode, max_chains=len(prompts) + 1, max_chain_tokens=1 << 30)
+    tracker = BreakerTracker(block_size, decode, max_chains=len(prompts) + 1, max_chain_tokens=1 << 40,
+                             max_total_tokens=1 << 40, max_groups=len(prompts) + 1)  # everything kept: exact
     chain_prompt: dict[int, int] = {}  # chain id -> prompt index
     spans: dict[tuple, dict[int, tuple[int, int]]] = {}  # breaker group key -> prompt index -> span
     alias: dict[int, int] = {}  # a prompt that is a prefix of an earlier one -> that one (moved with it)

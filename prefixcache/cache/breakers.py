@@ -19,7 +19,8 @@ thread feeds it finished requests) and ``prefixcache analyze`` (a file of prompt
 
 Invariants: a recorded breaker has ``position < len(request)``, a span found within
 ``max_span_tokens`` tokens of both sides, and ``tokens_lost >= min_tokens_lost``; a namespace holds at
-most ``max_chains`` chains, each at most ``max_chain_tokens`` long. Nothing here leaves a namespace:
+most ``max_chains`` chains, each at most ``max_chain_tokens`` long, and all namespaces together at most
+``max_total_tokens`` tokens. Nothing here leaves a namespace:
 a tenant's text is only ever compared with, and reported under, its own namespace.
 """
 
@@ -181,6 +182,14 @@ class BreakerTracker:
         decode: token ids → text (the model's tokenizer; special tokens kept).
         max_chains: recent prompts remembered per namespace (least recently used dropped).
         max_chain_tokens: tokens kept of each remembered prompt.
+        max_total_tokens: tokens remembered over all namespaces (least recently used chains
+            dropped): bounds the memory, ``4 * max_total_tokens`` bytes, whatever the namespaces.
+        max_groups: breaker groups kept; beyond, the half that cost the fewest tokens is dropped
+            (the per-class totals keep counting them).
+        max_total_tokens: tokens remembered over all namespaces (least recently used chains
+            dropped): bounds the memory, ``4 * max_total_tokens`` bytes, whatever the namespaces.
+        max_groups: breaker groups kept; beyond, the half that cost the fewest tokens is dropped
+            (the per-class totals keep counting them).
         max_span_tokens: a span longer than this on either side is not a breaker (the prompts
             simply differ).
         anchor_tokens: equal tokens that mark the re-alignment after a span.
@@ -189,21 +198,29 @@ class BreakerTracker:
     """
 
     def __init__(self, block_size: int, decode: Callable[[Sequence[int]], str], *, max_chains: int = 64,
-                 max_chain_tokens: int = 4096, max_span_tokens: int = 64, anchor_tokens: int = 4,
-                 min_tokens_lost: int | None = None, context_tokens: int = 24) -> None:
-        if block_size < 1 or max_chains < 1 or max_span_tokens < 1 or anchor_tokens < 1:
-            raise ValueError("block_size, max_chains, max_span_tokens and anchor_tokens must be >= 1")
+                 max_chain_tokens: int = 4096, max_total_tokens: int = 1 << 21, max_groups: int = 1024,
+                 max_span_tokens: int = 64, anchor_tokens: int = 4, min_tokens_lost: int | None = None,
+                 context_tokens: int = 24) -> None:
+        if min(block_size, max_chains, max_chain_tokens, max_total_tokens, max_groups, max_span_tokens,
+               anchor_tokens) < 1:
+            raise ValueError("block_size, max_chains, max_chain_tokens, max_total_tokens, max_groups, "
+                             "max_span_tokens and anchor_tokens must be >= 1")
         self.block_size = block_size
         self.decode = decode
         self.max_chains = max_chains
         self.max_chain_tokens = max_chain_tokens
+        self.max_total_tokens = max_total_tokens
+        self.max_groups = max_groups
         self.max_span_tokens = max_span_tokens
         self.anchor_tokens = anchor_tokens
         self.min_tokens_lost = block_size if min_tokens_lost is None else min_tokens_lost
         self.context_tokens = context_tokens
         self._chains: dict[Hashable, OrderedDict[int, _Chain]] = {}
+        self._lru: OrderedDict[tuple[Hashable, int], int] = OrderedDict()  # (namespace, chain id) -> tokens
+        self._total_tokens = 0
         self._next_id = 0
         self.groups: dict[tuple, BreakerGroup] = {}
+        self._kind_totals: dict[Hashable, dict[str, list[int]]] = {}  # namespace -> kind -> [count, lost]
         self.num_observed = 0
         self.num_breakers = 0
         self.tokens_lost = 0
@@ -233,8 +250,9 @@ class BreakerTracker:
         if best is not None and (best_len >= self.block_size or breaker is not None):
             best.uses += 1
             chains.move_to_end(best.chain_id)
+            self._lru.move_to_end((namespace, best.chain_id))
         self.last_match_id = best.chain_id if best is not None else None
-        self.last_chain_id = self._remember(chains, tokens) if best_len < len(tokens) else None
+        self.last_chain_id = self._remember(namespace, chains, tokens) if best_len < len(tokens) else None
         if breaker is not None:
             self._record(namespace, breaker)
         return breaker
@@ -262,12 +280,23 @@ class BreakerTracker:
         middle = self.decode(tokens[lo : position + span])
         return self.decode(tokens[lo:hi]), len(left), len(middle)
 
-    def _remember(self, chains: OrderedDict[int, _Chain], tokens: array) -> int:
+    def _remember(self, namespace: Hashable, chains: OrderedDict[int, _Chain], tokens: array) -> int:
         chain_id, self._next_id = self._next_id, self._next_id + 1
         chains[chain_id] = _Chain(chain_id, tokens)
+        self._lru[(namespace, chain_id)] = len(tokens)
+        self._total_tokens += len(tokens)
         while len(chains) > self.max_chains:
-            chains.popitem(last=False)
+            self._forget(namespace, next(iter(chains)))
+        while self._total_tokens > self.max_total_tokens and len(self._lru) > 1:
+            self._forget(*next(iter(self._lru)))
         return chain_id
+
+    def _forget(self, namespace: Hashable, chain_id: int) -> None:
+        self._total_tokens -= self._lru.pop((namespace, chain_id))
+        chains = self._chains[namespace]
+        del chains[chain_id]
+        if not chains:
+            del self._chains[namespace]
 
     def _record(self, namespace: Hashable, b: Breaker) -> None:
         key = (namespace, b.chain_id, b.position, b.kind)
@@ -278,8 +307,16 @@ class BreakerTracker:
         group.tokens_lost += b.tokens_lost
         if len(group.examples) < 3:
             group.examples.append((b.span_text, b.chain_text))
+        totals = self._kind_totals.setdefault(namespace, {k: [0, 0] for k in BREAKER_CLASSES})[b.kind]
+        totals[0] += 1
+        totals[1] += b.tokens_lost
         self.num_breakers += 1
         self.tokens_lost += b.tokens_lost
+        if len(self.groups) > self.max_groups:
+            kept = self.top(self.max_groups // 2)
+            self.groups = {(g.namespace, g.chain_id, g.position, g.kind): g for g in kept}
+        while len(self._kind_totals) > 4 * self.max_groups:  # the oldest namespaces' totals
+            del self._kind_totals[next(iter(self._kind_totals))]
 
     def top(self, n: int = 10, visible: Callable[[Hashable], bool] = lambda ns: True) -> list[BreakerGroup]:
         """The ``n`` breaker groups that cost the most tokens, among the visible namespaces."""
@@ -289,8 +326,9 @@ class BreakerTracker:
     def by_kind(self, visible: Callable[[Hashable], bool] = lambda ns: True) -> dict[str, dict[str, int]]:
         """Per class: breakers and tokens lost, among the visible namespaces."""
         out = {kind: {"count": 0, "tokens_lost": 0} for kind in BREAKER_CLASSES}
-        for g in self.groups.values():
-            if visible(g.namespace):
-                out[g.kind]["count"] += g.count
-                out[g.kind]["tokens_lost"] += g.tokens_lost
+        for namespace, kinds in self._kind_totals.items():
+            if visible(namespace):
+                for kind, (count, lost) in kinds.items():
+                    out[kind]["count"] += count
+                    out[kind]["tokens_lost"] += lost
         return out

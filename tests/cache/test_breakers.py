@@ -122,3 +122,18 @@ def test_common_prefix_and_realign():
     req = [1, 2, 8, 3, 4, 5, 6]
     assert realign(chain, req, 2, max_span_tokens=8, anchor_tokens=4) == (2, 1)
     assert realign(chain, req, 2, max_span_tokens=1, anchor_tokens=4) is None
+
+
+def test_memory_bounds_keep_the_totals():
+    decode = lambda t: " ".join(map(str, t))  # noqa: E731
+    tracker = BreakerTracker(4, decode, max_chains=3, max_total_tokens=100, max_groups=8, anchor_tokens=2)
+    tail = list(range(1000, 1040))  # 40 tokens every prompt shares after its first token
+    for i in range(20):  # 20 namespaces, 2 prompts each: the second breaks from the first at token 0
+        assert tracker.observe(("ns", i), [5000 + 2 * i] + tail) is None
+        b = tracker.observe(("ns", i), [5001 + 2 * i] + tail)
+        assert (b.position, b.span_tokens, b.chain_span_tokens, b.tokens_lost, b.kind) == (0, 1, 1, 40, NUMBER)
+        assert tracker._total_tokens <= 100 and sum(map(len, tracker._chains.values())) <= 3
+    assert tracker.num_breakers == 20 and tracker.tokens_lost == 800
+    assert len(tracker.groups) <= 8  # pruned to the 4 costliest whenever it passes 8
+    assert tracker.by_kind()[NUMBER] == {"count": 20, "tokens_lost": 800}  # totals survive the pruning
+    assert tracker.by_kind(lambda ns: ns == ("ns", 3))[NUMBER] == {"count": 1, "tokens_lost": 40}
