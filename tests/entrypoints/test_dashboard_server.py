@@ -166,3 +166,53 @@ def test_tenant_never_sees_another_tenants_text(smollm2, previews):
                 assert (SECRETS[tenant][:20] in text) is bool(previews), tenant
     finally:
         stop_server(s)
+
+
+def _evictions_by_reason(base_url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(base_url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == "prefixcache:kv_block_evictions_by_reason_total":
+                out[sample.labels["reason"]] = sample.value
+    return out
+
+
+def test_evictions_by_reason_equal_metrics_and_history(smollm2):
+    # 12 blocks of 16 tokens: four ~85-token prompts that differ from their first block can't all stay cached.
+    s = start_server(smollm2, num_blocks=12, enable_partial_block_reuse=False,
+                     app_options={"dashboard_options": DashboardOptions(interval_s=0.05)})
+    try:
+        httpx.get(s.base_url + "/v1/cache/stats")  # the history's baseline: before any request
+        for i in range(4):
+            complete(s.base_url, f"Customer {i}: {SYSTEM} {SYSTEM}")
+        m = s.wait_idle()
+        doc = httpx.get(s.base_url + "/v1/cache/stats").json()
+        by_reason = _evictions_by_reason(s.base_url)
+        assert by_reason and sum(by_reason.values()) == m["prefixcache:kv_block_evictions_total"] > 0
+        assert doc["pool"]["evictions_by_reason"] == by_reason
+        assert doc["pool"]["evictions"] == m["prefixcache:kv_block_evictions_total"]
+        summed: dict[str, float] = {}
+        for sample in doc["history"]:
+            for reason, n in sample["evictions_by_reason"].items():
+                summed[reason] = summed.get(reason, 0) + n
+        assert summed == by_reason  # every eviction falls in exactly one interval
+        assert sum(x["queries"] for x in doc["history"]) == doc["totals"]["prefix_cache_queries"]
+        assert sum(x["requests"] for x in doc["history"]) == doc["totals"]["requests"] == 4
+    finally:
+        stop_server(s)
+
+
+def test_serve_flag_dashboard_previews():
+    import argparse
+
+    from prefixcache.entrypoints.cli_args import _PREVIEWS, add_cli_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    assert parser.parse_args([]).dashboard_previews == "auto"
+    assert {v: _PREVIEWS[parser.parse_args(["--dashboard-previews", v]).dashboard_previews]
+            for v in ("auto", "on", "off")} == {"auto": None, "on": True, "off": False}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dashboard-previews", "maybe"])
