@@ -27,9 +27,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from prefixcache.cache.worth import WorthInputs, estimate_worth
-from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStats
+from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStats, take_stats
 from prefixcache.engine.cache_insight import CacheInsight
-from prefixcache.engine.llm_engine import EngineMetrics
+from prefixcache.engine.llm_engine import EngineMetrics, LLMEngine
 from prefixcache.outputs import RequestOutput
 
 
@@ -185,9 +185,11 @@ class DashboardState:
         Raises:
             EngineDeadError: the engine loop has failed.
         """
-        stats = await self.engine.get_stats()
+        def take(engine: LLMEngine) -> tuple[EngineStats, dict]:  # one snapshot: counters and tree agree
+            return take_stats(engine), self.insight.report(tenant, self.previews)
+
+        stats, report = await self.engine.inspect(take)
         self.sample(stats)
-        report = await self.engine.inspect(lambda _: self.insight.report(tenant, self.previews))
         m = stats.metrics
         now = time.time()
         return {
