@@ -111,6 +111,19 @@ def _breakers(b: dict) -> str:
     return "\n".join(rows)
 
 
+# (column, tier counter) of the KV tiers table; dashboard.js has the same list.
+TIER_COLUMNS = (("tier", None), ("tokens queried", "queries"), ("tokens hit", "hits"), ("bytes loaded", "bytes_loaded"),
+                ("bytes stored", "bytes_stored"), ("entries", "entries"), ("bytes held", "bytes"), ("errors", "errors"))
+
+
+def _tiers(tiers: dict) -> str:
+    rows = []
+    for name, stats in sorted(tiers.items()):
+        cells = [name] + [stats.get(key, "–") for _, key in TIER_COLUMNS[1:]]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
+    return "\n".join(rows)
+
+
 def render_page(doc: dict) -> str:
     """The dashboard's HTML, filled in from a ``/v1/cache/stats`` document."""
     worth = doc["worth"]
@@ -126,6 +139,9 @@ def render_page(doc: dict) -> str:
 <section class="tiles">{_tiles(doc)}</section>
 <section><h2>Worth enabling?</h2><p><strong id="worth-verdict">{html.escape(worth.get('verdict') or 'unknown yet')}</strong>
 — <span id="worth-reason">{html.escape(worth.get('reason', ''))}</span></p></section>
+<section id="tiers-section"{'' if doc['tiers'] else ' hidden'}><h2>KV tiers</h2>
+<table><thead><tr>{''.join(f"<th>{c}</th>" for c, _ in TIER_COLUMNS)}</tr></thead>
+<tbody id="tiers-body">{_tiers(doc['tiers'])}</tbody></table></section>
 <section class="charts"><div id="chart-hits"></div><div id="chart-evictions"></div><div id="chart-blocks"></div></section>
 <section><h2>Cache breakers</h2>
 <p class="muted">Prompts that left a cached chain early: where (token, block), what changed, and the tokens

@@ -216,3 +216,24 @@ def test_serve_flag_dashboard_previews():
             for v in ("auto", "on", "off")} == {"auto": None, "on": True, "off": False}
     with pytest.raises(SystemExit):
         parser.parse_args(["--dashboard-previews", "maybe"])
+
+
+def test_tier_numbers_equal_metrics(smollm2, tmp_path):
+    s = start_server(smollm2, kv_disk_dir=str(tmp_path), hash_seed=7)
+    try:
+        complete(s.base_url, SYSTEM + " " + SYSTEM)
+        s.engine.engine.kv_tiers.close()  # the writer stores what is queued
+        text = httpx.get(s.base_url + "/metrics").text
+        doc = httpx.get(s.base_url + "/v1/cache/stats").json()
+        page = httpx.get(s.base_url + "/dashboard").text
+    finally:
+        stop_server(s)
+    labels = f'{{model_name="{MODEL}",tier="disk"}}'
+    disk = doc["tiers"]["disk"]
+    for key, series in (("queries", "kv_tier_queries_total"), ("hits", "kv_tier_hits_total"),
+                        ("stores", "kv_tier_stores_total"), ("bytes_stored", "kv_tier_stored_bytes_total"),
+                        ("entries", "kv_tier_entries"), ("errors", "kv_tier_errors_total")):
+        (line,) = [x for x in text.splitlines() if x.startswith(f"prefixcache:{series}{labels} ")]
+        assert disk[key] == float(line.rsplit(" ", 1)[1]), key
+    assert disk["stores"] > 0 and "load_latency" not in disk
+    assert f"<td>disk</td><td>{disk['queries']}</td><td>{disk['hits']}</td>" in page

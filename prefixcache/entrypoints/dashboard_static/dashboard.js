@@ -88,6 +88,21 @@
     });
   }
 
+  const TIER_KEYS = ["queries", "hits", "bytes_loaded", "bytes_stored", "entries", "bytes", "errors"];
+
+  function renderTiers(tiers) {
+    const names = Object.keys(tiers).sort();
+    document.getElementById("tiers-section").hidden = !names.length;
+    const body = document.getElementById("tiers-body");
+    body.replaceChildren();
+    names.forEach((name) => {
+      const tr = el("tr");
+      tr.appendChild(el("td", name));
+      TIER_KEYS.forEach((k) => tr.appendChild(el("td", k in tiers[name] ? String(tiers[name][k]) : "–")));
+      body.appendChild(tr);
+    });
+  }
+
   function chart(id, title, labels, colors, xs, ys) {
     const target = document.getElementById(id);
     const key = labels.join("|");
@@ -125,6 +140,7 @@
       renderStats(doc);
       renderPrefixes(doc.prefixes);
       renderBreakers(doc.breakers);
+      renderTiers(doc.tiers);
       renderCharts(doc.history);
       document.getElementById("status").textContent = "live";
     } catch (e) {
