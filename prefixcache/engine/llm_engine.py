@@ -21,7 +21,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -103,6 +103,9 @@ class LLMEngine:
         self.sample_groups = SampleGroups()
         self._weights_fingerprint = self.loaded.fingerprint
         self._counter = itertools.count()
+        # Called with each request as it finishes, before its blocks are freed (the dashboard's
+        # CacheInsight); on the engine thread, so a hook must be quick and must not raise.
+        self.finish_hooks: list[Callable[[Request], None]] = []
 
     @property
     def cache_fingerprint(self) -> bytes:
@@ -279,6 +282,8 @@ class LLMEngine:
         now = time.monotonic() if now is None else now
         outputs = []
         for request in requests:
+            for hook in self.finish_hooks:
+                hook(request)
             self.scheduler.finish_request(request.request_id, status)
             self.sample_groups.finish(request)
             request.finish_s = now

@@ -1,7 +1,7 @@
-"""``prefixcache`` command line: ``demo``, ``fetch``, ``serve``, ``bench``.
+"""``prefixcache`` command line: ``demo``, ``fetch``, ``serve``, ``bench``, ``analyze``.
 
 Each subcommand's options live beside its code: ``add_cli_args(parser)`` and ``run_cli(args)`` in
-``entrypoints/cli_args.py`` (serve) and ``bench/runner.py`` (bench), imported lazily so that
+``entrypoints/cli_args.py`` (serve), ``bench/runner.py`` (bench) and ``bench/analyze.py`` (analyze), imported lazily so that
 ``prefixcache demo`` doesn't pay for the server's imports.
 """
 
@@ -17,6 +17,7 @@ from prefixcache.config import DEFAULT_MODEL
 _SUBCOMMAND_MODULES = {
     "serve": ("prefixcache.entrypoints.cli_args", "OpenAI-compatible HTTP server"),
     "bench": ("prefixcache.bench.runner", "prefix-caching benchmarks; speed vs transformers and llama.cpp"),
+    "analyze": ("prefixcache.bench.analyze", "a JSONL file of prompts: repeat rate, cache hit rate, cache breakers"),
 }
 
 
