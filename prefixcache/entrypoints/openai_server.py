@@ -37,6 +37,7 @@ from prefixcache.entrypoints.api_errors import APIError, clip, cut, error_docs, 
 from prefixcache.entrypoints.auth import APIKeyMiddleware, tenants_by_key
 from prefixcache.entrypoints.http_limits import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestBodyLimitMiddleware
 from prefixcache.entrypoints.metrics import ServerMetrics
+from prefixcache.entrypoints.server_log import RequestLog
 from prefixcache.entrypoints.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -276,7 +277,7 @@ def build_app(
         raise ValueError(f"max_request_body_bytes must be an integer >= 1, got {max_request_body_bytes!r}")
     _prepare_engine(async_engine.engine, lora_modules or {}, approved_prefixes, approved_system_prompts)
     metrics = ServerMetrics(served_model_name)
-    async_engine.on_finish = metrics.observe_finished
+    async_engine.on_finish = RequestLog(then=metrics.observe_finished)  # metrics, then one log line
 
     app = FastAPI(title="prefixcache", lifespan=_lifespan, redirect_slashes=False)  # "/v1/x/" is a 404, not a 307
     app.state.engine = async_engine
