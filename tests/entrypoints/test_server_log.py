@@ -87,3 +87,10 @@ def test_an_aborted_stream_is_logged_as_abort(server, caplog):
                         rf"TTFT {MS}, e2e {MS}", lines[0]), lines[0]
     n = int(re.search(r"completion (\d+) tokens", lines[0]).group(1))
     assert 1 <= n < 400
+
+
+def test_the_docs_page_and_schema_readme_points_to_are_served(server):
+    docs = httpx.get(server.base_url + "/docs", timeout=30)
+    assert docs.status_code == 200 and "swagger-ui" in docs.text and "/openapi.json" in docs.text
+    schema = httpx.get(server.base_url + "/openapi.json", timeout=30).json()
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/metrics"} <= set(schema["paths"])
