@@ -96,16 +96,17 @@ def test_every_flag_with_a_default_says_it_in_help():
     (["demo", "--help"], "--num-threads NUM_THREADS torch CPU threads (default: the available cores; on a shared"),
     (["bench", "--help"], "local .gguf file; never downloaded from the Hub (default: smollm2-135m)"),
     (["bench", "--help"], "--max-tokens MAX_TOKENS tokens generated per request (default: 16)"),
-    (["bench", "--help"], "'trace' (eviction-policy trace simulation, no model) (default: all)"),
+    (["bench", "--help"], "'trace' (eviction-policy trace simulation, no model) and 'restart' (TTFT after a restart"),
+    (["bench", "--help"], "3 processes, ~1 min) (default: all)"),
 ])
 def test_subcommand_help_documents_flags_and_defaults(capsys, argv, expected):
     code, out, _ = run_cli(argv, capsys)
     assert code == 0 and expected in flat(out)
 
 
-def test_bench_unknown_workload_lists_every_workload_including_trace(capsys):
+def test_bench_unknown_workload_lists_every_workload_including_trace_and_restart(capsys):
     code, out, err = run_cli(["bench", "--workload", "foo,seed"], capsys)
-    listed = ", ".join((*WORKLOAD_NAMES, "speed", "trace"))
+    listed = ", ".join((*WORKLOAD_NAMES, "speed", "trace", "restart"))
     assert (code, out) == (2, "")
     assert err == f"prefixcache: error: --workload: unknown workload 'foo'; choose 'all' or a comma-separated list " \
                   f"of {listed}\n"
