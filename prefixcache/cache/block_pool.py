@@ -35,6 +35,9 @@ Invariants (checked by ``tests/cache/test_state_machine.py`` after every step):
   this block, and no policy evicts a block while it is non-zero, so every cached block's parent is
   cached at the recorded generation (no orphaned chains). ``cached_children`` indexes them by
   (parent, first token) for partial-block reuse.
+- With KV events on (``kv_events``, :mod:`prefixcache.cache.kv_events`), the recorder hears of
+  every hash entering the hash map (its first block cached) and leaving it (its last one cleared),
+  and of each reset, so the events applied in order give exactly the map's set of hashes.
 - With ``lru`` (the default) the free blocks are in LRU order: freed blocks go to the tail,
   eviction takes from the head. Callers free a request's blocks tail first, so a prefix's tail is
   evicted before its head. Other policies: see :mod:`prefixcache.cache.eviction`.

@@ -171,7 +171,7 @@ def test_two_tenants_same_text_never_share_a_hash(make_llm):
         llm.engine.close()
 
 
-def test_events_off_by_default_cost_nothing(make_llm):
+def test_events_are_off_by_default(make_llm):
     llm = make_llm(num_blocks=16)
     assert llm.engine.kv_event_publisher is None and llm.engine.kv_cache_manager.block_pool.kv_events is None
     llm.generate(list(range(100, 140)), GREEDY, use_tqdm=False)
