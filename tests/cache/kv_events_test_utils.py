@@ -7,9 +7,12 @@ router's index does; :class:`ZmqSubscriber` is a real SUB socket (plus a DEALER 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgspec
+
+from prefixcache.cache.kv_events import KVEventBatch
 
 
 class VEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -122,3 +125,45 @@ class ZmqSubscriber:
         self.sub.close(linger=0)
         if self.replay is not None:
             self.replay.close(linger=0)
+
+
+class Follower:
+    """A subscriber that applies every batch in sequence order (no gaps allowed)."""
+
+    def __init__(self, publisher, topic: str = "") -> None:
+        self.publisher = publisher
+        self.topic = topic.encode()
+        self.sub = ZmqSubscriber(publisher.endpoint, publisher.replay_endpoint, topic)
+        self.view = CachedHashes()
+        self.next_seq: int | None = None
+
+    def join_live(self) -> None:
+        """Waits until the subscription is live: publishes empty batches until one arrives."""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            self.publisher.publish(KVEventBatch(time.time(), []))  # an empty batch: a valid no-op
+            got = self.sub.recv(timeout_ms=100)
+            if got is not None:
+                self.next_seq = got[1] + 1
+                return
+        raise AssertionError("subscriber never joined")
+
+    def apply(self, seq: int, payload: bytes) -> None:
+        if self.next_seq is not None and seq < self.next_seq:
+            return  # already applied (seen in a replay and live)
+        assert self.next_seq is None or seq == self.next_seq, f"gap: expected {self.next_seq}, got {seq}"
+        self.view.apply_payload(payload)
+        self.next_seq = seq + 1
+
+    def catch_up(self) -> None:
+        """Applies live batches until the last one the engine published."""
+        last = self.publisher._next_seq - 1
+        while self.next_seq is None or self.next_seq <= last:
+            got = self.sub.recv()
+            assert got is not None, f"batch {self.next_seq} never arrived (last {last})"
+            topic, seq, payload = got
+            assert topic == self.topic
+            self.apply(seq, payload)
+
+    def close(self) -> None:
+        self.sub.close()

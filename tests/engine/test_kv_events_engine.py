@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from prefixcache import LoRARequest, SamplingParams
-from prefixcache.cache.kv_events import KVEventBatch
-from tests.cache.kv_events_test_utils import DECODER, CachedHashes, VBlockStored, ZmqSubscriber, engine_hashes
+from tests.cache.kv_events_test_utils import Follower, VBlockStored, engine_hashes
 
 pytest.importorskip("zmq")
 
@@ -26,47 +25,6 @@ def events_llm(make_llm, num_blocks: int, **options):
     config = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*",
               "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"}
     return make_llm(num_blocks=num_blocks, block_size=BS, kv_events_config=json.dumps(config), **options)
-
-
-class Follower:
-    """A subscriber that applies every batch in sequence order (no gaps allowed)."""
-
-    def __init__(self, llm) -> None:
-        self.publisher = llm.engine.kv_event_publisher
-        self.sub = ZmqSubscriber(self.publisher.endpoint, self.publisher.replay_endpoint, "kv")
-        self.view = CachedHashes()
-        self.next_seq: int | None = None
-
-    def join_live(self) -> None:
-        """Waits until the subscription is live: publishes empty batches until one arrives."""
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            self.publisher.publish(KVEventBatch(time.time(), []))
-            got = self.sub.recv(timeout_ms=100)
-            if got is not None:
-                self.next_seq = got[1] + 1
-                return
-        raise AssertionError("subscriber never joined")
-
-    def apply(self, seq: int, payload: bytes) -> None:
-        if self.next_seq is not None and seq < self.next_seq:
-            return  # already applied (seen in a replay and live)
-        assert self.next_seq is None or seq == self.next_seq, f"gap: expected {self.next_seq}, got {seq}"
-        self.view.apply_payload(payload)
-        self.next_seq = seq + 1
-
-    def catch_up(self) -> None:
-        """Applies live batches until the last one the engine published."""
-        last = self.publisher._next_seq - 1
-        while self.next_seq is None or self.next_seq <= last:
-            got = self.sub.recv()
-            assert got is not None, f"batch {self.next_seq} never arrived (last {last})"
-            topic, seq, payload = got
-            assert topic == b"kv"
-            self.apply(seq, payload)
-
-    def close(self) -> None:
-        self.sub.close()
 
 
 def write_adapter(path, seed: int) -> None:
@@ -100,7 +58,7 @@ def test_subscriber_and_late_joiner_rebuild_the_engine_hash_set(make_llm, tmp_pa
     adapter = tmp_path / "adapter"
     write_adapter(adapter, seed=1)
     lora = LoRARequest("ad", str(adapter))
-    live = Follower(llm)
+    live = Follower(llm.engine.kv_event_publisher, "kv")
     late = None
     try:
         live.join_live()
@@ -116,7 +74,7 @@ def test_subscriber_and_late_joiner_rebuild_the_engine_hash_set(make_llm, tmp_pa
             live.catch_up()
             assert live.view.hashes == engine_hashes(pool), f"round {round_}"
             if round_ == 4:  # a subscriber joins late and replays from the first batch
-                late = Follower(llm)
+                late = Follower(llm.engine.kv_event_publisher, "kv")
                 late.join_live()
                 joined_at = late.next_seq
                 late.next_seq = None
@@ -142,7 +100,7 @@ def test_subscriber_and_late_joiner_rebuild_the_engine_hash_set(make_llm, tmp_pa
 
 def test_two_tenants_same_text_never_share_a_hash(make_llm):
     llm = events_llm(make_llm, num_blocks=64)
-    follower = Follower(llm)
+    follower = Follower(llm.engine.kv_event_publisher, "kv")
     try:
         follower.join_live()
         text = list(range(1000, 1000 + 3 * BS + 5))
