@@ -1,18 +1,18 @@
 """KV cache events in vLLM's wire format: what the block pool cached, evicted or cleared.
 
 Opt in with :class:`KVEventsConfig` (``--kv-events-config``, vLLM's flag and JSON keys). The block
-pool then reports to a :class:`KVEventRecorder`; the engine takes the recorded events once per step
-as one :class:`KVEventBatch` and hands it to the publisher
-(:mod:`prefixcache.engine.kv_event_publisher`), which encodes and sends it off the engine's thread.
-With events off, the pool holds no recorder and pays one ``is None`` test per cached or evicted
-block.
+pool then reports to a :class:`KVEventRecorder` (plain records); the engine takes them once per
+step and hands them to the publisher (:mod:`prefixcache.engine.kv_event_publisher`), whose thread
+builds the wire batch (:mod:`prefixcache.cache.kv_event_wire`, msgspec structs), encodes and sends
+it. With events off, the pool holds no recorder and pays one ``is None`` test per hash entering or
+leaving its map; msgspec and pyzmq are not even imported.
 
 Wire format (vLLM's ``vllm/distributed/kv_events.py`` up to v0.25: msgspec msgpack, tagged
 array-like structs; consumers such as llm-d's kv-cache indexer and Dynamo decode it)::
 
     KVEventBatch     = [ts, [event, ...], data_parallel_rank]
     BlockStored      = ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-                        lora_id, medium, lora_name, extra_keys]      (extra_keys omitted when None)
+                        lora_id, medium, lora_name, extra_keys]      (every field, None as nil)
     BlockRemoved     = ["BlockRemoved", block_hashes, medium]
     AllBlocksCleared = ["AllBlocksCleared"]
 
@@ -42,9 +42,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import msgspec
+from typing import TYPE_CHECKING
 
 from prefixcache.errors import InvalidInputError
 
@@ -56,59 +54,6 @@ MEDIUM_CPU = "CPU"  # vLLM's name of host memory (our pool on a CPU-only engine)
 PUBLISHERS = ("null", "zmq")
 _UINT64 = (1 << 64) - 1
 _MAX_ROOT_KEYS = 4096  # namespace descriptions remembered per recorder before starting afresh
-
-
-# ---------------------------------------------------------------------------- wire structs
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """One engine step's events: ``ts`` (wall-clock seconds), ``events``, ``data_parallel_rank``."""
-
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base of the KV cache events; encoded as ``[ClassName, field, ...]``."""
-
-
-class BlockStored(KVCacheEvent):
-    """Consecutive blocks of one chain were cached.
-
-    Attributes:
-        block_hashes: their hashes, chain order (uint64).
-        parent_block_hash: hash of the block before the first one; ``None`` for a chain's first.
-        token_ids: their tokens, ``len == len(block_hashes) * block_size``.
-        block_size: tokens per block.
-        lora_id: a stable id of the LoRA adapter's content (31 bits, never 0); ``None``: base model.
-        medium: ``"GPU"`` or ``"CPU"``, where the pool lives.
-        lora_name: the adapter's name as last requested; ``None``: base model.
-        extra_keys: per block, its namespace (module docstring) or ``None``; ``None`` if no block
-            has one.
-    """
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    """Blocks left the cache (evicted, expired, invalidated or dropped after a failed step)."""
-
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    """The whole prefix cache was emptied (``reset_prefix_cache``)."""
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
 def external_block_hash(block_hash: bytes) -> int:
@@ -203,25 +148,44 @@ class KVEventsConfig:
 
 # ---------------------------------------------------------------------------- recorder
 @dataclass(slots=True)
-class _Stored:
-    """A BlockStored being built (merged while the chain goes on)."""
+class StoredBlocks:
+    """Consecutive blocks of one chain cached (becomes a ``BlockStored``; see its fields)."""
 
     hashes: list[int]
     parent: int | None
     token_ids: list[int]
-    lora: tuple[int | None, str | None]
+    lora: tuple[int | None, str | None]  # (lora_id, lora_name)
     extra_keys: list[tuple | None]
 
 
 @dataclass(slots=True)
-class _Removed:
+class RemovedBlocks:
+    """Hashes that left the cache (becomes a ``BlockRemoved``)."""
+
     hashes: list[int] = field(default_factory=list)
 
 
-class KVEventRecorder:
-    """Collects the block pool's cache changes as vLLM events, merging runs, until :meth:`take`.
+@dataclass(slots=True)
+class AllCleared:
+    """The prefix cache was reset (becomes an ``AllBlocksCleared``)."""
 
-    Called from the engine's thread only (the pool's); :meth:`take` hands the batch over.
+
+@dataclass(slots=True)
+class RecordedEvents:
+    """One step's records, stamped, for the publisher (which builds the wire batch off the engine's
+    thread, :func:`prefixcache.cache.kv_event_wire.to_wire_batch`)."""
+
+    ts: float  # wall-clock seconds (time.time())
+    records: list[StoredBlocks | RemovedBlocks | AllCleared]
+    block_size: int
+    medium: str
+
+
+class KVEventRecorder:
+    """Collects the block pool's cache changes as event records, merging runs, until :meth:`take`.
+
+    Plain records, no encoding: the engine's thread only appends. Called from that thread only (the
+    pool's); :meth:`take_batch` hands a step's records over.
 
     Args:
         block_size: tokens per block.
@@ -231,7 +195,7 @@ class KVEventRecorder:
     def __init__(self, block_size: int, medium: str = MEDIUM_GPU) -> None:
         self.block_size = block_size
         self.medium = medium
-        self._pending: list[_Stored | _Removed | AllBlocksCleared] = []
+        self._pending: list[StoredBlocks | RemovedBlocks | AllCleared] = []
         self._namespaces: dict[bytes, tuple[tuple[int | None, str | None], tuple]] = {}
         self._adapter_names: dict[bytes, str] = {}
 
@@ -245,52 +209,39 @@ class KVEventRecorder:
         """A block's hash entered the pool's hash map (``block`` is cached, after ``parent``)."""
         block_hash = external_block_hash(block.block_hash)
         parent_hash = None if parent is None else external_block_hash(parent.block_hash)
-        lora, salt_keys = self._namespace(root_key)
-        keys = salt_keys
+        lora, keys = self._namespace(root_key)
         if block.extra_key:
-            keys = (*salt_keys, ("tenant", block.extra_key.partition(b"\x00")[2].decode("utf-8", "replace")))
+            keys = (*keys, ("tenant", block.extra_key.partition(b"\x00")[2].decode("utf-8", "replace")))
         last = self._pending[-1] if self._pending else None
-        if (isinstance(last, _Stored) and parent_hash is not None and last.hashes[-1] == parent_hash
+        if (isinstance(last, StoredBlocks) and parent_hash is not None and last.hashes[-1] == parent_hash
                 and last.lora == lora):
             last.hashes.append(block_hash)
             last.token_ids.extend(block.token_ids)
             last.extra_keys.append(keys or None)
         else:
-            self._pending.append(_Stored([block_hash], parent_hash, list(block.token_ids), lora, [keys or None]))
+            self._pending.append(StoredBlocks([block_hash], parent_hash, list(block.token_ids), lora, [keys or None]))
 
     def block_removed(self, block_hash: bytes) -> None:
         """A hash left the pool's hash map (its last cached block was evicted)."""
         last = self._pending[-1] if self._pending else None
-        if not isinstance(last, _Removed):
-            last = _Removed()
+        if not isinstance(last, RemovedBlocks):
+            last = RemovedBlocks()
             self._pending.append(last)
         last.hashes.append(external_block_hash(block_hash))
 
     def all_blocks_cleared(self) -> None:
         """The prefix cache was reset."""
-        self._pending.append(AllBlocksCleared())
+        self._pending.append(AllCleared())
 
-    def take(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
-        """The events recorded since the last call, oldest first (empty if none)."""
-        if not self._pending:
-            return []
+    def take(self) -> list[StoredBlocks | RemovedBlocks | AllCleared]:
+        """The records since the last call, oldest first (empty if none)."""
         pending, self._pending = self._pending, []
-        events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
-        for item in pending:
-            if isinstance(item, _Stored):
-                extra = item.extra_keys if any(k is not None for k in item.extra_keys) else None
-                events.append(BlockStored(item.hashes, item.parent, item.token_ids, self.block_size,
-                                          item.lora[0], self.medium, item.lora[1], extra))
-            elif isinstance(item, _Removed):
-                events.append(BlockRemoved(item.hashes, self.medium))
-            else:
-                events.append(item)
-        return events
+        return pending
 
-    def take_batch(self, data_parallel_rank: int = 0) -> KVEventBatch | None:
-        """:meth:`take` as one :class:`KVEventBatch` stamped now; ``None`` when nothing happened."""
-        events = self.take()
-        return KVEventBatch(time.time(), events, data_parallel_rank) if events else None
+    def take_batch(self) -> RecordedEvents | None:
+        """:meth:`take` stamped now; ``None`` when nothing happened."""
+        records = self.take()
+        return RecordedEvents(time.time(), records, self.block_size, self.medium) if records else None
 
     def _namespace(self, root_key: bytes) -> tuple[tuple[int | None, str | None], tuple]:
         """``((lora_id, lora_name), extra-key pairs)`` of a request's root key, memoised."""

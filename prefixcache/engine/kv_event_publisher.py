@@ -1,9 +1,10 @@
 """Publishes KV event batches over ZeroMQ, off the engine's thread (vLLM's ``ZmqEventPublisher``
 protocol; the events themselves: :mod:`prefixcache.cache.kv_events`).
 
-The engine hands each step's :class:`~prefixcache.cache.kv_events.KVEventBatch` to
-:meth:`ZmqEventPublisher.publish`, which only numbers it and queues it. A background thread encodes
-it (msgspec msgpack) and sends it, and answers replay requests:
+The engine hands each step's records (:class:`~prefixcache.cache.kv_events.RecordedEvents`) to
+:meth:`ZmqEventPublisher.publish`, which only numbers them and queues them. A background thread
+turns them into vLLM's ``KVEventBatch`` (:mod:`prefixcache.cache.kv_event_wire`), encodes it
+(msgspec msgpack) and sends it, and answers replay requests:
 
 - PUB socket (``endpoint``): one multipart message per batch, ``[topic, seq, payload]``; ``seq`` is
   the batch's sequence number, 8 bytes big-endian, counting from 0.
@@ -29,7 +30,8 @@ from collections import deque
 import msgspec
 import zmq
 
-from prefixcache.cache.kv_events import EventBatch, KVEventsConfig
+from prefixcache.cache.kv_event_wire import EventBatch, to_wire_batch
+from prefixcache.cache.kv_events import KVEventsConfig, RecordedEvents
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +60,8 @@ class ZmqEventPublisher:
         self.config = config
         self.data_parallel_rank = data_parallel_rank
         self._topic = config.topic.encode("utf-8")
-        self._queue: queue.Queue[tuple[int, EventBatch] | None] = queue.Queue(maxsize=config.max_queue_size)
+        self._queue: queue.Queue[tuple[int, EventBatch | RecordedEvents] | None] = queue.Queue(
+            maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._next_seq = 0
         self.num_dropped = 0  # batches given a seq but never sent
@@ -87,8 +90,12 @@ class ZmqEventPublisher:
         self._thread = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)
         self._thread.start()
 
-    def publish(self, batch: EventBatch) -> int | None:
+    def publish(self, batch: RecordedEvents | EventBatch) -> int | None:
         """Numbers ``batch`` and queues it for the thread; never blocks.
+
+        Args:
+            batch: a step's records (made into a ``KVEventBatch`` by the thread), or a ready
+                :class:`~prefixcache.cache.kv_event_wire.EventBatch` (vLLM's ``publish`` argument).
 
         Returns:
             Its sequence number, or ``None`` if the queue was full (the batch is dropped: a gap).
@@ -98,8 +105,6 @@ class ZmqEventPublisher:
         """
         if self._closed:
             raise RuntimeError("KV event publisher is closed")
-        if batch.data_parallel_rank is None:
-            batch.data_parallel_rank = self.data_parallel_rank
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         try:
             self._queue.put_nowait((seq, batch))
@@ -146,6 +151,10 @@ class ZmqEventPublisher:
                 return
             seq, batch = item
             try:
+                if isinstance(batch, RecordedEvents):
+                    batch = to_wire_batch(batch, self.data_parallel_rank)
+                elif batch.data_parallel_rank is None:
+                    batch.data_parallel_rank = self.data_parallel_rank
                 payload = encoder.encode(batch)
                 self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
             except Exception:  # a send must never kill the thread: the batch becomes a gap

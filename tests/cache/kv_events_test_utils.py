@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from prefixcache.cache.kv_events import KVEventBatch
+from prefixcache.cache.kv_event_wire import KVEventBatch
 
 
 class VEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -9,15 +9,8 @@ import random
 import msgspec
 import pytest
 
-from prefixcache.cache.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-    KVEventRecorder,
-    KVEventsConfig,
-    external_block_hash,
-)
+from prefixcache.cache.kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, to_wire_batch
+from prefixcache.cache.kv_events import KVEventRecorder, KVEventsConfig, external_block_hash
 from prefixcache.config import EngineConfig
 from prefixcache.errors import InvalidInputError
 from tests.cache.cache_test_utils import admit, make_manager, make_request
@@ -92,10 +85,10 @@ def recorded_manager(num_blocks: int) -> tuple:
 
 def drain(recorder: KVEventRecorder, view: CachedHashes) -> list:
     """Round-trips the recorded events through the wire and applies them to ``view``."""
-    batch = recorder.take_batch()
-    if batch is None:
+    recorded = recorder.take_batch()
+    if recorded is None:
         return []
-    events = DECODER.decode(msgspec.msgpack.encode(batch)).events
+    events = DECODER.decode(msgspec.msgpack.encode(to_wire_batch(recorded))).events
     view.apply(events)
     return events
 

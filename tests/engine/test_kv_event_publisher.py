@@ -8,7 +8,8 @@ import time
 import msgspec
 import pytest
 
-from prefixcache.cache.kv_events import BlockRemoved, KVEventBatch, KVEventsConfig
+from prefixcache.cache.kv_event_wire import BlockRemoved, KVEventBatch
+from prefixcache.cache.kv_events import KVEventsConfig
 from prefixcache.engine.kv_event_publisher import ZmqEventPublisher
 from tests.cache.kv_events_test_utils import DECODER, VBlockRemoved, ZmqSubscriber
 
@@ -119,3 +120,14 @@ def test_cli_flag_parses_vllm_json():
     assert engine_config_from_args(parser.parse_args([])).kv_events_config is None
     with pytest.raises(ValueError, match="--kv-events-config"):
         engine_config_from_args(parser.parse_args(["--kv-events-config", '{"hwm": -1}']))
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch
+def test_events_off_imports_neither_msgspec_nor_zmq():
+    import subprocess
+    import sys
+
+    code = ("import sys, prefixcache.config, prefixcache.engine.llm_engine, prefixcache.llm; "
+            "print(sorted(m for m in ('msgspec', 'zmq') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
