@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-import msgspec
 import pytest
 
 from prefixcache.cache.kv_event_wire import BlockRemoved, KVEventBatch
@@ -30,7 +29,7 @@ def connected(publisher: ZmqEventPublisher, topic: str = "") -> ZmqSubscriber:
     sub = ZmqSubscriber(publisher.endpoint, publisher.replay_endpoint, topic)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        probe = publisher.publish(batch(-1))
+        publisher.publish(KVEventBatch(0.0, []))  # an empty batch as a probe
         got = sub.recv(timeout_ms=100)
         if got is not None:
             while sub.recv(timeout_ms=50) is not None:  # probes still in flight
