@@ -90,6 +90,11 @@ class ZmqEventPublisher:
         self._thread = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)
         self._thread.start()
 
+    @property
+    def last_seq(self) -> int:
+        """The sequence number given to the latest :meth:`publish` (``-1`` before the first)."""
+        return self._next_seq - 1
+
     def publish(self, batch: RecordedEvents | EventBatch) -> int | None:
         """Numbers ``batch`` and queues it for the thread; never blocks.
 

@@ -157,7 +157,7 @@ class Follower:
 
     def catch_up(self) -> None:
         """Applies live batches until the last one the engine published."""
-        last = self.publisher._next_seq - 1
+        last = self.publisher.last_seq
         while self.next_seq is None or self.next_seq <= last:
             got = self.sub.recv()
             assert got is not None, f"batch {self.next_seq} never arrived (last {last})"

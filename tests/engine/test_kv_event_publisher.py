@@ -42,7 +42,7 @@ def test_frames_sequence_numbers_and_bounded_replay():
     publisher = ZmqEventPublisher(loopback_config(topic="kv", buffer_steps=5))
     sub = connected(publisher, "kv")
     try:
-        first = publisher._next_seq
+        first = publisher.last_seq + 1
         for i in range(8):
             assert publisher.publish(batch(i)) == first + i
         received = [sub.recv() for _ in range(8)]
@@ -80,7 +80,7 @@ def test_a_full_queue_drops_the_batch_and_leaves_a_gap():
         publisher._thread.join(5)
         assert publisher.publish(batch(0)) == 0  # fills the queue (nobody drains it now)
         assert publisher.publish(batch(1)) is None and publisher.num_dropped == 1
-        assert publisher.publish(batch(2)) is None and publisher._next_seq == 3  # seq 1, 2: gaps
+        assert publisher.publish(batch(2)) is None and publisher.last_seq == 2  # seq 1, 2: gaps
     finally:
         publisher.close(timeout_s=0.1)
 

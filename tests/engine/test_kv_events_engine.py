@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from prefixcache import LoRARequest, SamplingParams
-from tests.cache.kv_events_test_utils import Follower, VBlockStored, engine_hashes
+from tests.cache.kv_events_test_utils import Follower, engine_hashes
 
 pytest.importorskip("zmq")
 
@@ -62,18 +62,18 @@ def test_subscriber_and_late_joiner_rebuild_the_engine_hash_set(make_llm, tmp_pa
     late = None
     try:
         live.join_live()
-        for round_ in range(9):
+        for round_ in range(6):
             random_round(llm, rng, prefixes, lora)
-            if round_ == 3:  # the adapter's files change: its old chains are invalidated on next use
+            if round_ == 2:  # the adapter's files change: its old chains are invalidated on next use
                 llm.generate(prefixes[0][:2 * BS] + [5], GREEDY, use_tqdm=False, lora=lora)
                 time.sleep(0.01)
                 write_adapter(adapter, seed=2)
                 llm.generate(prefixes[1][:BS] + [7], GREEDY, use_tqdm=False, lora=lora)
-            if round_ == 6:
+            if round_ == 4:
                 assert llm.reset_prefix_cache()
             live.catch_up()
             assert live.view.hashes == engine_hashes(pool), f"round {round_}"
-            if round_ == 4:  # a subscriber joins late and replays from the first batch
+            if round_ == 3:  # a subscriber joins late and replays from the first batch
                 late = Follower(llm.engine.kv_event_publisher, "kv")
                 late.join_live()
                 joined_at = late.next_seq
@@ -110,7 +110,7 @@ def test_two_tenants_same_text_never_share_a_hash(make_llm):
             llm.generate(text, GREEDY, use_tqdm=False, tenant=tenant)
         llm.generate(text, GREEDY, use_tqdm=False, cache_salt="s")
         follower.catch_up()
-        by_namespace: dict[str, list[VBlockStored]] = {}
+        by_namespace: dict[str, list[int]] = {}  # namespace -> stored hashes
         for event in follower.view.stored:
             for i, h in enumerate(event.block_hashes):
                 keys = dict(map(tuple, event.extra_keys[i])) if event.extra_keys and event.extra_keys[i] else {}
