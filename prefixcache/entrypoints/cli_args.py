@@ -118,6 +118,8 @@ def add_engine_args(group: argparse._ActionsContainer) -> None:
                                   "choices": EngineConfig.choices(field.name)}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif field.metadata.get("json"):  # parsed by the config (--kv-events-config)
+            kwargs.update(type=str, metavar="JSON")
         elif field.metadata.get("memory"):
             kwargs.update(type=memory_bytes, metavar="BYTES")
         elif kind in (int, float, str):
