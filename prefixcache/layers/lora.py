@@ -134,13 +134,17 @@ class PrepackedWeight:
         self._key: tuple[int, int] | None = None  # (data_ptr, _version) of the weight packed
         self._packed: torch.Tensor | None = None
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` for a bfloat16 ``x`` [rows, in] and ``weight`` [out, in]."""
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed copy of ``weight`` [out, in], made now unless the one held is of these bits."""
         key = (weight.data_ptr(), weight._version)
-        if key != self._key:  # first call, or the weight was replaced or written in place
+        if key != self._key:  # first use, or the weight was replaced or written in place
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
             self._key = key
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+        return self._packed
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` for a bfloat16 ``x`` [rows, in] and ``weight`` [out, in]."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.pack(weight), bias, "none", [], "")
 
 
 def prepacked_linear_supported() -> bool:

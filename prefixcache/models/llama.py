@@ -271,4 +271,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, LoRALinear):
                 module.row_tiled = tiled
                 module.packed = PrepackedWeight() if pack else None
+                if pack and module.weight.device.type != "meta":
+                    module.packed.pack(module.weight)  # now, not in the first request (~0.5 s for SmolLM2)
         self.lm_head_packed = PrepackedWeight() if pack else None
+        if pack and self.lm_head.weight.device.type != "meta":
+            self.lm_head_packed.pack(self.lm_head.weight)
