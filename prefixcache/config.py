@@ -46,10 +46,10 @@ class SchedulerConfig:
         "help": "waiting-queue order within a request priority: fcfs (arrival) or lpm (longest cached prefix "
                 "first, shared prefixes computed once, starvation bounded; README 'Scheduling')",
         "choices": SCHEDULING_POLICIES})
-    scheduling_max_wait_s: float = field(default=10.0, metadata={
+    scheduling_max_wait_s: float = field(default=30.0, metadata={
         "help": "lpm: a request waiting longer than this (seconds) goes first"})
-    scheduling_max_overtakes: int = field(default=32, metadata={
-        "help": "lpm: a request overtaken by more than this many later arrivals goes first"})
+    scheduling_max_overtakes: int = field(default=64, metadata={
+        "help": "lpm: a request overtaken by this many later arrivals goes first (0 = arrival order)"})
 
     def validate(self) -> None:
         """Raises :class:`InvalidInputError` naming the first invalid field."""
