@@ -236,3 +236,20 @@ def test_no_request_is_overtaken_more_than_the_bound(steps, max_overtakes, max_n
     for i, rid in enumerate(first_admission):
         overtaken_by = [o for o in first_admission[:i] if arrival[o] > arrival[rid]]
         assert len(overtaken_by) <= max_overtakes, (rid, overtaken_by)
+
+
+def test_serve_flags_set_the_policy_and_bounds():
+    import argparse
+
+    from prefixcache.config import EngineConfig
+    from prefixcache.entrypoints.cli_args import add_cli_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(["--scheduling-policy", "fcfs", "--scheduling-max-wait-s", "2.5",
+                              "--scheduling-max-overtakes", "0"])
+    config = engine_config_from_args(args)
+    assert (config.scheduling_policy, config.scheduling_max_wait_s, config.scheduling_max_overtakes) == ("fcfs", 2.5, 0)
+    assert EngineConfig().scheduling_policy == "lpm"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--scheduling-policy", "sjf"])
