@@ -3,7 +3,7 @@
 A policy is a small strategy object the :class:`~prefixcache.engine.scheduler.Scheduler` calls with
 the waiting queue (an ``OrderedDict`` in arrival order, preempted requests at its head)::
 
-    for request in policy.order(waiting, running):   # lazily, best first
+    for request in policy.order(waiting):            # lazily, best first
         admission = kv.admit(request, budget) ...     # None: stop (head-of-line, as FCFS)
         policy.on_admit(request, waiting)
 
@@ -49,7 +49,7 @@ import bisect
 import heapq
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prefixcache.cache.hashing import BlockHash
@@ -85,7 +85,7 @@ class SchedulingPolicy:
         """A request left the waiting queue (admitted, finished or aborted)."""
         self._num_prioritized -= request.priority != 0
 
-    def order(self, waiting: OrderedDict[str, Request], running: Mapping[str, Request]) -> Iterator[Request]:
+    def order(self, waiting: OrderedDict[str, Request]) -> Iterator[Request]:
         """The waiting requests, best first (lazily: only as far as the caller reads)."""
         if not self._num_prioritized:
             return iter(waiting.values())
@@ -103,7 +103,7 @@ class _Entry:
     """A waiting request's cached ordering state."""
 
     request: Request
-    seq: int  # arrival order (kept through preemptions)
+    seq: int  # order of joining the queue (arrivals; a preempted request rejoins with a new one)
     hashes: list[BlockHash]  # the hashes its lookup may hit (indexed in _deps)
     match_blocks: int = 0  # cached verified hit length, in blocks
     num_overtakes: int = 0
@@ -221,7 +221,7 @@ class LPMPolicy(SchedulingPolicy):
         self._sorted = sorted((self._key(e), e.request.request_id) for e in entries)
         self._stale = False
 
-    def order(self, waiting: OrderedDict[str, Request], running: Mapping[str, Request]) -> Iterator[Request]:
+    def order(self, waiting: OrderedDict[str, Request]) -> Iterator[Request]:
         self._refresh()
         starving = self._find_starving(waiting)
         if starving != self._starving:

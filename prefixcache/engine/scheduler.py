@@ -105,7 +105,7 @@ class Scheduler:
         # Seats: a request with n samples will run as n sequences once its prompt is done.
         seats = len(self.running) + sum(len(r.fork_params) for r in self.running.values())
         admitted = []
-        for request in self.policy.order(self.waiting, self.running) if self.waiting else ():
+        for request in self.policy.order(self.waiting) if self.waiting else ():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             need = 1 + len(request.fork_params)

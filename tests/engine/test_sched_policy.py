@@ -87,8 +87,14 @@ def test_lpm_admits_longest_cached_prefix_first_then_groups():
     # a1 (3 cached blocks), a2 (2), then the uncached ones by group: x, y, {b1, b2}, z.
     assert admitted(scheduler) == ["a1", "a2", "x", "y", "b1", "b2", "z"]
     assert [reqs[r].num_cached_tokens for r in ("a1", "a2", "b1", "b2")] == [12, 8, 0, 8]
-    # x, y and b1 were overtaken by a1 and a2; z by b2.
-    assert scheduler.policy.num_overtakes("x") == 0  # admitted: no longer tracked
+
+
+def test_lpm_counts_overtakes_of_the_requests_left_waiting():
+    scheduler = make_scheduler(64, "lpm", max_num_seqs=3)
+    hand_made_queue(scheduler)
+    assert admitted(scheduler) == ["a1", "a2", "x"]
+    # a1 and a2 overtook x (admitted now); a2 (arrived 4th) overtook y (3rd), nobody else.
+    assert [scheduler.policy.num_overtakes(r) for r in ("y", "b1", "z", "b2")] == [1, 0, 0, 0]
 
 
 def test_lpm_keeps_a_cached_prefix_that_fcfs_evicts():
