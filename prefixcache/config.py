@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from prefixcache.cache.config import CacheConfig, check_int
+from prefixcache.cache.config import CacheConfig, check_int, check_positive_float
 from prefixcache.cache.eviction import EVICTION_POLICIES
 from prefixcache.cache.kv_events import KVEventsConfig
 from prefixcache.errors import InvalidInputError
@@ -29,6 +29,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 # weights × per-token int8 activations, exact int32 accumulation (prefixcache.layers.quant).
 QUANTIZATIONS = ("none", "int8")
 DEFAULT_MODEL = "smollm2-135m"
+# Waiting-queue admission orders (prefixcache.engine.sched_policy holds their classes): fcfs = vLLM's
+# default; lpm = longest cached prefix first, shared uncached prefixes grouped, starvation bounded.
+SCHEDULING_POLICIES = ("fcfs", "lpm")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB when neither num_blocks nor a budget is given
 
 
@@ -39,11 +42,24 @@ class SchedulerConfig:
     max_num_seqs: int = field(default=32, metadata={"help": "requests running at once"})
     max_num_batched_tokens: int = field(default=2048, metadata={
         "help": "tokens per forward pass (prefill chunks + decodes)"})
+    scheduling_policy: str = field(default="lpm", metadata={
+        "help": "waiting-queue order within a request priority: fcfs (arrival) or lpm (longest cached prefix "
+                "first, shared prefixes computed once, starvation bounded; README 'Scheduling')",
+        "choices": SCHEDULING_POLICIES})
+    scheduling_max_wait_s: float = field(default=30.0, metadata={
+        "help": "lpm: a request waiting longer than this (seconds) goes first"})
+    scheduling_max_overtakes: int = field(default=64, metadata={
+        "help": "lpm: a request overtaken by this many later arrivals goes first (0 = arrival order)"})
 
     def validate(self) -> None:
         """Raises :class:`InvalidInputError` naming the first invalid field."""
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidInputError("scheduling_policy", f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                                                         f"got {self.scheduling_policy!r}")
+        check_positive_float("scheduling_max_wait_s", self.scheduling_max_wait_s)
+        check_int("scheduling_max_overtakes", self.scheduling_max_overtakes, 0)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ class LLM:
         use_tqdm: bool = True,
         lora: LoRARequest | Sequence[LoRARequest | None] | None = None,
         tenant: str | None = None,
+        priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
         """Generates for a batch of prompts, all scheduled together.
 
@@ -65,6 +66,8 @@ class LLM:
             lora: a LoRA adapter for all prompts, or one (or None) per prompt.
             tenant: the batch's tenant namespace; only approved prefixes are shared across
                 tenants (see :meth:`add_approved_prefix`).
+            priority: scheduling priority for all prompts, or one per prompt: lower = earlier
+                (vLLM's ``priority``; the outer key of ``scheduling_policy``'s order).
 
         Returns:
             One :class:`RequestOutput` per prompt and sample, in input order: a prompt whose
@@ -93,8 +96,13 @@ class LLM:
         loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
         if len(loras) != len(prompts):
             raise InvalidInputError("lora", f"lora has {len(loras)} entries but there are {len(prompts)} prompts")
+        priorities = list(priority) if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise InvalidInputError("priority", f"priority has {len(priorities)} entries but there are "
+                                                f"{len(prompts)} prompts")
         return self._run(
-            [(p, sp, cache_salt, lr, tenant) for p, sp, lr in zip(prompts, params, loras)], use_tqdm
+            [(p, sp, cache_salt, lr, tenant, pr) for p, sp, lr, pr in zip(prompts, params, loras, priorities)],
+            use_tqdm,
         )
 
     def chat(
@@ -136,12 +144,14 @@ class LLM:
         """Declares a public chat system message that every tenant may share; returns its tokens."""
         return self.engine.add_approved_system_prompt(content)
 
-    def _run(self, items: list[tuple[Any, SamplingParams, str | None, Any, str | None]], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, items: list[tuple[Any, SamplingParams, str | None, Any, str | None, int]],
+             use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         ids: list[str] = []
         try:
-            for prompt, params, salt, lora, tenant in items:
-                ids.append(engine.add_request(prompt, params, cache_salt=salt, lora=lora, tenant=tenant))
+            for prompt, params, salt, lora, tenant, priority in items:
+                ids.append(engine.add_request(prompt, params, cache_salt=salt, lora=lora, tenant=tenant,
+                                              priority=priority))
         except ValueError:
             for req_id in ids:  # all or nothing: don't leave half a batch queued
                 engine.abort_request(req_id)

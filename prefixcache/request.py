@@ -79,6 +79,8 @@ class Request:
         num_shared_blocks: leading full blocks that lie inside an approved shared prefix and are
             keyed without ``tenant_key``.
         prompt: the prompt text, when given as text.
+        priority: scheduling priority, lower = earlier (vLLM's ``priority``); the outer key of every
+            scheduling policy (:mod:`prefixcache.engine.sched_policy`).
     """
 
     request_id: str
@@ -92,6 +94,7 @@ class Request:
     tenant_key: bytes = b""
     num_shared_blocks: int = 0
     prompt: str | None = None
+    priority: int = 0
     # Parallel sampling (n > 1): this request is sample ``sample_index`` of group ``group_id``;
     # sample 0 carries the params of the samples forked from it once its prompt is computed.
     group_id: str = field(init=False)

@@ -555,8 +555,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="all",
                    help=f"'all' (= {', '.join(WORKLOAD_NAMES)}) or a comma-separated list of those, 'all', "
                         f"'{SPEED}' (side-by-side speed table vs transformers and llama.cpp, a few minutes), "
-                        "'trace' (eviction-policy trace simulation, no model) and 'restart' (TTFT after a "
-                        "restart over the disk KV tier and on a replica over Redis, 3 processes, ~1 min)")
+                        "'trace' (eviction-policy trace simulation, no model), 'restart' (TTFT after a "
+                        "restart over the disk KV tier and on a replica over Redis, 3 processes, ~1 min) and "
+                        "'queue' (scheduling policies under a queue and memory pressure: scheduler replay, no model)")
     p.add_argument("--model", default=d.model, help="built-in name, a local HF directory (config.json + "
                                                      "*.safetensors) or a local .gguf file; never downloaded from the Hub")
     p.add_argument("--num-requests", type=int, default=d.num_requests,
@@ -586,6 +587,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="restart: the Redis of the replica phase (default: a redis-server started on loopback)")
     p.add_argument("--no-partial-block-reuse", action="store_true",
                    help="full-block sharing only (then computed must equal the ideal exactly)")
+    p.add_argument("--scheduling-policy", default=None, choices=EngineConfig.choices("scheduling_policy"),
+                   help="our engine's waiting-queue order (default: EngineConfig's); 'queue' compares them all")
 
 
 def run_trace_cli(out_dir: str | None, block_size: int) -> None:
@@ -621,9 +624,23 @@ def run_restart_cli(args: argparse.Namespace) -> None:
             print(f"wrote {path}", file=sys.stderr)
 
 
+def run_queue_cli(out_dir: str | None, num_requests: int | None, plots: bool) -> None:
+    """``--workload queue``: the scheduling policies on the queue workload (scheduler replay, no
+    model); ``queue.json``, ``queue.md`` and ``queue.png`` into ``out_dir``."""
+    from prefixcache.bench.queue import QueueConfig, queue_markdown, run_queue_benchmark, write_queue_outputs
+
+    config = QueueConfig() if num_requests is None else dataclasses.replace(QueueConfig(), num_requests=num_requests)
+    result = run_queue_benchmark(config)
+    print(queue_markdown(result))
+    if out_dir:
+        for path in write_queue_outputs(result, out_dir, plots):
+            print(f"wrote {path}", file=sys.stderr)
+
+
 TRACE = "trace"  # --workload trace: the eviction-policy simulation (no model)
 RESTART = "restart"  # --workload restart: restart / replica TTFT over the KV tiers (its own processes)
-CLI_WORKLOADS = (*WORKLOAD_NAMES, SPEED, TRACE, RESTART)  # every name --workload accepts, besides 'all'
+QUEUE = "queue"  # --workload queue: the scheduling policies, scheduler replay (no model)
+CLI_WORKLOADS = (*WORKLOAD_NAMES, SPEED, TRACE, RESTART, QUEUE)  # every name --workload accepts, besides 'all'
 
 
 def parse_workloads(arg: str) -> tuple[str, ...]:
@@ -648,6 +665,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
         options["dtype"] = args.dtype
     if args.quantization is not None:
         options["quantization"] = args.quantization
+    if args.scheduling_policy is not None:
+        options["scheduling_policy"] = args.scheduling_policy
     return options
 
 
@@ -655,14 +674,13 @@ def run_cli(args: argparse.Namespace) -> int:
     names = parse_workloads(args.workload)
     if TRACE in names:  # simulation only; `all` means the model workloads
         run_trace_cli(args.out, args.block_size)
-        names = tuple(n for n in names if n != TRACE)
-        if not names:
-            return 0
     if RESTART in names:  # its own processes
         run_restart_cli(args)
-        names = tuple(n for n in names if n != RESTART)
-        if not names:
-            return 0
+    if QUEUE in names:
+        run_queue_cli(args.out, args.num_requests, not args.no_plots)
+    names = tuple(n for n in names if n not in (TRACE, RESTART, QUEUE))
+    if not names:
+        return 0
     threads = EngineConfig(num_threads=args.num_threads).resolved_num_threads()
     opts = BenchOptions(
         model=args.model, workloads=names, num_requests=args.num_requests, max_tokens=args.max_tokens,

@@ -105,6 +105,9 @@ class BlockPool:
         self.eviction_stats = EvictionStats()
         # Told when a hash enters or leaves the hash map, and of resets (KV events); None: off.
         self.kv_events: KVEventRecorder | None = None
+        # Hashes that entered or left the cache map since the last take_changed_hashes(); None until
+        # a consumer (the cache-aware scheduler's match-length cache) calls track_changed_hashes().
+        self.changed_hashes: set[BlockHash] | None = None
 
     def _make_evictor(self, free_blocks: Iterable[KVCacheBlock]) -> EvictionPolicy:
         return make_eviction_policy(self.config.eviction_policy, free_blocks, self.clock, self.config,
@@ -331,6 +334,8 @@ class BlockPool:
         same_hash[block.block_id] = block
         self.cached_children.setdefault((key, token_ids[0]), {})[block.block_id] = block
         self.num_cached_blocks += 1
+        if self.changed_hashes is not None:
+            self.changed_hashes.add(block_hash)
         self.evictor.on_cache(block)
         return block
 
@@ -437,6 +442,8 @@ class BlockPool:
         """
         if block.block_hash is None:
             return
+        if self.changed_hashes is not None:
+            self.changed_hashes.add(block.block_hash)
         same_hash = self.cached_block_hash_to_block[block.block_hash]
         del same_hash[block.block_id]
         if not same_hash:
@@ -465,6 +472,22 @@ class BlockPool:
         block.prompt_logprobs = None
         block.generation += 1
         self.num_cached_blocks -= 1
+
+    # -- change tracking ------------------------------------------------------------------------
+
+    def track_changed_hashes(self) -> None:
+        """Starts recording which block hashes enter or leave the cache map (for consumers that keep
+        derived state, such as a waiting request's cached match length, and refresh it lazily)."""
+        if self.changed_hashes is None:
+            self.changed_hashes = set()
+
+    def take_changed_hashes(self) -> set[BlockHash]:
+        """The hashes cached or evicted since the last call (empty when not tracking); resets them."""
+        changed = self.changed_hashes
+        if not changed:
+            return set()
+        self.changed_hashes = set()
+        return changed
 
     # -- accounting -----------------------------------------------------------------------------
 

@@ -228,6 +228,7 @@ class AsyncLLMEngine:
         stream: bool = True,
         lora: LoRARequest | None = None,
         tenant: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Adds a request and returns its outputs as an async stream.
 
@@ -243,6 +244,7 @@ class AsyncLLMEngine:
                 otherwise only the final output.
             lora: a LoRA adapter for this request.
             tenant: the request's tenant namespace (see ``LLMEngine.add_request``).
+            priority: scheduling priority, lower = earlier (vLLM's; see ``LLMEngine.add_request``).
 
         Returns:
             An async iterator of :class:`RequestOutput`: with ``n > 1`` the samples' outputs
@@ -253,7 +255,8 @@ class AsyncLLMEngine:
             EngineDeadError: the background loop has failed.
         """
         request_ids = None if request_id is None else [request_id]
-        return await self.generate_batch([prompt], sampling_params, cache_salt, request_ids, stream, lora, tenant)
+        return await self.generate_batch([prompt], sampling_params, cache_salt, request_ids, stream, lora, tenant,
+                                         priority)
 
     async def generate_batch(
         self,
@@ -264,6 +267,7 @@ class AsyncLLMEngine:
         stream: bool = True,
         lora: LoRARequest | None = None,
         tenant: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Adds one request per prompt, all in one call on the engine thread (so the scheduler
         sees them together, in the same step), and returns their outputs as one async stream.
@@ -299,7 +303,8 @@ class AsyncLLMEngine:
         try:
             processed = await self._call_input(self._tokenize_batch, prompts)
             await self._call(self._add_batch, processed, sampling_params, request_ids,
-                             {"cache_salt": cache_salt, "stream": stream, "lora": lora, "tenant": tenant})
+                             {"cache_salt": cache_salt, "stream": stream, "lora": lora, "tenant": tenant,
+                              "priority": priority})
         except BaseException as e:
             for request_id in request_ids:
                 if self._queues.get(request_id) is queue:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from prefixcache.cache.config import check_int
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVEventRecorder
 from prefixcache.cache.metrics import PrefixCacheSnapshot
@@ -128,6 +129,7 @@ class LLMEngine:
         stream: bool = False,
         lora: LoRARequest | None = None,
         tenant: str | None = None,
+        priority: int = 0,
     ) -> str:
         """Validates and queues a request.
 
@@ -142,6 +144,8 @@ class LLMEngine:
             tenant: the request's tenant namespace: its blocks are shared only within the tenant,
                 except full blocks inside an approved shared prefix (:meth:`add_approved_prefix`),
                 which every tenant shares. ``None``: no namespace.
+            priority: scheduling priority, an int, lower = earlier (vLLM's ``priority``): the
+                outer key of the waiting queue's order, whatever ``scheduling_policy``.
 
         Returns:
             The request id.
@@ -150,8 +154,9 @@ class LLMEngine:
             InvalidInputError: naming the field: empty/oversized prompt, token id outside the
                 vocabulary, prompt + max_tokens beyond the context or the KV pool, bad cache_salt,
                 tenant or adapter, duplicate request_id, a ``structured_outputs`` schema or regex
-                that doesn't compile.
+                that doesn't compile, a priority that is not a 64-bit int.
         """
+        check_int("priority", priority, -(2**63), 2**63 - 1)
         params = self.input_processor.check_request(sampling_params, cache_salt, tenant)
         self.runner.structured_output.compile(params.structured_outputs)  # a bad schema fails here, not in a step
         prompt = self.input_processor.tokenize(prompt)
@@ -166,6 +171,7 @@ class LLMEngine:
                 raise InvalidInputError("request_id", f"request_id {rid!r} is already in use")
         self._follow_weights()
         request = self.input_processor.make_request(request_id, prompt, params, cache_salt, adapter, tenant, stream)
+        request.priority = priority
         self.sample_groups.add(request_id, params.n)
         self.scheduler.add_request(request)
         return request_id

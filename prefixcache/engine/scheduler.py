@@ -5,9 +5,11 @@ Each step spends a token budget (``max_num_batched_tokens``):
 1. Running requests first, in admission order: a decode takes 1 token, an unfinished prefill
    takes its next chunk. When the pool can't grow a request, the newest running request is
    preempted (blocks freed, recomputed later from its prompt + output).
-2. Then waiting requests, first come first served, while budget, ``max_num_seqs`` and the pool
-   allow: :meth:`KVCacheManager.admit` takes each one's longest cached prefix by reference and
-   allocates (a chunk of) the rest. A request the pool can't serve waits at the head of the queue.
+2. Then waiting requests, in the order of the scheduling policy (``fcfs``, ``lpm``: see
+   :mod:`prefixcache.engine.sched_policy`; ``priority`` first), while budget, ``max_num_seqs`` and
+   the pool allow: :meth:`KVCacheManager.admit` takes each one's longest cached prefix by reference
+   and allocates (a chunk of) the rest. When the pool can't serve the next one, admission stops
+   (it stays first).
 
 Prefix-cache statistics are recorded once per request, at its first admission; a preempted
 request may reuse its own still-cached blocks when it is readmitted, but that is not a hit.
@@ -28,10 +30,13 @@ fit under ``max_num_seqs`` (or nothing else runs).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.config import SchedulerConfig
+from prefixcache.engine.sched_policy import make_scheduling_policy
 from prefixcache.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsState
 from prefixcache.request import Request, RequestStatus, sample_request_id
 from prefixcache.sampling_params import SamplingParams
@@ -43,13 +48,16 @@ class Scheduler:
 
     Args:
         kv_cache_manager: owner of the block pool and block tables.
-        config: ``max_num_seqs`` (requests running at once) and ``max_num_batched_tokens``
-            (tokens per step).
+        config: ``max_num_seqs`` (requests running at once), ``max_num_batched_tokens`` (tokens per
+            step) and the scheduling policy's options.
+        clock: current time in seconds, the clock of ``Request.arrival_s`` (virtual in simulations).
     """
 
-    def __init__(self, kv_cache_manager: KVCacheManager, config: SchedulerConfig) -> None:
+    def __init__(self, kv_cache_manager: KVCacheManager, config: SchedulerConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         config.validate()
         self.kv_cache_manager = kv_cache_manager
+        self.policy = make_scheduling_policy(kv_cache_manager, config, clock)
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.requests: dict[str, Request] = {}
@@ -61,6 +69,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting[request.request_id] = request
+        self.policy.on_add(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -85,27 +94,38 @@ class Scheduler:
                 budget -= num_new
 
         if not out.preempted_req_ids:
-            # Seats: a request with n samples will run as n sequences once its prompt is done.
-            seats = len(self.running) + sum(len(r.fork_params) for r in self.running.values())
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                request = next(iter(self.waiting.values()))
-                need = 1 + len(request.fork_params)
-                if self.running and seats + need > self.max_num_seqs:  # (alone, it may exceed)
-                    break
-                admission = kv.admit(request, budget)
-                if admission is None:
-                    break
-                seats += need
-                del self.waiting[request.request_id]
-                request.status = RequestStatus.RUNNING
-                self.running[request.request_id] = request
-                if request.sampling_params.prompt_logprobs is not None:
-                    self._take_cached_prompt_logprobs(request, admission.num_hit_tokens)
-                out.seqs.append(self._make_seq(request, admission.num_new_tokens))
-                budget -= admission.num_new_tokens
+            self._admit_waiting(out, budget)
         out.copy_ops = list(kv.pending_copy_ops)
         out.load_ops = list(kv.pending_load_ops)
         return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admits waiting requests in the policy's order while budget, seats and the pool allow."""
+        kv = self.kv_cache_manager
+        # Seats: a request with n samples will run as n sequences once its prompt is done.
+        seats = len(self.running) + sum(len(r.fork_params) for r in self.running.values())
+        admitted = []
+        for request in self.policy.order(self.waiting) if self.waiting else ():
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            need = 1 + len(request.fork_params)
+            if self.running and seats + need > self.max_num_seqs:  # (alone, it may exceed)
+                break
+            admission = kv.admit(request, budget)
+            if admission is None:
+                break
+            seats += need
+            self.policy.on_admit(request, self.waiting)
+            admitted.append(request)
+            request.status = RequestStatus.RUNNING
+            self.running[request.request_id] = request
+            if request.sampling_params.prompt_logprobs is not None:
+                self._take_cached_prompt_logprobs(request, admission.num_hit_tokens)
+            out.seqs.append(self._make_seq(request, admission.num_new_tokens))
+            budget -= admission.num_new_tokens
+        for request in admitted:
+            del self.waiting[request.request_id]
+            self.policy.on_remove(request)
 
     def _take_cached_prompt_logprobs(self, request: Request, num_hit_tokens: int) -> None:
         """Fills a prompt-logprobs request's entries from its cache-hit blocks (each has them:
@@ -163,6 +183,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting[request.request_id] = request
         self.waiting.move_to_end(request.request_id, last=False)
+        self.policy.on_add(request)
         return request
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -208,7 +229,8 @@ class Scheduler:
         if request is None:
             return None
         self.running.pop(request_id, None)
-        self.waiting.pop(request_id, None)
+        if self.waiting.pop(request_id, None) is not None:
+            self.policy.on_remove(request)
         request.status = status
         self.kv_cache_manager.free(request)
         self._finished_req_ids.append(request_id)

@@ -85,6 +85,7 @@ class _SamplingFields(_Request):
     stream: bool | None = None  # default False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None  # vLLM extra: the request's prefix-cache namespace
+    priority: Int64 | None = None  # vLLM extra: scheduling priority, lower = earlier; default 0
     user: str | None = None  # OpenAI's end-user id: metadata, accepted and not used
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
     response_format: ResponseFormat | None = None

@@ -581,7 +581,8 @@ class OpenAIServing:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         try:
             stream = await self.engine.generate_batch(prompts, params, cache_salt=req.cache_salt, request_ids=ids,
-                                                      stream=bool(req.stream), lora=lora, tenant=tenant)
+                                                      stream=bool(req.stream), lora=lora, tenant=tenant,
+                                                      priority=req.priority or 0)
         except ValueError as e:
             if isinstance(e, InvalidInputError) and e.field == "structured_outputs":  # a schema that doesn't compile
                 name = structured_output_field(req)
