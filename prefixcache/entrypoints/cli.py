@@ -1,4 +1,4 @@
-"""``prefixcache`` command line: ``demo``, ``fetch``, ``serve``, ``bench``.
+"""``prefixcache`` command line: ``demo``, ``fetch``, ``serve``, ``cluster``, ``bench``.
 
 Each subcommand's options live beside its code: ``add_cli_args(parser)`` and ``run_cli(args)`` in
 ``entrypoints/cli_args.py`` (serve) and ``bench/runner.py`` (bench), imported lazily so that
@@ -16,6 +16,7 @@ from prefixcache.config import DEFAULT_MODEL
 
 _SUBCOMMAND_MODULES = {
     "serve": ("prefixcache.entrypoints.cli_args", "OpenAI-compatible HTTP server"),
+    "cluster": ("prefixcache.entrypoints.cluster", "N serve replicas behind the SGLang model gateway (sglang-router)"),
     "bench": ("prefixcache.bench.runner", "prefix-caching benchmarks; speed vs transformers and llama.cpp"),
 }
 
