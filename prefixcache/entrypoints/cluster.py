@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import json
 import os
 import re
@@ -83,6 +84,9 @@ class ClusterOptions:
             raise ValueError(f"--router-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not self.startup_timeout_s > 0:
             raise ValueError(f"--startup-timeout must be > 0 seconds, got {self.startup_timeout_s!r}")
+        if importlib.util.find_spec("sglang_router") is None:
+            raise ValueError("the SGLang model gateway is not installed: pip install 'prefixcache[cluster]' "
+                             "(sglang-router)")
         for flag in ("--host", "--port"):
             if any(a == flag or a.startswith(flag + "=") for a in self.serve_args):
                 raise ValueError(f"{flag} of the replicas is chosen by the cluster (--host/--port are the gateway's)")
