@@ -532,8 +532,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     d = BenchOptions()
     p.add_argument("--workload", default="all",
                    help=f"'all' (= {', '.join(WORKLOAD_NAMES)}) or a comma-separated list of those, 'all', "
-                        f"'{SPEED}' (side-by-side speed table vs transformers and llama.cpp, a few minutes) "
-                        "and 'trace' (eviction-policy trace simulation, no model)")
+                        f"'{SPEED}' (side-by-side speed table vs transformers and llama.cpp, a few minutes), "
+                        "'trace' (eviction-policy trace simulation, no model) and 'cluster' (replicas behind "
+                        "the SGLang gateway: cache_aware vs round_robin vs random vs one replica; see --cluster-*)")
     p.add_argument("--model", default=d.model, help="built-in name, HF directory or .gguf file")
     p.add_argument("--num-requests", type=int, default=d.num_requests,
                    help="requests per workload (per round for multi-turn); default: seed 10, multi-turn 4, others 6")
@@ -557,6 +558,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-micro", action="store_true", help="skip the hash + lookup micro-benchmark")
     p.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
     p.add_argument("--out", default=d.out, help="output directory")
+    c = p.add_argument_group("--workload cluster (--num-requests: per system prompt, default 4; --num-threads: "
+                             "per replica, default 1; --max-tokens, --model, --out, --no-plots apply)")
+    c.add_argument("--cluster-replicas", type=int, default=2, help="replicas behind the gateway")
+    c.add_argument("--cluster-prefixes", type=int, default=8, help="distinct system prompts")
+    c.add_argument("--cluster-concurrency", type=int, default=4, help="clients sending at once")
     p.add_argument("--no-partial-block-reuse", action="store_true",
                    help="full-block sharing only (then computed must equal the ideal exactly)")
 
@@ -592,13 +598,31 @@ def _engine_options(args: argparse.Namespace) -> dict:
     return options
 
 
+def run_cluster_cli(args: argparse.Namespace) -> None:
+    """``--workload cluster``: :mod:`prefixcache.bench.cluster`; cluster.json/.md/.png into ``--out``."""
+    from prefixcache.bench.cluster import ClusterBenchOptions, markdown, run_cluster_bench, write_cluster_outputs
+
+    opts = ClusterBenchOptions(model=args.model, num_replicas=args.cluster_replicas,
+                               num_prefixes=args.cluster_prefixes, num_requests=args.num_requests or 4,
+                               max_tokens=args.max_tokens,
+                               concurrency=args.cluster_concurrency, num_threads=args.num_threads or 1,
+                               block_size=args.block_size)
+    result = run_cluster_bench(opts, log=lambda s: print(s, file=sys.stderr))
+    if args.out:
+        for path in write_cluster_outputs(result, args.out, plots=not args.no_plots):
+            print(f"wrote {path}", file=sys.stderr)
+    print(markdown(result))
+
+
 def run_cli(args: argparse.Namespace) -> int:
     names = parse_workloads(args.workload)
-    if "trace" in names:  # simulation only; `all` means the model workloads
-        run_trace_cli(args.out, args.block_size)
-        names = tuple(n for n in names if n != "trace")
-        if not names:
-            return 0
+    for name, run in (("trace", lambda: run_trace_cli(args.out, args.block_size)),
+                      ("cluster", lambda: run_cluster_cli(args))):
+        if name in names:  # `all` means the in-process model workloads
+            run()
+            names = tuple(n for n in names if n != name)
+            if not names:
+                return 0
     threads = EngineConfig(num_threads=args.num_threads).resolved_num_threads()
     opts = BenchOptions(
         model=args.model, workloads=names, num_requests=args.num_requests, max_tokens=args.max_tokens,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import importlib.util
 import json
 import os
@@ -202,6 +203,28 @@ class Cluster:
                 raise ClusterStartError(f"{process.name} not {what} within --startup-timeout "
                                         f"{self.options.startup_timeout_s:g} s")
             time.sleep(0.2)
+
+    def switch_policy(self, policy: str) -> None:
+        """Restarts the gateway with ``policy`` (same replicas; a new port when ``port`` is 0),
+        for comparing policies on the same replicas.
+
+        Raises:
+            ValueError: an unknown policy.
+            ClusterStartError: the new gateway did not register the replicas (all stopped).
+        """
+        self.options = dataclasses.replace(self.options, policy=policy)
+        self.options.validate()
+        old = self.gateway
+        if old is not None:
+            _signal(old.popen, signal.SIGTERM)
+            old.popen.wait(timeout=self.options.stop_timeout_s)
+            old.forwarder.join(timeout=5)
+            self.processes.remove(old)
+        try:
+            self._start_gateway(time.monotonic() + self.options.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
 
     # ------------------------------------------------------------------ run and stop
     def exited(self) -> list[Process]:
