@@ -1,9 +1,9 @@
 """``prefixcache bench --workload cluster``: what routing buys when replicas sit behind a router.
 
-Workload: K system prompts (distinct from their first token) × M chat requests each (a distinct
+Workload: K system prompts (distinct within their first 16-token block) × M chat requests each (a distinct
 question per request), greedy, ``max_tokens`` tokens each, sent through the SGLang model gateway
-in prefix-major waves (the 1st request of every system prompt, then the 2nd of every one, ...) by
-``concurrency`` clients. Runs, each on caches reset beforehand (``POST /reset_prefix_cache``):
+in prefix-major waves (the 1st request of every system prompt in a seeded random order, then the
+2nd of every one, ...) by ``concurrency`` clients. Runs, each on caches reset beforehand (``POST /reset_prefix_cache``):
 
 - ``single``: one replica alone, the baseline: every system prompt is computed once;
 - ``cache_aware``, ``round_robin``, ``random``: N replicas behind the gateway with that policy.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -56,20 +57,25 @@ class ClusterBenchOptions:
     num_threads: int = 1  # torch threads per replica
     num_blocks: int = 256  # KV blocks per replica (enough that nothing is evicted at the default sizes)
     block_size: int = 16
+    seed: int = 0  # the order of the requests within each wave
 
 
 def system_prompts(opts: ClusterBenchOptions) -> list[str]:
-    """K system prompts that differ from their first word (no two share a cached block)."""
+    """K system prompts that differ in their first few words (no two share a cached block)."""
     policy = " ".join(SUPPORT_POLICY.split()[: opts.policy_words])
     return [f"Deployment {k + 1} of {opts.num_prefixes}. {SYSTEM_PROMPT} {policy}" for k in range(opts.num_prefixes)]
 
 
 def requests(opts: ClusterBenchOptions) -> list[tuple[int, list[dict[str, str]]]]:
-    """(system prompt index, messages) in sending order: prefix-major waves."""
+    """(system prompt index, messages) in sending order: prefix-major waves, each wave in its own
+    seeded random order (in a fixed order, round robin over an even number of prompts would send
+    every request of a prompt to the same replica)."""
     systems = system_prompts(opts)
+    rng = random.Random(opts.seed)
+    waves = [rng.sample(range(opts.num_prefixes), opts.num_prefixes) for _ in range(opts.num_requests)]
     return [(k, [{"role": "system", "content": systems[k]},
                  {"role": "user", "content": f"(request {m + 1}) {QUESTIONS[(k + m) % len(QUESTIONS)]}"}])
-            for m in range(opts.num_requests) for k in range(opts.num_prefixes)]
+            for m, wave in enumerate(waves) for k in wave]
 
 
 def replica_counters(url: str) -> dict[str, float]:
