@@ -1,8 +1,8 @@
 """``prefixcache`` command line: ``demo``, ``fetch``, ``serve``, ``cluster``, ``bench``.
 
 Each subcommand's options live beside its code: ``add_cli_args(parser)`` and ``run_cli(args)`` in
-``entrypoints/cli_args.py`` (serve) and ``bench/runner.py`` (bench), imported lazily so that
-``prefixcache demo`` doesn't pay for the server's imports.
+``entrypoints/cli_args.py`` (serve), ``entrypoints/cluster.py`` (cluster) and ``bench/runner.py``
+(bench), imported lazily so that ``prefixcache demo`` doesn't pay for the server's imports.
 """
 
 from __future__ import annotations

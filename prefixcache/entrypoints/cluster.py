@@ -145,10 +145,15 @@ class Cluster:
         lists every replica as healthy.
 
         Raises:
-            ValueError: bad options (nothing started).
+            ValueError: bad options, or a gateway ``--host``/``--port`` that can't be bound (nothing
+                started).
             ClusterStartError: a process exited or wasn't ready in time (everything stopped).
         """
         self.options.validate()
+        if self.options.port:  # a busy gateway port fails now, not after the replicas load
+            from prefixcache.entrypoints.launcher import bind_socket
+
+            bind_socket(self.options.host, self.options.port).close()
         deadline = time.monotonic() + self.options.startup_timeout_s
         try:
             for k in range(self.options.num_replicas):

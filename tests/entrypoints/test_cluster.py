@@ -234,3 +234,15 @@ def test_bad_options_start_nothing(options, message):
     with pytest.raises(ValueError, match=message):
         c.start()
     assert c.processes == []
+
+
+def test_a_busy_gateway_port_starts_nothing():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        c = Cluster(ClusterOptions(1, port=busy.getsockname()[1]))
+        with pytest.raises(ValueError, match="--port .*cannot bind"):
+            c.start()
+    assert c.processes == []
