@@ -150,9 +150,9 @@ _ROUTES: tuple[tuple[str, str, Any, dict[str, Any]], ...] = (
     ("/metrics", "GET", prometheus_metrics, {"response_class": PrometheusResponse, "responses": {
         200: {"description": "Prometheus text exposition", "content": {PrometheusResponse.media_type: {}}},
         **error_docs(*_ANY_ROUTE_ERRORS)}}),
-    *((path, "GET", endpoint, {"responses": error_docs(*_ANY_ROUTE_ERRORS)})  # the router probes
+    *((path, "GET", endpoint, {"responses": error_docs(*_ANY_ROUTE_ERRORS), "deprecated": path.startswith("/get_")})
       for path, endpoint in (("/server_info", show_server_info), ("/get_server_info", show_server_info),
-                             ("/model_info", show_model_info), ("/get_model_info", show_model_info))),
+                             ("/model_info", show_model_info), ("/get_model_info", show_model_info))),  # routers
     ("/reset_prefix_cache", "POST", reset_prefix_cache, {"response_class": Response, "responses": {
         200: {"description": "the cache is empty", "content": None}, **error_docs(401, 403, 409, *_ANY_ROUTE_ERRORS)}}),
     ("/v1/completions", "POST", create_completion, {"response_model": None, "responses": {
