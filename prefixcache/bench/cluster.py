@@ -11,7 +11,8 @@ in prefix-major waves (the 1st request of every system prompt in a seeded random
 Per run, from the replicas' ``/metrics`` (deltas over the run, summed over replicas): prompt tokens
 computed (prefill, recomputes included), hits and queries (hit rate = hits / queries), evictions
 (0 means every pool was big enough, so the single replica's smaller pool changed nothing); from the
-client: TTFT p50/p99 (streamed, to the first content chunk), output tokens/s (all completion tokens
+client: the sum of ``usage.prompt_tokens_details.cached_tokens`` (full-block hits plus tokens
+copied by partial-block reuse), TTFT p50/p99 (streamed, to the first content chunk), output tokens/s (all completion tokens
 / wall time), and how many requests each replica served.
 
 The issue's target: with 2 replicas, cache_aware computes <= 1.1x the single replica's prefill
