@@ -38,12 +38,14 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
 POLICIES = ("cache_aware", "round_robin", "random")
 LOOPBACK = "127.0.0.1"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _PR_SET_PDEATHSIG = 1
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding this prefixcache package
 
 
 class ClusterStartError(RuntimeError):
@@ -184,7 +186,9 @@ class Cluster:
         self.url = gateway.url
 
     def _spawn(self, name: str, argv: list[str], url: str) -> Process:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}
+        # the replicas run this very prefixcache (a checkout on sys.path, not only an installed one)
+        path = os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "NO_COLOR": "1", "PYTHONPATH": path}
         popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  env=env, start_new_session=True, preexec_fn=_die_with_parent())
         forwarder = threading.Thread(target=self._forward, args=(name, popen.stdout), daemon=True,
