@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
-# Creates .venv with everything prefixcache needs, installs redis-server (for the Redis KV tier's tests)
-# when missing, and fetches the default model (once). The `test` extra includes the `cluster` one
-# (sglang-router, the SGLang model gateway that `prefixcache cluster` starts and its tests run).
+# Creates .venv with everything prefixcache needs, installs redis-server and chromium (for the Redis KV
+# tier's and the dashboard's tests) when missing, and fetches the default model (once).
+# The `test` extra includes the `cluster` one (sglang-router, the SGLang model gateway that
+# `prefixcache cluster` starts and its tests run).
 # torch==2.13.0 is pinned first: on this kind of machine pip takes its CPU build from local disk;
 # elsewhere it comes from PyPI.
 # PREFIXCACHE_LLAMACPP=1 also installs the `llamacpp` extra (llama-cpp-python, the speed benchmark's
 # llama.cpp baseline): it compiles llama.cpp, which needs cmake and a C++ compiler and takes minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# redis-server: the Redis KV tier's tests start a real one on loopback (Debian's package).
-if ! command -v redis-server >/dev/null 2>&1; then
+# Debian packages the tests need, installed when missing: redis-server (the Redis KV tier's tests start
+# a real one on loopback) and chromium + chromium-driver (the dashboard's headless-browser test, driven
+# by Playwright with executable_path=/usr/bin/chromium: Playwright's own browser download is not used).
+missing=""
+command -v redis-server >/dev/null 2>&1 || missing="$missing redis-server"
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium chromium-driver"
+if [ -n "$missing" ]; then
     if [ "$(id -u)" = 0 ]; then
-        apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+        apt-get update -qq && apt-get install -y -qq $missing >/dev/null
     elif command -v sudo >/dev/null 2>&1; then
-        sudo apt-get update -qq && sudo apt-get install -y -qq redis-server >/dev/null
+        sudo apt-get update -qq && sudo apt-get install -y -qq $missing >/dev/null
     else
-        echo "setup.sh: redis-server is missing and this user can't install it (apt-get install redis-server)" >&2
+        echo "setup.sh: missing$missing and this user can't install it (apt-get install$missing)" >&2
         exit 1
     fi
 fi

@@ -533,8 +533,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="all",
                    help=f"'all' (= {', '.join(WORKLOAD_NAMES)}) or a comma-separated list of those, 'all', "
                         f"'{SPEED}' (side-by-side speed table vs transformers and llama.cpp, a few minutes), "
-                        "'trace' (eviction-policy trace simulation, no model) and 'cluster' (replicas behind "
-                        "the SGLang gateway: cache_aware vs round_robin vs random vs one replica; see --cluster-*)")
+                        "'trace' (eviction-policy trace simulation, no model), 'restart' (TTFT after a "
+                        "restart over the disk KV tier and on a replica over Redis, 3 processes, ~1 min) and "
+                        "'cluster' (replicas behind the SGLang gateway: cache_aware vs round_robin vs random vs "
+                        "one replica; see --cluster-*)")
     p.add_argument("--model", default=d.model, help="built-in name, HF directory or .gguf file")
     p.add_argument("--num-requests", type=int, default=d.num_requests,
                    help="requests per workload (per round for multi-turn); default: seed 10, multi-turn 4, others 6")
@@ -558,6 +560,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-micro", action="store_true", help="skip the hash + lookup micro-benchmark")
     p.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
     p.add_argument("--out", default=d.out, help="output directory")
+    p.add_argument("--kv-redis-url", default=None,
+                   help="restart: the Redis of the replica phase (default: a redis-server started on loopback)")
     c = p.add_argument_group("--workload cluster (--num-requests: per system prompt, default 4; --num-threads: "
                              "per replica, default 1; --max-tokens, --model, --out, --no-plots apply)")
     c.add_argument("--cluster-replicas", type=int, default=2, help="replicas behind the gateway")
@@ -580,6 +584,24 @@ def run_trace_cli(out_dir: str | None, block_size: int) -> None:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "trace.json"), "w") as f:
             json.dump(rows, f, indent=2)
+
+
+def run_restart_cli(args: argparse.Namespace) -> None:
+    """``--workload restart``: issue 14's restart / replica TTFT (:mod:`prefixcache.bench.restart`)."""
+    from prefixcache.bench.restart import RestartOptions, restart_markdown, run_restart, write_restart_outputs
+    from transformers import AutoTokenizer
+
+    from prefixcache.models.loader import resolve_model_dir
+
+    threads = EngineConfig(num_threads=args.num_threads).resolved_num_threads()
+    opts = RestartOptions(model=args.model, num_threads=threads, block_size=args.block_size,
+                          engine_options=_engine_options(args), kv_redis_url=args.kv_redis_url)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.model), local_files_only=True)
+    section = run_restart(opts, tokenizer, log=lambda s: print(s, file=sys.stderr))
+    print(restart_markdown(section))
+    if args.out:
+        for path in write_restart_outputs(section, args.out, plots=not args.no_plots):
+            print(f"wrote {path}", file=sys.stderr)
 
 
 def parse_workloads(arg: str) -> tuple[str, ...]:
@@ -616,13 +638,21 @@ def run_cluster_cli(args: argparse.Namespace) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     names = parse_workloads(args.workload)
-    for name, run in (("trace", lambda: run_trace_cli(args.out, args.block_size)),
-                      ("cluster", lambda: run_cluster_cli(args))):
-        if name in names:  # `all` means the in-process model workloads
-            run()
-            names = tuple(n for n in names if n != name)
-            if not names:
-                return 0
+    if "trace" in names:  # simulation only; `all` means the model workloads
+        run_trace_cli(args.out, args.block_size)
+        names = tuple(n for n in names if n != "trace")
+        if not names:
+            return 0
+    if "restart" in names:  # its own processes
+        run_restart_cli(args)
+        names = tuple(n for n in names if n != "restart")
+        if not names:
+            return 0
+    if "cluster" in names:  # its own processes: replicas and the gateway
+        run_cluster_cli(args)
+        names = tuple(n for n in names if n != "cluster")
+        if not names:
+            return 0
     threads = EngineConfig(num_threads=args.num_threads).resolved_num_threads()
     opts = BenchOptions(
         model=args.model, workloads=names, num_requests=args.num_requests, max_tokens=args.max_tokens,

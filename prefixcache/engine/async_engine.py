@@ -63,6 +63,11 @@ class EngineStats:
     num_waiting: int  # requests queued (new or preempted)
 
 
+def take_stats(engine: LLMEngine) -> EngineStats:
+    """The engine's counters and queue lengths, together (on the engine thread)."""
+    return EngineStats(engine.get_metrics(), len(engine.scheduler.running), len(engine.scheduler.waiting))
+
+
 class AsyncLLMEngine:
     """Serves many concurrent requests from one :class:`LLMEngine`.
 
@@ -419,11 +424,12 @@ class AsyncLLMEngine:
         return await self._call_input(self.engine.input_processor.token_strs, token_ids, self._tokenizer)
 
     async def get_stats(self) -> EngineStats:
-        def take() -> EngineStats:
-            scheduler = self.engine.scheduler
-            return EngineStats(self.engine.get_metrics(), len(scheduler.running), len(scheduler.waiting))
+        return await self._call(take_stats, self.engine)
 
-        return await self._call(take)
+    async def inspect(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Runs ``fn(engine)`` on the engine thread, between steps, and returns its result (a
+        read-only look at engine state: the dashboard's prefix tree)."""
+        return await self._call(fn, self.engine)
 
     async def reset_prefix_cache(self) -> bool:
         """Drops every cached block; False (nothing done) while any request holds blocks."""

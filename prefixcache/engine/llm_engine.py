@@ -21,7 +21,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -103,6 +103,9 @@ class LLMEngine:
         self.sample_groups = SampleGroups()
         self._weights_fingerprint = self.loaded.fingerprint
         self._counter = itertools.count()
+        # Called with each request as it finishes, before its blocks are freed (the dashboard's
+        # CacheInsight); on the engine thread, so a hook must be quick and must not raise.
+        self.finish_hooks: list[Callable[[Request], None]] = []
 
     @property
     def cache_fingerprint(self) -> bytes:
@@ -208,6 +211,7 @@ class LLMEngine:
         """
         self.kv_cache_manager.sweep_expired()
         scheduler_output = self.scheduler.schedule()
+        start = time.perf_counter()
         try:
             runner_output = self.runner.execute_model(scheduler_output)
         except BaseException as e:
@@ -215,6 +219,8 @@ class LLMEngine:
             if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: cleaned up, then go
                 raise
             return outputs
+        if self.kv_tiers is not None:  # what computing costs, for the tiers' load-or-recompute rule
+            self.kv_tiers.observe_compute(time.perf_counter() - start, sum(len(s.token_ids) for s in scheduler_output.seqs))
         self._store_to_tiers()
         updated = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         self.scheduler.store_prompt_logprobs(runner_output.prompt_logprobs)
@@ -276,6 +282,8 @@ class LLMEngine:
         now = time.monotonic() if now is None else now
         outputs = []
         for request in requests:
+            for hook in self.finish_hooks:
+                hook(request)
             self.scheduler.finish_request(request.request_id, status)
             self.sample_groups.finish(request)
             request.finish_s = now

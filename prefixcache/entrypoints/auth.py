@@ -10,12 +10,15 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+import urllib.parse
 from collections.abc import Mapping
 
+from starlette.responses import HTMLResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from prefixcache.engine.tenancy import validate_tenant
 from prefixcache.entrypoints.api_errors import error_response
+from prefixcache.entrypoints.dashboard_page import COOKIE_NAME, LOGIN_PAGE
 
 # What an HTTP Authorization header can carry: printable ASCII, inner single spaces.
 _HEADER_SAFE_KEY = re.compile(r"[\x21-\x7e]+(?: +[\x21-\x7e]+)*")
@@ -44,13 +47,29 @@ def tenants_by_key(api_key: str | None, api_keys: Mapping[str, str] | None) -> d
     return keys
 
 
-PROTECTED_PATHS = frozenset({"/reset_prefix_cache", "/tokenize", "/detokenize"})  # besides /v1/*
+PROTECTED_PATHS = frozenset({"/reset_prefix_cache", "/tokenize", "/detokenize", "/dashboard"})  # besides /v1/*
+# A browser can't add a header to a page load: these GETs also take the key from the dashboard's cookie.
+COOKIE_PATHS = frozenset({"/dashboard", "/v1/cache/stats"})
 
 
 def needs_key(path: str) -> bool:
-    """Whether ``path`` is protected: ``/v1/*``, ``/reset_prefix_cache``, ``/tokenize`` and
-    ``/detokenize`` (not ``/health``, ``/metrics`` or the OpenAPI docs)."""
+    """Whether ``path`` is protected: ``/v1/*``, ``/reset_prefix_cache``, ``/tokenize``,
+    ``/detokenize`` and ``/dashboard`` (not ``/health``, ``/metrics``, the OpenAPI docs or the
+    dashboard's static files)."""
     return path.startswith("/v1") or path in PROTECTED_PATHS
+
+
+def _cookie_bearer(scope: Scope) -> bytes:
+    """``Bearer KEY`` from the dashboard's ``prefixcache_key`` cookie, for a GET of a dashboard path."""
+    if scope.get("method") != "GET" or scope["path"] not in COOKIE_PATHS:
+        return b""
+    for name, value in scope["headers"]:
+        if name == b"cookie":
+            for part in value.split(b";"):
+                key, _, val = part.strip().partition(b"=")
+                if key == COOKIE_NAME.encode():
+                    return b"Bearer " + urllib.parse.unquote_to_bytes(val)
+    return b""
 
 
 class APIKeyMiddleware:
@@ -70,7 +89,7 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or not needs_key(scope["path"]):
             await self.app(scope, receive, send)
             return
-        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"") or _cookie_bearer(scope)
         tenant = None
         for bearer, name in self._bearers:  # compare with every key: time doesn't tell which matched
             if secrets.compare_digest(header, bearer):
@@ -78,6 +97,8 @@ class APIKeyMiddleware:
         if tenant is None:
             response = error_response(401, "invalid or missing API key (Authorization: Bearer KEY)", None,
                                       "invalid_api_key")
+            if scope["path"] == "/dashboard":  # a person at a browser: ask for the key
+                response = HTMLResponse(LOGIN_PAGE, status_code=401)
             await response(scope, receive, send)
             return
         scope.setdefault("state", {})["tenant"] = tenant

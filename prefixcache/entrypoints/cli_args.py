@@ -159,6 +159,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    help='JSON {"TENANT": "KEY" or ["KEY", ...], ...}: keys out of the process list')
     t.add_argument("--tenant-isolation", action="store_true",
                    help="a cache namespace per tenant; only approved prefixes are shared across tenants")
+    t.add_argument("--dashboard-previews", choices=("auto", "on", "off"), default="auto",
+                   help="decoded text of cached prefixes and breakers on /dashboard and /v1/cache/stats "
+                        "(a tenant sees only its own): auto = on, off under --tenant-isolation")
     t.add_argument("--approved-prefix", action="append", default=[], metavar="TEXT",
                    help="public prompt text every tenant may share (repeatable)")
     t.add_argument("--approved-system-prompt", action="append", default=[], metavar="TEXT",
@@ -352,6 +355,9 @@ def _exit_on_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+_PREVIEWS = {"auto": None, "on": True, "off": False}  # --dashboard-previews -> DashboardOptions.previews
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Checks the flags, binds the port, loads the model and serves until SIGINT / SIGTERM.
 
@@ -364,6 +370,7 @@ def run_cli(args: argparse.Namespace) -> int:
     """
     from prefixcache.engine.llm_engine import LLMEngine
     from prefixcache.entrypoints.launcher import bind_socket, serve_http
+    from prefixcache.entrypoints.dashboard import DashboardOptions
     from prefixcache.entrypoints.openai_server import build_app
 
     s = check_serve_args(args)
@@ -376,7 +383,8 @@ def run_cli(args: argparse.Namespace) -> int:
             app = build_app(LLMEngine(s.config), s.served_model_name, api_key=args.api_key,
                             lora_modules=s.lora_modules, api_keys=s.api_keys, tenant_isolation=args.tenant_isolation,
                             approved_prefixes=s.approved_prefixes, approved_system_prompts=s.approved_system_prompts,
-                            max_request_body_bytes=args.max_request_body_bytes)
+                            max_request_body_bytes=args.max_request_body_bytes,
+                            dashboard_options=DashboardOptions(previews=_PREVIEWS[args.dashboard_previews]))
         try:
             serve_http(app, sock, s.http)
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down for

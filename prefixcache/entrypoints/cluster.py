@@ -65,8 +65,9 @@ class ClusterOptions:
         router_args: more ``sglang_router.launch_router`` flags (they come last, so they win).
         startup_timeout_s: how long replicas (model load) and the gateway (registration) may take.
         stop_timeout_s: after SIGTERM, how long a process may take to exit before SIGKILL.
-        health_check_interval_s: the gateway's health-check period (it routes around a replica
-            that fails ``/health`` once, or whose connection fails).
+        health_check_interval_s: the gateway's health-check period (it stops routing to a replica
+            that fails ``/health`` once). Besides, one failed request opens a replica's circuit
+            breaker for 5 s, so the gateway retries that request on another replica at once.
     """
 
     num_replicas: int
@@ -178,6 +179,8 @@ class Cluster:
                 "--worker-urls", *[r.url for r in self.replicas], "--policy", o.policy,
                 "--prometheus-host", LOOPBACK, "--prometheus-port", str(free_port()),
                 "--health-check-interval-secs", str(o.health_check_interval_s), "--health-failure-threshold", "1",
+                # one failed request opens a replica's circuit for 5 s, so the gateway's retry goes elsewhere
+                "--cb-failure-threshold", "1", "--cb-timeout-duration-secs", "5",
                 "--shutdown-grace-period-secs", str(max(1, int(o.stop_timeout_s))), "--log-level", "warn",
                 *o.router_args]
         gateway = self._spawn("gateway", argv, f"http://{host}:{port}")

@@ -118,6 +118,7 @@ _TIER_COUNTERS = (
     ("kv_tier_store_drops", "store_drops", "Blocks not stored because the writer's queue was full."),
     ("kv_tier_bad_entries", "bad_entries", "Tier entries that failed verification (a miss; removed)."),
     ("kv_tier_errors", "errors", "Tier operations that failed (the tier then rests; requests go on)."),
+    ("kv_tier_slow_skips", "slow_skips", "Lookups that skipped a KV tier measured slower than recomputing."),
 )
 
 

@@ -4,7 +4,8 @@
 under uvicorn: :mod:`.launcher`). Endpoints: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (JSON, or SSE streams ending with ``data: [DONE]``; logic in
 :mod:`.serving`), ``GET /v1/models``, ``GET /health``, ``POST /reset_prefix_cache``,
-``GET /metrics`` (Prometheus), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's),
+``GET /metrics`` (Prometheus), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's), the operator
+dashboard: ``GET /v1/cache/stats`` (JSON) and ``GET /dashboard`` (:mod:`.dashboard`), and
 ``GET /server_info`` and ``GET /model_info`` (SGLang's, for routers: :mod:`.router_probes`).
 ``usage.prompt_tokens_details.cached_tokens`` is the request's real
 number of prompt tokens served from the prefix cache; ``cache_salt`` in the body isolates a
@@ -36,9 +37,10 @@ from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.entrypoints.api_errors import APIError, clip, cut, error_docs, error_response
 from prefixcache.entrypoints.auth import APIKeyMiddleware, tenants_by_key
+from prefixcache.entrypoints.dashboard import DashboardOptions, DashboardState
+from prefixcache.entrypoints.dashboard_page import cache_stats, dashboard, static_file
 from prefixcache.entrypoints.http_limits import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestBodyLimitMiddleware
 from prefixcache.entrypoints.metrics import ServerMetrics
-from prefixcache.entrypoints.router_probes import model_info, server_info
 from prefixcache.entrypoints.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -51,6 +53,7 @@ from prefixcache.entrypoints.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from prefixcache.entrypoints.router_probes import model_info, server_info
 from prefixcache.entrypoints.serving import OpenAIServing
 from prefixcache.layers.lora import LoRARequest
 
@@ -161,6 +164,13 @@ _ROUTES: tuple[tuple[str, str, Any, dict[str, Any]], ...] = (
         **_json_or_sse(ChatCompletionResponse), **error_docs(404, *_V1_ERRORS)}}),
     ("/tokenize", "POST", tokenize, {"responses": error_docs(404, *_V1_ERRORS)}),
     ("/detokenize", "POST", detokenize, {"responses": error_docs(404, *_V1_ERRORS)}),
+    ("/v1/cache/stats", "GET", cache_stats, {"responses": {
+        200: {"description": "the cache's numbers, history, prefix tree and breakers (README)"},
+        **error_docs(401, *_ANY_ROUTE_ERRORS)}}),
+    ("/dashboard", "GET", dashboard, {"response_class": Response, "responses": {
+        200: {"description": "the operator dashboard (HTML)", "content": {"text/html": {}}},
+        **error_docs(401, *_ANY_ROUTE_ERRORS)}}),
+    ("/dashboard/static/{name}", "GET", static_file, {"response_class": Response, "include_in_schema": False}),
 )
 
 
@@ -221,7 +231,9 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.engine.start()
+    app.state.dashboard.start()
     yield
+    await app.state.dashboard.stop()
     await app.state.engine.shutdown()
 
 
@@ -255,6 +267,7 @@ def build_app(
     approved_prefixes: Sequence[str] = (),
     approved_system_prompts: Sequence[str] = (),
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    dashboard_options: DashboardOptions | None = None,
 ) -> FastAPI:
     """Builds the FastAPI app serving ``engine``.
 
@@ -273,13 +286,16 @@ def build_app(
             prompts are).
         approved_system_prompts: public chat system messages every tenant may share.
         max_request_body_bytes: larger request bodies are refused with 413 while being read.
+        dashboard_options: ``/dashboard`` and ``/v1/cache/stats`` settings (previews, history).
 
     Returns:
-        The app; ``app.state.engine`` is the async engine, ``app.state.metrics`` its metrics.
+        The app; ``app.state.engine`` is the async engine, ``app.state.metrics`` its metrics,
+        ``app.state.dashboard`` the dashboard's state.
 
     Raises:
         ValueError: ``tenant_isolation`` without keys, a bad key or tenant name, an empty
-            approved prefix, an adapter that can't be loaded, a body limit < 1 byte.
+            approved prefix, an adapter that can't be loaded, a body limit < 1 byte, a bad dashboard
+            option.
     """
     async_engine = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
     key_to_tenant = tenants_by_key(api_key, api_keys)
@@ -290,11 +306,18 @@ def build_app(
         raise ValueError(f"max_request_body_bytes must be an integer >= 1, got {max_request_body_bytes!r}")
     _prepare_engine(async_engine.engine, lora_modules or {}, approved_prefixes, approved_system_prompts)
     metrics = ServerMetrics(served_model_name)
-    async_engine.on_finish = metrics.observe_finished
+    board = DashboardState(async_engine, served_model_name, tenant_isolation, dashboard_options)
+
+    def on_finish(out, request_done: bool = True) -> None:
+        metrics.observe_finished(out, request_done)
+        board.observe_finished(out, request_done)
+
+    async_engine.on_finish = on_finish
 
     app = FastAPI(title="prefixcache", lifespan=_lifespan, redirect_slashes=False)  # "/v1/x/" is a 404, not a 307
     app.state.engine = async_engine
     app.state.metrics = metrics
+    app.state.dashboard = board
     app.state.serving = OpenAIServing(async_engine, served_model_name, lora_modules)
     app.state.tenant_isolation = tenant_isolation
     for path, method, endpoint, options in _ROUTES:

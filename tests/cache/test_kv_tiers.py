@@ -257,6 +257,36 @@ def test_tiers_are_asked_in_order_each_continuing_the_chain(tmp_path, redis_serv
     assert load.per_tier == [("disk", 4, 1), ("redis", 3, 2)]
 
 
+def test_a_tier_slower_than_recomputing_is_skipped_then_probed_again(tmp_path):
+    """Load or recompute: after a load measured slower than computing a block, lookups skip the
+    tier (counted) until ``probe_s`` has passed; a probe that measures it fast again restores it."""
+    now = [0.0]
+    stack = stack_of(DiskTier(tmp_path, "ns", 1 << 20), probe_s=30.0, clock=lambda: now[0])
+    request = make_request(range(300, 313))  # 3 full blocks
+    store_chain(stack, request, 3)
+    stack.observe_compute(0.5, BS - 1)  # fewer tokens than a block (decode): not a prefill cost
+    assert stack.compute_s_per_block is None
+    assert len(stack.load_chain(request, 0, 3).payloads) == 3  # nothing known: load
+    measured = stack.load_s_per_block["disk"]
+    assert measured is not None and measured > 0
+    stack.observe_compute(measured / 100 / BS * 2 * BS, 2 * BS)  # a block computes 100x faster
+    assert stack.compute_s_per_block == pytest.approx(measured / 100)
+    first = stack.load_chain(request, 0, 3)  # the first lookup after the estimate is the probe
+    assert len(first.payloads) == 3
+    stack.load_s_per_block["disk"] = 1.0  # the probe's load is slow again (pinned: timing-free)
+    skipped = stack.load_chain(request, 0, 3)
+    assert skipped.payloads == [] and skipped.per_tier == []
+    assert stack.snapshot()["disk"]["slow_skips"] == 1
+    now[0] = 29.9
+    assert stack.load_chain(request, 0, 3).payloads == []
+    now[0] = 30.0  # a probe is due: loaded (and re-measured)
+    assert len(stack.load_chain(request, 0, 3).payloads) == 3
+    assert stack.snapshot()["disk"]["slow_skips"] == 2
+    stack.load_s_per_block["disk"] = stack.compute_s_per_block / 2  # as fast as its last probe says
+    now[0] = 31.0
+    assert len(stack.load_chain(request, 0, 3).payloads) == 3
+
+
 # ---------------------------------------------------------------------------- keys across processes
 @pytest.mark.slow  # two fresh interpreters import the package (seconds each)
 def test_c15_block_hashes_are_the_same_in_every_process_only_with_the_same_seed(tmp_path):

@@ -45,4 +45,5 @@ def test_tier_series_count_a_restart(smollm2, tmp_path):
     assert value(text, f"prefixcache:kv_tier_queries_total{labels}") == hit
     assert value(text, f"prefixcache:kv_tier_hits_total{labels}") == hit
     assert value(text, f"prefixcache:kv_tier_errors_total{labels}") == 0
+    assert value(text, f"prefixcache:kv_tier_slow_skips_total{labels}") == 0  # one load: never skipped
     assert value(text, f'prefixcache:kv_tier_load_latency_seconds_count{labels}') == hit // 16

@@ -6,7 +6,8 @@ block size, K/V dtype and shape) keeps engines whose entries can never match apa
 
 Crash safety: a store writes a temporary file in the same directory, fsyncs it and renames it over
 the entry (``os.replace``, atomic on POSIX), so a reader sees a whole old entry, a whole new one or
-none. A kill -9 leaves at most a stray ``*.tmp`` file (never read as an entry; removed at the next
+none; the directory is fsynced after the rename, so a power loss keeps every entry stored before
+it. A kill -9 leaves at most a stray ``*.tmp`` file (never read as an entry; removed at the next
 start once old). A file damaged by other means (a disk error, a bad copy) fails the entry's checks
 and is deleted by the stack.
 
@@ -108,6 +109,7 @@ class DiskTier(KVTier):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+            _fsync_dir(path.parent)  # the rename itself survives a power loss
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -133,3 +135,15 @@ class DiskTier(KVTier):
     def usage(self) -> dict[str, int]:
         with self._lock:
             return {"entries": len(self._sizes), "bytes": self._total_bytes}
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Flushes ``directory``'s entries (a rename into it) to disk; a no-op where directories can't be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

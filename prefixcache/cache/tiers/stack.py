@@ -20,10 +20,17 @@ Data path (the cache manager drives it, see ``KVCacheManager.admit``)::
   for ``retry_s`` seconds: lookups skip it and stores to it are dropped, so requests go on with the
   pool (and the other tiers) alone.
 
+- Load or recompute (issue 14): the stack keeps, per tier, a moving average of the seconds one block
+  took to load (lookup + read + verify), and the engine reports what computing a block costs
+  (:meth:`KVTierStack.observe_compute`: forward-pass seconds per token x block size over steps of
+  at least a block of tokens, averaged the same way). A tier whose loads are slower than
+  recomputing is not asked (the next tier goes on from the same block; ``slow_skips`` counts the
+  lookups skipped), except once every ``probe_s`` seconds, which re-measures it.
+
 Counters per tier (tokens in tokens): ``queries`` (tokens looked up in it at requests' first
 admission), ``hits`` (of those, tokens loaded from it), ``bytes_loaded``, ``bytes_stored``,
 ``stores``, ``store_drops``, ``bad_entries`` (entries that failed verification and were removed),
-``errors``, and per-block load and store latency histograms.
+``errors``, ``slow_skips``, and per-block load and store latency histograms.
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ logger = logging.getLogger(__name__)
 LATENCY_BOUNDS_S = (0.0005, 0.001, 0.005, 0.02, 0.1, 0.5)  # histogram bucket upper bounds; +inf last
 DEFAULT_MAX_QUEUED_BYTES = 256 << 20
 DEFAULT_RETRY_S = 5.0
+DEFAULT_PROBE_S = 30.0
+EMA_WEIGHT = 0.2  # weight of the newest sample in the per-block load and compute averages
 
 
 @dataclass(slots=True)
@@ -69,6 +78,7 @@ class TierStats:
     store_latency: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS_S) + 1))
     load_seconds: float = 0.0  # the latencies' sums (a Prometheus histogram's _sum)
     store_seconds: float = 0.0
+    slow_skips: int = 0  # lookups skipped: loading from this tier was slower than recomputing
 
     def as_dict(self) -> dict:
         return {name: (list(v) if isinstance(v, list) else v)
@@ -98,6 +108,7 @@ class KVTierStack:
         layout: this engine's K/V payload dtype and shape.
         max_queued_bytes: payload bytes waiting for the writer at most (more are dropped).
         retry_s: seconds a failing tier rests before it is tried again.
+        probe_s: seconds between lookups in a tier skipped as slower than recomputing.
         clock: seconds (``time.monotonic``).
     """
 
@@ -108,11 +119,17 @@ class KVTierStack:
         *,
         max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES,
         retry_s: float = DEFAULT_RETRY_S,
+        probe_s: float = DEFAULT_PROBE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.tiers = tiers
         self.layout = layout
         self.retry_s = retry_s
+        self.probe_s = probe_s
+        # Seconds per block: each tier's loads, and computing one (None: not measured yet).
+        self.load_s_per_block: dict[str, float | None] = {t.name: None for t in tiers}
+        self.compute_s_per_block: float | None = None
+        self._last_probe = {t.name: float("-inf") for t in tiers}
         self.clock = clock
         self.stats = {t.name: TierStats() for t in tiers}
         self._resting_until = {t.name: None for t in tiers}  # None: healthy
@@ -158,11 +175,35 @@ class KVTierStack:
         for tier in self.tiers:
             if len(payloads) == len(keys) or self._is_resting(tier):
                 continue
+            if self._slower_than_compute(tier):
+                continue  # the next tier (or the forward pass) goes on from here
             asked = keys[len(payloads):]
             got = self._load_from(tier, asked)
             per_tier.append((tier.name, len(asked), len(got)))
             payloads += got
         return TierLoad(payloads, len(keys), per_tier)
+
+    def observe_compute(self, seconds: float, num_tokens: int) -> None:
+        """Records a forward pass: ``seconds`` for ``num_tokens`` tokens (the engine, per step).
+
+        Steps of fewer tokens than a block (decode of a few sequences: a token there costs many
+        times a prefill token) are ignored: the rule compares loading a block with prefilling it.
+        """
+        if num_tokens >= self.layout.block_size:
+            self.compute_s_per_block = _ema(self.compute_s_per_block, seconds / num_tokens * self.layout.block_size)
+
+    def _slower_than_compute(self, tier: KVTier) -> bool:
+        """Whether to skip ``tier``: its loads measured slower than computing, and no probe is due."""
+        load, compute = self.load_s_per_block[tier.name], self.compute_s_per_block
+        if load is None or compute is None or load <= compute:
+            return False
+        now = self.clock()
+        if now - self._last_probe[tier.name] >= self.probe_s:
+            self._last_probe[tier.name] = now
+            return False
+        with self._lock:
+            self.stats[tier.name].slow_skips += 1
+        return True
 
     def _load_from(self, tier: KVTier, keys: list[EntryKey]) -> list[memoryview]:
         stats, t0 = self.stats[tier.name], time.perf_counter()
@@ -186,6 +227,8 @@ class KVTierStack:
                 self._remove(tier, key.name)
                 break
         seconds = (time.perf_counter() - t0) / max(1, len(out))
+        if out:
+            self.load_s_per_block[tier.name] = _ema(self.load_s_per_block[tier.name], seconds)
         with self._lock:
             stats.bytes_loaded += len(out) * self.layout.payload_bytes
             for _ in out:
@@ -296,6 +339,10 @@ class KVTierStack:
         for tier in self.tiers:
             out[tier.name].update(tier.usage())
         return out
+
+
+def _ema(average: float | None, sample: float) -> float:
+    return sample if average is None else (1 - EMA_WEIGHT) * average + EMA_WEIGHT * sample
 
 
 def tier_namespace(hash_algo: str, layout: KVBlockLayout) -> str:
