@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefixcache.cache.config import CacheConfig, check_int
 from prefixcache.cache.eviction import EVICTION_POLICIES
+from prefixcache.cache.kv_events import KVEventsConfig
 from prefixcache.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -67,6 +68,14 @@ class EngineConfig(CacheConfig, SchedulerConfig):
     max_model_len: int | None = field(default=None, metadata={"help": "context limit in tokens (default: the model's)"})
     num_threads: int | None = field(default=None, metadata={"help": "torch CPU threads (default: the available cores)"})
     seed: int = field(default=0, metadata={"help": "RNG seed of requests that give no seed of their own"})
+    kv_events_config: KVEventsConfig | None = field(default=None, metadata={
+        "help": "KV cache events over ZeroMQ in vLLM's format, vLLM's JSON: "
+                '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", '
+                '"topic": "kv", "buffer_steps": 10000}\' (default: off; README "KV cache events")', "json": True})
+
+    def __post_init__(self) -> None:
+        # kv_events_config may be given as JSON text (the flag) or a mapping; kept as a KVEventsConfig.
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
 
     def validate(self) -> None:
         """Checks every field.

@@ -1,6 +1,9 @@
 """Trace-driven eviction benchmark (simulation: KV cache manager only, no model) → JSON.
 
-    python scripts/bench_trace.py --seeds 0 1 2 3 4 --num-requests 3000 --out bench_trace.json
+    python scripts/bench_trace.py --seeds 0 1 2 3 4 --num-requests 3000
+
+writes bench_results/bench_trace.json (the directory of ``prefixcache bench``'s outputs) unless
+``--out`` names another file, or ``-`` for stdout.
 """
 
 from __future__ import annotations
@@ -8,9 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from prefixcache.bench.trace import run_trace_benchmark
 from prefixcache.cache.eviction import EVICTION_POLICIES
+
+DEFAULT_OUT = "bench_results/bench_trace.json"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-blocks", type=int, default=2048, help="KV budget in blocks")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--service-s", type=float, default=2.0, help="seconds a request holds its blocks")
-    parser.add_argument("--out", default="-", help="JSON file, or - for stdout")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="JSON file, or - for stdout (default: %(default)s)")
     args = parser.parse_args(argv)
     rows = run_trace_benchmark(args.policies, args.seeds, None, args.num_requests, args.num_blocks,
                                args.block_size, args.service_s)
@@ -34,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out == "-":
         print(text)
     else:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+        print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 

@@ -35,6 +35,9 @@ Invariants (checked by ``tests/cache/test_state_machine.py`` after every step):
   this block, and no policy evicts a block while it is non-zero, so every cached block's parent is
   cached at the recorded generation (no orphaned chains). ``cached_children`` indexes them by
   (parent, first token) for partial-block reuse.
+- With KV events on (``kv_events``, :mod:`prefixcache.cache.kv_events`), the recorder hears of
+  every hash entering the hash map (its first block cached) and leaving it (its last one cleared),
+  and of each reset, so the events applied in order give exactly the map's set of hashes.
 - With ``lru`` (the default) the free blocks are in LRU order: freed blocks go to the tail,
   eviction takes from the head. Callers free a request's blocks tail first, so a prefix's tail is
   evicted before its head. Other policies: see :mod:`prefixcache.cache.eviction`.
@@ -44,12 +47,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from prefixcache.cache.block import KVCacheBlock, common_prefix_length, follows
 from prefixcache.cache.config import CacheConfig
 from prefixcache.cache.eviction import EvictionPolicy, make_eviction_policy
 from prefixcache.cache.hashing import BlockHash
 from prefixcache.cache.metrics import EvictionStats
+
+if TYPE_CHECKING:
+    from prefixcache.cache.kv_events import KVEventRecorder
 
 __all__ = ["BlockPool", "KVCacheBlock"]
 
@@ -96,6 +103,8 @@ class BlockPool:
         self.cached_children: dict[tuple[int | bytes, int], dict[int, KVCacheBlock]] = {}
         self.num_cached_blocks = 0
         self.eviction_stats = EvictionStats()
+        # Told when a hash enters or leaves the hash map, and of resets (KV events); None: off.
+        self.kv_events: KVEventRecorder | None = None
 
     def _make_evictor(self, free_blocks: Iterable[KVCacheBlock]) -> EvictionPolicy:
         return make_eviction_policy(self.config.eviction_policy, free_blocks, self.clock, self.config,
@@ -316,7 +325,10 @@ class BlockPool:
             block.depth = parent.depth + 1
             parent.num_cached_children += 1
             key = parent.block_id
-        self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
+        same_hash = self.cached_block_hash_to_block.setdefault(block_hash, {})
+        if not same_hash and self.kv_events is not None:
+            self.kv_events.block_stored(block, parent, root_key)
+        same_hash[block.block_id] = block
         self.cached_children.setdefault((key, token_ids[0]), {})[block.block_id] = block
         self.num_cached_blocks += 1
         self.evictor.on_cache(block)
@@ -399,9 +411,11 @@ class BlockPool:
             return False
         order = self.evictor.get_all_free_blocks()
         for block in self.blocks:
-            self._clear(block, notify=False)
+            self._clear(block, notify=False, record=False)
         self.cached_block_hash_to_block.clear()
         self.cached_children.clear()
+        if self.kv_events is not None:
+            self.kv_events.all_blocks_cleared()
         # A fresh policy over the same blocks, in the order they would have been taken.
         self.evictor = self._make_evictor(order)
         return True
@@ -412,12 +426,14 @@ class BlockPool:
             self.eviction_stats.record(reason, self.clock() - block.cached_s)
             self._clear(block, notify)
 
-    def _clear(self, block: KVCacheBlock, notify: bool = True) -> None:
+    def _clear(self, block: KVCacheBlock, notify: bool = True, record: bool = True) -> None:
         """Removes a cached block from the maps, forgets its content and bumps its generation.
 
         Args:
             block: the block; nothing happens if it is not cached.
             notify: tell the eviction policy when the parent becomes a free leaf.
+            record: tell the KV event recorder when the block's hash leaves the map (a reset
+                reports one ``AllBlocksCleared`` instead).
         """
         if block.block_hash is None:
             return
@@ -425,6 +441,8 @@ class BlockPool:
         del same_hash[block.block_id]
         if not same_hash:
             del self.cached_block_hash_to_block[block.block_hash]
+            if record and self.kv_events is not None:
+                self.kv_events.block_removed(block.block_hash)
         parent = block.parent
         key = (block.root_key if parent is None else parent.block_id, block.token_ids[0])
         siblings = self.cached_children.get(key)

@@ -22,10 +22,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from prefixcache.cache.kv_cache_manager import KVCacheManager
+from prefixcache.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVEventRecorder
 from prefixcache.cache.metrics import PrefixCacheSnapshot
 from prefixcache.cache.tiers.stack import make_kv_tiers
 from prefixcache.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
@@ -44,6 +46,9 @@ from prefixcache.runner.kv_pool import kv_block_layout, kv_cache_bytes_per_block
 from prefixcache.runner.model_runner import ModelRunner
 from prefixcache.sampling_params import SamplingParams
 from prefixcache.scheduler_output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from prefixcache.engine.kv_event_publisher import ZmqEventPublisher
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,7 @@ class LLMEngine:
         # Called with each request as it finishes, before its blocks are freed (the dashboard's
         # CacheInsight); on the engine thread, so a hook must be quick and must not raise.
         self.finish_hooks: list[Callable[[Request], None]] = []
+        self.kv_event_recorder, self.kv_event_publisher = self._start_kv_events()
 
     @property
     def cache_fingerprint(self) -> bytes:
@@ -151,6 +157,8 @@ class LLMEngine:
         prompt = self.input_processor.tokenize(prompt)
         self.input_processor.check_fits(len(prompt.token_ids), params)
         adapter = self.lora_manager.get(lora) if lora is not None else None
+        if adapter is not None and self.kv_event_recorder is not None:
+            self.kv_event_recorder.note_adapter(adapter.digest, adapter.name)
         if request_id is None:
             request_id = str(next(self._counter))
         for rid in self.sample_groups.sample_ids(request_id, params.n):
@@ -202,13 +210,20 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Runs one engine step.
+        """Runs one engine step (then publishes its KV events, when on).
 
         Returns:
             Outputs of the requests that finished in this step, and (with ``finished=False``) of
             streaming requests that got a token and go on. If the forward pass or sampling raised,
             the outputs of the step's requests, finished with ``"error"``.
         """
+        try:
+            return self._step()
+        finally:
+            if self.kv_event_publisher is not None:
+                self.publish_kv_events()
+
+    def _step(self) -> list[RequestOutput]:
         self.kv_cache_manager.sweep_expired()
         scheduler_output = self.scheduler.schedule()
         start = time.perf_counter()
@@ -235,10 +250,44 @@ class LLMEngine:
             payloads = self.runner.read_blocks([block_id for block_id, _ in stores])
             self.kv_tiers.submit([(key, payload) for (_, key), payload in zip(stores, payloads)])
 
+    def _start_kv_events(self) -> tuple[KVEventRecorder | None, ZmqEventPublisher | None]:
+        """The KV event recorder (attached to the block pool) and publisher; ``(None, None)`` when
+        ``kv_events_config`` is off."""
+        events = self.config.kv_events_config
+        if events is None or not events.enabled:
+            return None, None
+        import zmq
+
+        from prefixcache.engine.kv_event_publisher import ZmqEventPublisher  # zmq only when on
+
+        medium = MEDIUM_GPU if self.device.type == "cuda" else MEDIUM_CPU
+        recorder = KVEventRecorder(self.config.block_size, medium)
+        try:
+            publisher = ZmqEventPublisher(events)
+        except zmq.ZMQError as e:
+            raise InvalidInputError("kv_events_config", f"kv_events_config: cannot open {events.endpoint!r} "
+                                                        f"/ {events.replay_endpoint!r}: {e}") from e
+        self.kv_cache_manager.block_pool.kv_events = recorder
+        return recorder, publisher
+
+    def publish_kv_events(self) -> None:
+        """Hands the cache events recorded since the last call to the publisher, as one batch
+        (after every step, reset and metrics sweep; nothing when events are off or none happened)."""
+        if self.kv_event_publisher is not None:
+            batch = self.kv_event_recorder.take_batch()
+            if batch is not None:
+                self.kv_event_publisher.publish(batch)
+
     def close(self) -> None:
-        """Stores the blocks still queued for the KV tiers and closes them (nothing else to release)."""
+        """Stores the blocks still queued for the KV tiers and closes them; publishes the last KV
+        events and stops their publisher."""
         if self.kv_tiers is not None:
             self.kv_tiers.close()
+        if self.kv_event_publisher is not None:
+            self.publish_kv_events()
+            self.kv_event_publisher.close()
+            self.kv_cache_manager.block_pool.kv_events = None
+            self.kv_event_recorder = self.kv_event_publisher = None
 
     def _postprocess(self, updated: list[Request], logprobs: Mapping[str, TokenLogprobs]) -> list[RequestOutput]:
         """Logprobs, stop checks and outputs for the requests that got a token this step."""
@@ -322,12 +371,15 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Drops every cached block; refused (False) while any request holds blocks."""
-        return self.kv_cache_manager.reset_prefix_cache()
+        done = self.kv_cache_manager.reset_prefix_cache()
+        self.publish_kv_events()
+        return done
 
     def get_metrics(self) -> EngineMetrics:
         """The engine's counters now (expired blocks swept first, so the cache numbers are live)."""
         kv = self.kv_cache_manager
         kv.sweep_expired()
+        self.publish_kv_events()
         snapshot = kv.make_snapshot()
         return EngineMetrics(
             **{f: getattr(snapshot, f) for f in snapshot.__dataclass_fields__},

@@ -118,6 +118,8 @@ def add_engine_args(group: argparse._ActionsContainer) -> None:
                                   "choices": EngineConfig.choices(field.name)}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif field.metadata.get("json"):  # parsed by the config (--kv-events-config)
+            kwargs.update(type=str, metavar="JSON")
         elif field.metadata.get("memory"):
             kwargs.update(type=memory_bytes, metavar="BYTES")
         elif kind in (int, float, str):
@@ -147,6 +149,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Adds ``prefixcache serve``'s options (server and engine) to ``parser``."""
     model = next(f for f in dataclasses.fields(EngineConfig) if f.name == "model")
     parser.add_argument("model", nargs="?", default=model.default, help=_field_help(model, model.default))
+    parser.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                        help="the same as the positional MODEL (vLLM's `serve --model` habit); give one of the two")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=port, default=8000, help="TCP port, 0-65535 (default: %(default)s)")
     parser.add_argument("--served-model-name", default=None, help="name clients send (default: MODEL)")
@@ -170,7 +174,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    help='JSON [{"text": ...} or {"system": ...}, ...]: long approved prefixes')
     parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
                         help="LoRA adapters (PEFT directories) clients select with the model field")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="server log level: info logs the start-up summary and one line per finished request "
+                             "(default: %(default)s)")
     _add_http_args(parser.add_argument_group("HTTP limits"))
     add_engine_args(parser.add_argument_group("engine"))
 
@@ -318,8 +324,11 @@ def check_serve_args(args: argparse.Namespace) -> ServeSettings:
         ValueError: the first bad flag, named.
     """
     from prefixcache.entrypoints.auth import tenants_by_key
+    from prefixcache.models.model_path import check_model_arg
 
+    merge_model_option(args)
     config = engine_config_from_args(args)
+    check_model_arg(config.model)  # a missing directory or a Hub id fails here, not after binding
     lora_modules = parse_lora_modules(args.lora_modules)
     check_adapter_dirs(lora_modules)
     api_keys, approved_texts, approved_systems = parse_tenant_args(args)
@@ -333,6 +342,21 @@ def check_serve_args(args: argparse.Namespace) -> ServeSettings:
         raise ValueError("--served-model-name must not be empty")
     return ServeSettings(config, args.served_model_name or args.model, lora_modules, api_keys, approved_texts,
                          approved_systems, http_options(args))
+
+
+def merge_model_option(args: argparse.Namespace) -> None:
+    """``--model X`` (vLLM's form) sets the positional MODEL.
+
+    Raises:
+        ValueError: both given, with different values.
+    """
+    option = getattr(args, "model_option", None)
+    if option is None:
+        return
+    default = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "model")
+    if args.model not in (default, option):
+        raise ValueError(f"MODEL given twice ({args.model!r} and --model {option!r}); give one of the two")
+    args.model = option
 
 
 @contextlib.contextmanager
@@ -368,19 +392,25 @@ def run_cli(args: argparse.Namespace) -> int:
         ValueError: a bad flag, a busy port, or a model or adapter that can't be loaded (one line
             for ``prefixcache: error: ...``).
     """
-    from prefixcache.engine.llm_engine import LLMEngine
     from prefixcache.entrypoints.launcher import bind_socket, serve_http
-    from prefixcache.entrypoints.dashboard import DashboardOptions
-    from prefixcache.entrypoints.openai_server import build_app
 
     s = check_serve_args(args)
     if s.api_keys and not args.tenant_isolation:
         print("prefixcache serve: tenant API keys authenticate, but without --tenant-isolation all tenants "
               "share one cache namespace", file=sys.stderr)
-    sock = bind_socket(args.host, args.port)
+    sock = bind_socket(args.host, args.port)  # a busy port fails here, before the engine's imports and load
     try:
         with _exit_on_interrupt():
-            app = build_app(LLMEngine(s.config), s.served_model_name, api_key=args.api_key,
+            from prefixcache.engine.llm_engine import LLMEngine
+            from prefixcache.entrypoints.dashboard import DashboardOptions
+            from prefixcache.entrypoints.openai_server import build_app
+            from prefixcache.entrypoints.server_log import configure_logging, log_startup, logger
+
+            configure_logging(args.log_level)
+            logger.info("loading model %s ...", s.config.model)
+            engine = LLMEngine(s.config)
+            log_startup(engine)
+            app = build_app(engine, s.served_model_name, api_key=args.api_key,
                             lora_modules=s.lora_modules, api_keys=s.api_keys, tenant_isolation=args.tenant_isolation,
                             approved_prefixes=s.approved_prefixes, approved_system_prompts=s.approved_system_prompts,
                             max_request_body_bytes=args.max_request_body_bytes,

@@ -364,7 +364,11 @@ def run_cli(args: argparse.Namespace) -> int:
     """
     from prefixcache.entrypoints.cli_args import check_serve_args
 
-    check_serve_args(args)  # a bad serve flag fails here, once, not in N replicas
+    settings = check_serve_args(args)  # a bad serve flag fails here, once, not in N replicas
+    events = settings.config.kv_events_config
+    if args.replicas > 1 and events is not None and events.enable_kv_cache_events:
+        raise ValueError("--kv-events-config: every replica would bind the same endpoints; start the replicas "
+                         "with `prefixcache serve`, each with its own endpoints, and the gateway yourself")
     options = ClusterOptions(args.replicas, args.router_policy, tuple(serve_argv(args)), args.host, args.port,
                              tuple(args.router_arg), args.startup_timeout)
     options.validate()

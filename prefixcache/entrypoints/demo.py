@@ -1,18 +1,23 @@
 """The seed demo: one shared system prompt, ten user questions, prefix caching off vs on.
 
 Both runs use fresh engines on the same model, greedy decoding, 32 new tokens. The table shows
-how many prompt tokens each run had to prefill and whether the answers are identical.
+how many prompt tokens each run had to prefill and whether the answers are identical. With
+``progress``, a tqdm bar per run counts generated tokens on stderr (stdout stays the report).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from prefixcache.config import DEFAULT_MODEL
 from prefixcache.llm import LLM
-from prefixcache.models.loader import LoadedModel, load_model
+from prefixcache.outputs import RequestOutput
+from prefixcache.models.loader import LoadedModel, check_model_arg, load_model
 from prefixcache.sample_texts import QUESTIONS, SYSTEM_PROMPT
 from prefixcache.sampling_params import SamplingParams
 
@@ -23,15 +28,51 @@ def conversations() -> list[list[dict[str, str]]]:
     return [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}] for q in QUESTIONS]
 
 
-def run_demo(model: str = DEFAULT_MODEL, loaded: LoadedModel | None = None, **engine_options: Any) -> dict[str, Any]:
-    """Runs the demo and returns its report (the keys of ``prefixcache demo --json``)."""
-    loaded = loaded or load_model(model)
+def generate_with_progress(llm: LLM, prompts: list[list[int]], params: SamplingParams, desc: str,
+                           progress: bool) -> list[RequestOutput]:
+    """``llm.generate(prompts, params)`` driven step by step, a tqdm bar on stderr counting the
+    generated tokens (``len(prompts) * max_tokens`` at most; a request that stops early fills its
+    share). The bar is off when ``progress`` is False or stderr is not a terminal."""
+    engine = llm.engine
+    ids = [engine.add_request(p, params, stream=True) for p in prompts]
+    done: dict[str, RequestOutput] = {}
+    counted = dict.fromkeys(ids, 0)
+    with tqdm(total=len(ids) * params.max_tokens, desc=desc, unit="tok", file=sys.stderr,
+              disable=None if progress else True, leave=True) as bar:
+        while len(done) < len(ids):
+            for out in engine.step():
+                if out.finish_reason == "error":
+                    raise RuntimeError(out.error)
+                now = params.max_tokens if out.finished else len(out.token_ids)
+                bar.update(now - counted[out.request_id])
+                counted[out.request_id] = now
+                if out.finished:
+                    done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
+def run_demo(model: str = DEFAULT_MODEL, loaded: LoadedModel | None = None, progress: bool = False,
+             **engine_options: Any) -> dict[str, Any]:
+    """Runs the demo and returns its report (the keys of ``prefixcache demo --json``).
+
+    Args:
+        model: built-in name, local HF directory or .gguf file (loaded unless ``loaded`` is given).
+        loaded: an already loaded model.
+        progress: tqdm bars on stderr (model load, then generated tokens of each run).
+        engine_options: more :class:`~prefixcache.config.EngineConfig` fields (``num_threads``...).
+    """
+    if loaded is None:
+        check_model_arg(model)  # a missing path or a Hub id: one clear error before anything loads
+        if progress:
+            print(f"prefixcache demo: loading {model} ...", file=sys.stderr, flush=True)
+        loaded = load_model(model)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     runs = {}
     for caching in (False, True):
         llm = LLM(model, loaded=loaded, enable_prefix_caching=caching, **engine_options)
+        prompts = [llm.apply_chat_template(c) for c in conversations()]
         start = time.perf_counter()
-        outputs = llm.chat(conversations(), params, use_tqdm=False)
+        outputs = generate_with_progress(llm, prompts, params, f"caching {'on' if caching else 'off'}", progress)
         wall_s = time.perf_counter() - start
         runs[caching] = (outputs, wall_s, llm.get_metrics())
     (off, wall_off, m_off), (on, wall_on, m_on) = runs[False], runs[True]

@@ -41,6 +41,7 @@ from prefixcache.entrypoints.dashboard import DashboardOptions, DashboardState
 from prefixcache.entrypoints.dashboard_page import cache_stats, dashboard, static_file
 from prefixcache.entrypoints.http_limits import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestBodyLimitMiddleware
 from prefixcache.entrypoints.metrics import ServerMetrics
+from prefixcache.entrypoints.server_log import RequestLog
 from prefixcache.entrypoints.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -312,7 +313,7 @@ def build_app(
         metrics.observe_finished(out, request_done)
         board.observe_finished(out, request_done)
 
-    async_engine.on_finish = on_finish
+    async_engine.on_finish = RequestLog(then=on_finish)  # metrics and the dashboard, then one log line
 
     app = FastAPI(title="prefixcache", lifespan=_lifespan, redirect_slashes=False)  # "/v1/x/" is a 404, not a 307
     app.state.engine = async_engine

@@ -118,7 +118,38 @@ def load_lora_adapter(path: str | Path, model: nn.Module, name: str = "") -> LoR
 ROW_TILE = 32  # rows per bf16 GEMM call of a batch-invariant model (see row_tiled_linear)
 
 
-def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+class PrepackedWeight:
+    """oneDNN's reordered copy of a bfloat16 weight, made once and re-made when the weight changes.
+
+    torch's plain bf16 ``F.linear`` on the CPU reorders the weight into oneDNN's blocked layout on
+    every call; at decode's few rows that reorder is most of the call. The prepacked product
+    (``torch.ops.mkldnn._reorder_linear_weight`` once, then ``_linear_pointwise``: what
+    torch.compile's CPU backend (inductor) emits for bf16 linears) skips it. Measured here
+    (``scripts/probe_bf16_prepacked_linear.py``): the same bits as the plain product for every
+    call of 1 to 32 rows, on every SmolLM2 projection shape and the lm_head, so the row-tiled path
+    keeps its bits and its batch invariance. The copy costs the weight's size again in memory.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int] | None = None  # (data_ptr, _version) of the weight packed
+        self._packed: torch.Tensor | None = None
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` for a bfloat16 ``x`` [rows, in] and ``weight`` [out, in]."""
+        key = (weight.data_ptr(), weight._version)
+        if key != self._key:  # first call, or the weight was replaced or written in place
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+            self._key = key
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+
+
+def prepacked_linear_supported() -> bool:
+    """Whether this torch build has oneDNN's prepacked linear ops (CPU builds with mkldnn)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     packed: PrepackedWeight | None = None) -> torch.Tensor:
     """``F.linear`` in calls of at most :data:`ROW_TILE` rows, so each row's bits do not depend on
     how many rows share the call.
 
@@ -130,13 +161,15 @@ def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         x: shape = [num_tokens, in_features].
         weight: shape = [out_features, in_features].
         bias: shape = [out_features] or None.
+        packed: the weight's :class:`PrepackedWeight` (bfloat16 only): each call uses it.
 
     Returns:
         shape = [num_tokens, out_features].
     """
+    linear = F.linear if packed is None else packed.linear
     if x.shape[0] <= ROW_TILE:
-        return F.linear(x, weight, bias)
-    return torch.cat([F.linear(x[i : i + ROW_TILE], weight, bias) for i in range(0, x.shape[0], ROW_TILE)])
+        return linear(x, weight, bias)
+    return torch.cat([linear(x[i : i + ROW_TILE], weight, bias) for i in range(0, x.shape[0], ROW_TILE)])
 
 
 class LoRALinear(nn.Linear):
@@ -151,11 +184,13 @@ class LoRALinear(nn.Linear):
     module_name: str = ""
     int8: Int8Weight | None = None
     row_tiled: bool = False  # float products in calls of <= ROW_TILE rows (a batch-invariant bf16 model)
+    packed: PrepackedWeight | None = None  # the row-tiled product's prepacked weight (bf16, oneDNN)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """Args: x shape = [num_tokens, in_features]. Returns: shape = [num_tokens, out_features]."""
         if self.int8 is None:
-            y = row_tiled_linear(x, self.weight, self.bias) if self.row_tiled else F.linear(x, self.weight, self.bias)
+            y = (row_tiled_linear(x, self.weight, self.bias, self.packed) if self.row_tiled
+                 else F.linear(x, self.weight, self.bias))
         else:
             y = int8_linear(*quantize_activations(x), self.int8, x.dtype)
         return self.add_lora(y, x, lora)

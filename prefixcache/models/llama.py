@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.layers.attention import Attention, AttentionMetadata
-from prefixcache.layers.lora import LoRABatch, LoRALinear, row_tiled_linear
+from prefixcache.layers.lora import (LoRABatch, LoRALinear, PrepackedWeight, prepacked_linear_supported,
+                                    row_tiled_linear)
 from prefixcache.layers.norm import RMSNorm
 from prefixcache.layers.quant import (
     QUANTIZATIONS,
@@ -192,6 +193,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head_packed: PrepackedWeight | None = None  # set_row_tiling: bf16's prepacked lm_head
         self.lm_head_int8: Int8Weight | None = None
         self.quantization = "none"
         self.tie_weights()
@@ -249,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head_int8 is not None:
             return int8_linear(*quantize_activations(hidden_states), self.lm_head_int8, torch.float32)
         if self.batch_invariant:
-            return row_tiled_linear(hidden_states, self.lm_head.weight, self.lm_head.bias).float()
+            return row_tiled_linear(hidden_states, self.lm_head.weight, self.lm_head.bias, self.lm_head_packed).float()
         return self.lm_head(hidden_states).float()
 
     @property
@@ -264,6 +266,9 @@ class LlamaForCausalLM(nn.Module):
     def set_row_tiling(self) -> None:
         """Makes every float projection row-tiled iff the model is bfloat16 (call after a dtype change)."""
         tiled = self.quantization == "none" and self.lm_head.weight.dtype == torch.bfloat16
+        pack = tiled and prepacked_linear_supported()
         for module in self.modules():
             if isinstance(module, LoRALinear):
                 module.row_tiled = tiled
+                module.packed = PrepackedWeight() if pack else None
+        self.lm_head_packed = PrepackedWeight() if pack else None

@@ -24,6 +24,8 @@ from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from prefixcache.models import fetch
+from prefixcache.models.model_path import ModelLoadError, check_model_arg
+from prefixcache.models.model_path import safetensors_files as _safetensors_files
 from prefixcache.models.config import ModelConfig
 from prefixcache.models.registry import resolve_model_class
 
@@ -41,10 +43,6 @@ _TOKENIZER_FILES = (
     "generation_config.json",
 )
 _IGNORED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
-
-
-class ModelLoadError(ValueError):
-    """The model could not be found or read; the message says what was tried and what to do."""
 
 
 @dataclass
@@ -137,7 +135,7 @@ def resolve_model_dir(model: str, home: Path | None = None) -> Path:
         if not fetch.is_complete(target):
             print(f"prefixcache: fetching the default model {model} into {target} ...", file=sys.stderr)
             try:
-                return fetch.fetch_default_model(home)
+                return fetch.fetch_default_model(home, progress=True)
             except (OSError, subprocess.CalledProcessError, ValueError) as e:
                 raise ModelLoadError(
                     f"could not fetch the built-in model {model!r} into {target}: {e}. Run `prefixcache fetch` "
@@ -151,29 +149,8 @@ def resolve_model_dir(model: str, home: Path | None = None) -> Path:
             return out_dir if fetch.is_complete(out_dir) else fetch.convert_gguf(path, out_dir)
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"could not convert the GGUF file {path} to an HF directory: {e}") from e
-    if not path.is_dir():
-        raise ModelLoadError(
-            f"model {model!r} is neither the built-in name {fetch.DEFAULT_MODEL_NAME!r}, an existing directory, "
-            "nor a .gguf file. Pass a directory containing config.json and *.safetensors, or use "
-            f"{fetch.DEFAULT_MODEL_NAME!r} (run `prefixcache fetch` to download it ahead of time)"
-        )
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path} has no config.json; pass a directory containing config.json and *.safetensors")
-    if not _safetensors_files(path):
-        raise ModelLoadError(
-            f"{path} has no *.safetensors weights; pass a directory containing config.json and *.safetensors "
-            "(convert .bin checkpoints with transformers' save_pretrained)"
-        )
+    check_model_arg(model)
     return path
-
-
-def _safetensors_files(model_dir: Path) -> list[Path]:
-    """The weight files: those named by model.safetensors.index.json when present, else all *.safetensors."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return sorted({model_dir / name for name in weight_map.values()})
-    return sorted(model_dir.glob("*.safetensors"))
 
 
 def load_weights(model: nn.Module, model_dir: Path, tie_word_embeddings: bool) -> None:

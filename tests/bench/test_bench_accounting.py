@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prefixcache.bench.accounting import common_prefix_len, ideal_accounting
-from prefixcache.bench.worth import MARGINAL, NOT_WORTH, WORTH, WorthInputs, estimate_worth
+from prefixcache.bench.worth import INCONCLUSIVE, MARGINAL, NOT_WORTH, WORTH, WorthInputs, estimate_worth
 
 # block size 4; A and B share two full blocks, C (8 tokens, a multiple of 4) may take only its first
 # block from the cache, D shares nothing.
@@ -105,3 +105,49 @@ def test_verdict_rejects_nonsense():
         estimate_worth(_inputs(2048, requests_per_s=1.0, prefill_tokens_per_s=0.0))
     with pytest.raises(ValueError):
         estimate_worth(_inputs(2048, requests_per_s=-1.0))
+
+
+# ---------------------------------------------------------------------------- verdict vs measured
+def test_verdict_never_says_worth_it_when_caching_on_measured_slower():
+    # Issue 17's run: a 2048-token prefix the estimate calls worth it, but on a busy machine caching on
+    # ran at 0.16x the throughput of caching off, from one run per mode.
+    est = estimate_worth(_inputs(2048, requests_per_s=20.0, on_over_off=0.16, num_timing_repeats=1))
+    assert est.verdict == INCONCLUSIVE
+    assert est.reason.startswith("the estimate saves 13.653 s of prefill per s, but caching on ran at 0.16x the "
+                                 "throughput of caching off (1 timed run per mode): too few or too scattered "
+                                 "timings")
+    assert "--repeats 3" in est.reason and "--num-threads" in est.reason
+    # The calculus's numbers are kept: only the verdict follows the measurement.
+    assert est.saved_prefill_s_per_s == pytest.approx(20 * 2048 / 3000)
+
+
+def test_verdict_scattered_repeats_are_inconclusive_and_consistent_ones_not_worth_it():
+    scattered = estimate_worth(_inputs(2048, requests_per_s=20.0, on_over_off=0.5, num_timing_repeats=3,
+                                       timing_spread=0.8))
+    assert scattered.verdict == INCONCLUSIVE and "3 timed runs per mode, spread 80%" in scattered.reason
+    consistent = estimate_worth(_inputs(2048, requests_per_s=20.0, on_over_off=0.5, num_timing_repeats=3,
+                                        timing_spread=0.04))
+    assert consistent.verdict == NOT_WORTH
+    assert consistent.reason == ("the estimate saves 13.653 s of prefill per s, but caching on ran at 0.50x the "
+                                 "throughput of caching off (3 timed runs per mode, spread 4%), consistently: here "
+                                 "the cache costs more time than the prefill it saves")
+    marginal = estimate_worth(_inputs(2048, requests_per_s=1 / 60, on_over_off=0.5, num_timing_repeats=5,
+                                      timing_spread=0.1))
+    assert marginal.verdict == NOT_WORTH  # "marginal" can't stand either when measured slower
+
+
+def test_verdict_keeps_the_estimate_when_measured_faster_or_within_tolerance():
+    for ratio in (3.0, 1.0, 0.951):  # tolerance 5 %: 0.951 is "as fast"
+        assert estimate_worth(_inputs(2048, requests_per_s=20.0, on_over_off=ratio)).verdict == WORTH
+    assert estimate_worth(_inputs(2048, requests_per_s=20.0, on_over_off=0.949)).verdict == INCONCLUSIVE
+    # No hits: not worth it whatever the timings say.
+    assert estimate_worth(_inputs(0, requests_per_s=50.0, on_over_off=0.2)).verdict == NOT_WORTH
+    assert estimate_worth(_inputs(0, requests_per_s=50.0, on_over_off=2.0)).verdict == NOT_WORTH
+
+
+def test_timing_spread_is_the_noisier_mode():
+    from prefixcache.bench.runner import timing_spread
+
+    assert timing_spread([1.0], [2.0]) is None
+    assert timing_spread([1.0, 1.5, 1.2], [2.0, 2.1, 2.0]) == pytest.approx(0.5)
+    assert timing_spread([4.0, 1.0], [1.0]) == pytest.approx(3.0)

@@ -257,6 +257,24 @@ def test_tiers_are_asked_in_order_each_continuing_the_chain(tmp_path, redis_serv
     assert load.per_tier == [("disk", 4, 1), ("redis", 3, 2)]
 
 
+def test_blocks_loaded_from_redis_are_promoted_to_disk(tmp_path, redis_server):
+    """A replica whose disk lacks what Redis holds copies the loaded blocks to its disk, so its
+    next restart finds them locally (with Redis gone)."""
+    writer = stack_of(RedisTier(redis_server.url, "ns", ttl_s=60))
+    request = make_request(range(800, 813))  # 3 full blocks
+    store_chain(writer, request, 3)
+    stack = stack_of(DiskTier(tmp_path, "ns", 1 << 20), RedisTier(redis_server.url, "ns", ttl_s=60))
+    load = stack.load_chain(request, 0, 3)
+    assert load.per_tier == [("disk", 3, 0), ("redis", 3, 3)]
+    stack.flush()
+    assert stack.snapshot()["disk"]["stores"] == 3 and stack.snapshot()["redis"]["stores"] == 0
+    redis_server.stop()
+    restarted = stack_of(DiskTier(tmp_path, "ns", 1 << 20))
+    again = restarted.load_chain(request, 0, 3)
+    assert [bytes(p) for p in again.payloads] == [payload(0), payload(1), payload(2)]
+    assert again.per_tier == [("disk", 3, 3)]
+
+
 def test_a_tier_slower_than_recomputing_is_skipped_then_probed_again(tmp_path):
     """Load or recompute: after a load measured slower than computing a block, lookups skip the
     tier (counted) until ``probe_s`` has passed; a probe that measures it fast again restores it."""

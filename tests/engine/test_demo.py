@@ -14,3 +14,20 @@ def test_demo_report(smollm2):
     assert r["prefill_tokens_cache"] == r["prompt_tokens"] - 9 * 7 * 16
     assert r["saved_fraction"] >= 0.70
     assert all(a["answer"].strip() for a in r["answers"])
+
+
+def test_demo_progress_path_generates_what_generate_does(smollm2):
+    """The demo drives the engine itself (to count tokens for its bar): same tokens as ``LLM.chat``."""
+    from prefixcache.entrypoints.demo import conversations, generate_with_progress
+    from prefixcache.llm import LLM
+    from prefixcache.sampling_params import SamplingParams
+
+    llm = LLM("smollm2-135m", loaded=smollm2, num_threads=2, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    prompts = [llm.apply_chat_template(c) for c in conversations()[:3]]
+    ours = generate_with_progress(llm, prompts, params, "test", progress=True)
+    reference = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in reference]
+    assert [o.text for o in ours] == [o.text for o in reference]
+    assert [o.num_prompt_tokens for o in ours] == [len(p) for p in prompts]
+    assert all(o.finished for o in ours)

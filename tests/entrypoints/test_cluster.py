@@ -246,3 +246,13 @@ def test_a_busy_gateway_port_starts_nothing():
         with pytest.raises(ValueError, match="--port .*cannot bind"):
             c.start()
     assert c.processes == []
+
+
+def test_kv_events_on_several_replicas_are_refused():
+    from prefixcache.entrypoints.cluster import run_cli
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(["--replicas", "2", "--kv-events-config", '{"enable_kv_cache_events": true}'])
+    with pytest.raises(ValueError, match="--kv-events-config: every replica would bind the same endpoints"):
+        run_cli(args)

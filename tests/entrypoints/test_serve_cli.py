@@ -243,3 +243,31 @@ def test_second_ctrl_c_exits_at_once_and_quietly():
     assert_ended_by_shutdown(out)
     for noise in ("Traceback", "Event loop is closed", "CancelledError", "ERROR"):
         assert noise not in s.stderr, s.stderr
+
+
+@pytest.mark.slow  # a real `serve` process / its own copy of the default model
+def test_serve_logs_what_it_serves_then_the_url_then_each_request():
+    s = ServeProcess()
+    r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hello there", "max_tokens": 3, "ignore_eos": True},
+                   timeout=60)
+    deadline = time.monotonic() + 10
+    while f"request {r.json()['id']} " not in s.stderr and time.monotonic() < deadline:
+        time.sleep(0.05)
+    s.proc.send_signal(signal.SIGTERM)
+    s.stop_in(30)
+    log = s.stderr
+    u = r.json()["usage"]
+    expected = [
+        "INFO:     loading model smollm2-135m ...",
+        "INFO:     model smollm2-135m (",
+        "INFO:     dtype float32, quantization none, device cpu, 1 thread",
+        "INFO:     KV pool 64 blocks x 16 tokens = 1024 tokens, 45.0 MiB (737280 bytes per block); max model len "
+        "1024 tokens",
+        "INFO:     prefix caching on (hash xxh64, eviction lru, partial-block reuse on)",
+        f"INFO:     prefixcache serve: listening on {s.url} (Ctrl-C to stop)",
+        f"INFO:     request {r.json()['id']} length: prompt {u['prompt_tokens']} tokens (0 cached), completion 3 "
+        "tokens, TTFT ",
+    ]
+    positions = [log.find(line) for line in expected]
+    assert all(p >= 0 for p in positions) and positions == sorted(positions), log
+    assert "Traceback" not in log

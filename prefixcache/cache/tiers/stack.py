@@ -16,6 +16,8 @@ Data path (the cache manager drives it, see ``KVCacheManager.admit``)::
   background thread encodes each entry and stores it in every tier. The queue is bounded
   (``max_queued_bytes``): when it is full a block is not stored (counted as a drop), the engine
   never waits for a tier.
+- Promotion: blocks loaded from a lower tier (Redis) are queued for the tiers above it (the local
+  disk) the same way, so the next restart of this replica finds them locally.
 - A tier that raises (Redis stopped, a full disk) is counted (``errors``), logged once, and rested
   for ``retry_s`` seconds: lookups skip it and stores to it are dropped, so requests go on with the
   pool (and the other tiers) alone.
@@ -180,6 +182,8 @@ class KVTierStack:
             asked = keys[len(payloads):]
             got = self._load_from(tier, asked)
             per_tier.append((tier.name, len(asked), len(got)))
+            if got and self.tiers[0] is not tier:  # promotion: the faster tiers above get a copy
+                self._enqueue(list(zip(asked, got)), self.tiers[: self.tiers.index(tier)])
             payloads += got
         return TierLoad(payloads, len(keys), per_tier)
 
@@ -254,13 +258,16 @@ class KVTierStack:
 
     def submit(self, entries: list[tuple[EntryKey, bytes]]) -> None:
         """Queues computed blocks (their keys and K/V payloads) for every tier; never blocks."""
-        for item in entries:
+        self._enqueue(entries, self.tiers)
+
+    def _enqueue(self, entries: list[tuple[EntryKey, bytes]], tiers: list[KVTier]) -> None:
+        for key, payload in entries:
             try:
-                self._queue.put_nowait(item)
+                self._queue.put_nowait((key, payload, tiers))
             except queue.Full:
                 with self._lock:
-                    for stats in self.stats.values():
-                        stats.store_drops += 1
+                    for tier in tiers:
+                        self.stats[tier.name].store_drops += 1
 
     def _write_loop(self) -> None:
         while True:
@@ -274,9 +281,9 @@ class KVTierStack:
             finally:
                 self._queue.task_done()
 
-    def _write(self, key: EntryKey, payload: bytes) -> None:
+    def _write(self, key: EntryKey, payload: bytes, tiers: list[KVTier]) -> None:
         blob = encode_entry(key, self.layout, payload)
-        for tier in self.tiers:
+        for tier in tiers:
             stats = self.stats[tier.name]
             if self._is_resting(tier):
                 with self._lock:
