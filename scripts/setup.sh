@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv with everything prefixcache needs, installs redis-server and chromium (for the Redis KV
 # tier's and the dashboard's tests) when missing, and fetches the default model (once).
+# The `test` extra includes the `cluster` one (sglang-router, the SGLang model gateway that
+# `prefixcache cluster` starts and its tests run).
 # torch==2.13.0 is pinned first: on this kind of machine pip takes its CPU build from local disk;
 # elsewhere it comes from PyPI.
 # PREFIXCACHE_LLAMACPP=1 also installs the `llamacpp` extra (llama-cpp-python, the speed benchmark's

@@ -556,8 +556,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help=f"'all' (= {', '.join(WORKLOAD_NAMES)}) or a comma-separated list of those, 'all', "
                         f"'{SPEED}' (side-by-side speed table vs transformers and llama.cpp, a few minutes), "
                         "'trace' (eviction-policy trace simulation, no model), 'restart' (TTFT after a "
-                        "restart over the disk KV tier and on a replica over Redis, 3 processes, ~1 min) and "
-                        "'queue' (scheduling policies under a queue and memory pressure: scheduler replay, no model)")
+                        "restart over the disk KV tier and on a replica over Redis, 3 processes, ~1 min), "
+                        "'queue' (scheduling policies under a queue and memory pressure: scheduler replay, no model) "
+                        "and 'cluster' (replicas behind the SGLang gateway: cache_aware vs round_robin vs random vs "
+                        "one replica; see --cluster-*)")
     p.add_argument("--model", default=d.model, help="built-in name, a local HF directory (config.json + "
                                                      "*.safetensors) or a local .gguf file; never downloaded from the Hub")
     p.add_argument("--num-requests", type=int, default=d.num_requests,
@@ -585,6 +587,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=d.out, help="output directory")
     p.add_argument("--kv-redis-url", default=None,
                    help="restart: the Redis of the replica phase (default: a redis-server started on loopback)")
+    c = p.add_argument_group("--workload cluster (--num-requests: per system prompt, default 4; --num-threads: "
+                             "per replica, default 1; --max-tokens, --model, --out, --no-plots apply)")
+    c.add_argument("--cluster-replicas", type=int, default=2, help="replicas behind the gateway")
+    c.add_argument("--cluster-prefixes", type=int, default=8, help="distinct system prompts")
+    c.add_argument("--cluster-concurrency", type=int, default=4, help="clients sending at once")
     p.add_argument("--no-partial-block-reuse", action="store_true",
                    help="full-block sharing only (then computed must equal the ideal exactly)")
     p.add_argument("--scheduling-policy", default=None, choices=EngineConfig.choices("scheduling_policy"),
@@ -640,7 +647,8 @@ def run_queue_cli(out_dir: str | None, num_requests: int | None, plots: bool) ->
 TRACE = "trace"  # --workload trace: the eviction-policy simulation (no model)
 RESTART = "restart"  # --workload restart: restart / replica TTFT over the KV tiers (its own processes)
 QUEUE = "queue"  # --workload queue: the scheduling policies, scheduler replay (no model)
-CLI_WORKLOADS = (*WORKLOAD_NAMES, SPEED, TRACE, RESTART, QUEUE)  # every name --workload accepts, besides 'all'
+CLUSTER = "cluster"  # --workload cluster: replicas behind the SGLang gateway (its own processes)
+CLI_WORKLOADS = (*WORKLOAD_NAMES, SPEED, TRACE, RESTART, QUEUE, CLUSTER)  # every name --workload accepts, besides 'all'
 
 
 def parse_workloads(arg: str) -> tuple[str, ...]:
@@ -670,6 +678,22 @@ def _engine_options(args: argparse.Namespace) -> dict:
     return options
 
 
+def run_cluster_cli(args: argparse.Namespace) -> None:
+    """``--workload cluster``: :mod:`prefixcache.bench.cluster`; cluster.json/.md/.png into ``--out``."""
+    from prefixcache.bench.cluster import ClusterBenchOptions, markdown, run_cluster_bench, write_cluster_outputs
+
+    opts = ClusterBenchOptions(model=args.model, num_replicas=args.cluster_replicas,
+                               num_prefixes=args.cluster_prefixes, num_requests=args.num_requests or 4,
+                               max_tokens=args.max_tokens,
+                               concurrency=args.cluster_concurrency, num_threads=args.num_threads or 1,
+                               block_size=args.block_size)
+    result = run_cluster_bench(opts, log=lambda s: print(s, file=sys.stderr))
+    if args.out:
+        for path in write_cluster_outputs(result, args.out, plots=not args.no_plots):
+            print(f"wrote {path}", file=sys.stderr)
+    print(markdown(result))
+
+
 def run_cli(args: argparse.Namespace) -> int:
     names = parse_workloads(args.workload)
     if TRACE in names:  # simulation only; `all` means the model workloads
@@ -678,7 +702,9 @@ def run_cli(args: argparse.Namespace) -> int:
         run_restart_cli(args)
     if QUEUE in names:
         run_queue_cli(args.out, args.num_requests, not args.no_plots)
-    names = tuple(n for n in names if n not in (TRACE, RESTART, QUEUE))
+    if CLUSTER in names:  # its own processes: replicas and the gateway
+        run_cluster_cli(args)
+    names = tuple(n for n in names if n not in (TRACE, RESTART, QUEUE, CLUSTER))
     if not names:
         return 0
     threads = EngineConfig(num_threads=args.num_threads).resolved_num_threads()

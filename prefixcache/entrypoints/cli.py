@@ -1,9 +1,11 @@
-"""``prefixcache`` command line: ``demo``, ``fetch``, ``serve``, ``bench``, ``analyze`` (and ``--version``).
+"""``prefixcache`` command line: ``demo``, ``fetch``, ``serve``, ``cluster``, ``bench``, ``analyze`` (and
+``--version``).
 
 Each subcommand's options live beside its code: ``add_cli_args(parser)`` and ``run_cli(args)`` in
-``entrypoints/cli_args.py`` (serve), ``bench/runner.py`` (bench) and ``bench/analyze.py`` (analyze),
-imported lazily so that ``prefixcache demo`` doesn't pay for the server's imports. Every ``--help``
-shows each flag's default (:class:`DefaultsHelpFormatter`) and the choices of enumerated flags.
+``entrypoints/cli_args.py`` (serve), ``entrypoints/cluster.py`` (cluster), ``bench/runner.py`` (bench)
+and ``bench/analyze.py`` (analyze), imported lazily so that ``prefixcache demo`` doesn't pay for the
+server's imports. Every ``--help`` shows each flag's default (:class:`DefaultsHelpFormatter`) and the
+choices of enumerated flags.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from prefixcache.config import DEFAULT_MODEL
 
 _SUBCOMMAND_MODULES = {
     "serve": ("prefixcache.entrypoints.cli_args", "OpenAI-compatible HTTP server"),
+    "cluster": ("prefixcache.entrypoints.cluster", "N serve replicas behind the SGLang model gateway (sglang-router)"),
     "bench": ("prefixcache.bench.runner", "prefix-caching benchmarks; speed vs transformers and llama.cpp"),
     "analyze": ("prefixcache.bench.analyze", "a JSONL file of prompts: repeat rate, cache hit rate, cache breakers"),
 }

@@ -8,6 +8,12 @@ Each app owns its own :class:`CollectorRegistry` (no global state). Two sources 
   observed by :meth:`ServerMetrics.observe_finished` as each request finishes or is aborted.
 
 Token counters count tokens; ``*_seconds`` histograms are in seconds.
+
+The series routers read are also exported under vLLM's own names (:data:`VLLM_ALIASES`), with
+vLLM v1's labels ``model_name`` and ``engine`` (``"0"``): llm-d's scheduler, the Gateway API
+inference extension's endpoint picker and vLLM's production-stack router scrape
+``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` and
+the prefix-cache token counters. Each alias has the value of our series of the same suffix.
 """
 
 from __future__ import annotations
@@ -19,6 +25,10 @@ from prefixcache.engine.async_engine import EngineStats
 from prefixcache.outputs import RequestOutput
 
 PREFIX = "prefixcache:"
+VLLM_PREFIX = "vllm:"
+# Our series also exported as vllm:<name> (same value; vLLM's kind: counters of tokens, gauges).
+VLLM_ALIASES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
+                "prefix_cache_hits")
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
@@ -79,10 +89,23 @@ class _EngineCollector:
         yield gauge("kv_blocks_in_use", "KV blocks held by requests (ref_cnt > 0).", m.num_blocks_in_use)
         yield gauge("kv_blocks_cached", "KV blocks holding a prefix hash (in use or free).", m.num_blocks_cached)
         yield gauge("kv_blocks_free", "KV blocks with ref_cnt == 0 (cached or not).", m.num_blocks_free)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use, 0..1.",
-                    m.num_blocks_in_use / m.num_blocks_total if m.num_blocks_total else 0.0)
+        usage = m.num_blocks_in_use / m.num_blocks_total if m.num_blocks_total else 0.0
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use, 0..1.", usage)
         if m.kv_tiers:
             yield from _tier_families(m.kv_tiers, labels, values)
+        yield from self._vllm_aliases(stats, usage)
+
+    def _vllm_aliases(self, stats: EngineStats, usage: float):
+        """:data:`VLLM_ALIASES` under vLLM's names and labels (``model_name``, ``engine="0"``)."""
+        m = stats.metrics
+        values = {"num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
+                  "kv_cache_usage_perc": usage, "prefix_cache_queries": m.prefix_cache_queries,
+                  "prefix_cache_hits": m.prefix_cache_hits}
+        for name in VLLM_ALIASES:
+            kind = CounterMetricFamily if name.startswith("prefix_cache_") else GaugeMetricFamily
+            family = kind(VLLM_PREFIX + name, f"{PREFIX}{name}, under vLLM's name.", labels=["model_name", "engine"])
+            family.add_metric([self.model_name, "0"], values[name])
+            yield family
 
 
 # (counter name, KVTierStack counter, help) of each tier series, label ``tier`` (disk, redis).

@@ -4,8 +4,9 @@
 under uvicorn: :mod:`.launcher`). Endpoints: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (JSON, or SSE streams ending with ``data: [DONE]``; logic in
 :mod:`.serving`), ``GET /v1/models``, ``GET /health``, ``POST /reset_prefix_cache``,
-``GET /metrics`` (Prometheus), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's), and the operator
-dashboard: ``GET /v1/cache/stats`` (JSON) and ``GET /dashboard`` (:mod:`.dashboard`).
+``GET /metrics`` (Prometheus), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's), the operator
+dashboard: ``GET /v1/cache/stats`` (JSON) and ``GET /dashboard`` (:mod:`.dashboard`), and
+``GET /server_info`` and ``GET /model_info`` (SGLang's, for routers: :mod:`.router_probes`).
 ``usage.prompt_tokens_details.cached_tokens`` is the request's real
 number of prompt tokens served from the prefix cache; ``cache_salt`` in the body isolates a
 request's cache namespace. With tenant isolation every API key belongs to a tenant
@@ -53,6 +54,7 @@ from prefixcache.entrypoints.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from prefixcache.entrypoints.router_probes import model_info, server_info
 from prefixcache.entrypoints.serving import OpenAIServing
 from prefixcache.layers.lora import LoRARequest
 
@@ -109,6 +111,15 @@ async def prometheus_metrics(raw_request: Request) -> Response:
     return PrometheusResponse(raw_request.app.state.metrics.render(stats))
 
 
+async def show_server_info(raw_request: Request) -> dict[str, Any]:
+    serving = _serving(raw_request)
+    return server_info(serving.engine.engine, serving.served_model_name)
+
+
+async def show_model_info(raw_request: Request) -> dict[str, Any]:
+    return model_info(_serving(raw_request).engine.engine)
+
+
 async def reset_prefix_cache(raw_request: Request) -> Response:
     if raw_request.app.state.tenant_isolation:
         raise APIError(403, "/reset_prefix_cache is disabled under --tenant-isolation (one tenant would flush "
@@ -143,6 +154,9 @@ _ROUTES: tuple[tuple[str, str, Any, dict[str, Any]], ...] = (
     ("/metrics", "GET", prometheus_metrics, {"response_class": PrometheusResponse, "responses": {
         200: {"description": "Prometheus text exposition", "content": {PrometheusResponse.media_type: {}}},
         **error_docs(*_ANY_ROUTE_ERRORS)}}),
+    *((path, "GET", endpoint, {"responses": error_docs(*_ANY_ROUTE_ERRORS), "deprecated": path.startswith("/get_")})
+      for path, endpoint in (("/server_info", show_server_info), ("/get_server_info", show_server_info),
+                             ("/model_info", show_model_info), ("/get_model_info", show_model_info))),  # routers
     ("/reset_prefix_cache", "POST", reset_prefix_cache, {"response_class": Response, "responses": {
         200: {"description": "the cache is empty", "content": None}, **error_docs(401, 403, 409, *_ANY_ROUTE_ERRORS)}}),
     ("/v1/completions", "POST", create_completion, {"response_model": None, "responses": {

@@ -26,7 +26,8 @@ from tests.entrypoints.conftest import start_server, stop_server
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 OPERATIONS = [("/health", "GET"), ("/v1/models", "GET"), ("/metrics", "GET"), ("/reset_prefix_cache", "POST"),
               ("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/tokenize", "POST"),
-              ("/detokenize", "POST"), ("/v1/cache/stats", "GET"), ("/dashboard", "GET")]
+              ("/detokenize", "POST"), ("/v1/cache/stats", "GET"), ("/dashboard", "GET"), ("/server_info", "GET"),
+              ("/get_server_info", "GET"), ("/model_info", "GET"), ("/get_model_info", "GET")]
 WITH_BODY = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
 
 
