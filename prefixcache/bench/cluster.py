@@ -6,7 +6,11 @@ in prefix-major waves (the 1st request of every system prompt in a seeded random
 2nd of every one, ...) by ``concurrency`` clients. Runs, each on caches reset beforehand (``POST /reset_prefix_cache``):
 
 - ``single``: one replica alone, the baseline: every system prompt is computed once;
-- ``cache_aware``, ``round_robin``, ``random``: N replicas behind the gateway with that policy.
+- ``cache_aware``, ``round_robin``, ``random``: N replicas behind the gateway with that policy;
+- ``round_robin+redis``: N new replicas sharing a Redis KV tier (a ``redis-server`` started on
+  loopback for the run, one hash seed), round robin: a replica loads what another one computed
+  instead of computing it (skipped, with the reason, without ``redis-server`` or with
+  ``shared_tier=False``).
 
 Per run, from the replicas' ``/metrics`` (deltas over the run, summed over replicas): prompt tokens
 computed (prefill, recomputes included), hits and queries (hit rate = hits / queries), evictions
@@ -15,8 +19,9 @@ client: the sum of ``usage.prompt_tokens_details.cached_tokens`` (full-block hit
 copied by partial-block reuse), TTFT p50/p99 (streamed, to the first content chunk), output tokens/s (all completion tokens
 / wall time), and how many requests each replica served.
 
-The issue's target: with 2 replicas, cache_aware computes <= 1.1x the single replica's prefill
-tokens; round_robin and random compute about 2x on the first pass of each system prompt.
+The issue's targets: with 2 replicas, cache_aware computes <= 1.1x the single replica's prefill
+tokens (round_robin and random compute about 2x on the first pass of each system prompt), and
+with the shared Redis tier round_robin computes <= 1.2x cache_aware's.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import concurrent.futures
 import dataclasses
 import json
 import random
+import shutil
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +40,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefixcache.bench.restart import HASH_SEED, LoopbackRedis
 from prefixcache.bench.texts import SUPPORT_POLICY
 from prefixcache.config import DEFAULT_MODEL
 from prefixcache.entrypoints.cluster import Cluster, ClusterOptions
@@ -41,7 +49,8 @@ from prefixcache.sample_texts import QUESTIONS, SYSTEM_PROMPT
 POLICIES = ("cache_aware", "round_robin", "random")
 _COUNTERS = {"prefixcache:prompt_tokens_computed_total": "prompt_tokens_computed",
              "prefixcache:prefix_cache_hits_total": "hits", "prefixcache:prefix_cache_queries_total": "queries",
-             "prefixcache:kv_block_evictions_total": "evictions"}
+             "prefixcache:kv_block_evictions_total": "evictions", "prefixcache:kv_tier_hits_total": "tier_hits"}
+TIER_RUN = "round_robin+redis"
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,7 @@ class ClusterBenchOptions:
     num_blocks: int = 256  # KV blocks per replica (enough that nothing is evicted at the default sizes)
     block_size: int = 16
     seed: int = 0  # the order of the requests within each wave
+    shared_tier: bool = True  # also run round robin over replicas sharing a Redis KV tier
 
 
 def system_prompts(opts: ClusterBenchOptions) -> list[str]:
@@ -83,7 +93,10 @@ def replica_counters(url: str) -> dict[str, float]:
     """The replica's :data:`_COUNTERS` and ``requests`` (finished requests, all finish reasons)."""
     text = httpx.get(url + "/metrics", timeout=30).text
     samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
-    counters = {_COUNTERS[s.name]: s.value for s in samples if s.name in _COUNTERS}
+    counters = dict.fromkeys(_COUNTERS.values(), 0.0)
+    for s in samples:
+        if s.name in _COUNTERS:
+            counters[_COUNTERS[s.name]] += s.value
     counters["requests"] = sum(s.value for s in samples if s.name == "prefixcache:request_success_total")
     return counters
 
@@ -126,6 +139,7 @@ def run_policy(url: str, replica_urls: list[str], opts: ClusterBenchOptions, ser
         "prompt_tokens_computed": total["prompt_tokens_computed"],
         "prefix_cache_hits": total["hits"],
         "prefix_cache_queries": total["queries"],
+        "kv_tier_hits": total["tier_hits"],
         "hit_rate": total["hits"] / total["queries"] if total["queries"] else 0.0,
         "cached_tokens_reported": sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in results),
         "evictions": total["evictions"],
@@ -154,6 +168,7 @@ def run_cluster_bench(opts: ClusterBenchOptions, log=print) -> dict:
                 cluster.switch_policy(policy)
             log(f"[cluster] {policy} over {len(urls)} replicas ...")
             runs[policy] = run_policy(cluster.url, urls, opts, name)
+    skipped = _run_shared_tier(opts, serve_args, name, runs, log)
     single = runs["single"]["prompt_tokens_computed"]
     for run in runs.values():
         run["prefill_vs_single"] = run["prompt_tokens_computed"] / single if single else None
@@ -163,7 +178,29 @@ def run_cluster_bench(opts: ClusterBenchOptions, log=print) -> dict:
              {"goal": "cache_aware TTFT p50 < round_robin's", "value": runs["cache_aware"]["ttft_p50_s"],
               "target": f"< {runs['round_robin']['ttft_p50_s']:.4f}",
               "met": runs["cache_aware"]["ttft_p50_s"] < runs["round_robin"]["ttft_p50_s"]}]
-    return {"options": dataclasses.asdict(opts), "runs": runs, "goals": goals}
+    if TIER_RUN in runs:
+        tier_ratio = runs[TIER_RUN]["prompt_tokens_computed"] / runs["cache_aware"]["prompt_tokens_computed"]
+        goals.append({"goal": "round_robin + Redis tier prefill tokens <= 1.2x cache_aware's", "value": tier_ratio,
+                      "target": "<= 1.2", "met": tier_ratio <= 1.2})
+    return {"options": dataclasses.asdict(opts), "runs": runs, "goals": goals, "skipped": skipped}
+
+
+def _run_shared_tier(opts: ClusterBenchOptions, serve_args: tuple, name: str, runs: dict, log) -> dict:
+    """Adds :data:`TIER_RUN` to ``runs`` (new replicas over a new Redis); returns {run: why skipped}."""
+    binary = shutil.which("redis-server")
+    if not opts.shared_tier or binary is None:
+        return {TIER_RUN: "shared_tier=False" if not opts.shared_tier else "no redis-server on PATH"}
+    with tempfile.TemporaryDirectory(prefix="prefixcache-cluster-") as work:
+        redis = LoopbackRedis(Path(work), binary)
+        try:
+            tier_args = (*serve_args, "--kv-redis-url", redis.url, "--hash-seed", str(HASH_SEED))
+            with Cluster(ClusterOptions(opts.num_replicas, "round_robin", tier_args, stop_timeout_s=20)) as cluster:
+                urls = [r.url for r in cluster.replicas]
+                log(f"[cluster] round_robin over {len(urls)} replicas sharing a Redis KV tier ...")
+                runs[TIER_RUN] = run_policy(cluster.url, urls, opts, name)
+        finally:
+            redis.stop()
+    return {}
 
 
 def _served_model_name(replica_url: str) -> str:
@@ -176,12 +213,13 @@ def markdown(result: dict) -> str:
     lines = [f"## cluster: {o['num_prefixes']} system prompts x {o['num_requests']} requests, "
              f"{o['num_replicas']} replicas, {o['concurrency']} clients, {o['max_tokens']} tokens each", "",
              "| run | prefill tokens computed | vs single | hit rate | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s "
-             "| requests per replica |", "|---|---|---|---|---|---|---|---|"]
+             "| requests per replica | tokens loaded from the Redis tier |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in result["runs"].items():
         lines.append(f"| {name} | {r['prompt_tokens_computed']:.0f} | {r['prefill_vs_single']:.2f}x "
                      f"| {r['hit_rate']:.1%} | {1000 * r['ttft_p50_s']:.0f} | {1000 * r['ttft_p99_s']:.0f} "
                      f"| {r['output_tokens_per_s']:.1f} "
-                     f"| {' / '.join(f'{n:.0f}' for n in r['requests_per_replica'])} |")
+                     f"| {' / '.join(f'{n:.0f}' for n in r['requests_per_replica'])} | {r['kv_tier_hits']:.0f} |")
+    lines += [f"| {run} | skipped: {why} |" for run, why in result.get("skipped", {}).items()]
     lines += [""] + [f"- {g['goal']}: {g['value']:.3f} (target {g['target']}): {'met' if g['met'] else 'NOT met'}"
                      for g in result["goals"]]
     return "\n".join(lines) + "\n"

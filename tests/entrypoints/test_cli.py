@@ -96,17 +96,19 @@ def test_every_flag_with_a_default_says_it_in_help():
     (["demo", "--help"], "--num-threads NUM_THREADS torch CPU threads (default: the available cores; on a shared"),
     (["bench", "--help"], "local .gguf file; never downloaded from the Hub (default: smollm2-135m)"),
     (["bench", "--help"], "--max-tokens MAX_TOKENS tokens generated per request (default: 16)"),
-    (["bench", "--help"], "'trace' (eviction-policy trace simulation, no model) and 'restart' (TTFT after a restart"),
-    (["bench", "--help"], "3 processes, ~1 min) (default: all)"),
+    (["bench", "--help"], "'trace' (eviction-policy trace simulation, no model), 'restart' (TTFT after a restart"),
+    (["bench", "--help"], "'queue' (scheduling policies under a queue and memory pressure: scheduler replay, no "
+                          "model) and 'cluster' (replicas behind the SGLang gateway: cache_aware vs round_robin vs "
+                          "random vs one replica; see --cluster-*) (default: all)"),
 ])
 def test_subcommand_help_documents_flags_and_defaults(capsys, argv, expected):
     code, out, _ = run_cli(argv, capsys)
     assert code == 0 and expected in flat(out)
 
 
-def test_bench_unknown_workload_lists_every_workload_including_trace_and_restart(capsys):
+def test_bench_unknown_workload_lists_every_workload(capsys):
     code, out, err = run_cli(["bench", "--workload", "foo,seed"], capsys)
-    listed = ", ".join((*WORKLOAD_NAMES, "speed", "trace", "restart"))
+    listed = ", ".join((*WORKLOAD_NAMES, "speed", "trace", "restart", "queue", "cluster"))
     assert (code, out) == (2, "")
     assert err == f"prefixcache: error: --workload: unknown workload 'foo'; choose 'all' or a comma-separated list " \
                   f"of {listed}\n"
