@@ -5,7 +5,8 @@ Measured here (2 threads, 2026-11-30): the prepacked product gives the bits of t
 row and the same bits for every call of 1..32 rows on every SmolLM2 shape (1536 -> 576 differs at
 256 rows: keep the 32-row tiles). One idle run: ~1.6x faster at one row (0.065 vs 0.107 ms for
 576 -> 1536; the plain bf16 path reorders the weight on every call, a likely reason why bf16 decode
-loses to fp32 today); a rerun under load was inconclusive. Not used yet (issue 12).
+loses to fp32 today); a rerun under load was inconclusive. Used since by the bf16 row-tiled path
+(prefixcache.layers.lora.PrepackedWeight): whole-model prefill ~18 % faster, decode unchanged.
 
     .venv/bin/python scripts/probe_bf16_prepacked_linear.py
 """

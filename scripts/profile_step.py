@@ -1,6 +1,6 @@
 """Where a forward pass spends its time: torch.profiler over one cold prefill, or a short decode.
 
-    .venv/bin/python scripts/profile_step.py [--quantization int8] [--prefill-tokens 2000 | --decode-tokens 16]
+    .venv/bin/python scripts/profile_step.py [--quantization int8 | --dtype bfloat16] [--prefill-tokens 2000 | --decode-tokens 16]
 """
 
 import argparse
@@ -13,11 +13,12 @@ from prefixcache.sample_texts import SYSTEM_PROMPT
 
 p = argparse.ArgumentParser()
 p.add_argument("--quantization", default="none")
+p.add_argument("--dtype", default="float32")
 p.add_argument("--num-threads", type=int, default=2)
 p.add_argument("--prefill-tokens", type=int, default=2000)
 p.add_argument("--decode-tokens", type=int, default=0, help="profile this many decode steps instead")
 args = p.parse_args()
-llm = LLM(quantization=args.quantization, num_threads=args.num_threads)
+llm = LLM(quantization=args.quantization, dtype=args.dtype, num_threads=args.num_threads)
 llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
 if args.decode_tokens:
     prompts, params = ["The capital of France is"], SamplingParams(temperature=0, max_tokens=args.decode_tokens,

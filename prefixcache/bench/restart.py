@@ -238,6 +238,7 @@ def restart_report(opts: RestartOptions, prefix_tokens: int, first: dict, restar
         "restart_ttft_s": restart_first["ttft_s"],
         "restart_cached_tokens": restart_first["num_cached_tokens"],
         "restart_warm_ttft_s": statistics.median(restart_warm),
+        "restart_warm_cached_tokens": restart["requests"][1]["num_cached_tokens"],
         "replica_ttft_s": replica["requests"][0]["ttft_s"] if replica else None,
         "replica_cached_tokens": replica["requests"][0]["num_cached_tokens"] if replica else None,
         "replica_skipped": skip_replica,
@@ -273,7 +274,8 @@ def restart_markdown(s: dict) -> str:
     rows = [("cold (nothing reused)", s["cold_ttft_s"], s["cold_cached_tokens"]),
             ("warm (prefix in the pool, same process; median)", s["warm_ttft_s"], s["warm_cached_tokens"]),
             ("restart: first request, prefix from the disk tier", s["restart_ttft_s"], s["restart_cached_tokens"]),
-            ("after restart: warm in the pool (median)", s["restart_warm_ttft_s"], None),
+            ("after restart: A's warm prompts again (prefix from the pool, the rest from disk; median)",
+             s["restart_warm_ttft_s"], s["restart_warm_cached_tokens"]),
             ("replica: first request, prefix from Redis", s["replica_ttft_s"], s["replica_cached_tokens"])]
     lines = [f"### Restart and replica TTFT ({s['cold_prompt_tokens']:,}-token prompt, "
              f"{s['prefix_tokens']:,}-token shared prefix)", "",

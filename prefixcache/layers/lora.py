@@ -122,12 +122,14 @@ class PrepackedWeight:
     """oneDNN's reordered copy of a bfloat16 weight, made once and re-made when the weight changes.
 
     torch's plain bf16 ``F.linear`` on the CPU reorders the weight into oneDNN's blocked layout on
-    every call; at decode's few rows that reorder is most of the call. The prepacked product
+    every call, and a row-tiled prefill makes one call per 32 rows. The prepacked product
     (``torch.ops.mkldnn._reorder_linear_weight`` once, then ``_linear_pointwise``: what
     torch.compile's CPU backend (inductor) emits for bf16 linears) skips it. Measured here
     (``scripts/probe_bf16_prepacked_linear.py``): the same bits as the plain product for every
     call of 1 to 32 rows, on every SmolLM2 projection shape and the lm_head, so the row-tiled path
-    keeps its bits and its batch invariance. The copy costs the weight's size again in memory.
+    keeps its bits and its batch invariance. A 2,000-token SmolLM2 prefill took 1.56-1.61 s with it
+    vs 1.90-1.94 s without (2 threads, idle, same process, alternating); one-sequence decode did not
+    change (44-47 ms/token both). The copy costs the weight's size again in memory.
     """
 
     def __init__(self) -> None:
