@@ -13,7 +13,8 @@ Usage::
 What it does:
 
 1. Starts ``prefixcache serve MODEL --host 127.0.0.1 --port FREE`` (its log goes to a file), waits for
-   ``/health``, sends a short warm-up, drains, and reads the server's RSS (``VmRSS`` of
+   ``/health``, sends a warm-up (short requests, a concurrent burst, each bad input once: growth
+   should measure the soak, not first-use costs), drains, and reads the server's RSS (``VmRSS`` of
    ``/proc/PID/status``).
 2. For ``--duration-s`` seconds, ``--clients`` concurrent clients each send one request after
    another: chat and completion requests sharing a few long system prompts (the prefix cache is
@@ -639,8 +640,11 @@ async def run_soak(client: httpx.AsyncClient, url: str, pid: int | None, work: W
     return run
 
 
-async def warm_up(client: httpx.AsyncClient, url: str, work: Workload) -> list[int]:
-    """A few short requests (each system prompt, both endpoints, one stream) before the RSS baseline.
+async def warm_up(client: httpx.AsyncClient, url: str, work: Workload, clients: int = 1,
+                  bad_timeout_s: float = 60.0) -> list[int]:
+    """Requests before the RSS baseline, so that growth measures the soak, not first-use costs:
+    each system prompt on both endpoints (one stream), a burst of ``clients`` concurrent chats (the
+    batch sizes the soak reaches) and each bad input once (its error paths).
 
     Returns:
         Their statuses.
@@ -652,6 +656,13 @@ async def warm_up(client: httpx.AsyncClient, url: str, work: Workload) -> list[i
                            ("/v1/completions", {"prompt": completion_prompt(system, "Hello")})):
             body = {"model": work.model, "max_tokens": 4, "temperature": 0, "stream": i == 0, **body}
             statuses.append((await client.post(url + path, json=body)).status_code)
+    burst = [{"model": work.model, "max_tokens": 8, "temperature": 0,
+              "messages": [{"role": "system", "content": work.system_prompts[k % len(work.system_prompts)]},
+                           {"role": "user", "content": f"Warm-up question {k}."}]} for k in range(clients)]
+    answers = await asyncio.gather(*(client.post(url + "/v1/chat/completions", json=b) for b in burst))
+    statuses += [a.status_code for a in answers]
+    for bad in work.bad_inputs:
+        statuses.append((await send_bad(client, url, bad, time.perf_counter(), bad_timeout_s)).status)
     return statuses
 
 
@@ -841,7 +852,7 @@ def format_report(report: dict[str, Any]) -> str:
 async def soak_server(client: httpx.AsyncClient, url: str, pid: int | None, args: argparse.Namespace,
                       work: Workload) -> dict[str, Any]:
     """Warm-up, RSS baseline, soak, drain, RSS, health and the soaked server's greedy outputs."""
-    warm = await warm_up(client, url, work)
+    warm = await warm_up(client, url, work, args.clients, args.bad_timeout_s)
     await drain(client, url, args.drain_timeout_s)
     rss_before = rss_mib(pid)
     start = time.perf_counter()

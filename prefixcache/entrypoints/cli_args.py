@@ -155,7 +155,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=port, default=8000, help="TCP port, 0-65535 (default: %(default)s)")
     parser.add_argument("--served-model-name", default=None, help="name clients send (default: MODEL)")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1/* and /reset_prefix_cache")
+                        help="require 'Authorization: Bearer KEY' on /v1/*, /reset_prefix_cache, /tokenize, "
+                             "/detokenize and /dashboard")
     t = parser.add_argument_group("tenants")
     t.add_argument("--tenant-api-key", action="append", default=[], metavar="TENANT=KEY",
                    help="accept KEY as tenant TENANT (repeat for more keys/tenants)")
