@@ -553,7 +553,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     """``prefixcache bench``'s flags; their defaults are :class:`BenchOptions`' (declared once)."""
     d = BenchOptions()
     p.add_argument("--workload", default="all",
-                   help=f"'all' (= {', '.join(WORKLOAD_NAMES)}) or a comma-separated list of those, 'all', "
+                   help=f"'all' (= {', '.join(WORKLOAD_NAMES)}) or a comma-separated list of those and of "
                         f"'{SPEED}' (side-by-side speed table vs transformers and llama.cpp, a few minutes), "
                         "'trace' (eviction-policy trace simulation, no model), 'restart' (TTFT after a "
                         "restart over the disk KV tier and on a replica over Redis, 3 processes, ~1 min), "

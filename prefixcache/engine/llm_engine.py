@@ -86,10 +86,14 @@ class LLMEngine:
         if self.loaded.quantization != config.quantization:
             raise InvalidInputError("quantization", f"quantization={config.quantization!r} but the given model "
                                                     f"was loaded with {self.loaded.quantization!r}")
+        if config.max_model_len is not None and config.max_model_len > self.loaded.max_model_len:
+            raise InvalidInputError("max_model_len", f"max_model_len {config.max_model_len} is more than the model's "
+                                                     f"context of {self.loaded.max_model_len} tokens (its "
+                                                     "max_position_embeddings); positions beyond it were never trained")
         self.loaded.users.add(self)
         self.tokenizer = self.loaded.tokenizer
         mcfg = self.loaded.config
-        self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
+        self.max_model_len = config.max_model_len or self.loaded.max_model_len
         self.kv_cache_bytes_per_block = kv_cache_bytes_per_block(
             mcfg.num_hidden_layers, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, self.loaded.dtype
         )

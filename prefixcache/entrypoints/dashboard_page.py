@@ -43,7 +43,7 @@ STAT_FIELDS = (
     ("TTFT warm p99", "ttft.warm.p99_s", "s", "ttft-warm-p99"),
     ("Blocks in use", "pool.blocks_in_use", "int", "blocks-in-use"),
     ("Blocks cached", "pool.blocks_cached", "int", "blocks-cached"),
-    ("Blocks free", "pool.blocks_free", "int", "blocks-free"),
+    ("Blocks free (cached ones too)", "pool.blocks_free", "int", "blocks-free"),
     ("KV pool", "pool.total_bytes", "bytes", "pool-bytes"),
     ("KV cached", "pool.cached_bytes", "bytes", "cached-bytes"),
     ("Blocks evicted", "pool.evictions", "int", "evictions"),

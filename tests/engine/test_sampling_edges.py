@@ -63,3 +63,10 @@ def test_max_tokens_beyond_the_context_is_refused(make_llm):
     out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
     assert out.token_ids == greedy and out.finish_reason == "length"
     assert not llm.engine.has_unfinished_requests()
+
+def test_max_model_len_beyond_the_models_context_is_refused(make_llm):
+    """vLLM refuses a max_model_len over the model's max_position_embeddings (8192 for SmolLM2) rather
+    than capping it silently."""
+    with pytest.raises(InvalidInputError, match="max_model_len 8193 is more than the model's context of 8192"):
+        make_llm(max_model_len=8193)
+    assert make_llm(max_model_len=8192).engine.max_model_len == 8192
