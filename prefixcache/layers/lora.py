@@ -128,7 +128,8 @@ class PrepackedWeight:
     (``scripts/probe_bf16_prepacked_linear.py``): the same bits as the plain product for every
     call of 1 to 32 rows, on every SmolLM2 projection shape and the lm_head, so the row-tiled path
     keeps its bits and its batch invariance. A 2,000-token SmolLM2 prefill took 1.56-1.61 s with it
-    vs 1.90-1.94 s without (2 threads, idle, same process, alternating); one-sequence decode did not
+    vs 1.90-1.94 s without (2 threads, idle, same process, alternating:
+    ``scripts/bench_bf16_prepacked.py``); one-sequence decode did not
     change (44-47 ms/token both). The copy costs the weight's size again in memory.
     """
 
