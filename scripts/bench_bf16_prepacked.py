@@ -1,6 +1,6 @@
-"""bf16 with and without oneDNN's prepacked weights (layers/lora.py PrepackedWeight), same process,
-alternating: a 2,000-token prefill's TTFT and one-sequence decode ms/token, and whether the tokens
-are the same (they must be: the prepacked product has the plain one's bits for 1..32 rows).
+"""bf16 with and without oneDNN's prepacked weights (layers/lora.py PrepackedWeight: q/k/v and gate/up
+fused, 128-row calls) vs plain F.linear per module in 32-row calls, same process, alternating: a
+2,000-token prefill's TTFT and one-sequence decode ms/token, and whether the tokens are the same.
 
     .venv/bin/python scripts/bench_bf16_prepacked.py [--num-threads 2] [--repeats 3]
 
@@ -26,15 +26,19 @@ torch.set_num_threads(args.num_threads)
 loaded = load_model("smollm2-135m", dtype=torch.bfloat16)
 llm = LLM("smollm2-135m", loaded=loaded, dtype="bfloat16", num_threads=args.num_threads)
 net = loaded.model
-modules = [m for m in net.modules() if isinstance(m, LoRALinear)]
-packed = [m.packed for m in modules] + [net.lm_head_packed]
-assert all(x is not None for x in packed), "this torch build has no prepacked linear (prefixcache uses plain)"
+assert net.lm_head_packed is not None, "this torch build has no prepacked linear (prefixcache uses plain)"
 
 
 def use_packed(on: bool) -> None:
-    for m, x in zip(modules, packed):
-        m.packed = x if on else None
-    net.lm_head_packed = packed[-1] if on else None
+    if on:
+        net.set_row_tiling()
+        return
+    for m in net.modules():
+        if isinstance(m, LoRALinear):
+            m.packed = None
+    for layer in net.model.layers:
+        layer.self_attn.qkv_packed = layer.mlp.gate_up_packed = None
+    net.lm_head_packed = None
 
 
 prefill_ids = llm.engine.tokenizer((SYSTEM_PROMPT + " ") * 40).input_ids[:2000]

@@ -115,39 +115,56 @@ def load_lora_adapter(path: str | Path, model: nn.Module, name: str = "") -> LoR
     return LoRAAdapter(name=name, digest=digest, rank=rank, scaling=scaling, weights=weights)
 
 
-ROW_TILE = 32  # rows per bf16 GEMM call of a batch-invariant model (see row_tiled_linear)
+ROW_TILE = 32  # rows per plain bf16 GEMM call of a batch-invariant model (see row_tiled_linear)
+PREPACKED_ROW_TILE = 128  # rows per call with a PrepackedWeight (see PrepackedWeight)
 
 
 class PrepackedWeight:
-    """oneDNN's reordered copy of a bfloat16 weight, made once and re-made when the weight changes.
+    """oneDNN's reordered copy of one or more bfloat16 weights stacked by output rows (q, k, v →
+    qkv), made once and re-made when one of them changes.
 
     torch's plain bf16 ``F.linear`` on the CPU reorders the weight into oneDNN's blocked layout on
-    every call, and a row-tiled prefill makes one call per 32 rows. The prepacked product
+    every call, and a row-tiled prefill makes one call per tile. The prepacked product
     (``torch.ops.mkldnn._reorder_linear_weight`` once, then ``_linear_pointwise``: what
-    torch.compile's CPU backend (inductor) emits for bf16 linears) skips it. Measured here
-    (``scripts/probe_bf16_prepacked_linear.py``): the same bits as the plain product for every
-    call of 1 to 32 rows, on every SmolLM2 projection shape and the lm_head, so the row-tiled path
-    keeps its bits and its batch invariance. A 2,000-token SmolLM2 prefill took 1.56-1.61 s with it
-    vs 1.90-1.94 s without (2 threads, idle, same process, alternating:
-    ``scripts/bench_bf16_prepacked.py``); one-sequence decode did not
-    change (44-47 ms/token both). The copy costs the weight's size again in memory.
+    torch.compile's CPU backend (inductor) emits for bf16 linears) skips it, and a fused qkv or
+    gate_up matrix makes one call where there were three or two. Measured here
+    (``scripts/probe_bf16_prepacked_linear.py``, 1 and 2 threads): a row gets the bits of a one-row
+    call in every call of 1 to 128 rows, on every SmolLM2 shape, fused ones and the lm_head
+    included (the 1536 -> 576 down_proj differs from 160 rows on), so the row-tiled path calls it
+    with :data:`PREPACKED_ROW_TILE` rows at most and stays batch-invariant. A 2,000-token SmolLM2
+    prefill took 1.56-1.61 s with per-module prepacked weights in 32-row calls vs 1.90-1.94 s
+    plain; fused and in 128-row calls see ``scripts/bench_bf16_prepacked.py``. The copy costs the
+    weights' size again in memory.
+
+    Args:
+        modules: the linear layers whose weights (and biases) are stacked, in output order.
     """
 
-    def __init__(self) -> None:
-        self._key: tuple[int, int] | None = None  # (data_ptr, _version) of the weight packed
+    def __init__(self, modules: list[nn.Linear]) -> None:
+        self.modules = modules
+        self._key: tuple | None = None  # (data_ptr, _version) of every weight and bias packed
         self._packed: torch.Tensor | None = None
+        self._bias: torch.Tensor | None = None
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """The packed copy of ``weight`` [out, in], made now unless the one held is of these bits."""
-        key = (weight.data_ptr(), weight._version)
-        if key != self._key:  # first use, or the weight was replaced or written in place
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+    def pack(self) -> torch.Tensor:
+        """The packed copy, made now unless the one held is of the modules' current bits."""
+        params = [p for m in self.modules for p in (m.weight, m.bias) if p is not None]
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        if key != self._key:  # first use, or a weight was replaced or written in place
+            weights = [m.weight.detach() for m in self.modules]
+            weight = weights[0] if len(weights) == 1 else torch.cat(weights)  # [sum(out), in]
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            biases = [m.bias for m in self.modules]
+            self._bias = None if all(b is None for b in biases) else torch.cat(
+                [torch.zeros(m.out_features, dtype=m.weight.dtype) if b is None else b.detach()
+                 for m, b in zip(self.modules, biases)])
             self._key = key
         return self._packed
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` for a bfloat16 ``x`` [rows, in] and ``weight`` [out, in]."""
-        return torch.ops.mkldnn._linear_pointwise(x, self.pack(weight), bias, "none", [], "")
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """The stacked product of a bfloat16 ``x`` [rows, in]: [rows, sum(out_features)]."""
+        packed = self.pack()
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self._bias, "none", [], "")
 
 
 def prepacked_linear_supported() -> bool:
@@ -155,28 +172,32 @@ def prepacked_linear_supported() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
                      packed: PrepackedWeight | None = None) -> torch.Tensor:
-    """``F.linear`` in calls of at most :data:`ROW_TILE` rows, so each row's bits do not depend on
-    how many rows share the call.
+    """``F.linear`` in calls of at most :data:`ROW_TILE` rows (:data:`PREPACKED_ROW_TILE` with
+    ``packed``), so each row's bits do not depend on how many rows share the call.
 
-    Measured here (``scripts/probe_gemm_row_invariance.py --dtype bfloat16``): torch's bf16 GEMM on
-    this CPU (oneDNN) gives a row the same bits for every call of 1 to 32 rows, and other bits
-    beyond 32 (another kernel blocking), for every projection shape of the model and the lm_head.
+    Measured here (``scripts/probe_gemm_row_invariance.py --dtype bfloat16``): torch's plain bf16
+    GEMM on this CPU (oneDNN) gives a row the same bits for every call of 1 to 32 rows, and other
+    bits beyond 32 (another kernel blocking), for every projection shape of the model and the
+    lm_head; the prepacked product for 1 to 128 rows (:class:`PrepackedWeight`).
 
     Args:
         x: shape = [num_tokens, in_features].
-        weight: shape = [out_features, in_features].
-        bias: shape = [out_features] or None.
-        packed: the weight's :class:`PrepackedWeight` (bfloat16 only): each call uses it.
+        weight: shape = [out_features, in_features] (ignored with ``packed``).
+        bias: shape = [out_features] or None (ignored with ``packed``).
+        packed: the prepacked weight (bfloat16 only): each call uses it.
 
     Returns:
         shape = [num_tokens, out_features].
     """
-    linear = F.linear if packed is None else packed.linear
-    if x.shape[0] <= ROW_TILE:
-        return linear(x, weight, bias)
-    return torch.cat([linear(x[i : i + ROW_TILE], weight, bias) for i in range(0, x.shape[0], ROW_TILE)])
+    if packed is None:
+        linear, tile = (lambda rows: F.linear(rows, weight, bias)), ROW_TILE
+    else:
+        linear, tile = packed.linear, PREPACKED_ROW_TILE
+    if x.shape[0] <= tile:
+        return linear(x)
+    return torch.cat([linear(x[i : i + tile]) for i in range(0, x.shape[0], tile)])
 
 
 class LoRALinear(nn.Linear):

@@ -50,6 +50,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
         self.qkv_int8: Int8Weight | None = None  # q, k, v in one int8 matrix, set by `quantize`
+        self.qkv_packed: PrepackedWeight | None = None  # q, k, v in one prepacked bf16 matrix (set_row_tiling)
 
     def quantize(self, scheme: str) -> None:
         """Sets (``"int8"``) or clears (``"none"``) the int8 weights of the four projections."""
@@ -62,9 +63,12 @@ class LlamaAttention(nn.Module):
 
     def _qkv(self, x: torch.Tensor, lora: LoRABatch | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v projections: [T, heads * hd], [T, kv_heads * hd], [T, kv_heads * hd]."""
-        if self.qkv_int8 is None:
+        if self.qkv_packed is not None:
+            qkv = row_tiled_linear(x, None, packed=self.qkv_packed)  # [T, (heads + 2 kv_heads) * hd]
+        elif self.qkv_int8 is not None:
+            qkv = int8_linear(*quantize_activations(x), self.qkv_int8, x.dtype)  # [T, (heads + 2 kv_heads) * hd]
+        else:
             return self.q_proj(x, lora), self.k_proj(x, lora), self.v_proj(x, lora)
-        qkv = int8_linear(*quantize_activations(x), self.qkv_int8, x.dtype)  # [T, (heads + 2 kv_heads) * hd]
         kv_dim = self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([self.num_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
         return self.q_proj.add_lora(q, x, lora), self.k_proj.add_lora(k, x, lora), self.v_proj.add_lora(v, x, lora)
@@ -106,6 +110,7 @@ class LlamaMLP(nn.Module):
         self.up_proj = LoRALinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = LoRALinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.gate_up_int8: Int8Weight | None = None  # gate and up in one int8 matrix, set by `quantize`
+        self.gate_up_packed: PrepackedWeight | None = None  # gate and up, prepacked bf16 (set_row_tiling)
 
     def quantize(self, scheme: str) -> None:
         """Sets (``"int8"``) or clears (``"none"``) the int8 weights of the three projections."""
@@ -118,10 +123,11 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """Args: x shape = [num_tokens, hidden_size]. Returns: shape = [num_tokens, hidden_size]."""
-        if self.gate_up_int8 is None:
+        if self.gate_up_int8 is None and self.gate_up_packed is None:
             gate, up = self.gate_proj(x, lora), self.up_proj(x, lora)
         else:
-            gate_up = int8_linear(*quantize_activations(x), self.gate_up_int8, x.dtype)  # [T, 2 * intermediate]
+            gate_up = (row_tiled_linear(x, None, packed=self.gate_up_packed) if self.gate_up_packed is not None
+                       else int8_linear(*quantize_activations(x), self.gate_up_int8, x.dtype))  # [T, 2 * intermediate]
             gate, up = gate_up.chunk(2, dim=-1)
             gate, up = self.gate_proj.add_lora(gate, x, lora), self.up_proj.add_lora(up, x, lora)
         return self.down_proj(F.silu(gate) * up, lora)
@@ -264,15 +270,23 @@ class LlamaForCausalLM(nn.Module):
         return self.quantization == "int8" or self.lm_head.weight.dtype == torch.bfloat16
 
     def set_row_tiling(self) -> None:
-        """Makes every float projection row-tiled iff the model is bfloat16 (call after a dtype change)."""
+        """Makes every float projection row-tiled iff the model is bfloat16 (call after a dtype
+        change), with oneDNN's prepacked weights where this torch has them: q, k, v as one matrix,
+        gate and up as one (LoRA deltas are added to their column slices)."""
         tiled = self.quantization == "none" and self.lm_head.weight.dtype == torch.bfloat16
         pack = tiled and prepacked_linear_supported()
+        packs = []
         for module in self.modules():
             if isinstance(module, LoRALinear):
-                module.row_tiled = tiled
-                module.packed = PrepackedWeight() if pack else None
-                if pack and module.weight.device.type != "meta":
-                    module.packed.pack(module.weight)  # now, not in the first request (~0.5 s for SmolLM2)
-        self.lm_head_packed = PrepackedWeight() if pack else None
+                module.row_tiled, module.packed = tiled, None
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_packed = PrepackedWeight([attn.q_proj, attn.k_proj, attn.v_proj]) if pack else None
+            mlp.gate_up_packed = PrepackedWeight([mlp.gate_proj, mlp.up_proj]) if pack else None
+            if pack:
+                attn.o_proj.packed, mlp.down_proj.packed = PrepackedWeight([attn.o_proj]), PrepackedWeight([mlp.down_proj])
+                packs += [attn.qkv_packed, mlp.gate_up_packed, attn.o_proj.packed, mlp.down_proj.packed]
+        self.lm_head_packed = PrepackedWeight([self.lm_head]) if pack else None
         if pack and self.lm_head.weight.device.type != "meta":
-            self.lm_head_packed.pack(self.lm_head.weight)
+            for packed in packs + [self.lm_head_packed]:
+                packed.pack()  # now, not in the first request (~0.5 s for SmolLM2)

@@ -64,3 +64,29 @@ def test_row_tiled_linear_gives_each_row_the_bits_of_a_one_row_call():
     for m in (1, 7, 32, 33, 64, 100):
         assert torch.equal(row_tiled_linear(x[:m], w), single[:m]), m
     assert torch.equal(row_tiled_linear(x[40:100], w), single[40:100])  # any offset
+
+
+def test_prepacked_fused_linear_gives_each_row_the_bits_of_a_one_row_call():
+    """q, k, v stacked in one prepacked matrix, called with up to PREPACKED_ROW_TILE rows: every row
+    has the bits of a one-row call, for calls of any size and any offset (what keeps bf16's fused,
+    128-row prefill batch-invariant), and each column slice has the separate modules' shapes."""
+    from prefixcache.layers.lora import PREPACKED_ROW_TILE, PrepackedWeight, prepacked_linear_supported, row_tiled_linear
+
+    if not prepacked_linear_supported():
+        pytest.skip("this torch build has no oneDNN prepacked linear")
+    g = torch.Generator().manual_seed(0)
+    mods = [torch.nn.Linear(576, n, bias=False).bfloat16() for n in (576, 192, 192)]
+    for m in mods:
+        m.weight.data = (torch.randn(m.out_features, 576, generator=g) * 0.05).bfloat16()
+    packed = PrepackedWeight(mods)
+    x = torch.randn(300, 576, generator=g).bfloat16()
+    single = torch.cat([packed.linear(x[i : i + 1]) for i in range(300)])
+    assert single.shape == (300, 960) and PREPACKED_ROW_TILE == 128
+    for m in (1, 2, 3, 31, 33, 64, 127, 128, 129, 300):
+        assert torch.equal(row_tiled_linear(x[:m], None, packed=packed), single[:m]), m
+    assert torch.equal(row_tiled_linear(x[40:300], None, packed=packed), single[40:300])  # any offset
+    ref = torch.cat([torch.nn.functional.linear(x.float(), m.weight.float()) for m in mods], dim=1)
+    assert torch.allclose(single.float(), ref, atol=0.05, rtol=0.02)  # the stacked product, not another
+    with torch.no_grad():
+        mods[1].weight.mul_(2)  # written in place: the next call repacks
+    assert torch.allclose(packed.linear(x[:4]).float()[:, 576:768], 2 * ref[:4, 576:768], atol=0.05, rtol=0.02)
