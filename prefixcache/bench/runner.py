@@ -31,7 +31,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +39,7 @@ import torch
 from prefixcache.bench.accounting import IdealAccounting, ideal_accounting
 from prefixcache.bench.goals import goal as _goal
 from prefixcache.bench.speed import SPEED, SpeedSizes, run_speed
-from prefixcache.bench.workloads import DEFAULT_NUM_TURNS, WORKLOAD_NAMES, Workload, build_workload
+from prefixcache.bench.workloads import DEFAULT_NUM_TURNS, WORKLOAD_NAMES, Workload, build_workload, check_workload_args
 from prefixcache.bench.worth import MIN_CONFIRMING_REPEATS, WorthInputs, estimate_worth
 from prefixcache.cache.config import DEFAULT_BLOCK_SIZE, CacheConfig
 from prefixcache.config import DEFAULT_MODEL, EngineConfig
@@ -470,16 +470,20 @@ def hash_lookup_throughput(block_size: int, num_tokens: int = 4096, seconds: flo
 # ---------------------------------------------------------------------------------------- run
 
 
+def check_positive(values: Iterable[tuple[str, object]]) -> None:
+    """Raises ValueError naming the first ``(name, value)`` whose value is not an integer >= 1."""
+    for name, v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
 def run_bench(opts: BenchOptions, loaded: LoadedModel | None = None, log=print) -> dict:
     """Runs the selected workloads and the micro-benchmark; writes the outputs when ``opts.out``."""
     for w in opts.workloads:
         if w not in (*WORKLOAD_NAMES, SPEED):
             raise ValueError(f"workload must be one of {(*WORKLOAD_NAMES, SPEED)} or 'all', got {w!r}")
-    for name, v in (("max_tokens", opts.max_tokens), ("block_size", opts.block_size),
-                    ("num_threads", opts.num_threads), ("repeats", opts.repeats),
-                    ("cold_samples", opts.cold_samples)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    check_positive((("max_tokens", opts.max_tokens), ("block_size", opts.block_size),
+                    ("num_threads", opts.num_threads), ("repeats", opts.repeats), ("cold_samples", opts.cold_samples)))
     started = datetime.datetime.now().astimezone()
     load_start = os.getloadavg()
     engine_config = EngineConfig.from_kwargs(**opts.engine_options)
@@ -694,8 +698,33 @@ def run_cluster_cli(args: argparse.Namespace) -> None:
     print(markdown(result))
 
 
-def run_cli(args: argparse.Namespace) -> int:
+def check_bench_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """Checks every ``bench`` flag before anything runs or loads: the engine options as ``serve``
+    does, the counts, each model workload's sizes (the model-free workloads run first, so a bad
+    value found later would wait for them and the model's load).
+
+    Returns:
+        The workload names (:func:`parse_workloads`).
+
+    Raises:
+        ValueError: the first bad flag, named.
+    """
+    from prefixcache.entrypoints.cli_args import engine_config_from_args
+
     names = parse_workloads(args.workload)
+    engine_config_from_args(args, model_flag="--model", overrides=_engine_options(args))
+    check_positive((("--max-tokens", args.max_tokens), ("--repeats", args.repeats),
+                    ("--cold-samples", args.cold_samples), ("--cluster-replicas", args.cluster_replicas),
+                    ("--cluster-prefixes", args.cluster_prefixes), ("--cluster-concurrency", args.cluster_concurrency),
+                    *((("--num-requests", args.num_requests),) if args.num_requests is not None else ())))
+    for name in names:
+        if name in WORKLOAD_NAMES:
+            check_workload_args(name, args.num_requests, args.num_turns, args.text_scale)
+    return names
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    names = check_bench_args(args)
     if TRACE in names:  # simulation only; `all` means the model workloads
         run_trace_cli(args.out, args.block_size)
     if RESTART in names:  # its own processes

@@ -97,7 +97,7 @@ def build_workload(
     Raises:
         ValueError: unknown name, ``num_requests < 1``, ``num_turns`` or ``text_scale`` out of range.
     """
-    n = _check_args(name, num_requests, num_turns, text_scale)
+    n = check_workload_args(name, num_requests, num_turns, text_scale)
 
     def scaled(text: str) -> str:
         if text_scale == 1:
@@ -137,8 +137,13 @@ def build_workload(
     return _multi_turn(tokenizer, chat, eos_token_ids, n, num_turns)
 
 
-def _check_args(name: str, num_requests: int | None, num_turns: int, text_scale: float) -> int:
-    """Validates :func:`build_workload`'s arguments; returns the number of requests per round."""
+def check_workload_args(name: str, num_requests: int | None, num_turns: int, text_scale: float) -> int:
+    """Validates :func:`build_workload`'s arguments (before a model is loaded for it); returns the
+    number of requests per round.
+
+    Raises:
+        ValueError: unknown name, ``num_requests < 1``, ``num_turns`` or ``text_scale`` out of range.
+    """
     if name not in WORKLOAD_NAMES:
         raise ValueError(f"workload must be one of {WORKLOAD_NAMES} or 'all', got {name!r}")
     n = DEFAULT_NUM_REQUESTS[name] if num_requests is None else num_requests

@@ -6,13 +6,21 @@ Each subcommand's options live beside its code: ``add_cli_args(parser)`` and ``r
 and ``bench/analyze.py`` (analyze), imported lazily so that ``prefixcache demo`` doesn't pay for the
 server's imports. Every ``--help`` shows each flag's default (:class:`DefaultsHelpFormatter`) and the
 choices of enumerated flags.
+
+Every parser is a :class:`CLIParser`: a flag must be spelled in full (``--num-block`` is an error,
+not ``--num-blocks``), and a bad flag or value prints its one error line and a hint, not argparse's
+usage block. Each subcommand that loads a model checks every engine option first (``serve``,
+``cluster``: :func:`~prefixcache.entrypoints.cli_args.check_serve_args`; ``demo``: below;
+``bench``: :func:`~prefixcache.bench.runner.check_bench_args`), so a bad value fails in a second.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
+from typing import NoReturn
 
 from prefixcache import __version__
 from prefixcache.cache.config import DEFAULT_BLOCK_SIZE
@@ -43,6 +51,37 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
 
+class CLIParser(argparse.ArgumentParser):
+    """The parser of ``prefixcache`` and of each subcommand (argparse makes subparsers of the
+    parent's class), with two changes from argparse's defaults:
+
+    - ``allow_abbrev=False``: an abbreviated flag is an error. argparse takes any unique prefix, so
+      ``--num-block 10`` silently meant ``--num-blocks 10`` and a script's abbreviation would change
+      meaning the day a flag with the same prefix is added. (Python's own ``allow_abbrev``.)
+    - :meth:`error` prints ``PROG: error: MESSAGE`` and a hint to ``--help``, not the usage block
+      that pushes the one line that matters off the screen. The exit status stays argparse's 2.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        """Prints the error line and the hint on stderr and exits with status 2."""
+        self.exit(2, f"{self.prog}: error: {message}\nrun '{self.prog} --help' for all options\n")
+
+    def unrecognized(self, extras: list[str]) -> NoReturn:
+        """:meth:`error` for arguments no flag took, naming the closest flag of each unknown one."""
+        flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        close: list[str] = []
+        for name in (x.partition("=")[0] for x in extras if x.startswith("--")):
+            longer = [f for f in flags if f.startswith(name)]  # what argparse used to take it for
+            close += longer[:3] if longer else difflib.get_close_matches(name, flags, n=1, cutoff=0.75)
+        hint = f" (did you mean {' or '.join(dict.fromkeys(close))}?)" if close else ""
+        self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one subcommand; returns the exit status (2 for bad options, 130 when interrupted)."""
     try:
@@ -52,16 +91,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="prefixcache", description="LLM inference with automatic prefix caching",
-                                     formatter_class=DefaultsHelpFormatter)
+def build_parser(command: str | None) -> tuple[CLIParser, dict[str, CLIParser], dict[str, object]]:
+    """The ``prefixcache`` parser with every subcommand; only ``command``'s own options are added
+    (its module imported), the others are stubs that keep ``prefixcache --help`` complete.
+
+    Returns:
+        ``(parser, subcommand name -> its parser, command -> its imported module)``.
+
+    Raises:
+        ModuleNotFoundError: ``command``'s module needs a package that is not installed.
+    """
+    parser = CLIParser(prog="prefixcache", description="LLM inference with automatic prefix caching")
     parser.add_argument("--version", action="version", version=f"prefixcache {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    def add_parser(name: str, **kwargs) -> argparse.ArgumentParser:
-        return sub.add_parser(name, formatter_class=DefaultsHelpFormatter, **kwargs)
-
-    demo = add_parser("demo", help="shared system prompt + 10 questions, prefix caching off vs on")
+    sub = parser.add_subparsers(dest="command", required=True)  # subparsers: CLIParser too
+    demo = sub.add_parser("demo", help="shared system prompt + 10 questions, prefix caching off vs on")
     demo.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     demo.add_argument("--json", action="store_true",
                       help="print the report as one JSON object on stdout (progress bars stay on stderr)")
@@ -71,43 +114,64 @@ def _main(argv: list[str] | None) -> int:
                            "give fewer, e.g. 2: oversubscribed cores make every run many times slower)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
-    fetch = add_parser("fetch", help="download and convert the default model into $PREFIXCACHE_HOME")
+    fetch = sub.add_parser("fetch", help="download and convert the default model into $PREFIXCACHE_HOME")
     fetch.add_argument("--home", default=None,
                        help="cache folder the model is stored in (default: $PREFIXCACHE_HOME, else ~/.cache/prefixcache)")
     fetch.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
-    requested = argv if argv is not None else sys.argv[1:]
-    modules = {}
+    parsers, modules = {"demo": demo, "fetch": fetch}, {}
     for name, (module_name, help_text) in _SUBCOMMAND_MODULES.items():
-        if requested[:1] != [name]:
-            add_parser(name, help=help_text, add_help=False)
+        if command != name:
+            parsers[name] = sub.add_parser(name, help=help_text, add_help=False)
             continue
-        try:
-            modules[name] = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            print(f"prefixcache: error: `{name}` is not available ({e})", file=sys.stderr)
-            return 2
-        modules[name].add_cli_args(add_parser(name, help=help_text))
+        modules[name] = importlib.import_module(module_name)
+        parsers[name] = sub.add_parser(name, help=help_text)
+        modules[name].add_cli_args(parsers[name])
+    return parser, parsers, modules
 
-    args = parser.parse_args(argv)
+
+def _main(argv: list[str] | None) -> int:
+    requested = argv if argv is not None else sys.argv[1:]
     try:
-        if args.command == "demo":
-            from prefixcache.entrypoints.demo import print_report, run_demo
-
-            report = run_demo(args.model, block_size=args.block_size, num_threads=args.num_threads,
-                              progress=not args.no_progress)
-            print_report(report, args.json)
-        elif args.command == "fetch":
-            from pathlib import Path
-
-            from prefixcache.models.fetch import fetch_default_model
-
-            print(fetch_default_model(Path(args.home) if args.home else None, progress=not args.no_progress))
-        else:
-            return modules[args.command].run_cli(args) or 0
+        parser, parsers, modules = build_parser(requested[0] if requested else None)
+    except ModuleNotFoundError as e:
+        print(f"prefixcache: error: `{requested[0]}` is not available ({e})", file=sys.stderr)
+        return 2
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # argparse leaves a subcommand's unknown arguments to the top parser: name the subcommand
+        parsers[args.command].unrecognized(extras)
+    try:
+        return run_command(args, modules)
     except ValueError as e:  # bad options or a model that can't be loaded: one clear line
         print(f"prefixcache: error: {e}", file=sys.stderr)
         return 2
+
+
+def run_command(args: argparse.Namespace, modules: dict[str, object]) -> int:
+    """Runs the parsed subcommand; returns its exit status.
+
+    Raises:
+        ValueError: a bad option (found before any model loads) or a model that can't be loaded.
+    """
+    if args.command == "demo":
+        from prefixcache.entrypoints.cli_args import engine_config_from_args
+        from prefixcache.models.model_path import check_model_arg
+
+        engine_config_from_args(args, model_flag="--model")  # every engine option before the imports and load
+        check_model_arg(args.model)
+        from prefixcache.entrypoints.demo import print_report, run_demo
+
+        report = run_demo(args.model, block_size=args.block_size, num_threads=args.num_threads,
+                          progress=not args.no_progress)
+        print_report(report, args.json)
+    elif args.command == "fetch":
+        from pathlib import Path
+
+        from prefixcache.models.fetch import fetch_default_model
+
+        print(fetch_default_model(Path(args.home) if args.home else None, progress=not args.no_progress))
+    else:
+        return modules[args.command].run_cli(args) or 0
     return 0
 
 

@@ -130,17 +130,25 @@ def add_engine_args(group: argparse._ActionsContainer) -> None:
         action.help = _field_help(field, field.default)  # BooleanOptionalAction may append its own
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The validated :class:`EngineConfig` of the parsed flags.
+def engine_config_from_args(args: argparse.Namespace, model_flag: str = "MODEL",
+                            overrides: dict[str, Any] | None = None) -> EngineConfig:
+    """The validated :class:`EngineConfig` of the parsed flags, for every subcommand that loads a
+    model (``serve`` and ``cluster`` have a flag per field; ``demo`` and ``bench`` a few): each
+    field whose name is an attribute of ``args`` and not None (None = the field's default), then
+    ``overrides`` (fields a subcommand spells its own way, e.g. ``bench --no-partial-block-reuse``).
+
+    Args:
+        model_flag: how the error names the model (``serve``'s positional MODEL, else ``--model``).
 
     Raises:
-        ValueError: an invalid value, naming its flag.
+        ValueError: an invalid value, naming its flag (``--num-threads: num_threads must be ...``).
     """
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    given = {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}
     try:
-        return EngineConfig.from_kwargs(**{name: getattr(args, name) for name in fields})
+        return EngineConfig.from_kwargs(**{**given, **(overrides or {})})
     except InvalidInputError as e:
-        flag = "MODEL" if e.field == "model" else flag_name(fields[e.field]) if e.field in fields else e.field
+        flag = model_flag if e.field == "model" else flag_name(fields[e.field]) if e.field in fields else e.field
         raise ValueError(f"{flag}: {e.message}") from e
 
 

@@ -328,9 +328,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def serve_argv(args: argparse.Namespace) -> list[str]:
     """The ``serve`` arguments that reproduce the serve flags in ``args`` (all but ``--host`` and
     ``--port``): the model, then each flag whose value is not its default."""
+    from prefixcache.entrypoints.cli import CLIParser
     from prefixcache.entrypoints.cli_args import add_cli_args as add_serve_args
 
-    serve = argparse.ArgumentParser(add_help=False)
+    serve = CLIParser(add_help=False)
     add_serve_args(serve)
     argv: list[str] = []
     for action in serve._actions:

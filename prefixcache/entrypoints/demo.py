@@ -14,7 +14,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from prefixcache.config import DEFAULT_MODEL
+from prefixcache.config import DEFAULT_MODEL, EngineConfig
 from prefixcache.llm import LLM
 from prefixcache.outputs import RequestOutput
 from prefixcache.models.loader import LoadedModel, check_model_arg, load_model
@@ -60,7 +60,12 @@ def run_demo(model: str = DEFAULT_MODEL, loaded: LoadedModel | None = None, prog
         loaded: an already loaded model.
         progress: tqdm bars on stderr (model load, then generated tokens of each run).
         engine_options: more :class:`~prefixcache.config.EngineConfig` fields (``num_threads``...).
+
+    Raises:
+        InvalidInputError: a bad engine option, naming it (before the model loads).
+        ValueError: a missing model path or a Hub id (before anything loads).
     """
+    EngineConfig.from_kwargs(model=model, **engine_options)  # every option checked before the load
     if loaded is None:
         check_model_arg(model)  # a missing path or a Hub id: one clear error before anything loads
         if progress:

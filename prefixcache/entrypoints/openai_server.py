@@ -6,7 +6,8 @@ under uvicorn: :mod:`.launcher`). Endpoints: ``POST /v1/completions``,
 :mod:`.serving`), ``GET /v1/models``, ``GET /health``, ``POST /reset_prefix_cache``,
 ``GET /metrics`` (Prometheus), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's), the operator
 dashboard: ``GET /v1/cache/stats`` (JSON) and ``GET /dashboard`` (:mod:`.dashboard`), and
-``GET /server_info`` and ``GET /model_info`` (SGLang's, for routers: :mod:`.router_probes`).
+``GET /server_info`` and ``GET /model_info`` (SGLang's, for routers: :mod:`.router_probes`), and
+the API docs, which work offline: ``GET /docs`` (Swagger UI) and ``GET /redoc`` (:mod:`.api_docs`).
 ``usage.prompt_tokens_details.cached_tokens`` is the request's real
 number of prompt tokens served from the prefix cache; ``cache_salt`` in the body isolates a
 request's cache namespace. With tenant isolation every API key belongs to a tenant
@@ -35,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from prefixcache.engine.llm_engine import LLMEngine
+from prefixcache.entrypoints.api_docs import add_docs_routes
 from prefixcache.entrypoints.api_errors import APIError, clip, cut, error_docs, error_response
 from prefixcache.entrypoints.auth import APIKeyMiddleware, tenants_by_key
 from prefixcache.entrypoints.dashboard import DashboardOptions, DashboardState
@@ -315,7 +317,9 @@ def build_app(
 
     async_engine.on_finish = RequestLog(then=on_finish)  # metrics and the dashboard, then one log line
 
-    app = FastAPI(title="prefixcache", lifespan=_lifespan, redirect_slashes=False)  # "/v1/x/" is a 404, not a 307
+    app = FastAPI(title="prefixcache", lifespan=_lifespan, redirect_slashes=False,  # "/v1/x/" is a 404, not a 307
+                  docs_url=None, redoc_url=None)  # FastAPI's pages load from a CDN: ours below work offline
+    add_docs_routes(app)
     app.state.engine = async_engine
     app.state.metrics = metrics
     app.state.dashboard = board

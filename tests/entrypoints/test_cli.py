@@ -191,5 +191,141 @@ def test_serve_on_a_busy_port_exits_at_once_naming_it_without_loading():
 
 def test_serve_out_of_range_port_is_an_argparse_error(no_model_load, capsys):
     code, out, err = run_cli(["serve", "--port", "70000"], capsys)
-    assert (code, out) == (2, "") and "Traceback" not in err
-    assert err.endswith("prefixcache serve: error: argument --port: not a TCP port (0-65535): '70000'\n")
+    assert (code, out) == (2, "")
+    assert err == ("prefixcache serve: error: argument --port: not a TCP port (0-65535): '70000'\n"
+                   "run 'prefixcache serve --help' for all options\n")  # no usage block before it
+
+
+# ---------------------------------------------------------------------------- flags spelled in full
+SUBCOMMANDS = ("demo", "fetch", "serve", "cluster", "bench", "analyze")
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """Fails the test if a subcommand gets past parsing."""
+
+    def run(args, modules):
+        raise AssertionError(f"`{args.command}` ran with {args}")
+
+    monkeypatch.setattr(cli, "run_command", run)
+
+
+def abbreviations(parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
+    """``(flag, flag minus its last letter)`` for each long flag whose shortened form is a prefix of
+    no other flag: exactly the abbreviations argparse's default (``allow_abbrev=True``) accepts."""
+    flags = [f for a in parser._actions for f in a.option_strings if f.startswith("--")]
+    return [(f, f[:-1]) for f in flags if [g for g in flags if g.startswith(f[:-1])] == [f]]
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_abbreviated_flag_of_every_subcommand_is_refused(no_run, capsys, command):
+    _, parsers, _ = cli.build_parser(command)
+    parser = parsers[command]
+    assert parser.allow_abbrev is False and isinstance(parser, cli.CLIParser)
+    positionals = ["x" for a in parser._actions if not a.option_strings and a.nargs is None]  # analyze's file
+    cases = abbreviations(parser)
+    for flag, short in cases:
+        code, out, err = run_cli([command, *positionals, short], capsys)
+        assert (code, out) == (2, ""), short
+        assert err == (f"prefixcache {command}: error: unrecognized arguments: {short} (did you mean {flag}?)\n"
+                       f"run 'prefixcache {command} --help' for all options\n")
+    assert len(cases) >= {"fetch": 3, "demo": 6, "analyze": 5}.get(command, 20)  # --help among them
+
+
+def test_num_block_was_taken_as_num_blocks_and_now_names_the_flag(no_run, capsys):
+    plain = argparse.ArgumentParser()  # argparse's default: the abbreviation silently works
+    add_cli_args(plain)
+    assert plain.parse_args(["--num-block", "10"]).num_blocks == 10
+    code, out, err = run_cli(["serve", "--num-block", "10"], capsys)
+    assert (code, out) == (2, "")
+    assert err == ("prefixcache serve: error: unrecognized arguments: --num-block (did you mean --num-blocks?)\n"
+                   "run 'prefixcache serve --help' for all options\n")
+    code, _, err = run_cli(["serve", "--no-enable"], capsys)
+    assert code == 2 and err.splitlines()[0] == ("prefixcache serve: error: unrecognized arguments: --no-enable (did "
+                                                 "you mean --no-enable-prefix-caching or --no-enable-partial-block-"
+                                                 "reuse?)")
+
+
+def test_a_misspelt_flag_gets_the_closest_one_and_a_wrong_one_none(no_run, capsys):
+    code, _, err = run_cli(["demo", "--num-thread=2"], capsys)
+    assert code == 2 and err.splitlines()[0] == ("prefixcache demo: error: unrecognized arguments: --num-thread=2 "
+                                                 "(did you mean --num-threads?)")
+    code, _, err = run_cli(["bench", "--workloads", "seed"], capsys)
+    assert code == 2 and err.splitlines()[0] == ("prefixcache bench: error: unrecognized arguments: --workloads seed "
+                                                 "(did you mean --workload?)")
+    code, _, err = run_cli(["fetch", "--zzz"], capsys)
+    assert code == 2 and err.splitlines()[0] == "prefixcache fetch: error: unrecognized arguments: --zzz"
+
+
+# ---------------------------------------------------------------------------- one error line, then a hint
+@pytest.mark.parametrize("argv,line", [
+    (["serve", "--port", "70000"], "prefixcache serve: error: argument --port: not a TCP port (0-65535): '70000'"),
+    (["serve", "--eviction-policy", "fifo"], "prefixcache serve: error: argument --eviction-policy: invalid choice: "
+                                             f"'fifo' (choose from {', '.join(map(repr, sorted(EVICTION_POLICIES)))})"),
+    (["cluster", "--replicas", "two"], "prefixcache cluster: error: argument --replicas: invalid int value: 'two'"),
+    (["demo", "--block-size", "x"], "prefixcache demo: error: argument --block-size: invalid int value: 'x'"),
+    (["bench", "--dtype", "float8"], "prefixcache bench: error: argument --dtype: invalid choice: 'float8' (choose "
+                                     "from 'float32', 'bfloat16', 'float16')"),
+    (["analyze"], "prefixcache analyze: error: the following arguments are required: prompts"),
+    (["fetch", "extra"], "prefixcache fetch: error: unrecognized arguments: extra"),
+    (["serv"], "prefixcache: error: argument command: invalid choice: 'serv' (choose from 'demo', 'fetch', 'serve', "
+               "'cluster', 'bench', 'analyze')"),
+    ([], "prefixcache: error: the following arguments are required: command"),
+])
+def test_a_bad_flag_prints_its_error_line_and_a_hint_not_the_usage(no_run, capsys, argv, line):
+    code, out, err = run_cli(argv, capsys)
+    prog = line.split(": error:")[0]
+    assert (code, out) == (2, "")
+    assert err == f"{line}\nrun '{prog} --help' for all options\n"
+
+
+# ---------------------------------------------------------------------------- engine options before the load
+@pytest.mark.parametrize("argv,message", [
+    (["demo", "--num-threads", "0"], "--num-threads: num_threads must be an integer >= 1, got 0"),
+    (["demo", "--block-size", "0"], "--block-size: block_size must be an integer >= 1, got 0"),
+    (["demo", "--model", ""], "--model: model must be a non-empty string, got ''"),
+    (["bench", "--num-threads", "0"], "--num-threads: num_threads must be an integer >= 1, got 0"),
+    (["bench", "--block-size", "-4", "--workload", "trace"], "--block-size: block_size must be an integer >= 1, "
+                                                             "got -4"),
+    (["bench", "--workload", "cluster", "--num-threads", "0"], "--num-threads: num_threads must be an integer >= 1, "
+                                                               "got 0"),  # was silently 1
+    (["bench", "--workload", "queue,seed", "--max-tokens", "0"], "--max-tokens must be a positive integer, got 0"),
+    (["bench", "--workload", "cluster", "--num-requests", "0"], "--num-requests must be a positive integer, got 0"),
+    (["bench", "--workload", "multi-turn", "--num-turns", "9"], "num_turns must be in [1, 8], got 9"),
+    (["bench", "--text-scale", "0"], "text_scale must be in (0, 1], got 0.0"),
+    (["serve", "--port", "0", "--num-threads", "0"], "--num-threads: num_threads must be an integer >= 1, got 0"),
+])
+def test_bad_engine_options_fail_before_anything_loads_or_runs(no_model_load, monkeypatch, capsys, argv, message):
+    def not_run(*args, **kwargs):
+        raise AssertionError("a workload ran before the options were checked")
+
+    from prefixcache.bench import runner
+
+    for name in ("run_trace_cli", "run_queue_cli", "run_cluster_cli", "run_restart_cli", "run_bench"):
+        monkeypatch.setattr(runner, name, not_run)
+    start = time.monotonic()
+    code, out, err = run_cli(argv, capsys)
+    assert (code, out, err) == (2, "", f"prefixcache: error: {message}\n")
+    assert time.monotonic() - start < 5
+
+
+def test_run_demo_checks_its_engine_options_before_loading(no_model_load):
+    from prefixcache.entrypoints.demo import run_demo
+    from prefixcache.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=r"^num_threads must be an integer >= 1, got 0$") as e:
+        run_demo(num_threads=0)
+    assert e.value.field == "num_threads"
+    with pytest.raises(InvalidInputError, match=r"^unknown engine option\(s\) \['num_thread'\]") as e:
+        run_demo(num_thread=2)
+
+
+def test_demo_with_zero_threads_exits_at_once_in_a_real_process():
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "prefixcache", "demo", "--num-threads", "0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    took_s = time.monotonic() - start
+    assert (proc.returncode, proc.stdout) == (2, "")
+    # the whole stderr: no "loading smollm2-135m ..." line, no progress bar, no traceback
+    assert proc.stderr == "prefixcache: error: --num-threads: num_threads must be an integer >= 1, got 0\n"
+    assert took_s < 30  # the imports only; the demo itself takes minutes
