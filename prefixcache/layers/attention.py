@@ -95,6 +95,8 @@ class PrefillMetadata:
     context_len: int  # cached + new tokens
     block_ids: torch.Tensor  # [ceil(num_keys / block_size)] int64: its context's blocks, in order, padded
     # with block 0
+    first_block: int | None  # its blocks are consecutive in the pool from this one (padding blocks
+    # included): K/V are read as a view of the pool, no copy; None: gathered by block_ids
     num_keys: int  # padded_num_keys(context_len): keys gathered (the last tile's)
     tiles: list[QueryTile]  # its new tokens, Q_TILE at a time
 
@@ -127,6 +129,8 @@ class AttentionMetadata:
     # tail token; None: no decodes
     decode_key_bias: torch.Tensor | None  # decode_attn_mask as the kernel takes it: 0 where True, -inf
     # elsewhere, in the model's dtype
+    decode_first_block: int | None  # a single decode whose tail blocks are consecutive in the pool from
+    # this one: read as a view of the pool (masked padding blocks are whatever follows), no copy
     cascade_groups: list[CascadeGroup]  # shared-prefix groups of decodes; empty when batch-invariant
     num_decode_rows: int  # rows each decode's query takes: MIN_Q_ROWS when batch-invariant, else 1
     num_decode_keys: int  # tail keys: padded_num_keys(longest decode tail); 0 without decodes
@@ -136,7 +140,7 @@ class AttentionMetadata:
 
 def build_attention_metadata(
     seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device | str,
-    batch_invariant: bool = False, dtype: torch.dtype = torch.float32,
+    batch_invariant: bool = False, dtype: torch.dtype = torch.float32, num_pool_blocks: int = 0,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Builds a step's attention metadata and token positions.
 
@@ -151,6 +155,10 @@ def build_attention_metadata(
             the int8 format); else each call attends over exactly its keys, and decodes sharing
             prefix blocks attend to them once (cascade, see the module docstring).
         dtype: the model's activation dtype (of the decode key bias).
+        num_pool_blocks: blocks in the pool (0: unknown). A sequence whose blocks are consecutive
+            and whose padded key range ends inside the pool is read as a view instead of a gather
+            (same bits: masked keys add exact zeros whatever finite values they hold; the pool
+            starts zeroed).
 
     Returns:
         (metadata, positions), positions shape = [num_tokens] int64, num_computed_tokens +
@@ -169,9 +177,9 @@ def build_attention_metadata(
     )  # [num_seqs, max_num_blocks], padded with block 0 (masked out below)
     slot_mapping, positions = _slots_and_positions(seqs, block_table, block_size)
     prefills, decode_rows, decode_token_indices = _split_prefills_and_decodes(seqs, block_table, block_size, device,
-                                                                              inv)
+                                                                              inv, num_pool_blocks)
     decode_block_table, decode_attn_mask, decode_key_bias, decode_index_tensor = None, None, None, None
-    cascade_groups, num_decode_keys = [], 0
+    cascade_groups, num_decode_keys, decode_first_block = [], 0, None
     if decode_rows:
         cascade_groups = [] if inv else _cascade_groups(seqs, block_table, decode_rows, block_size, device)
         decode_block_table, decode_attn_mask, num_decode_keys = _decode_tables(
@@ -181,6 +189,10 @@ def build_attention_metadata(
             ~decode_attn_mask, float("-inf"))
         if len(decode_rows) != len(seqs):
             decode_index_tensor = torch.tensor(decode_token_indices, dtype=torch.int64, device=device)
+        if len(decode_rows) == 1 and not cascade_groups:
+            row = decode_rows[0]
+            decode_first_block = _consecutive_from(block_table[row], -(-(seqs[row][0] + seqs[row][1]) // block_size),
+                                                   decode_block_table.shape[1], num_pool_blocks)
     metadata = AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
         prefills=prefills,
@@ -188,6 +200,7 @@ def build_attention_metadata(
         decode_block_table=decode_block_table,
         decode_attn_mask=decode_attn_mask,
         decode_key_bias=decode_key_bias,
+        decode_first_block=decode_first_block,
         cascade_groups=cascade_groups,
         num_decode_keys=num_decode_keys,
         num_decode_rows=MIN_Q_ROWS if inv else 1,
@@ -240,6 +253,7 @@ def _split_prefills_and_decodes(
     block_size: int,
     device: torch.device | str,
     batch_invariant: bool,
+    num_pool_blocks: int = 0,
 ) -> tuple[list[PrefillMetadata], list[int], list[int]]:
     """Prefill metadata of the sequences with several new tokens; the decodes' rows and token indices."""
     prefills, decode_rows, decode_token_indices = [], [], []
@@ -251,12 +265,15 @@ def _split_prefills_and_decodes(
             decode_token_indices.append(token_start)
         else:
             num_keys = padded_num_keys(context_len, batch_invariant)
+            num_key_blocks = -(-num_keys // block_size)
             prefills.append(
                 PrefillMetadata(
                     token_start=token_start,
                     token_end=token_start + num_new,
                     context_len=context_len,
-                    block_ids=block_table[i, : -(-num_keys // block_size)].to(device),
+                    block_ids=block_table[i, :num_key_blocks].to(device),
+                    first_block=_consecutive_from(block_table[i], -(-context_len // block_size), num_key_blocks,
+                                                  num_pool_blocks),
                     num_keys=num_keys,
                     tiles=[_query_tile(num_comp, start, min(start + Q_TILE, num_new), device, batch_invariant)
                            for start in range(0, num_new, Q_TILE)],
@@ -264,6 +281,16 @@ def _split_prefills_and_decodes(
             )
         token_start += num_new
     return prefills, decode_rows, decode_token_indices
+
+
+def _consecutive_from(block_ids: torch.Tensor, num_real: int, num_read: int, num_pool_blocks: int) -> int | None:
+    """The first block when a context's ``num_real`` blocks are consecutive in the pool and the
+    ``num_read`` blocks read from there (padding included) end inside it; else None."""
+    first = int(block_ids[0])
+    if first + num_read > num_pool_blocks:
+        return None
+    real = block_ids[:num_real]
+    return first if bool((real == first + torch.arange(num_real)).all()) else None
 
 
 def _query_tile(num_computed: int, start: int, end: int, device: torch.device | str,
@@ -401,10 +428,14 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: PrefillMetadata
     ) -> torch.Tensor:
         """One sequence's chunk, a query tile at a time: shape = [num_new_tokens, num_heads, head_dim]."""
-        num_slots = p.block_ids.shape[0] * k_cache.shape[1]
-        kv_shape = (num_slots, self.num_kv_heads, self.head_dim)
-        k_seq = k_cache.index_select(0, p.block_ids).view(kv_shape).transpose(0, 1)  # [kv_heads, slots, hd]
-        v_seq = v_cache.index_select(0, p.block_ids).view(kv_shape).transpose(0, 1)  # [kv_heads, slots, hd]
+        num_read = p.block_ids.shape[0]
+        kv_shape = (num_read * k_cache.shape[1], self.num_kv_heads, self.head_dim)
+        if p.first_block is not None:  # consecutive blocks: a view of the pool, no copy
+            k_seq = k_cache[p.first_block : p.first_block + num_read].view(kv_shape).transpose(0, 1)
+            v_seq = v_cache[p.first_block : p.first_block + num_read].view(kv_shape).transpose(0, 1)
+        else:
+            k_seq = k_cache.index_select(0, p.block_ids).view(kv_shape).transpose(0, 1)  # [kv_heads, slots, hd]
+            v_seq = v_cache.index_select(0, p.block_ids).view(kv_shape).transpose(0, 1)  # [kv_heads, slots, hd]
         q_seq = q[p.token_start : p.token_end]  # [num_new, num_heads, head_dim]
         outs = []
         for tile in p.tiles:
@@ -439,8 +470,13 @@ class Attention(nn.Module):
         flat_blocks = md.decode_block_table.view(num_decodes * num_blocks)  # [num_decodes * num_blocks]
         kv_shape = (num_decodes, num_blocks * k_cache.shape[1], self.num_kv_heads, self.head_dim)
         keys = slice(0, md.num_decode_keys)
-        k_dec = k_cache.index_select(0, flat_blocks).view(kv_shape)[:, keys]  # [num_decodes, num_keys, kv_heads, hd]
-        v_dec = v_cache.index_select(0, flat_blocks).view(kv_shape)[:, keys]  # [num_decodes, num_keys, kv_heads, hd]
+        if md.decode_first_block is not None:  # one decode, consecutive blocks: a view of the pool
+            first = md.decode_first_block
+            k_dec = k_cache[first : first + num_blocks].view(kv_shape)[:, keys]  # [1, num_keys, kv_heads, hd]
+            v_dec = v_cache[first : first + num_blocks].view(kv_shape)[:, keys]
+        else:
+            k_dec = k_cache.index_select(0, flat_blocks).view(kv_shape)[:, keys]  # [num_decodes, num_keys, kv_heads, hd]
+            v_dec = v_cache.index_select(0, flat_blocks).view(kv_shape)[:, keys]  # [num_decodes, num_keys, kv_heads, hd]
         group = self.num_heads // self.num_kv_heads
         rows = md.num_decode_rows
         q = q_dec.view(num_decodes, self.num_kv_heads, group, 1, self.head_dim)

@@ -111,6 +111,7 @@ class ModelRunner:
             self.device,
             batch_invariant=self.model.batch_invariant,  # batch-invariant linear layers: attention too
             dtype=self.kv_caches[0].dtype,
+            num_pool_blocks=self.kv_caches[0].shape[1],
         )
         lora_segments, start = [], 0
         for s in seqs:

@@ -60,3 +60,38 @@ def test_query_bits_do_not_depend_on_the_batch(dtype):
     _run(attn, cache, q_all, k_all, v_all, [(0, 0, 699, list(range(699)))])
     for p in [*range(3, 699, 23), 511, 512, 513]:
         assert torch.equal(_run(attn, cache, q_all, k_all, v_all, [(0, p, 1, [p])])[0], whole[p]), p
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_consecutive_blocks_read_as_a_view_give_the_gathered_bits(batch_invariant):
+    """A sequence whose blocks are consecutive in the pool is read as a view (no gather) when the
+    pool size is known: a prefill chunk and a lone decode get exactly the gathered path's bits; a
+    padded range past the pool's end, a scattered table or two decodes fall back to the gather."""
+    torch.manual_seed(1)
+    dtype = torch.bfloat16 if batch_invariant else torch.float32
+    attn = Attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    pool = torch.randn(2, 80, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)  # finite junk in every slot
+    table = list(range(7, 7 + 40))  # 40 consecutive blocks: 640 tokens
+    q, k, v = torch.randn(1, HEADS, HEAD_DIM).to(dtype), torch.randn(1, KV_HEADS, HEAD_DIM).to(dtype), \
+        torch.randn(1, KV_HEADS, HEAD_DIM).to(dtype)
+
+    def run(seqs, num_pool_blocks, q, k, v):
+        md, _ = build_attention_metadata(seqs, BLOCK, "cpu", batch_invariant=batch_invariant, dtype=dtype,
+                                         num_pool_blocks=num_pool_blocks)
+        return md, attn(q, k, v, pool.clone(), md)
+
+    md_view, out_view = run([(600, 1, table)], 80, q, k, v)  # decode at position 600
+    md_gather, out_gather = run([(600, 1, table)], 0, q, k, v)
+    assert md_view.decode_first_block == 7 and md_gather.decode_first_block is None
+    assert torch.equal(out_view, out_gather)
+    qp, kp, vp = (torch.randn(90, h, HEAD_DIM).to(dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
+    md_view, out_view = run([(500, 90, table)], 80, qp, kp, vp)  # a chunk after 500 cached tokens
+    _, out_gather = run([(500, 90, table)], 0, qp, kp, vp)
+    assert md_view.prefills[0].first_block == 7 and torch.equal(out_view, out_gather)
+    # keys padded to 1024 (64 blocks from block 7 = 71 > 60): past a 60-block pool when invariant
+    assert run([(600, 1, table)], 60, q, k, v)[0].decode_first_block == (None if batch_invariant else 7)
+    scattered = table[:10] + [70] + table[11:]
+    assert run([(600, 1, scattered)], 80, q, k, v)[0].decode_first_block is None
+    two = run([(600, 1, table), (100, 1, list(range(50, 57)))], 80, torch.cat([q, q]), torch.cat([k, k]),
+              torch.cat([v, v]))[0]
+    assert two.decode_first_block is None
