@@ -50,6 +50,9 @@ class SchedulerConfig:
         "help": "lpm: a request waiting longer than this (seconds) goes first"})
     scheduling_max_overtakes: int = field(default=64, metadata={
         "help": "lpm: a request overtaken by this many later arrivals goes first (0 = arrival order)"})
+    scheduling_pressure_steps: int = field(default=64, metadata={
+        "help": "lpm: reorder only within this many steps (steps with a waiting queue) after the pool evicted "
+                "a cached block to make room; otherwise arrival order, as fcfs"})
 
     def validate(self) -> None:
         """Raises :class:`InvalidInputError` naming the first invalid field."""
@@ -60,6 +63,7 @@ class SchedulerConfig:
                                                          f"got {self.scheduling_policy!r}")
         check_positive_float("scheduling_max_wait_s", self.scheduling_max_wait_s)
         check_int("scheduling_max_overtakes", self.scheduling_max_overtakes, 0)
+        check_int("scheduling_pressure_steps", self.scheduling_pressure_steps, 1)
 
 
 @dataclass(frozen=True)
