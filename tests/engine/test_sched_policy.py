@@ -350,9 +350,10 @@ def test_serve_flags_set_the_policy_and_bounds():
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
     args = parser.parse_args(["--scheduling-policy", "fcfs", "--scheduling-max-wait-s", "2.5",
-                              "--scheduling-max-overtakes", "0"])
+                              "--scheduling-max-overtakes", "0", "--scheduling-pressure-steps", "8"])
     config = engine_config_from_args(args)
-    assert (config.scheduling_policy, config.scheduling_max_wait_s, config.scheduling_max_overtakes) == ("fcfs", 2.5, 0)
-    assert EngineConfig().scheduling_policy == "lpm"
+    assert (config.scheduling_policy, config.scheduling_max_wait_s, config.scheduling_max_overtakes,
+            config.scheduling_pressure_steps) == ("fcfs", 2.5, 0, 8)
+    assert (EngineConfig().scheduling_policy, EngineConfig().scheduling_pressure_steps) == ("lpm", 64)
     with pytest.raises(SystemExit):
         parser.parse_args(["--scheduling-policy", "sjf"])
