@@ -52,6 +52,19 @@ def test_under_pressure_lpm_reorders_and_computes_less():
     assert 0 < lpm.max_overtakes <= 64 and fcfs.max_overtakes == 0
 
 
+def test_goals_follow_the_pressure():
+    """With evictions the issue's pressure goals; without, same prefill and makespan within 1%."""
+    free = run_queue_benchmark(dataclasses.replace(SMALL, num_requests=60))
+    pressed = run_queue_benchmark(dataclasses.replace(SMALL, num_requests=60, num_blocks=96))
+    assert [(g["goal"], g["met"]) for g in free["goals"]] == [
+        ("prefill tokens computed / fcfs (no pressure)", True), ("makespan / fcfs (no pressure)", True),
+        ("max overtakes", True), ("worst wait (virtual s)", True)]
+    assert [g["value"] for g in free["goals"][:3]] == [1.0, 1.0, 0]
+    assert [g["goal"] for g in pressed["goals"][:2]] == ["prefill tokens computed / fcfs", "TTFT p99 / fcfs"]
+    lpm, fcfs = pressed["policies"]["lpm"], pressed["policies"]["fcfs"]
+    assert pressed["goals"][0]["value"] == lpm["prefill_tokens_computed"] / fcfs["prefill_tokens_computed"]
+
+
 def test_bad_queue_config_names_the_field():
     for options, field in (({"rate_rps": 0.0}, "rate_rps"), ({"num_blocks": 0}, "num_blocks"),
                            ({"num_requests": 0}, "num_requests")):
