@@ -130,6 +130,16 @@ def test_lpm_admits_longest_cached_prefix_first_then_groups_under_pressure():
     assert [reqs[r].num_cached_tokens for r in ("a1", "a2", "b1", "b2")] == [12, 8, 0, 8]
 
 
+def test_lpm_without_prefix_caching_is_arrival_order():
+    """Nothing is cached, so nothing cached is evicted, however full the pool: lpm never reorders."""
+    scheduler = Scheduler(make_manager(8, B, enable_caching=False), SchedulerConfig(16, 64, scheduling_policy="lpm"))
+    for i in range(4):
+        scheduler.add_request(request(f"r{i}", list(range(100 * i, 100 * i + 10)), max_tokens=2))
+    assert drain(scheduler) == ["r0", "r1", "r2", "r3"]  # 3 blocks each: at most 2 at a time in 8
+    assert scheduler.kv_cache_manager.block_pool.num_allocation_evictions == 0
+    assert scheduler.policy.reordering is False
+
+
 @pytest.mark.parametrize("pressure_steps,expected", [
     (3, ARRIVAL_ORDER),  # steps 1-3 reorder (only hog chooses, then none is admitted); 4 on: arrival order
     (4, ["a1", "a2", "x", "y", "b1", "z", "b2"]),  # step 4 still reorders (budget 16: a1 4, a2 6, x 6 tokens)
