@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from prefixcache.bench.accounting import IdealAccounting, ideal_accounting
-from prefixcache.bench.queue import QueueConfig
 from prefixcache.bench.goals import goal as _goal
+from prefixcache.bench.queue import QueueConfig
 from prefixcache.bench.speed import SPEED, SpeedSizes, run_speed
 from prefixcache.bench.workloads import DEFAULT_NUM_TURNS, WORKLOAD_NAMES, Workload, build_workload
 from prefixcache.bench.worth import MIN_CONFIRMING_REPEATS, WorthInputs, estimate_worth
