@@ -30,7 +30,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8")
 DEFAULT_MODEL = "smollm2-135m"
 # Waiting-queue admission orders (prefixcache.engine.sched_policy holds their classes): fcfs = vLLM's
-# default; lpm = longest cached prefix first, shared uncached prefixes grouped, starvation bounded.
+# default; lpm = under memory pressure longest cached prefix first, shared uncached prefixes grouped,
+# starvation bounded (arrival order otherwise).
 SCHEDULING_POLICIES = ("fcfs", "lpm")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB when neither num_blocks nor a budget is given
 
@@ -43,13 +44,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = field(default=2048, metadata={
         "help": "tokens per forward pass (prefill chunks + decodes)"})
     scheduling_policy: str = field(default="lpm", metadata={
-        "help": "waiting-queue order within a request priority: fcfs (arrival) or lpm (longest cached prefix "
-                "first, shared prefixes computed once, starvation bounded; README 'Scheduling')",
+        "help": "waiting-queue order within a request priority: fcfs (arrival) or lpm (under memory pressure "
+                "longest cached prefix first, shared prefixes computed once, starvation bounded; otherwise arrival; "
+                "README 'Scheduling')",
         "choices": SCHEDULING_POLICIES})
     scheduling_max_wait_s: float = field(default=30.0, metadata={
         "help": "lpm: a request waiting longer than this (seconds) goes first"})
     scheduling_max_overtakes: int = field(default=64, metadata={
         "help": "lpm: a request overtaken by this many later arrivals goes first (0 = arrival order)"})
+    scheduling_pressure_steps: int = field(default=64, metadata={
+        "help": "lpm: reorder only within this many steps (steps with a waiting queue) after the pool evicted "
+                "a cached block to make room; otherwise arrival order, as fcfs"})
 
     def validate(self) -> None:
         """Raises :class:`InvalidInputError` naming the first invalid field."""
@@ -60,6 +65,7 @@ class SchedulerConfig:
                                                          f"got {self.scheduling_policy!r}")
         check_positive_float("scheduling_max_wait_s", self.scheduling_max_wait_s)
         check_int("scheduling_max_overtakes", self.scheduling_max_overtakes, 0)
+        check_int("scheduling_pressure_steps", self.scheduling_pressure_steps, 1)
 
 
 @dataclass(frozen=True)

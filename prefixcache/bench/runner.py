@@ -38,6 +38,7 @@ import torch
 
 from prefixcache.bench.accounting import IdealAccounting, ideal_accounting
 from prefixcache.bench.goals import goal as _goal
+from prefixcache.bench.queue import QueueConfig
 from prefixcache.bench.speed import SPEED, SpeedSizes, run_speed
 from prefixcache.bench.workloads import DEFAULT_NUM_TURNS, WORKLOAD_NAMES, Workload, build_workload, check_workload_args
 from prefixcache.bench.worth import MIN_CONFIRMING_REPEATS, WorthInputs, estimate_worth
@@ -596,6 +597,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--cluster-replicas", type=int, default=2, help="replicas behind the gateway")
     c.add_argument("--cluster-prefixes", type=int, default=8, help="distinct system prompts")
     c.add_argument("--cluster-concurrency", type=int, default=4, help="clients sending at once")
+    q = p.add_argument_group("--workload queue (--num-requests: default 1200; --out, --no-plots apply)")
+    q.add_argument("--queue-rate-rps", type=float, default=QueueConfig.rate_rps,
+                   help="arrivals per virtual second (Poisson; a 640-block pool serves about 13/s)")
+    q.add_argument("--queue-num-blocks", type=int, default=QueueConfig.num_blocks,
+                   help="KV pool blocks of 16 tokens (1200 requests allocate under 24,000: 30000 never evicts)")
     p.add_argument("--no-partial-block-reuse", action="store_true",
                    help="full-block sharing only (then computed must equal the ideal exactly)")
     p.add_argument("--scheduling-policy", default=None, choices=EngineConfig.choices("scheduling_policy"),
@@ -635,16 +641,22 @@ def run_restart_cli(args: argparse.Namespace) -> None:
             print(f"wrote {path}", file=sys.stderr)
 
 
-def run_queue_cli(out_dir: str | None, num_requests: int | None, plots: bool) -> None:
+def run_queue_cli(args: argparse.Namespace) -> None:
     """``--workload queue``: the scheduling policies on the queue workload (scheduler replay, no
-    model); ``queue.json``, ``queue.md`` and ``queue.png`` into ``out_dir``."""
-    from prefixcache.bench.queue import QueueConfig, queue_markdown, run_queue_benchmark, write_queue_outputs
+    model); ``queue.json``, ``queue.md`` and ``queue.png`` into ``--out``.
 
-    config = QueueConfig() if num_requests is None else dataclasses.replace(QueueConfig(), num_requests=num_requests)
+    Raises:
+        InvalidInputError: a flag out of range (naming its field).
+    """
+    from prefixcache.bench.queue import queue_markdown, run_queue_benchmark, write_queue_outputs
+
+    config = dataclasses.replace(QueueConfig(), rate_rps=args.queue_rate_rps, num_blocks=args.queue_num_blocks)
+    if args.num_requests is not None:
+        config = dataclasses.replace(config, num_requests=args.num_requests)
     result = run_queue_benchmark(config)
     print(queue_markdown(result))
-    if out_dir:
-        for path in write_queue_outputs(result, out_dir, plots):
+    if args.out:
+        for path in write_queue_outputs(result, args.out, not args.no_plots):
             print(f"wrote {path}", file=sys.stderr)
 
 
@@ -730,7 +742,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if RESTART in names:  # its own processes
         run_restart_cli(args)
     if QUEUE in names:
-        run_queue_cli(args.out, args.num_requests, not args.no_plots)
+        run_queue_cli(args)
     if CLUSTER in names:  # its own processes: replicas and the gateway
         run_cluster_cli(args)
     names = tuple(n for n in names if n not in (TRACE, RESTART, QUEUE, CLUSTER))

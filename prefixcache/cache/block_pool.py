@@ -103,6 +103,10 @@ class BlockPool:
         self.cached_children: dict[tuple[int | bytes, int], dict[int, KVCacheBlock]] = {}
         self.num_cached_blocks = 0
         self.eviction_stats = EvictionStats()
+        # Cached blocks evicted by get_new_blocks to make room (whatever the policy's reason): the
+        # pool's memory pressure, as the cache-aware scheduler reads it. Expiry sweeps,
+        # invalidations and failed steps are not counted here.
+        self.num_allocation_evictions = 0
         # Told when a hash enters or leaves the hash map, and of resets (KV events); None: off.
         self.kv_events: KVEventRecorder | None = None
         # Hashes that entered or left the cache map since the last take_changed_hashes(); None until
@@ -247,6 +251,7 @@ class BlockPool:
         blocks = []
         for _ in range(num_blocks):
             block, reason = self.evictor.choose_victim()
+            self.num_allocation_evictions += block.block_hash is not None
             self._evict(block, reason)
             block.ref_cnt = 1
             blocks.append(block)

@@ -11,7 +11,27 @@ the waiting queue (an ``OrderedDict`` in arrival order, preempted requests at it
 
 ``fcfs`` (vLLM's default): arrival order (within a priority). O(admitted) per step.
 
-``lpm`` (longest prefix match, after SGLang's policy of that name): within a priority,
+``lpm`` (longest prefix match, after SGLang's policy of that name) reorders only under memory
+pressure, and is otherwise ``fcfs``:
+
+    reorder in a step  <=>  the pool evicted a cached block to make room for an allocation
+                            (``BlockPool.num_allocation_evictions`` grew) in this step or one of the
+                            ``scheduling_pressure_steps - 1`` steps before it
+
+where steps are those with a waiting queue (the calls of ``order``; evictions made while nothing
+waited are seen at the next one). While nothing is evicted, every block a waiting request could hit
+stays cached until it is admitted, whatever the order, and a request admitted after the one that
+computes a shared prefix hits it in either order (blocks are cached when allocated): arrival order
+computes the same prefill, and reordering would only cost the TTFT of the requests passed over.
+One counter compared per step, O(1). The rule reacts to evictions instead of predicting them (the
+queue's uncached need against the free uncached blocks: with ``lru``'s single free queue, cached
+blocks are evicted while uncached ones wait further back, and the cheap bound, free minus cached
+blocks, fired early in the queue replays and cost TTFT p99 there), so the first eviction of an
+episode happens in arrival order. SGLang instead falls back to FCFS for queues over 128 requests,
+for the cost of its per-step matching, which the cached match lengths below avoid. Without prefix
+caching nothing cached is ever evicted, so ``lpm`` is then ``fcfs``.
+
+Under pressure, within a priority:
 
 1. preempted requests (they were admitted already), then
 2. *starving* requests, oldest first: waiting longer than ``scheduling_max_wait_s``, or overtaken
@@ -29,18 +49,22 @@ the waiting queue (an ``OrderedDict`` in arrival order, preempted requests at it
    before its whole prompt is allocated, and cached. No sibling computes the prefix again, without
    holding anyone back.
 
-Cheap ordering: each waiting request's match length is cached and refreshed only when a block
-hash it depends on enters or leaves the pool's cache map (the pool records them, see
-:meth:`BlockPool.track_changed_hashes`; an index maps each hash to the waiting requests whose
-prompt contains it). The sorted order is cached too and rebuilt (O(W log W)) only when a match
-length or the starving set changed; an arrival is inserted into it, admissions and aborts just
-drop out of it.
-The hit length is the pool's only (KV tiers are not consulted for ordering); a policy that refuses
-hits over time (``ttl``) may leave a cached length stale until the next change of its hashes.
+Cheap ordering: each waiting request's match length is cached and refreshed, in a step that
+reorders, only when a block hash it depends on entered or left the pool's cache map (the pool
+records them, see :meth:`BlockPool.track_changed_hashes`; an index maps each hash to the waiting
+requests whose prompt contains it; a step that does not reorder only marks them). The sorted order
+is cached too and rebuilt (O(W log W)) only when a match length or the starving set changed, or
+reordering resumes; an arrival is inserted into it, admissions and aborts just drop out of it.
+The hit length is the pool's only: the KV tiers can't tell how many further blocks of a request
+they hold without I/O per waiting request per step (Redis answers over the network, the disk tier
+stats files that other processes write too, and neither reports changes that would let a length
+be cached). A policy that refuses hits over time (``ttl``) may leave a cached length stale until
+the next change of its hashes.
 
 Invariants: ``order`` yields each waiting request at most once per call and no other request; a
 request arrived after ``R`` (same or lower priority) is admitted before ``R`` at most
-``scheduling_max_overtakes`` times.
+``scheduling_max_overtakes`` times (a step that does not reorder admits in arrival order and
+overtakes nobody); ``reordering`` is False in every step without evictions in its window.
 """
 
 from __future__ import annotations
@@ -70,6 +94,7 @@ class SchedulingPolicy:
     """
 
     name = "fcfs"
+    reordering = False  # whether the last ``order`` departed from arrival order (lpm under pressure)
 
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic):
         self.kv = kv
@@ -131,6 +156,9 @@ class LPMPolicy(SchedulingPolicy):
         self._group_seq: dict[BlockHash, int] = {}  # first uncached block's hash -> its group's key
         self._starving: frozenset[str] = frozenset()
         self._stale = True
+        self._num_steps = 0  # steps with a waiting queue (calls of order)
+        self._num_evictions_seen = kv.block_pool.num_allocation_evictions
+        self._pressure_step: int | None = None  # the last step that saw new evictions
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
@@ -166,12 +194,15 @@ class LPMPolicy(SchedulingPolicy):
         self._dirty.discard(rid)
         self._overtaken.discard(rid)
 
-    def _refresh(self) -> None:
-        """Recomputes the match length of the requests whose hashes entered or left the cache."""
+    def _take_changed_hashes(self) -> None:
+        """Marks for refresh the waiting requests whose hashes entered or left the cache (no lookup)."""
         for h in self.kv.block_pool.take_changed_hashes():
             deps = self._deps.get(h)
             if deps:
                 self._dirty |= deps
+
+    def _refresh(self) -> None:
+        """Recomputes the match length of the requests marked for refresh."""
         bs = self.kv.block_size
         for rid in self._dirty:
             entry = self._entries.get(rid)
@@ -222,6 +253,11 @@ class LPMPolicy(SchedulingPolicy):
         self._stale = False
 
     def order(self, waiting: OrderedDict[str, Request]) -> Iterator[Request]:
+        self._take_changed_hashes()
+        if not self._under_pressure():
+            self._pending.clear()
+            self._stale = True  # rebuilt when reordering resumes
+            return super().order(waiting)
         self._refresh()
         starving = self._find_starving(waiting)
         if starving != self._starving:
@@ -235,6 +271,17 @@ class LPMPolicy(SchedulingPolicy):
         first += [((waiting[rid].priority, 1, self._entries[rid].seq), rid) for rid in starving]
         first.sort()
         return self._stream(heapq.merge(first, self._sorted), waiting, starving)
+
+    def _under_pressure(self) -> bool:
+        """Counts this step (one with a waiting queue) and tells whether to reorder in it (see the
+        module docstring); sets :attr:`reordering`. O(1)."""
+        pool = self.kv.block_pool
+        self._num_steps += 1
+        if pool.num_allocation_evictions != self._num_evictions_seen:  # evicted since the last step
+            self._num_evictions_seen, self._pressure_step = pool.num_allocation_evictions, self._num_steps
+        self.reordering = (self._pressure_step is not None
+                           and self._num_steps - self._pressure_step < self.config.scheduling_pressure_steps)
+        return self.reordering
 
     def _stream(self, merged: Iterator[tuple[tuple, str]], waiting: OrderedDict[str, Request],
                 starving: frozenset[str]) -> Iterator[Request]:

@@ -153,6 +153,24 @@ def test_lazy_eviction_removes_hash_and_bumps_generation():
     assert pool.get_cached_block(req.block_hashes[0], [0, 1, 2, 3], None, req.root_key) is b0
 
 
+def test_allocation_evictions_count_only_cached_blocks_taken_for_room():
+    """num_allocation_evictions (the scheduler's pressure signal): cached blocks get_new_blocks
+    evicted; uncached free blocks and a failed step's uncaching are not counted."""
+    pool = BlockPool(4)
+    req = make_request("a", list(range(12)), block_size=B)
+    blocks = pool.get_new_blocks(3)
+    cache_request(pool, req, blocks)
+    pool.free_blocks(reversed(blocks))
+    assert free_ids(pool) == [3, 2, 1, 0] and pool.num_allocation_evictions == 0
+    taken = pool.get_new_blocks(1)  # block 3: never cached
+    assert ids(taken) == [3] and pool.num_allocation_evictions == 0
+    assert pool.uncache([blocks[2]]) == 1  # a failed step: evicted, but not for room
+    assert pool.eviction_stats.num_evictions == 1 and pool.num_allocation_evictions == 0
+    assert free_ids(pool) == [1, 0, 2]  # the uncached block went back to the tail
+    assert ids(pool.get_new_blocks(3)) == [1, 0, 2]  # 1 and 0 cached: two evictions for room
+    assert pool.num_allocation_evictions == 2 and pool.eviction_stats.num_evictions == 3
+
+
 def test_evicted_parent_invalidates_child():
     """A child whose parent was evicted and reused is never hit, even if re-cached identically."""
     pool = BlockPool(2)

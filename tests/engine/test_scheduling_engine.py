@@ -36,24 +36,60 @@ def prompts(tokenizer) -> tuple[list[int], list[list[int]]]:
     return shared + tokenizer(" " + QUESTIONS[5]).input_ids, batch
 
 
-def test_lpm_and_fcfs_reorder_but_generate_identical_tokens(make_llm, smollm2):
-    """Everything fits (no pressure): lpm admits the cache hits first, fcfs in arrival order; every
-    request's tokens are the same, and the same as alone."""
+def run_batch(make_llm, policy: str, primer: list[int], batch: list[list[int]], pressure: bool):
+    """Primes the cache, then generates ``batch`` (max_num_seqs 2, a 64-block pool of 16 tokens).
+
+    With ``pressure``: junk1 (10 full blocks + 1 for the decode tokens) is computed before the
+    primer, so the LRU free queue holds the never-used blocks, then junk1's, then the primer's;
+    junk2 then takes the U free uncached blocks + 6 (5 more prompt blocks, 1 for decode), i.e. the
+    never-used ones, junk1's uncached one and 7 of its cached ones, which are evicted to make room
+    (the primer's are not touched). The batch's first step sees those evictions.
+
+    Returns:
+        (token ids per request, cached tokens per request, admission order as batch indices,
+        evictions to make room before the batch)
+    """
+    llm = make_llm(scheduling_policy=policy, max_num_seqs=2, block_size=16, num_blocks=64)
+    pool = llm.engine.scheduler.kv_cache_manager.block_pool
+    if pressure:
+        llm.generate([list(range(1000, 1000 + 10 * 16))], GREEDY, use_tqdm=False)
+    llm.generate([primer], GREEDY, use_tqdm=False)
+    if pressure:
+        uncached = sum(b.block_hash is None for b in pool.evictor.get_all_free_blocks())
+        llm.generate([list(range(5000, 5000 + (uncached + 5) * 16))], GREEDY, use_tqdm=False)
+    evictions = pool.num_allocation_evictions
+    order = record_admissions(llm)
+    outs = llm.generate(batch, GREEDY, use_tqdm=False)
+    return ([o.token_ids for o in outs], [o.num_cached_tokens for o in outs], [batch.index(p) for p in order],
+            evictions)
+
+
+def test_lpm_is_fcfs_without_pressure_and_generates_identical_tokens(make_llm, smollm2):
+    """Everything fits (no eviction): lpm admits in arrival order, as fcfs; every request's tokens
+    and cache hits are the same, and the tokens the same as alone."""
     primer, batch = prompts(smollm2.tokenizer)
-    results = {}
-    for policy in ("fcfs", "lpm"):
-        llm = make_llm(scheduling_policy=policy, max_num_seqs=2, block_size=16, num_blocks=128)
-        llm.generate([primer], GREEDY, use_tqdm=False)
-        order = record_admissions(llm)
-        outs = llm.generate(batch, GREEDY, use_tqdm=False)
-        results[policy] = ([o.token_ids for o in outs], [o.num_cached_tokens for o in outs],
-                           [batch.index(p) for p in order])
-        assert llm.get_metrics().num_evictions == 0
+    results = {policy: run_batch(make_llm, policy, primer, batch, pressure=False) for policy in ("fcfs", "lpm")}
+    assert results["fcfs"] == results["lpm"]
+    tokens, cached, order, evictions = results["lpm"]
+    assert order == [0, 1, 2, 3, 4, 5] and evictions == 0
+    # The shared prompt's 105 tokens (6 full blocks + 9 by partial-block reuse); the unrelated notes
+    # after the first share its first 4 tokens ("Unrelated note").
+    assert cached == [0, 105, 4, 105, 4, 105]
+    alone = make_llm(enable_prefix_caching=False, num_blocks=64)
+    assert [alone.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in batch] == tokens
+
+
+def test_lpm_reorders_under_pressure_and_generates_identical_tokens(make_llm, smollm2):
+    """The pool evicted (junk) blocks just before the batch: lpm admits the cache hits first, fcfs in
+    arrival order; every request's tokens are the same, and the same as alone."""
+    primer, batch = prompts(smollm2.tokenizer)
+    results = {policy: run_batch(make_llm, policy, primer, batch, pressure=True) for policy in ("fcfs", "lpm")}
     assert results["fcfs"][2] == [0, 1, 2, 3, 4, 5]
     assert results["lpm"][2] == [1, 3, 5, 0, 2, 4]  # the three cache hits first
+    assert results["fcfs"][3] == results["lpm"][3] == 7
     assert results["fcfs"][0] == results["lpm"][0]
-    assert results["fcfs"][1] == results["lpm"][1]
-    alone = make_llm(enable_prefix_caching=False, num_blocks=128)
+    assert results["lpm"][1] == [0, 105, 4, 105, 4, 105]
+    alone = make_llm(enable_prefix_caching=False, num_blocks=64)
     assert [alone.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in batch] == results["lpm"][0]
 
 

@@ -97,6 +97,10 @@ def test_every_flag_with_a_default_says_it_in_help():
     (["bench", "--help"], "local .gguf file; never downloaded from the Hub (default: smollm2-135m)"),
     (["bench", "--help"], "--max-tokens MAX_TOKENS tokens generated per request (default: 16)"),
     (["bench", "--help"], "'trace' (eviction-policy trace simulation, no model), 'restart' (TTFT after a restart"),
+    (["bench", "--help"], "--queue-rate-rps QUEUE_RATE_RPS arrivals per virtual second (Poisson; a 640-block pool "
+                          "serves about 13/s) (default: 20.0)"),
+    (["bench", "--help"], "--queue-num-blocks QUEUE_NUM_BLOCKS KV pool blocks of 16 tokens (1200 requests allocate "
+                          "under 24,000: 30000 never evicts) (default: 640)"),
     (["bench", "--help"], "'queue' (scheduling policies under a queue and memory pressure: scheduler replay, no "
                           "model) and 'cluster' (replicas behind the SGLang gateway: cache_aware vs round_robin vs "
                           "random vs one replica; see --cluster-*) (default: all)"),
@@ -104,6 +108,21 @@ def test_every_flag_with_a_default_says_it_in_help():
 def test_subcommand_help_documents_flags_and_defaults(capsys, argv, expected):
     code, out, _ = run_cli(argv, capsys)
     assert code == 0 and expected in flat(out)
+
+
+def test_bench_queue_flags_set_the_replay_and_bad_values_name_the_field(capsys):
+    """--queue-num-blocks / --queue-rate-rps reach the replay (a pool that never evicts: fcfs and lpm
+    rows equal but for the wall time per step); an out-of-range value is one line naming the field."""
+    code, out, err = run_cli(["bench", "--workload", "queue", "--num-requests", "40", "--queue-rate-rps", "30",
+                              "--queue-num-blocks", "30000"], capsys)
+    assert code == 0, err
+    assert "## Queue workload" in out
+    fcfs_row, lpm_row = (next(line for line in out.splitlines() if line.startswith(f"| {p} | 0.")).split(" | ")
+                         for p in ("fcfs", "lpm"))  # hit rate first (the goal rows have none)
+    assert fcfs_row[1:-1] == lpm_row[1:-1] and fcfs_row[8] == "0"  # all but µs/step; 0 evictions
+    code, out, err = run_cli(["bench", "--workload", "queue", "--queue-rate-rps", "0"], capsys)
+    assert (code, out) == (2, "")
+    assert err == "prefixcache: error: rate_rps must be a finite number > 0, got 0.0\n"
 
 
 def test_bench_unknown_workload_lists_every_workload(capsys):
