@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 # import here: the command line reads this module before it decides what it needs.)
 DTYPES = ("float32", "bfloat16", "float16")
 # How the linear layers' weights are stored and multiplied: "none" = in ``dtype``; "int8" = int8
-# weights × per-token int8 activations, exact int32 accumulation (prefixcache.layers.quant).
-QUANTIZATIONS = ("none", "int8")
+# weights × per-token int8 activations, exact int32 accumulation (prefixcache.layers.quant); "int4" =
+# a bfloat16 model whose generated tokens run the projections on 4-bit weights (groups of 32).
+QUANTIZATIONS = ("none", "int8", "int4")
 DEFAULT_MODEL = "smollm2-135m"
 # Waiting-queue admission orders (prefixcache.engine.sched_policy holds their classes): fcfs = vLLM's
 # default; lpm = under memory pressure longest cached prefix first, shared uncached prefixes grouped,
@@ -80,8 +81,9 @@ class EngineConfig(CacheConfig, SchedulerConfig):
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "built-in name, HF directory or .gguf file"})
     dtype: str = field(default="float32", metadata={"help": "weights and KV dtype", "choices": DTYPES})
     quantization: str = field(default="none", metadata={
-        "help": "linear-layer weights: none (in --dtype) or int8 (int8 weights x per-token int8 activations, "
-                "exact int32 sums: batch-invariant; README 'Weight formats')", "choices": QUANTIZATIONS})
+        "help": "linear-layer weights: none (in --dtype), int8 (int8 weights x per-token int8 activations, "
+                "exact int32 sums: batch-invariant) or int4 (with --dtype bfloat16: generated tokens' projections "
+                "on 4-bit weights, prompt tokens' on bf16; README 'Weight formats')", "choices": QUANTIZATIONS})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: CUDA if present)"})
     num_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks; overrides --kv-cache-memory"})
@@ -112,6 +114,10 @@ class EngineConfig(CacheConfig, SchedulerConfig):
         if self.quantization not in QUANTIZATIONS:
             raise InvalidInputError("quantization", f"quantization must be one of {QUANTIZATIONS}, "
                                                     f"got {self.quantization!r}")
+        if self.quantization == "int4" and self.dtype != "bfloat16":
+            raise InvalidInputError("quantization", f"quantization='int4' runs a bfloat16 model (torch's 4-bit "
+                                                    f"CPU kernel takes bf16 activations): give dtype='bfloat16', "
+                                                    f"got dtype={self.dtype!r}")
         if self.device is not None and (not isinstance(self.device, str) or not self.device):
             raise InvalidInputError("device", f"device must be a torch device name such as 'cpu' or 'cuda', "
                                               f"got {self.device!r}")

@@ -133,7 +133,8 @@ class Request:
         if self.arrival_s is None:
             self.arrival_s = time.monotonic()
         self.block_hasher.extend(
-            self.block_hashes, self.all_token_ids, self.root_key, self.tenant_key, self.num_shared_blocks
+            self.block_hashes, self.all_token_ids, self.root_key, self.tenant_key, self.num_shared_blocks,
+            self.num_prompt_tokens,
         )
 
     @property
@@ -172,15 +173,22 @@ class Request:
         return child
 
     def block_extra_key(self, block_index: int) -> bytes:
-        """The extra key of block ``block_index``: the tenant's, unless inside the shared prefix."""
-        return self.tenant_key if block_index >= self.num_shared_blocks else b""
+        """The extra key of block ``block_index``: the tenant's, unless inside the shared prefix; then,
+        for a block holding a generated token, the hasher's ``output_block_key`` (int4 models),
+        the same bytes its hash was chained with."""
+        key = self.tenant_key if block_index >= self.num_shared_blocks else b""
+        tag = self.block_hasher.output_block_key
+        if tag and block_index >= self.num_prompt_tokens // self.block_hasher.block_size:
+            return key + tag
+        return key
 
     def append_output_token_ids(self, token_id: int) -> None:
         """Appends one sampled token and hashes any block it completes."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.block_hasher.extend(
-            self.block_hashes, self.all_token_ids, self.root_key, self.tenant_key, self.num_shared_blocks
+            self.block_hashes, self.all_token_ids, self.root_key, self.tenant_key, self.num_shared_blocks,
+            self.num_prompt_tokens,
         )
 
     def __repr__(self) -> str:

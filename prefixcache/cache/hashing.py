@@ -112,13 +112,17 @@ class BlockHasher:
         ValueError: unknown ``hash_algo`` or ``block_size`` < 1.
     """
 
-    def __init__(self, block_size: int, hash_algo: str = "xxh64") -> None:
+    def __init__(self, block_size: int, hash_algo: str = "xxh64", output_block_key: bytes = b"") -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if hash_algo not in HASH_ALGOS:
             raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {hash_algo!r}")
         self.block_size = block_size
         self.hash_algo = hash_algo
+        # Mixed into every block holding a generated token when the model computes generated tokens
+        # with other kernels than prompt tokens (quantization "int4"): such K/V is never served for
+        # a prompt that is computed with the prompt kernel when the cache is off.
+        self.output_block_key = output_block_key
         self._digest = _DIGESTS[hash_algo]
         self._pack = struct.Struct(f"<{block_size}I").pack
 
@@ -139,6 +143,7 @@ class BlockHasher:
         root_key: bytes,
         extra_key: bytes = b"",
         num_unkeyed_blocks: int = 0,
+        num_prompt_tokens: int | None = None,
     ) -> None:
         """Appends the hashes of blocks that became full since the last call.
 
@@ -149,6 +154,8 @@ class BlockHasher:
             extra_key: mixed into every block from ``num_unkeyed_blocks`` on (a tenant namespace).
             num_unkeyed_blocks: leading blocks hashed without ``extra_key`` (an approved shared
                 prefix).
+            num_prompt_tokens: the request's prompt length: with an ``output_block_key``, blocks
+                ending after it (holding a generated token) get that key too.
         """
         bs = self.block_size
         start, num_full = len(block_hashes), len(token_ids) // bs
@@ -161,6 +168,8 @@ class BlockHasher:
             packed.byteswap()
         data = packed.tobytes()
         digest, append, width = self._digest, block_hashes.append, 4 * bs
+        tagged = num_full if not self.output_block_key or num_prompt_tokens is None else num_prompt_tokens // bs
         for i, off in zip(range(start, num_full), range(0, len(data), width)):
-            parent = digest(parent + data[off : off + width] + (extra_key if i >= num_unkeyed_blocks else b""))
+            key = (extra_key if i >= num_unkeyed_blocks else b"") + (self.output_block_key if i >= tagged else b"")
+            parent = digest(parent + data[off : off + width] + key)
             append(parent)

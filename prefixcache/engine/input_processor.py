@@ -67,7 +67,9 @@ class InputProcessor:
         self.vocab_size = loaded.config.vocab_size
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
-        self.block_hasher = BlockHasher(config.block_size, config.hash_algo)
+        # int4: generated tokens run other kernels than prompt tokens, their blocks get their own key
+        self.block_hasher = BlockHasher(config.block_size, config.hash_algo,
+                                        b"int4-generated" if config.quantization == "int4" else b"")
         self.approved_prefixes = ApprovedPrefixes()
         self._hash_seed = hash_seed_bytes(config.hash_seed, config.hash_seed_file)
         self._model_key: tuple[bytes, bytes] | None = None  # (loaded.fingerprint, key) memo

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from prefixcache.layers.quant import Int8Weight, int8_linear, quantize_activations
+from prefixcache.layers.quant import Int4Weight, Int8Weight, int8_linear, quantize_activations, split_linear
 
 TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _UNSUPPORTED_OPTIONS = ("use_dora", "rank_pattern", "alpha_pattern", "layer_replication", "modules_to_save")
@@ -213,10 +213,13 @@ class LoRALinear(nn.Linear):
     int8: Int8Weight | None = None
     row_tiled: bool = False  # float products in calls of <= ROW_TILE rows (a batch-invariant bf16 model)
     packed: PrepackedWeight | None = None  # the row-tiled product's prepacked weight (bf16, oneDNN)
+    int4: Int4Weight | None = None  # generated tokens' rows run on it (quantization "int4"; quant.RowSplit)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """Args: x shape = [num_tokens, in_features]. Returns: shape = [num_tokens, out_features]."""
-        if self.int8 is None:
+        if self.int4 is not None:
+            y = split_linear(x, lambda rows: row_tiled_linear(rows, self.weight, self.bias, self.packed), self.int4)
+        elif self.int8 is None:
             y = (row_tiled_linear(x, self.weight, self.bias, self.packed) if self.row_tiled
                  else F.linear(x, self.weight, self.bias))
         else:

@@ -22,7 +22,8 @@ import torch
 
 from prefixcache.config import QUANTIZATIONS
 
-__all__ = ["QUANTIZATIONS", "Int8Weight", "concat_weights", "int8_linear", "quantize_activations", "quantize_weight"]
+__all__ = ["INT4_GROUP", "QUANTIZATIONS", "Int4Weight", "Int8Weight", "concat_weights", "int4_linear", "int8_linear",
+           "quantize_activations", "quantize_weight", "quantize_weight_int4"]
 _QMAX = 127.0
 _MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros instead of dividing by 0
 
@@ -110,3 +111,128 @@ def int8_linear(
     if weight.bias is not None:
         y.add_(weight.bias)
     return y if out_dtype == torch.float32 else y.to(out_dtype)
+
+
+INT4_GROUP = 32  # input features per int4 scale/zero pair (Q4_0/Q4_1's block size in llama.cpp)
+
+
+@dataclass(slots=True)
+class Int4Weight:
+    """A linear layer's weight in 4 bits, for torch's CPU kernel ``_weight_int4pack_mm_for_cpu``.
+
+    ``w[n, k] ≈ (q[n, k] - 8) * scale[k // 32, n] + zero[k // 32, n]`` with ``q`` in 0..15: an
+    asymmetric grid per group of :data:`INT4_GROUP` input features (llama.cpp's Q4_1: ``w = q * d + m``,
+    here ``scale = d``, ``zero = m + 8 d``).
+
+    Attributes:
+        packed: torch's packed layout of ``q``, shape = [out_features, in_features // 2] uint8.
+        scales_zeros: shape = [in_features // 32, out_features, 2] bfloat16.
+        bias: shape = [out_features] bfloat16, or None.
+    """
+
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def quantize_weight_int4(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Weight:
+    """Groups of 32 input features on a 16-level grid from the group's min to its max (Q4_1's rule).
+
+    A weight that already lies on such a grid (SmolLM2's layers: the Q4_1 GGUF dequantized) gets its
+    levels back exactly; only ``scale`` and ``zero`` are rounded to bfloat16.
+
+    Args:
+        weight: shape = [out_features, in_features], any float dtype.
+        bias: shape = [out_features], or None.
+
+    Raises:
+        ValueError: ``in_features`` not a multiple of 32 or ``out_features`` not of 16 (the kernel's).
+    """
+    n, k = weight.shape
+    if k % INT4_GROUP or n % 16:
+        raise ValueError(f"int4 needs in_features % {INT4_GROUP} == 0 and out_features % 16 == 0, got "
+                         f"[{n}, {k}]")
+    w = weight.detach().float().reshape(n, k // INT4_GROUP, INT4_GROUP)
+    lo, hi = w.amin(-1), w.amax(-1)  # [n, groups]
+    scale = (hi - lo) / 15
+    q = torch.round((w - lo[..., None]) / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(0, 15)
+    scales_zeros = torch.stack([scale.t(), (lo + 8 * scale).t()], dim=-1)  # [groups, n, 2]
+    return Int4Weight(
+        packed=torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).reshape(n, k), 1),
+        scales_zeros=scales_zeros.to(torch.bfloat16).contiguous(),
+        bias=None if bias is None else bias.detach().to(torch.bfloat16).clone(),
+    )
+
+
+def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    """``x @ w^T + b`` with the 4-bit weight.
+
+    torch's kernel sums each output in float32 over the input features in one fixed order whatever
+    the number of rows, so a row's bits do not depend on what shares its call (checked on every
+    SmolLM2 shape: ``tests/layers/test_quant.py``). It reads a quarter of bf16's bytes, and is fast
+    for a few rows (decode) but slow for many (measured: 5 ms for a layer stack's projections at 1
+    row vs 17 ms in bf16; 0.9 s vs 0.08 s at 512 rows), which is why prompt tokens keep bf16.
+
+    Args:
+        x: shape = [num_tokens, in_features] bfloat16.
+
+    Returns:
+        shape = [num_tokens, out_features] bfloat16.
+    """
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.packed, INT4_GROUP, weight.scales_zeros)
+    return y if weight.bias is None else y.add_(weight.bias)
+
+
+@dataclass(slots=True)
+class RowSplit:
+    """Which rows of a step run the int4 product (generated tokens) and which the bf16 one (prompt
+    tokens), for a model with ``quantization="int4"``. A token's rows are chosen by what the token
+    is, never by what shares its batch: the format stays batch-invariant.
+
+    Attributes:
+        int4_rows: shape = [num_int4] int64, ascending.
+        dense_rows: shape = [num_dense] int64, ascending.
+    """
+
+    int4_rows: torch.Tensor
+    dense_rows: torch.Tensor
+
+
+_ROW_SPLIT: list[RowSplit | None] = [None]  # the running step's split (the engine runs one step at a time)
+
+
+class row_split:  # noqa: N801 (a context manager used like a function)
+    """``with row_split(split): model(...)``: the int4 layers of the model read ``split`` (None: all
+    rows dense) for the duration of one forward pass."""
+
+    def __init__(self, split: RowSplit | None) -> None:
+        self.split = split
+
+    def __enter__(self) -> None:
+        _ROW_SPLIT[0] = self.split
+
+    def __exit__(self, *exc) -> None:
+        _ROW_SPLIT[0] = None
+
+
+def split_linear(x: torch.Tensor, dense, weight: Int4Weight) -> torch.Tensor:
+    """``dense(x)`` for prompt-token rows and :func:`int4_linear` for generated-token rows (the
+    running step's :class:`RowSplit`), stitched back in row order.
+
+    Args:
+        x: shape = [num_tokens, in_features] bfloat16.
+        dense: the bf16 product, a callable of ``[rows, in_features]``.
+
+    Returns:
+        shape = [num_tokens, out_features].
+    """
+    split = _ROW_SPLIT[0]
+    if split is None or split.int4_rows.numel() == 0:
+        return dense(x)
+    if split.dense_rows.numel() == 0:
+        return int4_linear(x, weight)
+    y4 = int4_linear(x.index_select(0, split.int4_rows), weight)
+    yd = dense(x.index_select(0, split.dense_rows))
+    y = yd.new_empty(x.shape[0], yd.shape[1])
+    y.index_copy_(0, split.int4_rows, y4)
+    return y.index_copy_(0, split.dense_rows, yd)

@@ -19,11 +19,14 @@ from prefixcache.layers.lora import (LoRABatch, LoRALinear, PrepackedWeight, pre
 from prefixcache.layers.norm import RMSNorm
 from prefixcache.layers.quant import (
     QUANTIZATIONS,
+    Int4Weight,
     Int8Weight,
     concat_weights,
     int8_linear,
     quantize_activations,
     quantize_weight,
+    quantize_weight_int4,
+    split_linear,
 )
 from prefixcache.layers.rotary import RotaryEmbedding, apply_rotary_emb
 from prefixcache.models.config import ModelConfig
@@ -51,12 +54,16 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
         self.qkv_int8: Int8Weight | None = None  # q, k, v in one int8 matrix, set by `quantize`
         self.qkv_packed: PrepackedWeight | None = None  # q, k, v in one prepacked bf16 matrix (set_row_tiling)
+        self.qkv_int4: Int4Weight | None = None  # q, k, v in one int4 matrix (quantization "int4")
 
     def quantize(self, scheme: str) -> None:
-        """Sets (``"int8"``) or clears (``"none"``) the int8 weights of the four projections."""
+        """Sets (``"int8"``, ``"int4"``) or clears (``"none"``) the quantized weights of the four
+        projections."""
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
             proj.int8 = quantize_weight(proj.weight, proj.bias) if scheme == "int8" else None
         self.qkv_int8 = None
+        self.qkv_int4 = _fused_int4([self.q_proj, self.k_proj, self.v_proj]) if scheme == "int4" else None
+        self.o_proj.int4 = _fused_int4([self.o_proj]) if scheme == "int4" else None
         if scheme == "int8":  # q, k, v run fused: their own int8 copies would only take memory
             self.qkv_int8 = concat_weights([self.q_proj.int8, self.k_proj.int8, self.v_proj.int8])
             self.q_proj.int8 = self.k_proj.int8 = self.v_proj.int8 = None
@@ -64,7 +71,11 @@ class LlamaAttention(nn.Module):
     def _qkv(self, x: torch.Tensor, lora: LoRABatch | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v projections: [T, heads * hd], [T, kv_heads * hd], [T, kv_heads * hd]."""
         if self.qkv_packed is not None:
-            qkv = row_tiled_linear(x, None, packed=self.qkv_packed)  # [T, (heads + 2 kv_heads) * hd]
+            def dense(rows: torch.Tensor) -> torch.Tensor:
+                return row_tiled_linear(rows, None, packed=self.qkv_packed)
+
+            # [T, (heads + 2 kv_heads) * hd]
+            qkv = dense(x) if self.qkv_int4 is None else split_linear(x, dense, self.qkv_int4)
         elif self.qkv_int8 is not None:
             qkv = int8_linear(*quantize_activations(x), self.qkv_int8, x.dtype)  # [T, (heads + 2 kv_heads) * hd]
         else:
@@ -111,12 +122,16 @@ class LlamaMLP(nn.Module):
         self.down_proj = LoRALinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.gate_up_int8: Int8Weight | None = None  # gate and up in one int8 matrix, set by `quantize`
         self.gate_up_packed: PrepackedWeight | None = None  # gate and up, prepacked bf16 (set_row_tiling)
+        self.gate_up_int4: Int4Weight | None = None  # gate and up in one int4 matrix (quantization "int4")
 
     def quantize(self, scheme: str) -> None:
-        """Sets (``"int8"``) or clears (``"none"``) the int8 weights of the three projections."""
+        """Sets (``"int8"``, ``"int4"``) or clears (``"none"``) the quantized weights of the three
+        projections."""
         for proj in (self.gate_proj, self.up_proj, self.down_proj):
             proj.int8 = quantize_weight(proj.weight, proj.bias) if scheme == "int8" else None
         self.gate_up_int8 = None
+        self.gate_up_int4 = _fused_int4([self.gate_proj, self.up_proj]) if scheme == "int4" else None
+        self.down_proj.int4 = _fused_int4([self.down_proj]) if scheme == "int4" else None
         if scheme == "int8":
             self.gate_up_int8 = concat_weights([self.gate_proj.int8, self.up_proj.int8])
             self.gate_proj.int8 = self.up_proj.int8 = None
@@ -126,11 +141,30 @@ class LlamaMLP(nn.Module):
         if self.gate_up_int8 is None and self.gate_up_packed is None:
             gate, up = self.gate_proj(x, lora), self.up_proj(x, lora)
         else:
-            gate_up = (row_tiled_linear(x, None, packed=self.gate_up_packed) if self.gate_up_packed is not None
-                       else int8_linear(*quantize_activations(x), self.gate_up_int8, x.dtype))  # [T, 2 * intermediate]
+            gate_up = self._gate_up(x)  # [T, 2 * intermediate]
             gate, up = gate_up.chunk(2, dim=-1)
             gate, up = self.gate_proj.add_lora(gate, x, lora), self.up_proj.add_lora(up, x, lora)
         return self.down_proj(F.silu(gate) * up, lora)
+
+    def _gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused gate|up product, [T, 2 * intermediate]: int8, or prepacked bf16 (int4 rows split)."""
+        if self.gate_up_packed is None:
+            return int8_linear(*quantize_activations(x), self.gate_up_int8, x.dtype)
+
+        def dense(rows: torch.Tensor) -> torch.Tensor:
+            return row_tiled_linear(rows, None, packed=self.gate_up_packed)
+
+        return dense(x) if self.gate_up_int4 is None else split_linear(x, dense, self.gate_up_int4)
+
+
+def _fused_int4(modules: list[nn.Linear]) -> Int4Weight:
+    """One int4 weight of the modules' weights stacked by output rows (exact: groups run along the
+    input features, so each output row is quantized alone)."""
+    weights = [m.weight for m in modules]
+    biases = [m.bias for m in modules]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [torch.zeros(m.out_features, dtype=m.weight.dtype) if b is None else b for m, b in zip(modules, biases)])
+    return quantize_weight_int4(weights[0] if len(weights) == 1 else torch.cat(weights), bias)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -222,6 +256,8 @@ class LlamaForCausalLM(nn.Module):
         """
         if scheme not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {scheme!r}")
+        if scheme == "int4" and self.lm_head.weight.dtype != torch.bfloat16:
+            raise ValueError(f"quantization 'int4' needs a bfloat16 model, got {self.lm_head.weight.dtype}")
         for layer in self.model.layers:
             layer.self_attn.quantize(scheme)
             layer.mlp.quantize(scheme)
@@ -267,13 +303,13 @@ class LlamaForCausalLM(nn.Module):
         :func:`~prefixcache.layers.lora.row_tiled_linear`); the attention metadata then pads as
         ``prefixcache.layers.attention`` says. float32's GEMMs round by batch size (MKL), so it
         keeps the cheaper untiled calls and agrees with a batch only to float rounding."""
-        return self.quantization == "int8" or self.lm_head.weight.dtype == torch.bfloat16
+        return self.quantization == "int8" or self.lm_head.weight.dtype == torch.bfloat16  # int4 is bf16
 
     def set_row_tiling(self) -> None:
         """Makes every float projection row-tiled iff the model is bfloat16 (call after a dtype
         change), with oneDNN's prepacked weights where this torch has them: q, k, v as one matrix,
         gate and up as one (LoRA deltas are added to their column slices)."""
-        tiled = self.quantization == "none" and self.lm_head.weight.dtype == torch.bfloat16
+        tiled = self.quantization in ("none", "int4") and self.lm_head.weight.dtype == torch.bfloat16
         pack = tiled and prepacked_linear_supported()
         packs = []
         for module in self.modules():

@@ -18,6 +18,7 @@ import torch
 
 from prefixcache.layers.attention import build_attention_metadata
 from prefixcache.layers.lora import LoRABatch
+from prefixcache.layers.quant import RowSplit, row_split
 from prefixcache.layers.sampler import SamplingMetadata, TokenLogprobs, sample_batch
 from prefixcache.models.loader import LoadedModel
 from prefixcache.prompt_logprobs import PROMPT_LOGPROBS_TOPK, PromptLogprobsChunk
@@ -119,7 +120,8 @@ class ModelRunner:
                 lora_segments.append((start, start + len(s.token_ids), s.lora))
             start += len(s.token_ids)
         lora = LoRABatch(lora_segments) if lora_segments else None
-        hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches, lora)  # [num_tokens, hidden]
+        with row_split(self._row_split(seqs, positions)):
+            hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches, lora)  # [num_tokens, hidden]
         self.num_prompt_tokens_computed += sum(
             max(0, min(s.num_computed_tokens + len(s.token_ids), s.num_prompt_tokens) - s.num_computed_tokens)
             for s in seqs
@@ -152,6 +154,17 @@ class ModelRunner:
         output.sampled_token_ids = dict(zip(ids, out.token_ids))
         output.logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None}
         return output
+
+    def _row_split(self, seqs: list[ScheduledSeq], positions: torch.Tensor) -> RowSplit | None:
+        """For an int4 model: generated tokens (position >= the request's prompt length, also when
+        recomputed after a preemption) run the int4 product, prompt tokens the bf16 one."""
+        if self.model.quantization != "int4":
+            return None
+        prompt_lens = torch.tensor([s.num_prompt_tokens for s in seqs], dtype=torch.int64)
+        num_new = torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.int64)
+        generated = positions.cpu() >= torch.repeat_interleave(prompt_lens, num_new)  # [num_tokens]
+        return RowSplit(int4_rows=generated.nonzero().flatten().to(self.device),
+                        dense_rows=(~generated).nonzero().flatten().to(self.device))
 
     def _sampling_metadata(self, sampling: list[SamplingRow], vocab_size: int) -> SamplingMetadata:
         """The step's sampling rows as the sampler takes them; penalty rows' histories brought up

@@ -38,6 +38,8 @@ def test_back_to_none_is_the_float_model_exactly(tiny_pair):
     int8.model.quantize("none")
     assert torch.equal(prefill(int8, ids), prefill(fp32, ids))
     with pytest.raises(ValueError, match="quantization must be one of"):
+        int8.model.quantize("int3")
+    with pytest.raises(ValueError, match="'int4' needs a bfloat16 model"):
         int8.model.quantize("int4")
 
 

@@ -1,0 +1,58 @@
+"""quantization="int4" end to end on the default model: generated tokens run the projections on
+4-bit weights, prompt tokens on bf16; still batch-invariant, cache on == cache off, also when a
+later prompt contains earlier generated tokens (their blocks are keyed apart, see
+``prefixcache.cache.hashing.BlockHasher.output_block_key``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixcache.llm import LLM
+from prefixcache.sample_texts import QUESTIONS, SYSTEM_PROMPT
+from prefixcache.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def smollm2_int4(smollm2):  # depends on smollm2: marked slow, loaded after the fp32 copy is cached
+    from prefixcache.models.loader import load_model
+
+    return load_model("smollm2-135m", dtype=torch.bfloat16, quantization="int4")
+
+
+def make(loaded, **options):
+    return LLM("smollm2-135m", loaded=loaded, dtype="bfloat16", quantization="int4", num_threads=2, **options)
+
+
+def test_int4_batched_equals_alone_and_cache_off_across_turns(smollm2_int4):
+    llm = make(smollm2_int4)
+    assert llm.engine.runner.model.batch_invariant
+    prompts = [list(llm.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
+                                             {"role": "user", "content": q}])) for q in QUESTIONS[:4]]
+    batched = [list(o.token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert llm.get_metrics().num_hit_requests == 3
+    off = make(smollm2_int4, enable_prefix_caching=False)
+    assert [list(off.generate([p], GREEDY, use_tqdm=False)[0].token_ids) for p in prompts] == batched
+    # Turn 2 contains turn 1's generated tokens: cache on reuses only blocks computed as prompt
+    # (the prompt's full blocks), then computes the rest as cache off does.
+    turn2 = [p + b + [198] for p, b in zip(prompts[:2], batched[:2])]
+    outs = llm.generate(turn2, GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [len(p) // 16 * 16 for p in prompts[:2]]
+    assert [list(o.token_ids) for o in outs] == [list(off.generate([t], GREEDY, use_tqdm=False)[0].token_ids)
+                                                 for t in turn2]
+
+
+def test_int4_generated_tokens_differ_from_bf16_only_by_the_weights(smollm2_int4):
+    """The prompt's logits are bf16's (same weights, same kernels); generated tokens use int4."""
+    from prefixcache.models.loader import load_model
+
+    bf16 = LLM("smollm2-135m", loaded=load_model("smollm2-135m", dtype=torch.bfloat16), dtype="bfloat16",
+               num_threads=2)
+    int4 = make(smollm2_int4)
+    prompt = int4.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}])
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    first4, first16 = int4.generate([prompt], params, use_tqdm=False)[0], bf16.generate([prompt], params,
+                                                                                        use_tqdm=False)[0]
+    assert first4.token_ids == first16.token_ids and first4.logprobs == first16.logprobs
