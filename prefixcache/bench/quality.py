@@ -1,9 +1,10 @@
 """What a weight format costs in quality: perplexity on a fixed text and greedy agreement with fp32.
 
-Per format (``float32``, ``bfloat16``, ``int8``), on the same model:
+Per format (``float32``, ``bfloat16``, ``int8``, ``int4``), on the same model:
 
 - perplexity: ``exp(mean NLL)`` of the bench's RAG document (``bench/texts.py``, ~2,000 tokens),
-  teacher-forced in one prefill through our own model over the paged pool;
+  teacher-forced in one prefill through our own model over the paged pool (``int4``: every row on the
+  4-bit weights, as generated tokens run, not bf16 as prompt tokens run);
 - greedy agreement with float32 on the seed chat prompts (``sample_texts``): how many prompts give
   the identical ``max_tokens`` tokens, and the mean fraction of tokens before the first difference.
 """
@@ -16,13 +17,15 @@ import torch
 
 from prefixcache.bench.texts import RAG_DOCUMENT
 from prefixcache.layers.attention import build_attention_metadata
+from prefixcache.layers.quant import RowSplit, row_split
 from prefixcache.llm import LLM
 from prefixcache.models.loader import LoadedModel, load_model
 from prefixcache.runner.kv_pool import allocate_kv_caches
 from prefixcache.sample_texts import QUESTIONS, SYSTEM_PROMPT
 from prefixcache.sampling_params import SamplingParams
 
-FORMATS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int8": ("float32", "int8")}
+FORMATS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int8": ("float32", "int8"),
+           "int4": ("bfloat16", "int4")}
 
 
 @torch.inference_mode()
@@ -35,7 +38,10 @@ def perplexity(loaded: LoadedModel, token_ids: list[int], block_size: int = 16) 
     md, positions = build_attention_metadata([(0, len(token_ids), list(range(num_blocks)))], block_size, "cpu",
                                               batch_invariant=loaded.model.batch_invariant, dtype=loaded.dtype)
     ids = torch.tensor(token_ids, dtype=torch.int64)
-    logits = loaded.model.compute_logits(loaded.model(ids, positions, md, kv))  # [n, vocab] float32
+    rows = torch.arange(len(token_ids))
+    split = RowSplit(int4_rows=rows, dense_rows=rows[:0]) if loaded.quantization == "int4" else None
+    with row_split(split):  # int4: the 4-bit weights on every row
+        logits = loaded.model.compute_logits(loaded.model(ids, positions, md, kv))  # [n, vocab] float32
     nll = torch.nn.functional.cross_entropy(logits[:-1].double(), ids[1:], reduction="mean")
     return math.exp(float(nll))
 

@@ -26,7 +26,7 @@ def test_perplexity_equals_transformers_on_a_tiny_model(tiny_llama):
 
 def test_unknown_format_is_refused():
     with pytest.raises(ValueError, match="formats must be among"):
-        weight_format_quality(formats=("int4",))
+        weight_format_quality(formats=("int3",))
 
 
 @pytest.fixture()
