@@ -44,6 +44,7 @@ from prefixcache.bench.workloads import DEFAULT_NUM_TURNS, WORKLOAD_NAMES, Workl
 from prefixcache.bench.worth import MIN_CONFIRMING_REPEATS, WorthInputs, estimate_worth
 from prefixcache.cache.config import DEFAULT_BLOCK_SIZE, CacheConfig
 from prefixcache.config import DEFAULT_MODEL, EngineConfig
+from prefixcache.entrypoints.num_threads import NUM_THREADS_HELP, choose_num_threads
 from prefixcache.cache.hashing import BlockHasher, make_root_key
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.request import Request
@@ -575,7 +576,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-scale", type=float, default=d.text_scale,
                    help="keep this fraction of the long shared texts (quick runs)")
     p.add_argument("--num-threads", type=int, default=None,
-                   help="torch threads, and llama.cpp's in the speed workload (default: the available cores)")
+                   help=NUM_THREADS_HELP.replace("torch CPU threads", "torch CPU threads, and llama.cpp's in the "
+                                                 "speed workload"))
     p.add_argument("--repeats", type=int, default=d.repeats, help="throughput runs per mode, median wall (no-sharing: >= 3; a sharing workload whose "
                         f"caching-on runs time slower than off is repeated to {MIN_CONFIRMING_REPEATS})")
     p.add_argument("--cold-samples", type=int, default=d.cold_samples, help="requests timed alone on an empty cache")
@@ -623,15 +625,14 @@ def run_trace_cli(out_dir: str | None, block_size: int) -> None:
             json.dump(rows, f, indent=2)
 
 
-def run_restart_cli(args: argparse.Namespace) -> None:
+def run_restart_cli(args: argparse.Namespace, num_threads: int) -> None:
     """``--workload restart``: issue 14's restart / replica TTFT (:mod:`prefixcache.bench.restart`)."""
     from prefixcache.bench.restart import RestartOptions, restart_markdown, run_restart, write_restart_outputs
     from transformers import AutoTokenizer
 
     from prefixcache.models.loader import resolve_model_dir
 
-    threads = EngineConfig(num_threads=args.num_threads).resolved_num_threads()
-    opts = RestartOptions(model=args.model, num_threads=threads, block_size=args.block_size,
+    opts = RestartOptions(model=args.model, num_threads=num_threads, block_size=args.block_size,
                           engine_options=_engine_options(args), kv_redis_url=args.kv_redis_url)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.model), local_files_only=True)
     section = run_restart(opts, tokenizer, log=lambda s: print(s, file=sys.stderr))
@@ -694,14 +695,14 @@ def _engine_options(args: argparse.Namespace) -> dict:
     return options
 
 
-def run_cluster_cli(args: argparse.Namespace) -> None:
+def run_cluster_cli(args: argparse.Namespace, num_threads: int | None) -> None:
     """``--workload cluster``: :mod:`prefixcache.bench.cluster`; cluster.json/.md/.png into ``--out``."""
     from prefixcache.bench.cluster import ClusterBenchOptions, markdown, run_cluster_bench, write_cluster_outputs
 
     opts = ClusterBenchOptions(model=args.model, num_replicas=args.cluster_replicas,
                                num_prefixes=args.cluster_prefixes, num_requests=args.num_requests or 4,
                                max_tokens=args.max_tokens,
-                               concurrency=args.cluster_concurrency, num_threads=args.num_threads or 1,
+                               concurrency=args.cluster_concurrency, num_threads=num_threads or 1,
                                block_size=args.block_size)
     result = run_cluster_bench(opts, log=lambda s: print(s, file=sys.stderr))
     if args.out:
@@ -736,22 +737,30 @@ def check_bench_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    """Checks the flags, then runs each workload named by ``--workload``; returns the exit status.
+
+    Raises:
+        ValueError: a bad flag, named (before anything runs or loads).
+    """
     names = check_bench_args(args)
+    cluster_threads = args.num_threads  # per replica; the cluster workload has its own default (1)
+    threads_note = choose_num_threads(args) if set(names) - {TRACE, QUEUE, CLUSTER} else None
+    if threads_note:
+        print(f"prefixcache bench: {threads_note}", file=sys.stderr, flush=True)
     if TRACE in names:  # simulation only; `all` means the model workloads
         run_trace_cli(args.out, args.block_size)
     if RESTART in names:  # its own processes
-        run_restart_cli(args)
+        run_restart_cli(args, args.num_threads)
     if QUEUE in names:
         run_queue_cli(args)
     if CLUSTER in names:  # its own processes: replicas and the gateway
-        run_cluster_cli(args)
+        run_cluster_cli(args, cluster_threads)
     names = tuple(n for n in names if n not in (TRACE, RESTART, QUEUE, CLUSTER))
     if not names:
         return 0
-    threads = EngineConfig(num_threads=args.num_threads).resolved_num_threads()
     opts = BenchOptions(
         model=args.model, workloads=names, num_requests=args.num_requests, max_tokens=args.max_tokens,
-        num_turns=args.num_turns, block_size=args.block_size, text_scale=args.text_scale, num_threads=threads,
+        num_turns=args.num_turns, block_size=args.block_size, text_scale=args.text_scale, num_threads=args.num_threads,
         repeats=args.repeats,
         cold_samples=args.cold_samples, skip_hf=args.skip_hf, micro=not args.skip_micro, out=args.out,
         plots=not args.no_plots,

@@ -121,7 +121,8 @@ def test_startup_errors_come_before_the_model_loads(no_model_load, busy_port, tm
         start = time.monotonic()
         assert cli.main(["serve", "--port", "0", *argv]) == 2, argv
         err = capsys.readouterr().err
-        assert err.startswith(f"prefixcache: error: {message}") and err.count("\n") == 1, err
+        assert err.startswith(f"prefixcache serve: error: {message}") and err.count("\n") == 2, err
+        assert err.endswith("\nrun 'prefixcache serve --help' for all options\n"), err
         assert time.monotonic() - start < 5
 
 
