@@ -2,7 +2,7 @@
 ``--version``).
 
 Each subcommand's options live beside its code: ``add_cli_args(parser)`` and ``run_cli(args)`` in
-``entrypoints/cli_args.py`` (serve), ``entrypoints/cluster.py`` (cluster), ``bench/runner.py`` (bench)
+``entrypoints/cli_args.py`` (serve), ``entrypoints/cluster.py`` (cluster), ``bench/cli.py`` (bench)
 and ``bench/analyze.py`` (analyze), imported lazily so that ``prefixcache demo`` doesn't pay for the
 server's imports. Every ``--help`` shows each flag's default (:class:`DefaultsHelpFormatter`) and the
 choices of enumerated flags.
@@ -11,7 +11,7 @@ Every parser is a :class:`CLIParser`: a flag must be spelled in full (``--num-bl
 not ``--num-blocks``), and a bad flag or value prints its one error line and a hint, not argparse's
 usage block. Each subcommand that loads a model checks every engine option first (``serve``,
 ``cluster``: :func:`~prefixcache.entrypoints.cli_args.check_serve_args`; ``demo``: below;
-``bench``: :func:`~prefixcache.bench.runner.check_bench_args`), so a bad value fails in a second.
+``bench``: :func:`~prefixcache.bench.cli.check_bench_args`), so a bad value fails in a second.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from prefixcache.entrypoints.num_threads import NUM_THREADS_HELP
 _SUBCOMMAND_MODULES = {
     "serve": ("prefixcache.entrypoints.cli_args", "OpenAI-compatible HTTP server"),
     "cluster": ("prefixcache.entrypoints.cluster", "N serve replicas behind the SGLang model gateway (sglang-router)"),
-    "bench": ("prefixcache.bench.runner", "prefix-caching benchmarks; speed vs transformers and llama.cpp"),
+    "bench": ("prefixcache.bench.cli", "prefix-caching benchmarks; speed vs transformers and llama.cpp"),
     "analyze": ("prefixcache.bench.analyze", "a JSONL file of prompts: repeat rate, cache hit rate, cache breakers"),
 }
 

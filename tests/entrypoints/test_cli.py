@@ -324,10 +324,12 @@ def test_bad_engine_options_fail_before_anything_loads_or_runs(no_model_load, mo
     def not_run(*args, **kwargs):
         raise AssertionError("a workload ran before the options were checked")
 
+    from prefixcache.bench import cli as bench_cli
     from prefixcache.bench import runner
 
-    for name in ("run_trace_cli", "run_queue_cli", "run_cluster_cli", "run_restart_cli", "run_bench"):
-        monkeypatch.setattr(runner, name, not_run)
+    for name in ("run_trace_cli", "run_queue_cli", "run_cluster_cli", "run_restart_cli"):
+        monkeypatch.setattr(bench_cli, name, not_run)
+    monkeypatch.setattr(runner, "run_bench", not_run)
     start = time.monotonic()
     code, out, err = run_cli(argv, capsys)
     assert (code, out, err) == (2, "", f"prefixcache {argv[0]}: error: {message}\n"
@@ -364,3 +366,15 @@ def test_bare_prefixcache_prints_the_overview_like_pip(no_run, capsys):
     assert out.startswith("usage: prefixcache [-h] [--version]")
     assert "LLM inference with automatic prefix caching" in out
     assert "serve               OpenAI-compatible HTTP server" in out
+
+
+@pytest.mark.parametrize("argv", [["--version"], *([c, "--help"] for c in SUBCOMMANDS), ["bench", "--workload", "foo"],
+                                  ["bench", "--workload", "seed", "--max-tokens", "0"], ["serve", "--port", "70000"],
+                                  ["demo", "--num-threads", "0"]])
+def test_version_help_and_flag_checks_import_neither_torch_nor_transformers(argv):
+    """They answer in a fraction of a second (`--version` took 3 s and `bench --workload foo` 10 s
+    when they imported torch): the model's libraries are imported when a command runs."""
+    code = ("import sys\nfrom prefixcache.entrypoints import cli\ntry:\n    cli.main(sys.argv[1:])\n"
+            "except SystemExit:\n    pass\nprint(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines()[-1] == "[]", proc.stderr

@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from prefixcache.bench import cli as bench_cli
 from prefixcache.bench import runner
 from prefixcache.engine import llm_engine
 from prefixcache.entrypoints import cli
@@ -85,7 +86,7 @@ def test_bench_picks_the_free_cores_for_model_workloads_only(busy_two_cores, mon
         raise Reached(num_threads)
 
     monkeypatch.setattr(runner, "run_bench", fake_run_bench)
-    monkeypatch.setattr(runner, "run_cluster_cli", fake_cluster)
+    monkeypatch.setattr(bench_cli, "run_cluster_cli", fake_cluster)
     assert run(["bench", "--workload", "seed"], capsys) == (1, "", f"prefixcache bench: {NOTE}\n")
     assert run(["bench", "--workload", "seed", "--num-threads", "2"], capsys) == (2, "", "")
     assert run(["bench", "--workload", "cluster"], capsys) == (None, "", "")  # per replica: its own default, 1
