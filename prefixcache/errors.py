@@ -22,3 +22,9 @@ class InvalidInputError(ValueError):
         self.field = field
         self.message = message
 
+
+
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun`` in the number ``n`` takes, for messages: ``1 token``, ``2 tokens``, ``0 tokens``
+    (``noun`` is the singular; its plural adds an ``s``)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

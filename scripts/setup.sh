@@ -9,6 +9,8 @@
 # llama.cpp baseline): it compiles llama.cpp, which needs cmake and a C++ compiler and takes minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# One line before each phase (pip and apt stay quiet; the whole set-up takes minutes, torch most).
+step() { echo "setup.sh: $*"; }
 # Debian packages the tests need, installed when missing: redis-server (the Redis KV tier's tests start
 # a real one on loopback) and chromium + chromium-driver (the dashboard's headless-browser test, driven
 # by Playwright with executable_path=/usr/bin/chromium: Playwright's own browser download is not used).
@@ -16,6 +18,7 @@ missing=""
 command -v redis-server >/dev/null 2>&1 || missing="$missing redis-server"
 command -v chromium >/dev/null 2>&1 || missing="$missing chromium chromium-driver"
 if [ -n "$missing" ]; then
+    step "installing$missing with apt-get ..."
     if [ "$(id -u)" = 0 ]; then
         apt-get update -qq && apt-get install -y -qq $missing >/dev/null
     elif command -v sudo >/dev/null 2>&1; then
@@ -25,16 +28,22 @@ if [ -n "$missing" ]; then
         exit 1
     fi
 fi
+step "creating .venv ..."
 python3 -m venv .venv
 . .venv/bin/activate
+step "installing torch 2.13.0 (the largest part, about 750 MB installed) ..."
 python -m pip install --quiet "torch==2.13.0"
+step "installing prefixcache and its test extras ..."
 python -m pip install --quiet -e ".[test]"
 if [ "${PREFIXCACHE_LLAMACPP:-0}" = "1" ]; then
     # Built for this CPU but without llama.cpp's AMX kernels: on VMs that report AMX they can die with
     # SIGILL (seen on this project's machines). CMAKE_ARGS, CFLAGS and CXXFLAGS you set win.
+    step "building llama-cpp-python (PREFIXCACHE_LLAMACPP=1; compiles llama.cpp, minutes) ..."
     no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     echo | cc $no_amx -E - >/dev/null 2>&1 || no_amx=""  # a compiler that doesn't know AMX emits none
     CFLAGS="${CFLAGS:-$no_amx}" CXXFLAGS="${CXXFLAGS:-$no_amx}" CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" \
         python -m pip install --quiet -e ".[llamacpp]"
 fi
+step "fetching the default model into ${PREFIXCACHE_HOME:-~/.cache/prefixcache} (once) ..."
 python -m prefixcache fetch
+step "done: .venv/bin/prefixcache demo"

@@ -35,11 +35,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from prefixcache.cache.config import CacheConfig, check_int, check_positive_float
 from prefixcache.cache.hashing import BlockHasher, make_root_key
-from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.config import SCHEDULING_POLICIES, SchedulerConfig
-from prefixcache.engine.scheduler import Scheduler
+
+if TYPE_CHECKING:  # imported by simulate_queue: QueueConfig's defaults serve `bench --help` without torch
+    from prefixcache.cache.kv_cache_manager import KVCacheManager
+    from prefixcache.engine.scheduler import Scheduler
 from prefixcache.request import Request, RequestStatus
 from prefixcache.sampling_params import SamplingParams
 
@@ -180,6 +184,9 @@ def simulate_queue(trace: Sequence[QueueRequest], policy: str, config: QueueConf
     Raises:
         ValueError: a request longer than the pool; InvalidInputError: a bad option.
     """
+    from prefixcache.cache.kv_cache_manager import KVCacheManager
+    from prefixcache.engine.scheduler import Scheduler
+
     clock = [0.0]
     kv = KVCacheManager(config.num_blocks, CacheConfig(block_size=config.block_size), clock=lambda: clock[0])
     sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, scheduling_policy=policy,

@@ -35,51 +35,27 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from prefixcache.bench.goals import goal
-from prefixcache.bench.workloads import SPEED_PREFIX_TOKENS, SpeedPrompts, build_speed_prompts
+from prefixcache.bench.options import SPEED, SpeedSizes
+from prefixcache.bench.workloads import SpeedPrompts, build_speed_prompts
 from prefixcache.config import DEFAULT_MODEL
 from prefixcache.llm import LLM
 from prefixcache.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from prefixcache.bench.hf_baselines import HFBaselines
-    from prefixcache.bench.runner import BenchOptions
+    from prefixcache.bench.options import BenchOptions
     from prefixcache.models.loader import LoadedModel
 
-SPEED = "speed"
 OURS, HF, LLAMA_CPP = "prefixcache", "transformers", "llama.cpp"
 ENGINES = (HF, LLAMA_CPP, OURS)  # the table's column order
 Timed = tuple[list[int], float, float]  # (output token ids, TTFT s, seconds to the last token)
-
-
-@dataclass(frozen=True)
-class SpeedSizes:
-    """Sizes of the speed workload (defaults: the issue's)."""
-
-    prefix_tokens: int = SPEED_PREFIX_TOKENS  # shared system prompt, tokens
-    num_requests: int = 10  # prompts over the shared prefix: 1 cold + (num_requests - 1) warm
-    max_tokens: int = 32  # tokens per request of the batch run
-    decode_tokens: int = 128  # single-sequence decode
-    long: bool = False  # also measure long context (--speed-long)
-    long_prompt_tokens: int = 8000
-    long_decode_tokens: int = 16
-
-    def validate(self, max_model_len: int) -> None:
-        """Raises ValueError naming the first bad size (a long request must fit ``max_model_len``)."""
-        for name, low in (("prefix_tokens", 1), ("num_requests", 2), ("max_tokens", 1), ("decode_tokens", 2),
-                          ("long_prompt_tokens", 1), ("long_decode_tokens", 2)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"speed {name} must be an integer >= {low}, got {v!r}")
-        if self.long and self.long_prompt_tokens + self.long_decode_tokens > max_model_len:
-            raise ValueError(f"speed long_prompt_tokens + long_decode_tokens must be <= the model's context "
-                             f"{max_model_len}, got {self.long_prompt_tokens} + {self.long_decode_tokens}")
 
 
 class SpeedEngine(Protocol):

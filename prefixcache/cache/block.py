@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prefixcache.cache.hashing import BlockHash
-from prefixcache.prompt_logprobs import BlockPromptLogprobs
+
+if TYPE_CHECKING:  # a torch-holding module: not imported by the flag checks of the command line
+    from prefixcache.prompt_logprobs import BlockPromptLogprobs
 
 
 @dataclass(slots=True, eq=False)

@@ -26,7 +26,7 @@ from typing import NamedTuple
 from prefixcache.cache.hashing import BlockHasher, hash_seed_bytes, make_root_key, tenant_extra_key
 from prefixcache.config import EngineConfig
 from prefixcache.engine.tenancy import ApprovedPrefixes, validate_tenant
-from prefixcache.errors import InvalidInputError
+from prefixcache.errors import InvalidInputError, counted
 from prefixcache.layers.lora import LoRAAdapter
 from prefixcache.models.loader import LoadedModel
 from prefixcache.request import Request
@@ -275,13 +275,13 @@ class InputProcessor:
             InvalidInputError: ``prompt`` (no room for one generated token) or ``max_tokens``.
         """
         if num_prompt_tokens >= self.max_model_len:
-            raise InvalidInputError("prompt", f"prompt is {num_prompt_tokens} tokens; max_model_len is "
+            raise InvalidInputError("prompt", f"prompt is {counted(num_prompt_tokens, 'token')}; max_model_len is "
                                               f"{self.max_model_len} (the prompt plus at least one generated "
                                               "token must fit)")
         max_len = num_prompt_tokens + params.max_tokens
         if max_len > self.max_model_len:
             raise InvalidInputError("max_tokens", f"max_tokens {params.max_tokens} plus the prompt's "
-                                                  f"{num_prompt_tokens} tokens exceed max_model_len "
+                                                  f"{counted(num_prompt_tokens, 'token')} exceed max_model_len "
                                                   f"{self.max_model_len}; lower max_tokens to at most "
                                                   f"{self.max_model_len - num_prompt_tokens}")
         # The n samples share the prompt's full blocks; each needs its own blocks after them.
@@ -289,8 +289,9 @@ class InputProcessor:
         needed = num_prompt_blocks + params.n * (math.ceil(max_len / self.block_size) - num_prompt_blocks)
         if needed > self.num_blocks:
             samples = f" x n={params.n} samples" if params.n > 1 else ""
-            raise InvalidInputError("max_tokens", f"prompt + max_tokens ({max_len} tokens{samples}) needs {needed} "
-                                                  f"KV blocks but the pool has {self.num_blocks}; lower max_tokens "
+            raise InvalidInputError("max_tokens", f"prompt + max_tokens ({counted(max_len, 'token')}{samples}) needs "
+                                                  f"{counted(needed, 'KV block')} but the pool has "
+                                                  f"{counted(self.num_blocks, 'block')}; lower max_tokens "
                                                   "or raise num_blocks / kv_cache_memory_bytes")
 
     def make_request(

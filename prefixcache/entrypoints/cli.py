@@ -2,7 +2,7 @@
 ``--version``).
 
 Each subcommand's options live beside its code: ``add_cli_args(parser)`` and ``run_cli(args)`` in
-``entrypoints/cli_args.py`` (serve), ``entrypoints/cluster.py`` (cluster), ``bench/runner.py`` (bench)
+``entrypoints/cli_args.py`` (serve), ``entrypoints/cluster.py`` (cluster), ``bench/cli.py`` (bench)
 and ``bench/analyze.py`` (analyze), imported lazily so that ``prefixcache demo`` doesn't pay for the
 server's imports. Every ``--help`` shows each flag's default (:class:`DefaultsHelpFormatter`) and the
 choices of enumerated flags.
@@ -11,7 +11,7 @@ Every parser is a :class:`CLIParser`: a flag must be spelled in full (``--num-bl
 not ``--num-blocks``), and a bad flag or value prints its one error line and a hint, not argparse's
 usage block. Each subcommand that loads a model checks every engine option first (``serve``,
 ``cluster``: :func:`~prefixcache.entrypoints.cli_args.check_serve_args`; ``demo``: below;
-``bench``: :func:`~prefixcache.bench.runner.check_bench_args`), so a bad value fails in a second.
+``bench``: :func:`~prefixcache.bench.cli.check_bench_args`), so a bad value fails in a second.
 """
 
 from __future__ import annotations
@@ -25,17 +25,28 @@ from typing import NoReturn
 from prefixcache import __version__
 from prefixcache.cache.config import DEFAULT_BLOCK_SIZE
 from prefixcache.config import DEFAULT_MODEL
+from prefixcache.entrypoints.num_threads import NUM_THREADS_HELP
 
 _SUBCOMMAND_MODULES = {
     "serve": ("prefixcache.entrypoints.cli_args", "OpenAI-compatible HTTP server"),
     "cluster": ("prefixcache.entrypoints.cluster", "N serve replicas behind the SGLang model gateway (sglang-router)"),
-    "bench": ("prefixcache.bench.runner", "prefix-caching benchmarks; speed vs transformers and llama.cpp"),
+    "bench": ("prefixcache.bench.cli", "prefix-caching benchmarks; speed vs transformers and llama.cpp"),
     "analyze": ("prefixcache.bench.analyze", "a JSONL file of prompts: repeat rate, cache hit rate, cache breakers"),
 }
 
 
 MODEL_HELP = ("built-in name, a local HF directory (config.json + *.safetensors) or a local .gguf file; "
               "never downloaded from the Hub")
+
+
+def error_text(prog: str, message: str) -> str:
+    """The two lines every ``prefixcache`` error prints on stderr, whether argparse finds it (a bad
+    flag or type) or a check after parsing (a bad value, a missing model, a busy port)::
+
+        prefixcache serve: error: MESSAGE
+        run 'prefixcache serve --help' for all options
+    """
+    return f"{prog}: error: {message}\nrun '{prog} --help' for all options\n"
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -68,8 +79,8 @@ class CLIParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        """Prints the error line and the hint on stderr and exits with status 2."""
-        self.exit(2, f"{self.prog}: error: {message}\nrun '{self.prog} --help' for all options\n")
+        """Prints :func:`error_text` on stderr and exits with status 2."""
+        self.exit(2, error_text(self.prog, message))
 
     def unrecognized(self, extras: list[str]) -> NoReturn:
         """:meth:`error` for arguments no flag took, naming the closest flag of each unknown one."""
@@ -83,7 +94,8 @@ class CLIParser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs one subcommand; returns the exit status (2 for bad options, 130 when interrupted)."""
+    """Runs one subcommand; returns the exit status (2 for bad options, 130 when interrupted; 0 for a
+    bare ``prefixcache``, which prints the overview)."""
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C while a subcommand imports or starts: one line, no traceback
@@ -109,9 +121,7 @@ def build_parser(command: str | None) -> tuple[CLIParser, dict[str, CLIParser], 
     demo.add_argument("--json", action="store_true",
                       help="print the report as one JSON object on stdout (progress bars stay on stderr)")
     demo.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
-    demo.add_argument("--num-threads", type=int, default=None,
-                      help="torch CPU threads (default: the available cores; on a shared or busy machine "
-                           "give fewer, e.g. 2: oversubscribed cores make every run many times slower)")
+    demo.add_argument("--num-threads", type=int, default=None, help=NUM_THREADS_HELP)
     demo.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
     fetch = sub.add_parser("fetch", help="download and convert the default model into $PREFIXCACHE_HOME")
@@ -135,15 +145,18 @@ def _main(argv: list[str] | None) -> int:
     try:
         parser, parsers, modules = build_parser(requested[0] if requested else None)
     except ModuleNotFoundError as e:
-        print(f"prefixcache: error: `{requested[0]}` is not available ({e})", file=sys.stderr)
+        print(error_text(f"prefixcache {requested[0]}", f"not available ({e})"), end="", file=sys.stderr)
         return 2
+    if not requested:  # bare `prefixcache`: the overview, as pip does (exit 0; git exits 1)
+        parser.print_help()
+        return 0
     args, extras = parser.parse_known_args(argv)
     if extras:  # argparse leaves a subcommand's unknown arguments to the top parser: name the subcommand
         parsers[args.command].unrecognized(extras)
     try:
         return run_command(args, modules)
-    except ValueError as e:  # bad options or a model that can't be loaded: one clear line
-        print(f"prefixcache: error: {e}", file=sys.stderr)
+    except ValueError as e:  # bad values, a model that can't be loaded, a busy port: argparse's form
+        print(error_text(parsers[args.command].prog, str(e)), end="", file=sys.stderr)
         return 2
 
 
@@ -155,10 +168,14 @@ def run_command(args: argparse.Namespace, modules: dict[str, object]) -> int:
     """
     if args.command == "demo":
         from prefixcache.entrypoints.cli_args import engine_config_from_args
+        from prefixcache.entrypoints.num_threads import choose_num_threads
         from prefixcache.models.model_path import check_model_arg
 
         engine_config_from_args(args, model_flag="--model")  # every engine option before the imports and load
         check_model_arg(args.model)
+        threads_note = choose_num_threads(args)
+        if threads_note:
+            print(f"prefixcache demo: {threads_note}", file=sys.stderr, flush=True)
         from prefixcache.entrypoints.demo import print_report, run_demo
 
         report = run_demo(args.model, block_size=args.block_size, num_threads=args.num_threads,

@@ -32,6 +32,7 @@ from typing import Any
 from prefixcache.config import EngineConfig
 from prefixcache.entrypoints.http_limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from prefixcache.entrypoints.launcher import HTTPOptions
+from prefixcache.entrypoints.num_threads import NUM_THREADS_HELP, choose_num_threads
 from prefixcache.errors import InvalidInputError
 
 _MEMORY_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -188,6 +189,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     _add_http_args(parser.add_argument_group("HTTP limits"))
     add_engine_args(parser.add_argument_group("engine"))
+    next(a for a in parser._actions if a.dest == "num_threads").help = NUM_THREADS_HELP  # the CLI's default
 
 
 def _add_http_args(h: argparse._ActionsContainer) -> None:
@@ -399,10 +401,11 @@ def run_cli(args: argparse.Namespace) -> int:
 
     Raises:
         ValueError: a bad flag, a busy port, or a model or adapter that can't be loaded (one line
-            for ``prefixcache: error: ...``).
+            for ``prefixcache serve: error: ...``).
     """
     from prefixcache.entrypoints.launcher import bind_socket, serve_http
 
+    threads_note = choose_num_threads(args)
     s = check_serve_args(args)
     if s.api_keys and not args.tenant_isolation:
         print("prefixcache serve: tenant API keys authenticate, but without --tenant-isolation all tenants "
@@ -416,6 +419,8 @@ def run_cli(args: argparse.Namespace) -> int:
             from prefixcache.entrypoints.server_log import configure_logging, log_startup, logger
 
             configure_logging(args.log_level)
+            if threads_note:
+                logger.info("%s", threads_note)
             logger.info("loading model %s ...", s.config.model)
             engine = LLMEngine(s.config)
             log_startup(engine)

@@ -106,6 +106,15 @@ class Server(uvicorn.Server):
             await asyncio.sleep(0.05)
         self._end_requests()
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's start-up (the app's lifespan, then the listening server), then the URL: logged
+        only once the server accepts connections (uvicorn logs none for sockets it is handed)."""
+        await super().startup(sockets)
+        if self.started and sockets:
+            host, port = sockets[0].getsockname()[:2]
+            logger.info("prefixcache serve: listening on http://%s:%d (Ctrl-C to stop)",
+                        f"[{host}]" if ":" in host else host, port)
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         watch = asyncio.ensure_future(self._watch())
         try:
@@ -124,13 +133,11 @@ class Server(uvicorn.Server):
 
 
 def serve_http(app: FastAPI, sock: socket.socket, options: HTTPOptions) -> None:
-    """Serves ``app`` on the bound ``sock`` until SIGINT / SIGTERM (then shuts down as above).
+    """Serves ``app`` on the bound ``sock`` until SIGINT / SIGTERM (then shuts down as above); logs
+    the URL once the server accepts connections (:meth:`Server.startup`).
 
     Raises:
         KeyboardInterrupt: re-raised by uvicorn after a Ctrl-C shutdown (its caller exits 130).
     """
     server = Server(uvicorn_config(app, options), options.timeout_graceful_shutdown_s)
-    host, port = sock.getsockname()[:2]
-    logger.info("prefixcache serve: listening on http://%s:%d (Ctrl-C to stop)",
-                f"[{host}]" if ":" in host else host, port)
     server.run(sockets=[sock])

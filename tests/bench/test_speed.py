@@ -257,7 +257,7 @@ def test_tiny_speed_run(smollm2, tmp_path):
 
 
 def test_speed_is_not_in_all_but_combines_with_it():
-    from prefixcache.bench.runner import parse_workloads
+    from prefixcache.bench.cli import parse_workloads
     from prefixcache.bench.workloads import WORKLOAD_NAMES
 
     assert parse_workloads("all") == WORKLOAD_NAMES and "speed" not in WORKLOAD_NAMES

@@ -50,6 +50,22 @@ def test_input_errors_name_their_field(inputs):
     assert field_of(lambda: inputs.check_fits(200, SamplingParams(max_tokens=56, n=8))) == "max_tokens"  # the pool
 
 
+def message_of(fn) -> str:
+    with pytest.raises(InvalidInputError) as e:
+        fn()
+    return e.value.message
+
+
+def test_fit_errors_count_in_the_right_number(inputs):
+    """"the prompt's 1 token", never "1 tokens" (max_model_len 256, 32 blocks of 16)."""
+    assert message_of(lambda: inputs.check_fits(1, SamplingParams(max_tokens=256))) == (
+        "max_tokens 256 plus the prompt's 1 token exceed max_model_len 256; lower max_tokens to at most 255")
+    assert message_of(lambda: inputs.check_fits(2, SamplingParams(max_tokens=255))) == (
+        "max_tokens 255 plus the prompt's 2 tokens exceed max_model_len 256; lower max_tokens to at most 254")
+    assert message_of(lambda: inputs.check_fits(1, SamplingParams(max_tokens=16, n=33))).startswith(
+        "prompt + max_tokens (17 tokens x n=33 samples) needs 66 KV blocks but the pool has 32 blocks;")
+
+
 def test_text_too_long_for_any_tokenization_is_refused_without_tokenizing(inputs):
     longest = inputs.max_prompt_chars // (256 * 4)
     assert longest >= 16  # the longest token's text, in characters

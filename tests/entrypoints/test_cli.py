@@ -24,6 +24,7 @@ from prefixcache.entrypoints.cli_args import add_cli_args, check_serve_args
 from prefixcache.models.model_path import check_model_arg
 
 REPO = Path(__file__).resolve().parents[2]
+BENCH_HINT = "run 'prefixcache bench --help' for all options\n"
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
@@ -93,7 +94,10 @@ def test_every_flag_with_a_default_says_it_in_help():
                           "~/.cache/prefixcache)"),
     (["demo", "--help"], "local .gguf file; never downloaded from the Hub (default: smollm2-135m)"),
     (["demo", "--help"], "--block-size BLOCK_SIZE tokens per KV block (default: 16)"),
-    (["demo", "--help"], "--num-threads NUM_THREADS torch CPU threads (default: the available cores; on a shared"),
+    (["demo", "--help"], "--num-threads NUM_THREADS torch CPU threads (default: the free cores, i.e. the cores minus "
+                         "the 1-minute load average, at least 1;"),
+    (["serve", "--help"], "--num-threads NUM_THREADS torch CPU threads (default: the free cores, i.e. the cores "
+                          "minus the 1-minute load average, at least 1;"),
     (["bench", "--help"], "local .gguf file; never downloaded from the Hub (default: smollm2-135m)"),
     (["bench", "--help"], "--max-tokens MAX_TOKENS tokens generated per request (default: 16)"),
     (["bench", "--help"], "'trace' (eviction-policy trace simulation, no model), 'restart' (TTFT after a restart"),
@@ -122,15 +126,15 @@ def test_bench_queue_flags_set_the_replay_and_bad_values_name_the_field(capsys):
     assert fcfs_row[1:-1] == lpm_row[1:-1] and fcfs_row[8] == "0"  # all but µs/step; 0 evictions
     code, out, err = run_cli(["bench", "--workload", "queue", "--queue-rate-rps", "0"], capsys)
     assert (code, out) == (2, "")
-    assert err == "prefixcache: error: rate_rps must be a finite number > 0, got 0.0\n"
+    assert err == "prefixcache bench: error: rate_rps must be a finite number > 0, got 0.0\n" + BENCH_HINT
 
 
 def test_bench_unknown_workload_lists_every_workload(capsys):
     code, out, err = run_cli(["bench", "--workload", "foo,seed"], capsys)
     listed = ", ".join((*WORKLOAD_NAMES, "speed", "trace", "restart", "queue", "cluster"))
     assert (code, out) == (2, "")
-    assert err == f"prefixcache: error: --workload: unknown workload 'foo'; choose 'all' or a comma-separated list " \
-                  f"of {listed}\n"
+    assert err == f"prefixcache bench: error: --workload: unknown workload 'foo'; choose 'all' or a " \
+                  f"comma-separated list of {listed}\n" + BENCH_HINT
 
 
 # ---------------------------------------------------------------------------- the model argument
@@ -166,10 +170,11 @@ def test_hub_id_explains_local_directory_or_gguf_and_loads_nothing(no_model_load
     start = time.monotonic()
     code, out, err = run_cli(argv, capsys)
     assert (code, out) == (2, "")
-    assert err == (f"prefixcache: error: model '{HUB_ID}' looks like a Hugging Face Hub id, and no local path has that "
+    assert err == (f"prefixcache {argv[0]}: error: model '{HUB_ID}' looks like a Hugging Face Hub id, and no local path has that "
                    "name; prefixcache never downloads from the Hub. Download it yourself where the network is "
                    f"reachable (e.g. `huggingface-cli download {HUB_ID} --local-dir DIR`) and pass DIR (config.json "
-                   "+ *.safetensors), or pass a local .gguf file, or use the built-in 'smollm2-135m'\n")
+                   "+ *.safetensors), or pass a local .gguf file, or use the built-in 'smollm2-135m'\n"
+                   f"run 'prefixcache {argv[0]} --help' for all options\n")
     assert time.monotonic() - start < 5
 
 
@@ -189,7 +194,8 @@ def test_a_local_directory_named_like_a_hub_id_is_used(tmp_path, monkeypatch):
 
 def test_serve_checks_the_model_path_before_binding_or_loading(no_model_load, tmp_path, capsys):
     code, _, err = run_cli(["serve", "--port", "0", str(tmp_path / "nothing")], capsys)
-    assert code == 2 and err.startswith(f"prefixcache: error: model '{tmp_path / 'nothing'}' is neither the built-in")
+    assert code == 2 and err.startswith(f"prefixcache serve: error: model '{tmp_path / 'nothing'}' is neither the "
+                                        "built-in")
 
 
 # ---------------------------------------------------------------------------- a real process
@@ -203,8 +209,9 @@ def test_serve_on_a_busy_port_exits_at_once_naming_it_without_loading():
                               capture_output=True, text=True, timeout=120)
         took_s = time.monotonic() - start
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == (f"prefixcache: error: --host 127.0.0.1 --port {port}: cannot bind (Address already in "
-                           "use); is another server using this port?\n")  # no "loading model" line, no traceback
+    assert proc.stderr == (f"prefixcache serve: error: --host 127.0.0.1 --port {port}: cannot bind (Address already "
+                           "in use); is another server using this port?\n"
+                           "run 'prefixcache serve --help' for all options\n")  # no "loading model" line, no traceback
     assert took_s < 30  # imports only (torch): a model load would add its own seconds and log a line
 
 
@@ -289,7 +296,6 @@ def test_a_misspelt_flag_gets_the_closest_one_and_a_wrong_one_none(no_run, capsy
     (["fetch", "extra"], "prefixcache fetch: error: unrecognized arguments: extra"),
     (["serv"], "prefixcache: error: argument command: invalid choice: 'serv' (choose from 'demo', 'fetch', 'serve', "
                "'cluster', 'bench', 'analyze')"),
-    ([], "prefixcache: error: the following arguments are required: command"),
 ])
 def test_a_bad_flag_prints_its_error_line_and_a_hint_not_the_usage(no_run, capsys, argv, line):
     code, out, err = run_cli(argv, capsys)
@@ -318,13 +324,16 @@ def test_bad_engine_options_fail_before_anything_loads_or_runs(no_model_load, mo
     def not_run(*args, **kwargs):
         raise AssertionError("a workload ran before the options were checked")
 
+    from prefixcache.bench import cli as bench_cli
     from prefixcache.bench import runner
 
-    for name in ("run_trace_cli", "run_queue_cli", "run_cluster_cli", "run_restart_cli", "run_bench"):
-        monkeypatch.setattr(runner, name, not_run)
+    for name in ("run_trace_cli", "run_queue_cli", "run_cluster_cli", "run_restart_cli"):
+        monkeypatch.setattr(bench_cli, name, not_run)
+    monkeypatch.setattr(runner, "run_bench", not_run)
     start = time.monotonic()
     code, out, err = run_cli(argv, capsys)
-    assert (code, out, err) == (2, "", f"prefixcache: error: {message}\n")
+    assert (code, out, err) == (2, "", f"prefixcache {argv[0]}: error: {message}\n"
+                                       f"run 'prefixcache {argv[0]} --help' for all options\n")
     assert time.monotonic() - start < 5
 
 
@@ -346,5 +355,26 @@ def test_demo_with_zero_threads_exits_at_once_in_a_real_process():
     took_s = time.monotonic() - start
     assert (proc.returncode, proc.stdout) == (2, "")
     # the whole stderr: no "loading smollm2-135m ..." line, no progress bar, no traceback
-    assert proc.stderr == "prefixcache: error: --num-threads: num_threads must be an integer >= 1, got 0\n"
+    assert proc.stderr == ("prefixcache demo: error: --num-threads: num_threads must be an integer >= 1, got 0\n"
+                           "run 'prefixcache demo --help' for all options\n")
     assert took_s < 30  # the imports only; the demo itself takes minutes
+
+
+def test_bare_prefixcache_prints_the_overview_like_pip(no_run, capsys):
+    code, out, err = run_cli([], capsys)
+    assert (code, err) == (0, "")
+    assert out.startswith("usage: prefixcache [-h] [--version]")
+    assert "LLM inference with automatic prefix caching" in out
+    assert "serve               OpenAI-compatible HTTP server" in out
+
+
+@pytest.mark.parametrize("argv", [["--version"], *([c, "--help"] for c in SUBCOMMANDS), ["bench", "--workload", "foo"],
+                                  ["bench", "--workload", "seed", "--max-tokens", "0"], ["serve", "--port", "70000"],
+                                  ["demo", "--num-threads", "0"]])
+def test_version_help_and_flag_checks_import_neither_torch_nor_transformers(argv):
+    """They answer in a fraction of a second (`--version` took 3 s and `bench --workload foo` 10 s
+    when they imported torch): the model's libraries are imported when a command runs."""
+    code = ("import sys\nfrom prefixcache.entrypoints import cli\ntry:\n    cli.main(sys.argv[1:])\n"
+            "except SystemExit:\n    pass\nprint(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines()[-1] == "[]", proc.stderr

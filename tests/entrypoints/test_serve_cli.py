@@ -121,7 +121,8 @@ def test_startup_errors_come_before_the_model_loads(no_model_load, busy_port, tm
         start = time.monotonic()
         assert cli.main(["serve", "--port", "0", *argv]) == 2, argv
         err = capsys.readouterr().err
-        assert err.startswith(f"prefixcache: error: {message}") and err.count("\n") == 1, err
+        assert err.startswith(f"prefixcache serve: error: {message}") and err.count("\n") == 2, err
+        assert err.endswith("\nrun 'prefixcache serve --help' for all options\n"), err
         assert time.monotonic() - start < 5
 
 
@@ -152,8 +153,10 @@ class ServeProcess:
             raise RuntimeError("serve did not start:\n" + self.stderr)
         url = re.search(r"listening on (http://\S+)", self.stderr).group(1)
         self.url = url
+        self.health_attempts = 0  # /health calls until the first 200: 1 if "listening" was logged in time
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
+            self.health_attempts += 1
             try:
                 if httpx.get(url + "/health").status_code == 200:
                     return
@@ -264,6 +267,7 @@ def test_serve_logs_what_it_serves_then_the_url_then_each_request():
         "INFO:     KV pool 64 blocks x 16 tokens = 1024 tokens, 45.0 MiB (737280 bytes per block); max model len "
         "1024 tokens",
         "INFO:     prefix caching on (hash xxh64, eviction lru, partial-block reuse on)",
+        "INFO:     Application startup complete.",
         f"INFO:     prefixcache serve: listening on {s.url} (Ctrl-C to stop)",
         f"INFO:     request {r.json()['id']} length: prompt {u['prompt_tokens']} tokens (0 cached), completion 3 "
         "tokens, TTFT ",
@@ -271,3 +275,4 @@ def test_serve_logs_what_it_serves_then_the_url_then_each_request():
     positions = [log.find(line) for line in expected]
     assert all(p >= 0 for p in positions) and positions == sorted(positions), log
     assert "Traceback" not in log
+    assert s.health_attempts == 1  # the URL is logged once the server accepts, not before

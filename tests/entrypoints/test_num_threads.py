@@ -1,0 +1,92 @@
+"""The thread count of ``demo``, ``serve`` and ``bench`` when ``--num-threads`` is not given: the
+free cores (issue 17: torch's every-core default made the demo 6x slower on a busy 2-core box).
+No test here loads a model: each command stops where it would load one."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+
+from prefixcache.bench import cli as bench_cli
+from prefixcache.bench import runner
+from prefixcache.engine import llm_engine
+from prefixcache.entrypoints import cli
+from prefixcache.entrypoints import demo as demo_module
+from prefixcache.entrypoints.num_threads import choose_num_threads, default_num_threads
+
+
+@pytest.mark.parametrize("cpu_count,load_average,expected", [
+    (2, 3.4, 1),  # the busy 2-core box of the issue
+    (2, 0.0, 2),
+    (2, 0.5, 1),  # a partly busy core counts as busy
+    (2, 1.0, 1),
+    (16, 3.4, 12),
+    (4, 0.0, 4),
+    (1, 0.0, 1),
+    (8, 100.0, 1),  # never below 1
+])
+def test_default_num_threads_is_the_free_cores(cpu_count, load_average, expected):
+    assert default_num_threads(cpu_count, load_average) == expected
+
+
+@pytest.fixture
+def busy_two_cores(monkeypatch):
+    """This process sees 2 cores at load average 3.4."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.4, 2.0, 1.0))
+
+
+NOTE = "num_threads=1 (2 cores, load average 3.4; --num-threads N to set)"
+
+
+def test_choose_num_threads_sets_the_default_and_says_so(busy_two_cores):
+    args = argparse.Namespace(num_threads=None)
+    assert choose_num_threads(args) == NOTE and args.num_threads == 1
+    assert default_num_threads() == 1  # the same sources when nothing is injected
+    given = argparse.Namespace(num_threads=2)
+    assert choose_num_threads(given) is None and given.num_threads == 2
+
+
+class Reached(Exception):
+    """Raised where a command would load the model: carries what it would load it with."""
+
+
+def run(argv: list[str], capsys) -> tuple[object, str, str]:
+    with pytest.raises(Reached) as e:
+        cli.main(argv)
+    out, err = capsys.readouterr()
+    return e.value.args[0], out, err
+
+
+def test_demo_picks_the_free_cores_unless_given(busy_two_cores, monkeypatch, capsys):
+    def fake_run_demo(model, **kwargs):
+        raise Reached(kwargs["num_threads"])
+
+    monkeypatch.setattr(demo_module, "run_demo", fake_run_demo)
+    assert run(["demo", "--json"], capsys) == (1, "", f"prefixcache demo: {NOTE}\n")  # stdout stays JSON-only
+    assert run(["demo", "--num-threads", "2"], capsys) == (2, "", "")
+
+
+def test_serve_picks_the_free_cores_unless_given(busy_two_cores, monkeypatch, capsys):
+    def fake_engine(config, *args, **kwargs):
+        raise Reached(config.num_threads)
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", fake_engine)
+    assert run(["serve", "--port", "0", "--log-level", "error"], capsys)[0] == 1
+    assert run(["serve", "--port", "0", "--log-level", "error", "--num-threads", "2"], capsys)[0] == 2
+
+
+def test_bench_picks_the_free_cores_for_model_workloads_only(busy_two_cores, monkeypatch, capsys):
+    def fake_run_bench(opts, *args, **kwargs):
+        raise Reached(opts.num_threads)
+
+    def fake_cluster(args, num_threads):
+        raise Reached(num_threads)
+
+    monkeypatch.setattr(runner, "run_bench", fake_run_bench)
+    monkeypatch.setattr(bench_cli, "run_cluster_cli", fake_cluster)
+    assert run(["bench", "--workload", "seed"], capsys) == (1, "", f"prefixcache bench: {NOTE}\n")
+    assert run(["bench", "--workload", "seed", "--num-threads", "2"], capsys) == (2, "", "")
+    assert run(["bench", "--workload", "cluster"], capsys) == (None, "", "")  # per replica: its own default, 1
