@@ -61,6 +61,8 @@ def test_engine_refuses_a_model_loaded_in_another_format(smollm2):
         LLM("smollm2-135m", loaded=smollm2, quantization="int8")
     assert e.value.field == "quantization"
     with pytest.raises(InvalidInputError, match="quantization must be one of"):
+        LLM("smollm2-135m", loaded=smollm2, quantization="int3")
+    with pytest.raises(InvalidInputError, match="give dtype='bfloat16'"):
         LLM("smollm2-135m", loaded=smollm2, quantization="int4")
 
 
