@@ -116,8 +116,8 @@ class EngineConfig(CacheConfig, SchedulerConfig):
                                                     f"got {self.quantization!r}")
         if self.quantization == "int4" and self.dtype != "bfloat16":
             raise InvalidInputError("quantization", f"quantization='int4' runs a bfloat16 model (torch's 4-bit "
-                                                    f"CPU kernel takes bf16 activations): give dtype='bfloat16', "
-                                                    f"got dtype={self.dtype!r}")
+                                                    f"CPU kernel takes bf16 activations): give dtype='bfloat16' "
+                                                    f"(--dtype bfloat16), got dtype={self.dtype!r}")
         if self.device is not None and (not isinstance(self.device, str) or not self.device):
             raise InvalidInputError("device", f"device must be a torch device name such as 'cpu' or 'cuda', "
                                               f"got {self.device!r}")

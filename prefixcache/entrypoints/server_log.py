@@ -19,6 +19,7 @@ import sys
 import torch
 
 from prefixcache.engine.llm_engine import LLMEngine
+from prefixcache.errors import counted
 from prefixcache.outputs import RequestOutput
 
 logger = logging.getLogger("prefixcache.serve")
@@ -82,8 +83,8 @@ def _ms(seconds: float | None) -> str:
 
 def request_line(out: RequestOutput, num_completion_tokens: int) -> str:
     """One finished request: ``out`` is its last sample, ``num_completion_tokens`` over all its samples."""
-    return (f"request {out.request_id} {out.finish_reason or 'abort'}: prompt {out.num_prompt_tokens} tokens "
-            f"({out.num_cached_tokens} cached), completion {num_completion_tokens} tokens, "
+    return (f"request {out.request_id} {out.finish_reason or 'abort'}: prompt {counted(out.num_prompt_tokens, 'token')} "
+            f"({out.num_cached_tokens} cached), completion {counted(num_completion_tokens, 'token')}, "
             f"TTFT {_ms(out.ttft_s)}, e2e {_ms(out.e2e_s)}")
 
 

@@ -12,7 +12,8 @@ import httpx
 
 from prefixcache.config import EngineConfig
 from prefixcache.engine.llm_engine import LLMEngine
-from prefixcache.entrypoints.server_log import startup_lines
+from prefixcache.entrypoints.server_log import request_line, startup_lines
+from prefixcache.outputs import RequestOutput
 from tests.entrypoints.conftest import MODEL
 
 MS = r"(\d+\.\d) ms"
@@ -94,3 +95,14 @@ def test_the_docs_page_and_schema_readme_points_to_are_served(server):
     assert docs.status_code == 200 and "swagger-ui" in docs.text and "/openapi.json" in docs.text
     schema = httpx.get(server.base_url + "/openapi.json", timeout=30).json()
     assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/metrics"} <= set(schema["paths"])
+
+
+def test_request_line_counts_in_the_right_number():
+    def out(num_prompt):
+        return RequestOutput(request_id="cmpl-1", index=0, prompt=None, prompt_token_ids=[7] * num_prompt, text="x",
+                             token_ids=[5], finish_reason="length", stop_reason=None, num_prompt_tokens=num_prompt,
+                             num_cached_tokens=0, ttft_s=0.0125, e2e_s=0.5)
+
+    assert request_line(out(1), 1) == ("request cmpl-1 length: prompt 1 token (0 cached), completion 1 token, "
+                                       "TTFT 12.5 ms, e2e 500.0 ms")
+    assert request_line(out(2), 3).startswith("request cmpl-1 length: prompt 2 tokens (0 cached), completion 3 tokens,")
