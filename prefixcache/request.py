@@ -177,10 +177,8 @@ class Request:
         for a block holding a generated token, the hasher's ``output_block_key`` (int4 models),
         the same bytes its hash was chained with."""
         key = self.tenant_key if block_index >= self.num_shared_blocks else b""
-        tag = self.block_hasher.output_block_key
-        if tag and block_index >= self.num_prompt_tokens // self.block_hasher.block_size:
-            return key + tag
-        return key
+        first_output = self.block_hasher.first_output_block(self.num_prompt_tokens)
+        return key if first_output is None or block_index < first_output else key + self.block_hasher.output_block_key
 
     def append_output_token_ids(self, token_id: int) -> None:
         """Appends one sampled token and hashes any block it completes."""

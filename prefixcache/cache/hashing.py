@@ -126,6 +126,13 @@ class BlockHasher:
         self._digest = _DIGESTS[hash_algo]
         self._pack = struct.Struct(f"<{block_size}I").pack
 
+    def first_output_block(self, num_prompt_tokens: int | None) -> int | None:
+        """Index of the first block that gets ``output_block_key`` (the first holding a generated
+        token); None when there is no such key or no prompt length."""
+        if not self.output_block_key or num_prompt_tokens is None:
+            return None
+        return num_prompt_tokens // self.block_size
+
     def root_hash(self, root_key: bytes) -> BlockHash:
         """h_{-1}: the parent hash of a request's first block."""
         return BlockHash(self._digest(b"root" + root_key))
@@ -168,7 +175,8 @@ class BlockHasher:
             packed.byteswap()
         data = packed.tobytes()
         digest, append, width = self._digest, block_hashes.append, 4 * bs
-        tagged = num_full if not self.output_block_key or num_prompt_tokens is None else num_prompt_tokens // bs
+        tagged = self.first_output_block(num_prompt_tokens)
+        tagged = num_full if tagged is None else tagged
         for i, off in zip(range(start, num_full), range(0, len(data), width)):
             key = (extra_key if i >= num_unkeyed_blocks else b"") + (self.output_block_key if i >= tagged else b"")
             parent = digest(parent + data[off : off + width] + key)

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from prefixcache.layers.quant import Int4Weight, Int8Weight, int8_linear, quantize_activations, split_linear
+from prefixcache.layers.quant import (Int4Weight, Int8Weight, int8_linear, quantize_activations, split_linear,
+                                     stacked_weight_and_bias)
 
 TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _UNSUPPORTED_OPTIONS = ("use_dora", "rank_pattern", "alpha_pattern", "layer_replication", "modules_to_save")
@@ -151,13 +152,8 @@ class PrepackedWeight:
         params = [p for m in self.modules for p in (m.weight, m.bias) if p is not None]
         key = tuple((p.data_ptr(), p._version) for p in params)
         if key != self._key:  # first use, or a weight was replaced or written in place
-            weights = [m.weight.detach() for m in self.modules]
-            weight = weights[0] if len(weights) == 1 else torch.cat(weights)  # [sum(out), in]
+            weight, self._bias = stacked_weight_and_bias(self.modules)  # [sum(out), in], [sum(out)] | None
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-            biases = [m.bias for m in self.modules]
-            self._bias = None if all(b is None for b in biases) else torch.cat(
-                [torch.zeros(m.out_features, dtype=m.weight.dtype) if b is None else b.detach()
-                 for m, b in zip(self.modules, biases)])
             self._key = key
         return self._packed
 

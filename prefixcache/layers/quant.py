@@ -23,7 +23,7 @@ import torch
 from prefixcache.config import QUANTIZATIONS
 
 __all__ = ["INT4_GROUP", "QUANTIZATIONS", "Int4Weight", "Int8Weight", "concat_weights", "int4_linear", "int8_linear",
-           "quantize_activations", "quantize_weight", "quantize_weight_int4"]
+           "quantize_activations", "quantize_weight", "quantize_weight_int4", "stacked_weight_and_bias"]
 _QMAX = 127.0
 _MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros instead of dividing by 0
 
@@ -62,6 +62,16 @@ def quantize_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> I
         scale=scale,
         bias=None if bias is None else bias.detach().float().clone(),
     )
+
+
+def stacked_weight_and_bias(modules: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights of linear layers stacked by output rows (q, k, v → qkv), [sum(out), in], detached,
+    and their biases stacked likewise (zeros for a layer without one; None when none has one)."""
+    weights = [m.weight.detach() for m in modules]
+    biases = [m.bias for m in modules]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [torch.zeros(m.out_features, dtype=m.weight.dtype) if b is None else b.detach() for m, b in zip(modules, biases)])
+    return (weights[0] if len(weights) == 1 else torch.cat(weights)), bias
 
 
 def concat_weights(parts: list[Int8Weight]) -> Int8Weight:

@@ -27,6 +27,7 @@ from prefixcache.layers.quant import (
     quantize_weight,
     quantize_weight_int4,
     split_linear,
+    stacked_weight_and_bias,
 )
 from prefixcache.layers.rotary import RotaryEmbedding, apply_rotary_emb
 from prefixcache.models.config import ModelConfig
@@ -160,11 +161,7 @@ class LlamaMLP(nn.Module):
 def _fused_int4(modules: list[nn.Linear]) -> Int4Weight:
     """One int4 weight of the modules' weights stacked by output rows (exact: groups run along the
     input features, so each output row is quantized alone)."""
-    weights = [m.weight for m in modules]
-    biases = [m.bias for m in modules]
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [torch.zeros(m.out_features, dtype=m.weight.dtype) if b is None else b for m, b in zip(modules, biases)])
-    return quantize_weight_int4(weights[0] if len(weights) == 1 else torch.cat(weights), bias)
+    return quantize_weight_int4(*stacked_weight_and_bias(modules))
 
 
 class LlamaDecoderLayer(nn.Module):
