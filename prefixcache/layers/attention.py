@@ -24,12 +24,15 @@ softmax. Its GEMMs give a row the same bits for any block of >= 3 rows but not f
 matrix-vector path), and a key block shorter than 512 sums in another order. With
 ``batch_invariant`` every call has its keys padded, masked, to a multiple of 512
 (`padded_num_keys`), always an explicit mask, and its queries padded so that no query block has 1
-or 2 rows (`padded_num_queries`: a decode's one query is repeated to 3 rows). A query then gets the
+or 2 rows (`padded_num_queries`; a decode's call takes the query heads of one KV head as its rows,
+and its query is repeated to ``ceil(3 / heads per KV head)`` rows, once for SmolLM2's 3). A query then gets the
 same bits in a decode, in a prefill chunk of any length after any cached prefix, and in any batch
-(`tests/layers/test_attention_invariance.py`). The runner turns it on for the int8 format, whose
-linear layers are exact, so cache on and off give bit-identical logits; fp32 and bf16 GEMMs round
-differently by batch size anyway, so they keep the cheaper unpadded calls. The padding costs
-compute only: masked key blocks add exact zeros.
+(`tests/layers/test_attention_invariance.py`). The runner turns it on for the batch-invariant
+formats (int8, whose linear layers are exact; bfloat16 and int4, whose GEMMs run in row tiles that
+give a row its one-row bits), so cache on and off give bit-identical logits; float32's GEMMs round
+differently by batch size anyway, so it keeps the cheaper unpadded calls. The padding costs
+compute only: masked key blocks add exact zeros. (float32 activations without GQA are a known
+exception: a decode row then differs from its prefill row in the last bits.)
 
 Shared-prefix (cascade) decode attention: decodes whose contexts start with the same pool blocks
 (requests over one system prompt, the samples of an ``n > 1`` request) attend to that shared run
@@ -39,8 +42,11 @@ log-sum-exp. This is FlashInfer's cascade inference (Ye et al., "Cascade Inferen
 Bandwidth Efficient Shared Prefix Batch Decoding", 2024) and vLLM's cascade attention
 (vllm/v1/attention/backends/flash_attn.py, ``use_cascade_attention``), written over torch's CPU
 flash kernel, which returns the log-sum-exp. It changes rounding (the softmax is summed in two
-parts), so it is used only without ``batch_invariant``; the int8 format keeps one call per decode
-over its whole context, which gives the same bits as a prefill row.
+parts), so it is used only without ``batch_invariant``. The batch-invariant int4 format shares
+prefixes too, for its generated tokens (``num_prompt_tokens``): they attend in fixed 512-key chunks
+merged in a fixed order (:mod:`prefixcache.layers.chunked_attention`), which gives a row the same
+bits however its chunks are computed, shared or not; its prompt tokens, and every token of int8
+and bfloat16, keep one call over the whole context, which gives a decode the bits of a prefill row.
 """
 
 from dataclasses import dataclass
@@ -49,10 +55,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prefixcache.layers.chunked_attention import (KV_SPLIT, MIN_Q_ROWS, ChunkedRows, build_chunked_rows,
+                                                  chunked_attention)
 
-KV_SPLIT = 512  # keys per block of torch's CPU flash-attention kernel
-Q_ROW_QUANTUM = 32  # its query blocks are multiples of 32 rows
-MIN_Q_ROWS = 3  # a query block of 1 or 2 rows takes a different GEMM path (other rounding)
+
+Q_ROW_QUANTUM = 32  # torch's CPU flash-attention kernel's query blocks are multiples of 32 rows
 
 
 def padded_num_keys(context_len: int, batch_invariant: bool = True) -> int:
@@ -132,15 +139,19 @@ class AttentionMetadata:
     decode_first_block: int | None  # a single decode whose tail blocks are consecutive in the pool from
     # this one: read as a view of the pool (masked padding blocks are whatever follows), no copy
     cascade_groups: list[CascadeGroup]  # shared-prefix groups of decodes; empty when batch-invariant
-    num_decode_rows: int  # rows each decode's query takes: MIN_Q_ROWS when batch-invariant, else 1
+    num_decode_rows: int  # rows each (decode, KV head) call block needs: MIN_Q_ROWS when batch-invariant,
+    # else 1; its query heads count, so each query is repeated ceil(num_decode_rows / heads per KV head) times
     num_decode_keys: int  # tail keys: padded_num_keys(longest decode tail); 0 without decodes
     batch_invariant: bool  # built with the padding rules of the module docstring
     num_tokens: int  # new tokens in the batch
+    chunked: ChunkedRows | None = None  # generated tokens attended chunk by chunk (layers.chunked_attention):
+    # decodes among them are not in the decode tables; prefill rows among them are overwritten
 
 
 def build_attention_metadata(
     seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device | str,
     batch_invariant: bool = False, dtype: torch.dtype = torch.float32, num_pool_blocks: int = 0,
+    num_prompt_tokens: list[int] | None = None,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Builds a step's attention metadata and token positions.
 
@@ -151,14 +162,18 @@ def build_attention_metadata(
         block_size: Tokens per KV block.
         device: Device of the model.
         batch_invariant: pad keys and queries as the module docstring says, so that a query's output
-            has the same bits in any call (worth it only when the rest of the model is exact too:
-            the int8 format); else each call attends over exactly its keys, and decodes sharing
+            has the same bits in any call (worth it only when the rest of the model is batch-invariant
+            too: int8, bfloat16, int4); else each call attends over exactly its keys, and decodes sharing
             prefix blocks attend to them once (cascade, see the module docstring).
         dtype: the model's activation dtype (of the decode key bias).
         num_pool_blocks: blocks in the pool (0: unknown). A sequence whose blocks are consecutive
             and whose padded key range ends inside the pool is read as a view instead of a gather
             (same bits: masked keys add exact zeros whatever finite values they hold; the pool
             starts zeroed).
+        num_prompt_tokens: per sequence, its request's prompt length; given (with
+            ``batch_invariant``), every new token at a position >= it (a generated token) is attended
+            by :mod:`prefixcache.layers.chunked_attention` (the int4 format, whose generated tokens'
+            blocks are keyed apart), shared chunks once for all rows that have them.
 
     Returns:
         (metadata, positions), positions shape = [num_tokens] int64, num_computed_tokens +
@@ -178,6 +193,10 @@ def build_attention_metadata(
     slot_mapping, positions = _slots_and_positions(seqs, block_table, block_size)
     prefills, decode_rows, decode_token_indices = _split_prefills_and_decodes(seqs, block_table, block_size, device,
                                                                               inv, num_pool_blocks)
+    chunked = None
+    if num_prompt_tokens is not None and inv:
+        chunked, decode_rows, decode_token_indices = _generated_rows(
+            seqs, num_prompt_tokens, block_table, block_size, device, dtype, decode_rows, decode_token_indices)
     decode_block_table, decode_attn_mask, decode_key_bias, decode_index_tensor = None, None, None, None
     cascade_groups, num_decode_keys, decode_first_block = [], 0, None
     if decode_rows:
@@ -187,7 +206,7 @@ def build_attention_metadata(
         )
         decode_key_bias = torch.zeros(decode_attn_mask.shape, dtype=dtype, device=device).masked_fill_(
             ~decode_attn_mask, float("-inf"))
-        if len(decode_rows) != len(seqs):
+        if len(decode_rows) != len(seqs) or chunked is not None:
             decode_index_tensor = torch.tensor(decode_token_indices, dtype=torch.int64, device=device)
         if len(decode_rows) == 1 and not cascade_groups:
             row = decode_rows[0]
@@ -206,8 +225,32 @@ def build_attention_metadata(
         num_decode_rows=MIN_Q_ROWS if inv else 1,
         batch_invariant=inv,
         num_tokens=sum(num_new for _, num_new, _ in seqs),
+        chunked=chunked,
     )
     return metadata, positions.to(device)
+
+
+def _generated_rows(
+    seqs: list[tuple[int, int, list[int]]], num_prompt_tokens: list[int], block_table: torch.Tensor,
+    block_size: int, device: torch.device | str, dtype: torch.dtype, decode_rows: list[int],
+    decode_token_indices: list[int],
+) -> tuple[ChunkedRows | None, list[int], list[int]]:
+    """The plan of the batch's generated tokens (None without any), and the decodes left to the
+    one-call path (rows and token indices)."""
+    token_indices, context_lens, seq_of_row = [], [], []
+    token_start = 0
+    for i, ((num_comp, num_new, _), prompt_len) in enumerate(zip(seqs, num_prompt_tokens, strict=True)):
+        for pos in range(max(num_comp, prompt_len), num_comp + num_new):
+            token_indices.append(token_start + pos - num_comp)
+            context_lens.append(pos + 1)
+            seq_of_row.append(i)
+        token_start += num_new
+    if not token_indices:
+        return None, decode_rows, decode_token_indices
+    generated = set(seq_of_row)
+    kept = [(r, t) for r, t in zip(decode_rows, decode_token_indices) if r not in generated]
+    plan = build_chunked_rows(token_indices, context_lens, block_table[seq_of_row], block_size, device, dtype)
+    return plan, [r for r, _ in kept], [t for _, t in kept]
 
 
 def _num_blocks_per_seq(seqs: list[tuple[int, int, list[int]]], block_size: int) -> list[int]:
@@ -413,8 +456,11 @@ class Attention(nn.Module):
         kv_cache[1].view(slots_shape).index_copy_(0, md.slot_mapping, v)  # view: [num_slots, kv_heads, head_dim]
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
 
-        if not md.prefills:  # decode-only batch: the decodes are the whole batch, in order
+        if not md.prefills and md.chunked is None:  # decode-only batch: the decodes are the whole batch, in order
             out = self._decode_attention(q, k_cache, v_cache, md)  # [num_tokens, num_heads, head_dim]
+        elif md.chunked is not None and md.chunked.token_indices.shape[0] == num_tokens:  # every token generated
+            out = chunked_attention(q, kv_cache[0].view(slots_shape), kv_cache[1].view(slots_shape), md.chunked,
+                                    self.scale)
         else:
             out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
             for p in md.prefills:
@@ -422,6 +468,10 @@ class Attention(nn.Module):
             if md.decode_block_table is not None:
                 q_dec = q.index_select(0, md.decode_token_indices)  # [num_decodes, num_heads, head_dim]
                 out.index_copy_(0, md.decode_token_indices, self._decode_attention(q_dec, k_cache, v_cache, md))
+            if md.chunked is not None:  # generated tokens (after the prefills: they overwrite their rows)
+                rows = md.chunked.token_indices
+                out.index_copy_(0, rows, chunked_attention(q.index_select(0, rows), kv_cache[0].view(slots_shape),
+                                                           kv_cache[1].view(slots_shape), md.chunked, self.scale))
         return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [num_tokens, num_heads * head_dim]
 
     def _prefill_attention(
@@ -478,11 +528,11 @@ class Attention(nn.Module):
             k_dec = k_cache.index_select(0, flat_blocks).view(kv_shape)[:, keys]  # [num_decodes, num_keys, kv_heads, hd]
             v_dec = v_cache.index_select(0, flat_blocks).view(kv_shape)[:, keys]  # [num_decodes, num_keys, kv_heads, hd]
         group = self.num_heads // self.num_kv_heads
-        rows = md.num_decode_rows
+        rows = -(-md.num_decode_rows // group)  # repeats of each query, so that a block has enough rows
         q = q_dec.view(num_decodes, self.num_kv_heads, group, 1, self.head_dim)
         q = q.expand(-1, -1, -1, rows, -1).reshape(num_decodes, self.num_kv_heads, group * rows, self.head_dim)
         # The query heads of one KV head as rows of one call (GQA without repeating K/V); the query
-        # repeated to num_decode_rows rows when batch-invariant (see the module docstring).
+        # repeated when its heads alone are fewer rows than num_decode_rows (see the module docstring).
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k_dec.transpose(1, 2), v_dec.transpose(1, 2), attn_mask=md.decode_key_bias, scale=self.scale
         )[:2]  # [num_decodes, kv_heads, group * rows, head_dim], [num_decodes, kv_heads, group * rows]

@@ -113,6 +113,8 @@ class ModelRunner:
             batch_invariant=self.model.batch_invariant,  # batch-invariant linear layers: attention too
             dtype=self.kv_caches[0].dtype,
             num_pool_blocks=self.kv_caches[0].shape[1],
+            # int4: generated tokens (their blocks keyed apart) attend chunk by chunk, sharing chunks
+            num_prompt_tokens=[s.num_prompt_tokens for s in seqs] if self.model.quantization == "int4" else None,
         )
         lora_segments, start = [], 0
         for s in seqs:

@@ -56,3 +56,51 @@ def test_int4_generated_tokens_differ_from_bf16_only_by_the_weights(smollm2_int4
     first4, first16 = int4.generate([prompt], params, use_tqdm=False)[0], bf16.generate([prompt], params,
                                                                                         use_tqdm=False)[0]
     assert first4.token_ids == first16.token_ids and first4.logprobs == first16.logprobs
+
+
+def _long_prompts(llm, shared_first: bool) -> list[list[int]]:
+    """Three chat prompts of ~560 tokens: the long system text first (one shared prefix, a whole
+    512-key chunk of it) or each question first (nothing shared)."""
+    system = " ".join([SYSTEM_PROMPT] * 5)
+    convs = [[{"role": "system", "content": system if shared_first else q},
+              {"role": "user", "content": q if shared_first else system}] for q in QUESTIONS[:3]]
+    return [list(llm.apply_chat_template(c)) for c in convs]
+
+
+def test_int4_generated_tokens_share_prefix_chunks_and_match_alone(smollm2_int4, monkeypatch):
+    """Decodes over a shared prompt of > 512 tokens attend to its whole chunks once
+    (layers.chunked_attention); their tokens equal each request alone with caching off."""
+    import prefixcache.layers.attention as attention
+
+    shared_groups = []
+    build = attention.build_chunked_rows
+
+    def recording_build(*args, **kwargs):
+        plan = build(*args, **kwargs)
+        shared_groups.append([(g.rows.tolist(), g.num_chunks) for g in plan.shared])
+        return plan
+
+    monkeypatch.setattr(attention, "build_chunked_rows", recording_build)
+    llm = make(smollm2_int4)
+    prompts = _long_prompts(llm, shared_first=True)
+    assert min(map(len, prompts)) > 512
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    batched = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [[0, 1, 2], 1] in [list(g) for step in shared_groups for g in step]  # chunk 0, all three
+    off = make(smollm2_int4, enable_prefix_caching=False)
+    assert [list(off.generate([p], params, use_tqdm=False)[0].token_ids) for p in prompts] == batched
+
+
+@pytest.mark.slow
+def test_int4_recompute_after_preemption_gives_the_same_tokens(smollm2_int4):
+    """Preempted requests recompute their generated tokens in a prefill, chunk by chunk as their
+    decodes did (contexts past 512 keys): the same tokens as without preemption."""
+    llm = make(smollm2_int4)
+    prompts = _long_prompts(llm, shared_first=False)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    # room for the three prompts and a block each: they preempt one another as they grow
+    small = make(smollm2_int4, num_blocks=sum(-(-len(p) // 16) for p in prompts) + 3, max_num_seqs=3)
+    outs = small.generate(prompts, params, use_tqdm=False)
+    assert small.get_metrics().num_preemptions > 0
+    ref = [list(llm.generate([p], params, use_tqdm=False)[0].token_ids) for p in prompts]
+    assert [list(o.token_ids) for o in outs] == ref

@@ -1,0 +1,262 @@
+"""Chunked attention for generated tokens: 512-key chunks merged by log-sum-exp, shared chunks once.
+
+A query row (one token, all heads) attends over its context ``[0, position]`` split into chunks of
+:data:`KV_SPLIT` keys at fixed absolute offsets (chunk ``j`` = keys ``[512 j, 512 (j + 1))``). Each
+chunk is one batch entry of torch's CPU flash-attention kernel, whose key block is exactly one chunk
+(padded and masked past the row's position), so a row gets a chunk's ``(out_j, lse_j)`` with the
+same bits in any call (query blocks of >= :data:`MIN_Q_ROWS` rows, see
+:mod:`prefixcache.layers.attention`). The chunks are then merged in chunk order::
+
+    m = max_j lse_j,  w_j = exp(lse_j - m),  out = (sum_j out_j * w_j) / (sum_j w_j)
+
+element-wise in float32, the sums taken one chunk after another (a chunk a row does not have adds
+exact zeros), so the result depends only on the row's own keys: the same bits in a decode, a
+recompute after preemption and any batch.
+
+Because a chunk's result does not depend on what else shares the call, chunks that several rows
+have in common (whole chunks of a shared prefix: requests over one system prompt, the samples of an
+``n > 1`` request) are computed once for all of them: one call whose query rows are every member's
+heads, over the chunk's keys read in place when the blocks are consecutive in the pool. This is
+shared-prefix (cascade) attention (FlashInfer's cascade inference, Ye et al. 2024; vLLM's
+``use_cascade_attention``) made batch-invariant by fixing the split points and the merge order.
+
+It rounds differently from one kernel call over the whole context (the kernel merges its key blocks
+in float32 without rounding each block's output to the model's dtype), so a model uses it only for
+rows whose K/V no prompt row ever reuses: the generated tokens of the int4 format, whose blocks are
+keyed apart (:class:`prefixcache.cache.hashing.BlockHasher` ``output_block_key``). Prompt rows keep
+the one-call form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KV_SPLIT = 512  # keys per block of torch's CPU flash-attention kernel, and per chunk here
+MIN_Q_ROWS = 3  # a query block of 1 or 2 rows takes a different GEMM path (other rounding)
+
+
+@dataclass(slots=True)
+class SharedChunks:
+    """The first ``num_chunks`` chunks of >= 2 rows' contexts, the same pool blocks for all of them."""
+
+    rows: torch.Tensor  # [num_members] int64: indices into the ChunkedRows' rows
+    num_chunks: int
+    first_slot: int | None  # the chunks' keys are consecutive pool slots from here (read as a view)
+    slots: torch.Tensor | None  # [num_chunks * KV_SPLIT] int64 pool slots when not consecutive
+
+
+@dataclass(slots=True)
+class ChunkedRows:
+    """A step's rows attended chunk by chunk (see the module docstring), built by `build_chunked_rows`."""
+
+    token_indices: torch.Tensor  # [num_rows] int64: each row's index in the step's batch
+    num_chunks: int  # chunks of the longest context
+    shared: list[SharedChunks]
+    job_rows: torch.Tensor  # [num_jobs] int64: the row of each (row, chunk) not in a shared group
+    job_chunks: torch.Tensor  # [num_jobs] int64: its chunk
+    job_slots: torch.Tensor  # [num_jobs * KV_SPLIT] int64: the chunk's pool slots (slot 0 past the context)
+    job_bias: torch.Tensor  # [num_jobs, 1, 1, KV_SPLIT] model dtype: 0 for the row's keys, -inf after its
+    # position
+    job_dest: torch.Tensor  # [num_jobs] int64: chunk * num_rows + row, where a job's result goes
+    job_rows_are_rows: bool  # one job per row, in row order (job_rows == arange(num_rows))
+    rectangular: bool  # no shared chunks and every row has every chunk: jobs are [num_rows, num_chunks]
+
+
+def build_chunked_rows(
+    token_indices: list[int], context_lens: list[int], block_table: torch.Tensor, block_size: int,
+    device: torch.device | str, dtype: torch.dtype, min_shared_chunks: int = 1,
+) -> ChunkedRows:
+    """Plans the chunk calls of a step's chunked rows.
+
+    Args:
+        token_indices: each row's index in the batch.
+        context_lens: each row's keys: its position + 1 (>= 1).
+        block_table: shape = [num_rows, max_blocks] int64 CPU, each row's sequence's blocks (covering
+            its context; what follows is ignored).
+        block_size: tokens per block.
+        device: the model's device.
+        dtype: the model's activation dtype (of the key bias).
+        min_shared_chunks: whole shared chunks below which rows are not grouped.
+
+    Returns:
+        The plan: shared chunk groups (rows whose block tables agree on whole chunks before every
+        member's position) and one job per remaining (row, chunk).
+    """
+    num_chunks_per_row = [-(-c // KV_SPLIT) for c in context_lens]
+    first_job_chunk = [0] * len(context_lens)
+    shared = []
+    for members, num_shared in _shared_groups(context_lens, block_table, block_size, min_shared_chunks):
+        for r in members:
+            first_job_chunk[r] = num_shared
+        shared.append(_shared_chunks(members, num_shared, block_table[members[0]], block_size, device))
+    jobs = [(r, j) for r, n in enumerate(num_chunks_per_row) for j in range(first_job_chunk[r], n)]
+    job_rows = torch.tensor([r for r, _ in jobs], dtype=torch.int64)
+    job_chunks = torch.tensor([j for _, j in jobs], dtype=torch.int64)
+    pos = job_chunks[:, None] * KV_SPLIT + torch.arange(KV_SPLIT)  # [num_jobs, KV_SPLIT] key positions
+    lens = torch.tensor(context_lens, dtype=torch.int64)[job_rows][:, None]  # [num_jobs, 1]
+    visible = pos < lens
+    last_block = (lens - 1) // block_size  # [num_jobs, 1]: past it, read the row's last block (masked)
+    blocks = block_table[job_rows[:, None], torch.minimum(pos // block_size, last_block)]
+    slots = torch.where(visible, blocks * block_size + pos % block_size, 0)
+    bias = torch.zeros(len(jobs), 1, 1, KV_SPLIT, dtype=dtype).masked_fill_(~visible[:, None, None, :],
+                                                                             float("-inf"))
+    num_chunks = max(num_chunks_per_row)
+    return ChunkedRows(
+        token_indices=torch.tensor(token_indices, dtype=torch.int64, device=device),
+        num_chunks=num_chunks,
+        shared=shared,
+        job_rows=job_rows.to(device),
+        job_chunks=job_chunks.to(device),
+        job_slots=slots.reshape(-1).to(device),
+        job_bias=bias.to(device),
+        job_dest=(job_chunks * len(context_lens) + job_rows).to(device),
+        job_rows_are_rows=job_rows.tolist() == list(range(len(context_lens))),
+        rectangular=not shared and len(jobs) == num_chunks * len(context_lens),
+    )
+
+
+def _shared_groups(context_lens: list[int], block_table: torch.Tensor, block_size: int,
+                   min_shared_chunks: int) -> list[tuple[list[int], int]]:
+    """(members, whole chunks they share) for each group of >= 2 rows whose block tables agree on
+    whole chunks that lie before every member's position."""
+    by_first: dict[int, list[int]] = {}
+    for r, c in enumerate(context_lens):
+        if (c - 1) // KV_SPLIT >= min_shared_chunks:  # whole chunks before its position
+            by_first.setdefault(int(block_table[r, 0]), []).append(r)
+    groups = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        max_chunks = min((context_lens[r] - 1) // KV_SPLIT for r in members)
+        ids = block_table[members, : max_chunks * KV_SPLIT // block_size]  # [num_members, blocks]
+        same = (ids == ids[0]).all(0)
+        num_same_blocks = ids.shape[1] if bool(same.all()) else int(same.to(torch.int8).argmin())
+        num_shared = num_same_blocks * block_size // KV_SPLIT
+        if num_shared >= min_shared_chunks:
+            groups.append((members, num_shared))
+    return groups
+
+
+def _shared_chunks(members: list[int], num_chunks: int, block_ids: torch.Tensor, block_size: int,
+                   device: torch.device | str) -> SharedChunks:
+    """A group's shared chunks: a slot range when their blocks are consecutive, else the slots."""
+    num_tokens = num_chunks * KV_SPLIT
+    blocks = block_ids[: -(-num_tokens // block_size)]
+    consecutive = bool((blocks == blocks[0] + torch.arange(blocks.shape[0])).all())
+    pos = torch.arange(num_tokens, dtype=torch.int64)
+    return SharedChunks(
+        rows=torch.tensor(members, dtype=torch.int64, device=device),
+        num_chunks=num_chunks,
+        first_slot=int(blocks[0]) * block_size if consecutive else None,
+        slots=None if consecutive else (blocks[pos // block_size] * block_size + pos % block_size).to(device),
+    )
+
+
+def chunked_attention(
+    q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, plan: ChunkedRows, scale: float
+) -> torch.Tensor:
+    """The rows' attention outputs, chunk by chunk (see the module docstring).
+
+    Args:
+        q: shape = [num_rows, num_heads, head_dim], the plan's rows in order, RoPE applied.
+        k_slots: this layer's keys by pool slot, shape = [num_slots, num_kv_heads, head_dim]
+            (the rows' own K already written).
+        v_slots: values, the same shape.
+        plan: from `build_chunked_rows`.
+        scale: softmax scale.
+
+    Returns:
+        shape = [num_rows, num_heads, head_dim], q's dtype.
+    """
+    num_rows, num_heads, head_dim = q.shape
+    out, lse = None, None
+    if plan.job_rows.numel():
+        num_jobs = plan.job_rows.shape[0]
+        k = k_slots.index_select(0, plan.job_slots).view(num_jobs, KV_SPLIT, *k_slots.shape[1:])
+        v = v_slots.index_select(0, plan.job_slots).view(num_jobs, KV_SPLIT, *v_slots.shape[1:])
+        q_jobs = q if plan.job_rows_are_rows else q.index_select(0, plan.job_rows)
+        out, lse = _chunk_call(q_jobs[:, None], k, v, plan.job_bias, scale)  # [num_jobs, 1, ...]
+        if plan.rectangular and plan.num_chunks == 1:  # one chunk each: its output is the row's
+            return out.view(num_rows, num_heads, head_dim)
+        if plan.rectangular:  # row-major jobs, every row all num_chunks chunks: a view, no scatter
+            out = out.view(num_rows, plan.num_chunks, num_heads, head_dim).transpose(0, 1)
+            lse = lse.view(num_rows, plan.num_chunks, num_heads).transpose(0, 1)
+            return merge_chunks(out.float(), lse).to(q.dtype)
+    out_all = q.new_zeros((plan.num_chunks * num_rows, num_heads, head_dim), dtype=torch.float32)
+    lse_all = q.new_full((plan.num_chunks * num_rows, num_heads), float("-inf"), dtype=torch.float32)
+    if out is not None:  # job (r, j) at j * num_rows + r
+        out_all.index_copy_(0, plan.job_dest, out[:, 0].float())
+        lse_all.index_copy_(0, plan.job_dest, lse[:, 0])
+    out_all = out_all.view(plan.num_chunks, num_rows, num_heads, head_dim)
+    lse_all = lse_all.view(plan.num_chunks, num_rows, num_heads)
+    for g in plan.shared:
+        num_keys = g.num_chunks * KV_SPLIT
+        if g.first_slot is not None:  # consecutive blocks: a view of the pool, no copy
+            k, v = k_slots[g.first_slot : g.first_slot + num_keys], v_slots[g.first_slot : g.first_slot + num_keys]
+        else:
+            k, v = k_slots.index_select(0, g.slots), v_slots.index_select(0, g.slots)
+        q_members = q.index_select(0, g.rows)  # [num_members, num_heads, head_dim]
+        bias = q.new_zeros((g.num_chunks, 1, 1, KV_SPLIT))  # every key visible (an explicit mask, as the jobs')
+        out, lse = _chunk_call(q_members[None].expand(g.num_chunks, -1, -1, -1),
+                               k.view(g.num_chunks, KV_SPLIT, *k.shape[1:]),
+                               v.view(g.num_chunks, KV_SPLIT, *v.shape[1:]), bias, scale)
+        out_all[: g.num_chunks].index_copy_(1, g.rows, out.float())
+        lse_all[: g.num_chunks].index_copy_(1, g.rows, lse)
+    return merge_chunks(out_all, lse_all).to(q.dtype)
+
+
+def _chunk_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One kernel call, a chunk per batch entry, every row of an entry over the entry's keys.
+
+    Args:
+        q: shape = [num_entries, num_rows, num_heads, head_dim].
+        k, v: shape = [num_entries, KV_SPLIT, num_kv_heads, head_dim].
+        bias: shape = [num_entries, 1, 1, KV_SPLIT], 0 or -inf.
+
+    Returns:
+        (out, lse): shape = [num_entries, num_rows, num_heads, head_dim] and [num_entries, num_rows,
+        num_heads] float32.
+    """
+    entries, num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    rep = -(-MIN_Q_ROWS // (group * num_rows))  # repeats so that a query block has >= MIN_Q_ROWS rows
+    # [entries, kv_heads, num_rows * group * rep, head_dim]: the rows' heads of one KV head as rows of one
+    # call (GQA without repeating K/V)
+    if num_rows == 1 and rep == 1:  # a decode's heads as they are: no copy
+        rows = q.reshape(entries, num_kv_heads, group, head_dim)
+    else:
+        rows = q.reshape(entries, num_rows, num_kv_heads, group, 1, head_dim).expand(-1, -1, -1, -1, rep, -1)
+        rows = rows.permute(0, 2, 1, 3, 4, 5).reshape(entries, num_kv_heads, num_rows * group * rep, head_dim)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        rows, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=scale)[:2]
+    if num_rows == 1 and rep == 1:
+        return out.reshape(entries, 1, num_heads, head_dim), lse.reshape(entries, 1, num_heads)
+    out = out.reshape(entries, num_kv_heads, num_rows, group, rep, head_dim)[:, :, :, :, 0]
+    lse = lse.reshape(entries, num_kv_heads, num_rows, group, rep)[:, :, :, :, 0]
+    return (out.permute(0, 2, 1, 3, 4).reshape(entries, num_rows, num_heads, head_dim),
+            lse.permute(0, 2, 1, 3).reshape(entries, num_rows, num_heads))
+
+
+def merge_chunks(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Attention over all chunks from each chunk's: the merge of the module docstring, in chunk order.
+
+    Args:
+        out: shape = [num_chunks, num_rows, num_heads, head_dim] float32 (0 where a row lacks the chunk).
+        lse: shape = [num_chunks, num_rows, num_heads] float32 (-inf where a row lacks the chunk).
+
+    Returns:
+        shape = [num_rows, num_heads, head_dim] float32.
+    """
+    if out.shape[0] == 1:
+        return out[0]
+    outs = out.unbind(0)
+    ws = torch.exp(lse - lse.amax(0)).unsqueeze(-1).unbind(0)  # [num_rows, num_heads, 1] per chunk
+    num, den = outs[0] * ws[0], ws[0]
+    for o, w in zip(outs[1:], ws[1:]):
+        num = num + o * w
+        den = den + w
+    return num / den
