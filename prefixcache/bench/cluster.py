@@ -40,7 +40,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixcache.bench.restart import HASH_SEED, LoopbackRedis
+from prefixcache.bench.loopback_redis import LoopbackRedis
+from prefixcache.bench.restart import HASH_SEED
 from prefixcache.bench.texts import SUPPORT_POLICY
 from prefixcache.config import DEFAULT_MODEL
 from prefixcache.entrypoints.cluster import Cluster, ClusterOptions

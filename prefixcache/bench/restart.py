@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prefixcache.bench.goals import goal
+from prefixcache.bench.loopback_redis import LoopbackRedis
 
 PHASES = ("first", "restart", "replica")
 HASH_SEED = 20261130  # the run's shared hash seed (a deployment secret in production)
@@ -120,41 +120,6 @@ def drop_page_cache(directory: Path) -> int:
             finally:
                 os.close(fd)
     return n
-
-
-# ---------------------------------------------------------------------------------------- redis
-
-
-class LoopbackRedis:
-    """A ``redis-server`` on a free loopback port for the run (no persistence); ``url``, ``stop()``."""
-
-    def __init__(self, workdir: Path, binary: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{port}/0"
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir), "--maxmemory-policy", "allkeys-lru"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
-        client = redis.Redis(port=port, socket_connect_timeout=0.5)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                return
-            except redis.RedisError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    raise RuntimeError(f"redis-server did not start on port {port}") from None
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
 
 
 # ---------------------------------------------------------------------------------------- run
