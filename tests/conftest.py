@@ -48,51 +48,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-class RedisServer:
-    """A real ``redis-server`` this test started on a free loopback port (no persistence)."""
-
-    def __init__(self, workdir) -> None:
-        import shutil
-        import socket
-        import subprocess
-        import time
-
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail("redis-server is not installed: scripts/setup.sh installs it (apt-get install redis-server)")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir), "--maxmemory-policy", "allkeys-lru"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        import redis
-
-        self.client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                self.client.ping()
-                break
-            except redis.RedisError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    pytest.fail(f"redis-server did not start on port {self.port}")
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        """Stops the server (a tier that is down mid-run)."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-
-
 @pytest.fixture
 def redis_server(tmp_path):
-    """A real redis-server on loopback for this test; ``.url``, ``.client``, ``.stop()``."""
-    server = RedisServer(tmp_path)
+    """A real redis-server on loopback for this test (the bench's
+    :class:`~prefixcache.bench.loopback_redis.LoopbackRedis`); ``.url``, ``.client``, ``.stop()``."""
+    import shutil
+
+    from prefixcache.bench.loopback_redis import LoopbackRedis
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed: scripts/setup.sh installs it (apt-get install redis-server)")
+    try:
+        server = LoopbackRedis(tmp_path, binary)
+    except RuntimeError as e:
+        pytest.fail(str(e))
     yield server
     server.stop()

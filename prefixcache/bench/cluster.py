@@ -35,12 +35,15 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixcache.bench.restart import HASH_SEED, LoopbackRedis
+from prefixcache.bench.loopback_redis import LoopbackRedis
+from prefixcache.bench.report import pyplot, write_result_files
+from prefixcache.bench.restart import HASH_SEED
 from prefixcache.bench.texts import SUPPORT_POLICY
 from prefixcache.config import DEFAULT_MODEL
 from prefixcache.entrypoints.cluster import Cluster, ClusterOptions
@@ -227,24 +230,13 @@ def markdown(result: dict) -> str:
 
 def write_cluster_outputs(result: dict, out_dir: str, plots: bool = True) -> list[Path]:
     """cluster.json, cluster.md and (with ``plots``) cluster.png in ``out_dir``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "cluster.json", out / "cluster.md"]
-    paths[0].write_text(json.dumps(result, indent=2))
-    paths[1].write_text(markdown(result))
-    if plots:
-        paths.append(_plot(result, out / "cluster.png"))
-    return paths
+    return write_result_files(out_dir, "cluster", result, markdown(result), partial(_plot, result) if plots else None)
 
 
-def _plot(result: dict, path: Path) -> Path:
-    try:
-        import matplotlib
-    except ModuleNotFoundError as e:
-        raise ValueError("plots need matplotlib: pip install 'prefixcache[bench]', or pass --no-plots") from e
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _plot(result: dict, out: Path) -> list[Path]:
+    """``cluster.png``: prefill tokens, TTFT p50/p99 and output tokens/s per run."""
+    plt = pyplot()
+    path = out / "cluster.png"
     names = list(result["runs"])
     runs = [result["runs"][n] for n in names]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
@@ -261,4 +253,4 @@ def _plot(result: dict, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return path
+    return [path]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import textwrap
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 
@@ -136,20 +138,36 @@ def speed_markdown(speed: dict) -> list[str]:
     return lines
 
 
-def write_outputs(result: dict, out_dir: str | Path, plots: bool = True) -> list[Path]:
-    """Writes bench.json, bench.md and (with ``plots``) the PNGs; returns the paths written."""
+def write_result_files(out_dir: str | Path, stem: str, result: dict, markdown_text: str,
+                       plot: Callable[[Path], list[Path]] | None = None) -> list[Path]:
+    """The one writer of a bench result: ``{stem}.json``, ``{stem}.md``, then the plots.
+
+    Args:
+        out_dir: the directory, created if missing.
+        stem: the files' name without suffix (``bench``, ``cluster``, ``restart``).
+        result: written as JSON, ``indent=2``.
+        markdown_text: written as is.
+        plot: writes the PNGs into the directory and returns their paths; ``None``: no plots.
+
+    Returns:
+        The paths written: the JSON, the Markdown, then ``plot``'s.
+
+    Raises:
+        ValueError: ``plot`` needs matplotlib and it is not installed (see :func:`pyplot`); the JSON
+            and the Markdown are written by then.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "bench.json", out / "bench.md"]
+    paths = [out / f"{stem}.json", out / f"{stem}.md"]
     paths[0].write_text(json.dumps(result, indent=2))
-    paths[1].write_text(markdown(result))
-    if plots:
-        paths += write_plots(result, out)
+    paths[1].write_text(markdown_text)
+    if plot is not None:
+        paths += plot(out)
     return paths
 
 
-def write_plots(result: dict, out: Path) -> list[Path]:
-    """The report's PNG plots (needs the ``bench`` extra: ``pip install 'prefixcache[bench]'``).
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (needs the ``bench`` extra).
 
     Raises:
         ValueError: matplotlib is not installed (the message says how to get it or skip plots).
@@ -161,6 +179,23 @@ def write_plots(result: dict, out: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_outputs(result: dict, out_dir: str | Path, plots: bool = True) -> list[Path]:
+    """Writes bench.json, bench.md and (with ``plots``) the PNGs; returns the paths written."""
+    return write_result_files(out_dir, "bench", result, markdown(result),
+                              partial(write_plots, result) if plots else None)
+
+
+def write_plots(result: dict, out: Path) -> list[Path]:
+    """The report's PNG plots (needs the ``bench`` extra: ``pip install 'prefixcache[bench]'``).
+
+    Raises:
+        ValueError: matplotlib is not installed (the message says how to get it or skip plots).
+    """
+    plt = pyplot()
     import numpy as np
 
     paths = [_speed_plot(result["speed"], out, plt)] if result.get("speed") else []

@@ -32,16 +32,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 from prefixcache.bench.goals import goal
+from prefixcache.bench.loopback_redis import LoopbackRedis
+from prefixcache.bench.report import pyplot, write_result_files
 
 PHASES = ("first", "restart", "replica")
 HASH_SEED = 20261130  # the run's shared hash seed (a deployment secret in production)
@@ -120,41 +122,6 @@ def drop_page_cache(directory: Path) -> int:
             finally:
                 os.close(fd)
     return n
-
-
-# ---------------------------------------------------------------------------------------- redis
-
-
-class LoopbackRedis:
-    """A ``redis-server`` on a free loopback port for the run (no persistence); ``url``, ``stop()``."""
-
-    def __init__(self, workdir: Path, binary: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{port}/0"
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir), "--maxmemory-policy", "allkeys-lru"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
-        client = redis.Redis(port=port, socket_connect_timeout=0.5)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                return
-            except redis.RedisError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    raise RuntimeError(f"redis-server did not start on port {port}") from None
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
 
 
 # ---------------------------------------------------------------------------------------- run
@@ -295,31 +262,27 @@ def restart_markdown(s: dict) -> str:
 
 def write_restart_outputs(section: dict, out_dir: str | Path, plots: bool = True) -> list[Path]:
     """Writes restart.json, restart.md and (with ``plots``) restart.png under ``out_dir``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "restart.json", out / "restart.md"]
-    paths[0].write_text(json.dumps(section, indent=2))
-    paths[1].write_text(restart_markdown(section) + "\n")
-    if plots:
-        import matplotlib
+    return write_result_files(out_dir, "restart", section, restart_markdown(section) + "\n",
+                              partial(_restart_plot, section) if plots else None)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        labels = ["cold", "warm", "restart\n(disk)", "replica\n(Redis)"]
-        values = [section["cold_ttft_s"], section["warm_ttft_s"], section["restart_ttft_s"],
-                  section["replica_ttft_s"] or 0.0]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.bar(labels, values, color=["#999999", "#4c72b0", "#55a868", "#c44e52"])
-        for i, v in enumerate(values):
-            ax.text(i, v, f"{v:.3f} s", ha="center", va="bottom", fontsize=8)
-        ax.set_ylabel("TTFT (s)")
-        ax.set_title(f"First-token latency, {section['prefix_tokens']:,}-token shared prefix")
-        fig.tight_layout()
-        paths.append(out / "restart.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
-    return paths
+def _restart_plot(section: dict, out: Path) -> list[Path]:
+    """``restart.png``: TTFT of the cold, warm, restart and replica requests (replica 0 when skipped)."""
+    plt = pyplot()
+    labels = ["cold", "warm", "restart\n(disk)", "replica\n(Redis)"]
+    values = [section["cold_ttft_s"], section["warm_ttft_s"], section["restart_ttft_s"],
+              section["replica_ttft_s"] or 0.0]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(labels, values, color=["#999999", "#4c72b0", "#55a868", "#c44e52"])
+    for i, v in enumerate(values):
+        ax.text(i, v, f"{v:.3f} s", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title(f"First-token latency, {section['prefix_tokens']:,}-token shared prefix")
+    fig.tight_layout()
+    path = out / "restart.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
 
 
 def _main() -> None:

@@ -587,6 +587,11 @@ class KVCacheManager:
         block.prompt_logprobs = data
         return True
 
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        """The request's block table (a copy; the blocks themselves are shared, read them only);
+        ``[]`` for an unknown request. Named as vLLM v1's ``KVCacheManager.get_blocks``."""
+        return list(self.req_to_blocks.get(request_id, ()))
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids; ``[]`` for an unknown request."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

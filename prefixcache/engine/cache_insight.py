@@ -54,7 +54,7 @@ class CacheInsight:
             return  # a forked sample (its parent counts) or never admitted
         try:
             kv = self.engine.kv_cache_manager
-            blocks = kv.req_to_blocks.get(request.request_id, [])
+            blocks = kv.get_blocks(request.request_id)
             self.usage.record(blocks, request.num_cached_tokens // self.block_size, kv.block_pool.clock())
             if kv.enable_caching:
                 self.breakers.observe((request.root_key, request.tenant_key), request.prompt_token_ids)

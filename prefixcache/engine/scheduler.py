@@ -133,7 +133,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         if request.prompt_logprobs is None:
             request.prompt_logprobs = PromptLogprobsState(request.num_prompt_tokens, kv.block_size)
-        for i, block in enumerate(kv.req_to_blocks[request.request_id][: num_hit_tokens // kv.block_size]):
+        for i, block in enumerate(kv.get_blocks(request.request_id)[: num_hit_tokens // kv.block_size]):
             request.prompt_logprobs.add_cached_block(i, block.prompt_logprobs)
 
     def store_prompt_logprobs(self, chunks: dict[str, PromptLogprobsChunk]) -> None:

@@ -52,6 +52,10 @@ def test_miss_then_full_prefix_hit():
     new_blocks, _ = admit(m, b)
     assert ids(new_blocks) == [3]  # only the new blocks are returned
     assert m.get_block_ids("b") == [0, 1, 3]
+    table = m.get_blocks("b")
+    assert table == [m.block_pool.blocks[i] for i in (0, 1, 3)] and table == m.req_to_blocks["b"]
+    table.pop()  # a copy: the manager's table is untouched
+    assert m.get_block_ids("b") == [0, 1, 3] and m.get_blocks("nobody") == []
     assert m.req_to_num_cached_blocks["b"] == 2
     assert refs(m)[:4] == [2, 2, 1, 1]
     assert free_ids(m) == [4, 5, 6, 7, 8, 9]

@@ -44,8 +44,9 @@ def test_int4_batched_equals_alone_and_cache_off_across_turns(smollm2_int4):
                                                  for t in turn2]
 
 
-def test_int4_generated_tokens_differ_from_bf16_only_by_the_weights(smollm2_int4):
-    """The prompt's logits are bf16's (same weights, same kernels); generated tokens use int4."""
+def test_int4_first_token_and_its_logprobs_equal_bf16s(smollm2_int4):
+    """The first token comes from the last prompt row, which runs bf16 (same weights, same kernels as
+    the bf16 engine), so its id and its top-5 logprobs equal bf16's exactly."""
     from prefixcache.models.loader import load_model
 
     bf16 = LLM("smollm2-135m", loaded=load_model("smollm2-135m", dtype=torch.bfloat16), dtype="bfloat16",

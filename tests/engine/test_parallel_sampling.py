@@ -39,7 +39,7 @@ def test_n4_samples_equal_their_seeds_alone_and_share_the_prompt_blocks(make_llm
     assert outputs == []  # nothing finished, nothing streamed
     tables = [kv.get_block_ids(rid) for rid in ids]
     assert tables[1:] == [tables[0]] * 3  # one block table, referenced 4 times: stored once
-    blocks = kv.req_to_blocks["g"]
+    blocks = kv.get_blocks("g")
     assert len(blocks) == num_full + 1 and [b.ref_cnt for b in blocks] == [4] * (num_full + 1)
     assert engine.get_metrics().num_forks == 3 and engine.get_metrics().num_cow_copies == 0
     shared_last = blocks[-1].block_id
@@ -53,7 +53,7 @@ def test_n4_samples_equal_their_seeds_alone_and_share_the_prompt_blocks(make_llm
     kv_cache = engine.runner.kv_caches[0]  # [2, num_blocks, block_size, kv_heads, head_dim]
     for block_id in last:  # the copied slots hold the prompt tail's K/V, bit for bit
         assert kv_cache[:, block_id, :k].equal(kv_cache[:, shared_last, :k])
-    assert [b.ref_cnt for b in kv.req_to_blocks["g"][:num_full]] == [4] * num_full
+    assert [b.ref_cnt for b in kv.get_blocks("g")[:num_full]] == [4] * num_full
 
     results = {}
     while engine.has_unfinished_requests():
