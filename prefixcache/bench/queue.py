@@ -34,9 +34,10 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from prefixcache.bench.report import pyplot, write_result_files
 from prefixcache.cache.config import CacheConfig, check_int, check_positive_float
 from prefixcache.cache.hashing import BlockHasher, make_root_key
 from prefixcache.config import SCHEDULING_POLICIES, SchedulerConfig
@@ -297,30 +298,23 @@ def queue_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_queue_outputs(result: dict, out_dir: str, plots: bool = True) -> list[str]:
-    """Writes ``queue.json``, ``queue.md`` and (with ``plots``) ``queue.png`` into ``out_dir``."""
-    import json
-    import os
+def write_queue_outputs(result: dict, out_dir: str, plots: bool = True) -> list[Path]:
+    """Writes ``queue.json``, ``queue.md`` and (with ``plots``) ``queue.png`` into ``out_dir``
+    (through :func:`prefixcache.bench.report.write_result_files`).
 
-    os.makedirs(out_dir, exist_ok=True)
-    paths = [os.path.join(out_dir, "queue.json"), os.path.join(out_dir, "queue.md")]
-    with open(paths[0], "w") as f:
-        json.dump(result, f, indent=2)
-    with open(paths[1], "w") as f:
-        f.write(queue_markdown(result))
-    if plots:
-        paths.append(os.path.join(out_dir, "queue.png"))
-        write_queue_plot(result, paths[-1])
-    return paths
+    Raises:
+        ValueError: ``plots`` without matplotlib installed.
+    """
+    def plot(out: Path) -> list[Path]:
+        write_queue_plot(result, out / "queue.png")
+        return [out / "queue.png"]
+
+    return write_result_files(out_dir, "queue", result, queue_markdown(result), plot if plots else None)
 
 
 def write_queue_plot(result: dict, path) -> None:
     """Bars per policy: prefill tokens computed (relative to fcfs), TTFT p50/p99, worst wait."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = result["policies"]
     names = list(rows)
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))

@@ -78,3 +78,18 @@ def test_default_queue_workload_meets_the_issue_targets():
     result = run_queue_benchmark()
     assert all(g["met"] for g in result["goals"]), result["goals"]
     assert result["policies"]["lpm"]["max_overtakes"] <= 64
+
+
+def test_queue_outputs_are_the_result_its_table_and_a_png(tmp_path):
+    import json
+
+    from prefixcache.bench.queue import queue_markdown, write_queue_outputs
+
+    result = run_queue_benchmark(dataclasses.replace(SMALL, num_requests=30))
+    paths = write_queue_outputs(result, str(tmp_path))
+    assert [p.name for p in paths] == ["queue.json", "queue.md", "queue.png"]
+    assert json.loads(paths[0].read_text()) == json.loads(json.dumps(result))
+    assert paths[1].read_text() == queue_markdown(result)
+    assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in write_queue_outputs(result, str(tmp_path / "np"), plots=False)] == ["queue.json",
+                                                                                                 "queue.md"]
