@@ -196,7 +196,8 @@ def build_attention_metadata(
     chunked = None
     if num_prompt_tokens is not None and inv:
         chunked, decode_rows, decode_token_indices = _generated_rows(
-            seqs, num_prompt_tokens, block_table, block_size, device, dtype, decode_rows, decode_token_indices)
+            seqs, num_prompt_tokens, block_table, block_size, device, dtype, decode_rows, decode_token_indices,
+            num_pool_blocks * block_size)
     decode_block_table, decode_attn_mask, decode_key_bias, decode_index_tensor = None, None, None, None
     cascade_groups, num_decode_keys, decode_first_block = [], 0, None
     if decode_rows:
@@ -233,7 +234,7 @@ def build_attention_metadata(
 def _generated_rows(
     seqs: list[tuple[int, int, list[int]]], num_prompt_tokens: list[int], block_table: torch.Tensor,
     block_size: int, device: torch.device | str, dtype: torch.dtype, decode_rows: list[int],
-    decode_token_indices: list[int],
+    decode_token_indices: list[int], num_pool_slots: int = 0,
 ) -> tuple[ChunkedRows | None, list[int], list[int]]:
     """The plan of the batch's generated tokens (None without any), and the decodes left to the
     one-call path (rows and token indices)."""
@@ -249,7 +250,8 @@ def _generated_rows(
         return None, decode_rows, decode_token_indices
     generated = set(seq_of_row)
     kept = [(r, t) for r, t in zip(decode_rows, decode_token_indices) if r not in generated]
-    plan = build_chunked_rows(token_indices, context_lens, block_table[seq_of_row], block_size, device, dtype)
+    plan = build_chunked_rows(token_indices, context_lens, block_table[seq_of_row], block_size, device, dtype,
+                              num_pool_slots=num_pool_slots)
     return plan, [r for r, _ in kept], [t for _, t in kept]
 
 

@@ -57,6 +57,8 @@ class ChunkedRows:
     job_rows: torch.Tensor  # [num_jobs] int64: the row of each (row, chunk) not in a shared group
     job_chunks: torch.Tensor  # [num_jobs] int64: its chunk
     job_slots: torch.Tensor  # [num_jobs * KV_SPLIT] int64: the chunk's pool slots (slot 0 past the context)
+    job_first_slot: int | None  # the jobs' real keys are consecutive slots from here, in job order, and the
+    # padded range ends inside the pool: read as a view (a lone decode on consecutive blocks), no gather
     job_bias: torch.Tensor  # [num_jobs, 1, 1, KV_SPLIT] model dtype: 0 for the row's keys, -inf after its
     # position
     job_dest: torch.Tensor  # [num_jobs] int64: chunk * num_rows + row, where a job's result goes
@@ -66,7 +68,7 @@ class ChunkedRows:
 
 def build_chunked_rows(
     token_indices: list[int], context_lens: list[int], block_table: torch.Tensor, block_size: int,
-    device: torch.device | str, dtype: torch.dtype, min_shared_chunks: int = 1,
+    device: torch.device | str, dtype: torch.dtype, min_shared_chunks: int = 1, num_pool_slots: int = 0,
 ) -> ChunkedRows:
     """Plans the chunk calls of a step's chunked rows.
 
@@ -79,6 +81,7 @@ def build_chunked_rows(
         device: the model's device.
         dtype: the model's activation dtype (of the key bias).
         min_shared_chunks: whole shared chunks below which rows are not grouped.
+        num_pool_slots: slots in the pool (0: unknown, never a view).
 
     Returns:
         The plan: shared chunk groups (rows whose block tables agree on whole chunks before every
@@ -102,6 +105,10 @@ def build_chunked_rows(
     slots = torch.where(visible, blocks * block_size + pos % block_size, 0)
     bias = torch.zeros(len(jobs), 1, 1, KV_SPLIT, dtype=dtype).masked_fill_(~visible[:, None, None, :],
                                                                              float("-inf"))
+    first_slot = None
+    if jobs and int(slots[0, 0]) + len(jobs) * KV_SPLIT <= num_pool_slots:
+        in_order = int(slots[0, 0]) + torch.arange(len(jobs) * KV_SPLIT).view(len(jobs), KV_SPLIT)
+        first_slot = int(slots[0, 0]) if bool((slots == in_order)[visible].all()) else None
     num_chunks = max(num_chunks_per_row)
     return ChunkedRows(
         token_indices=torch.tensor(token_indices, dtype=torch.int64, device=device),
@@ -110,6 +117,7 @@ def build_chunked_rows(
         job_rows=job_rows.to(device),
         job_chunks=job_chunks.to(device),
         job_slots=slots.reshape(-1).to(device),
+        job_first_slot=first_slot,
         job_bias=bias.to(device),
         job_dest=(job_chunks * len(context_lens) + job_rows).to(device),
         job_rows_are_rows=job_rows.tolist() == list(range(len(context_lens))),
@@ -174,8 +182,13 @@ def chunked_attention(
     out, lse = None, None
     if plan.job_rows.numel():
         num_jobs = plan.job_rows.shape[0]
-        k = k_slots.index_select(0, plan.job_slots).view(num_jobs, KV_SPLIT, *k_slots.shape[1:])
-        v = v_slots.index_select(0, plan.job_slots).view(num_jobs, KV_SPLIT, *v_slots.shape[1:])
+        if plan.job_first_slot is not None:  # consecutive: a view of the pool (masked keys: whatever follows)
+            keys = slice(plan.job_first_slot, plan.job_first_slot + num_jobs * KV_SPLIT)
+            k = k_slots[keys].view(num_jobs, KV_SPLIT, *k_slots.shape[1:])
+            v = v_slots[keys].view(num_jobs, KV_SPLIT, *v_slots.shape[1:])
+        else:
+            k = k_slots.index_select(0, plan.job_slots).view(num_jobs, KV_SPLIT, *k_slots.shape[1:])
+            v = v_slots.index_select(0, plan.job_slots).view(num_jobs, KV_SPLIT, *v_slots.shape[1:])
         q_jobs = q if plan.job_rows_are_rows else q.index_select(0, plan.job_rows)
         out, lse = _chunk_call(q_jobs[:, None], k, v, plan.job_bias, scale)  # [num_jobs, 1, ...]
         if plan.rectangular and plan.num_chunks == 1:  # one chunk each: its output is the row's

@@ -116,3 +116,27 @@ def test_merge_of_one_chunk_is_its_output_and_missing_chunks_add_nothing():
     assert torch.equal(merge_chunks(*one), out[0])
     weights = torch.softmax(lse.double(), 0)[..., None]  # chunk j's share of the softmax mass
     torch.testing.assert_close(merged.double(), (out.double() * weights).sum(0), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lone_decode_on_consecutive_blocks_reads_a_view_with_the_gathered_bits(dtype):
+    torch.manual_seed(3)
+    attn = Attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    pool = torch.randn(2, 120, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)  # finite junk in every slot
+    table = list(range(10, 10 + 75))  # 1,200 tokens in consecutive blocks
+    q, k, v = (torch.randn(1, h, HEAD_DIM).to(dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
+
+    def run(num_pool_blocks):  # position 1,150, generated: chunks 0-2, keys padded to 1,536
+        md, _ = build_attention_metadata([(1150, 1, table)], BLOCK, "cpu", batch_invariant=True, dtype=dtype,
+                                         num_pool_blocks=num_pool_blocks, num_prompt_tokens=[1000])
+        return md, attn(q, k, v, pool.clone(), md)
+
+    md_view, out_view = run(120)
+    md_gather, out_gather = run(0)
+    assert md_view.chunked.job_first_slot == 10 * BLOCK and md_gather.chunked.job_first_slot is None
+    assert torch.equal(out_view, out_gather)
+    assert run(100)[0].chunked.job_first_slot is None  # slots 160 + 1,536 past a 1,600-slot pool: gathered
+    scattered = table[:30] + [110] + table[31:]
+    md = build_attention_metadata([(1150, 1, scattered)], BLOCK, "cpu", batch_invariant=True, dtype=dtype,
+                                  num_pool_blocks=120, num_prompt_tokens=[1000])[0]
+    assert md.chunked.job_first_slot is None
