@@ -7,7 +7,7 @@ weights (exact too: checked here bit for bit against ``_int_mm``) and ``_weight_
     .venv/bin/python scripts/bench_int8_kernels.py
 """
 
-import time
+import timeit
 
 import torch
 
@@ -17,14 +17,9 @@ torch.set_num_threads(2)
 
 
 def best_ms(f, n=10):
-    for _ in range(3):
+    for _ in range(3):  # warm-up
         f()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t)
-    return min(times) * 1e3
+    return min(timeit.repeat(f, number=1, repeat=n)) * 1e3
 
 
 layers = []

@@ -12,7 +12,7 @@ every row count tested gives a row its one-row bits on every shape.
 """
 
 import argparse
-import time
+import timeit
 
 import torch
 
@@ -33,13 +33,8 @@ for _ in range(30):
 
 
 def best_ms(f, n=5) -> float:
-    f()
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
+    f()  # warm-up
+    return min(timeit.repeat(f, number=1, repeat=n)) * 1e3
 
 
 for m in (1, 4, 10, 64, 512):

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.layers.chunked_attention import (KV_SPLIT, MIN_Q_ROWS, ChunkedRows, build_chunked_rows,
-                                                  chunked_attention)
+                                                  chunked_attention, common_run_length, is_consecutive)
 
 
 Q_ROW_QUANTUM = 32  # torch's CPU flash-attention kernel's query blocks are multiples of 32 rows
@@ -183,13 +183,8 @@ def build_attention_metadata(
         ValueError: Empty batch, a sequence with no new token or negative computed tokens, or block_ids too
             short for the sequence's context.
     """
-    num_blocks_per_seq = _num_blocks_per_seq(seqs, block_size)
     inv = batch_invariant
-    max_num_blocks = -(-padded_num_keys(max(c + n for c, n, _ in seqs), inv) // block_size)
-    block_table = torch.tensor(
-        [list(ids[:nb]) + [0] * (max_num_blocks - nb) for (_, _, ids), nb in zip(seqs, num_blocks_per_seq)],
-        dtype=torch.int64,
-    )  # [num_seqs, max_num_blocks], padded with block 0 (masked out below)
+    block_table = _padded_block_table(seqs, block_size, inv)  # [num_seqs, max_num_blocks]
     slot_mapping, positions = _slots_and_positions(seqs, block_table, block_size)
     prefills, decode_rows, decode_token_indices = _split_prefills_and_decodes(seqs, block_table, block_size, device,
                                                                               inv, num_pool_blocks)
@@ -253,6 +248,18 @@ def _generated_rows(
     plan = build_chunked_rows(token_indices, context_lens, block_table[seq_of_row], block_size, device, dtype,
                               num_pool_slots=num_pool_slots)
     return plan, [r for r, _ in kept], [t for _, t in kept]
+
+
+def _padded_block_table(seqs: list[tuple[int, int, list[int]]], block_size: int,
+                        batch_invariant: bool) -> torch.Tensor:
+    """[num_seqs, max_num_blocks] int64: each sequence's context blocks, padded with block 0 (masked
+    out by the callers) up to the blocks of the longest context's padded keys."""
+    num_blocks_per_seq = _num_blocks_per_seq(seqs, block_size)
+    max_num_blocks = -(-padded_num_keys(max(c + n for c, n, _ in seqs), batch_invariant) // block_size)
+    return torch.tensor(
+        [list(ids[:nb]) + [0] * (max_num_blocks - nb) for (_, _, ids), nb in zip(seqs, num_blocks_per_seq)],
+        dtype=torch.int64,
+    )
 
 
 def _num_blocks_per_seq(seqs: list[tuple[int, int, list[int]]], block_size: int) -> list[int]:
@@ -334,8 +341,7 @@ def _consecutive_from(block_ids: torch.Tensor, num_real: int, num_read: int, num
     first = int(block_ids[0])
     if first + num_read > num_pool_blocks:
         return None
-    real = block_ids[:num_real]
-    return first if bool((real == first + torch.arange(num_real)).all()) else None
+    return first if is_consecutive(block_ids[:num_real]) else None
 
 
 def _query_tile(num_computed: int, start: int, end: int, device: torch.device | str,
@@ -370,12 +376,11 @@ def _cascade_groups(
         rows = [decode_rows[d] for d in members]
         num_full = min((seqs[r][0] + seqs[r][1] - 1) // block_size for r in rows)
         ids = block_table[rows, :num_full]  # [num_members, num_full]
-        same = (ids == ids[0]).all(0)  # [num_full]
-        num_shared = num_full if bool(same.all()) else int(same.to(torch.int8).argmin())
+        num_shared = common_run_length(ids)
         if num_shared * block_size < MIN_CASCADE_KEYS:
             continue
         run = ids[0, :num_shared]
-        consecutive = bool((run == run[0] + torch.arange(num_shared)).all())
+        consecutive = is_consecutive(run)
         groups.append(CascadeGroup(
             members=torch.tensor(members, dtype=torch.int64, device=device),
             block_ids=None if consecutive else run.to(device),

@@ -37,6 +37,18 @@ KV_SPLIT = 512  # keys per block of torch's CPU flash-attention kernel, and per 
 MIN_Q_ROWS = 3  # a query block of 1 or 2 rows takes a different GEMM path (other rounding)
 
 
+def common_run_length(ids: torch.Tensor) -> int:
+    """Leading columns of ``ids`` [num_rows, n] on which every row agrees: the rows' common run of
+    blocks (also used by :mod:`prefixcache.layers.attention`'s cascade groups)."""
+    same = (ids == ids[0]).all(0)  # [n]
+    return ids.shape[1] if bool(same.all()) else int(same.to(torch.int8).argmin())
+
+
+def is_consecutive(blocks: torch.Tensor) -> bool:
+    """Whether block ids [n] are first, first + 1, ...: readable as one view of the pool."""
+    return bool((blocks == blocks[0] + torch.arange(blocks.shape[0])).all())
+
+
 @dataclass(slots=True)
 class SharedChunks:
     """The first ``num_chunks`` chunks of >= 2 rows' contexts, the same pool blocks for all of them."""
@@ -45,6 +57,7 @@ class SharedChunks:
     num_chunks: int
     first_slot: int | None  # the chunks' keys are consecutive pool slots from here (read as a view)
     slots: torch.Tensor | None  # [num_chunks * KV_SPLIT] int64 pool slots when not consecutive
+    bias: torch.Tensor  # [num_chunks, 1, 1, KV_SPLIT] zeros: every key visible (an explicit mask, as the jobs')
 
 
 @dataclass(slots=True)
@@ -93,7 +106,7 @@ def build_chunked_rows(
     for members, num_shared in _shared_groups(context_lens, block_table, block_size, min_shared_chunks):
         for r in members:
             first_job_chunk[r] = num_shared
-        shared.append(_shared_chunks(members, num_shared, block_table[members[0]], block_size, device))
+        shared.append(_shared_chunks(members, num_shared, block_table[members[0]], block_size, device, dtype))
     jobs = [(r, j) for r, n in enumerate(num_chunks_per_row) for j in range(first_job_chunk[r], n)]
     job_rows = torch.tensor([r for r, _ in jobs], dtype=torch.int64)
     job_chunks = torch.tensor([j for _, j in jobs], dtype=torch.int64)
@@ -139,26 +152,25 @@ def _shared_groups(context_lens: list[int], block_table: torch.Tensor, block_siz
             continue
         max_chunks = min((context_lens[r] - 1) // KV_SPLIT for r in members)
         ids = block_table[members, : max_chunks * KV_SPLIT // block_size]  # [num_members, blocks]
-        same = (ids == ids[0]).all(0)
-        num_same_blocks = ids.shape[1] if bool(same.all()) else int(same.to(torch.int8).argmin())
-        num_shared = num_same_blocks * block_size // KV_SPLIT
+        num_shared = common_run_length(ids) * block_size // KV_SPLIT
         if num_shared >= min_shared_chunks:
             groups.append((members, num_shared))
     return groups
 
 
 def _shared_chunks(members: list[int], num_chunks: int, block_ids: torch.Tensor, block_size: int,
-                   device: torch.device | str) -> SharedChunks:
+                   device: torch.device | str, dtype: torch.dtype) -> SharedChunks:
     """A group's shared chunks: a slot range when their blocks are consecutive, else the slots."""
     num_tokens = num_chunks * KV_SPLIT
     blocks = block_ids[: -(-num_tokens // block_size)]
-    consecutive = bool((blocks == blocks[0] + torch.arange(blocks.shape[0])).all())
+    consecutive = is_consecutive(blocks)
     pos = torch.arange(num_tokens, dtype=torch.int64)
     return SharedChunks(
         rows=torch.tensor(members, dtype=torch.int64, device=device),
         num_chunks=num_chunks,
         first_slot=int(blocks[0]) * block_size if consecutive else None,
         slots=None if consecutive else (blocks[pos // block_size] * block_size + pos % block_size).to(device),
+        bias=torch.zeros(num_chunks, 1, 1, KV_SPLIT, dtype=dtype, device=device),
     )
 
 
@@ -211,10 +223,9 @@ def chunked_attention(
         else:
             k, v = k_slots.index_select(0, g.slots), v_slots.index_select(0, g.slots)
         q_members = q.index_select(0, g.rows)  # [num_members, num_heads, head_dim]
-        bias = q.new_zeros((g.num_chunks, 1, 1, KV_SPLIT))  # every key visible (an explicit mask, as the jobs')
         out, lse = _chunk_call(q_members[None].expand(g.num_chunks, -1, -1, -1),
                                k.view(g.num_chunks, KV_SPLIT, *k.shape[1:]),
-                               v.view(g.num_chunks, KV_SPLIT, *v.shape[1:]), bias, scale)
+                               v.view(g.num_chunks, KV_SPLIT, *v.shape[1:]), g.bias, scale)
         out_all[: g.num_chunks].index_copy_(1, g.rows, out.float())
         lse_all[: g.num_chunks].index_copy_(1, g.rows, lse)
     return merge_chunks(out_all, lse_all).to(q.dtype)

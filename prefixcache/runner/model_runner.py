@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prefixcache.layers.attention import build_attention_metadata
+from prefixcache.layers.attention import AttentionMetadata, build_attention_metadata
 from prefixcache.layers.lora import LoRABatch
 from prefixcache.layers.quant import RowSplit, row_split
 from prefixcache.layers.sampler import SamplingMetadata, TokenLogprobs, sample_batch
@@ -113,7 +113,8 @@ class ModelRunner:
             batch_invariant=self.model.batch_invariant,  # batch-invariant linear layers: attention too
             dtype=self.kv_caches[0].dtype,
             num_pool_blocks=self.kv_caches[0].shape[1],
-            # int4: generated tokens (their blocks keyed apart) attend chunk by chunk, sharing chunks
+            # int4: generated tokens (their blocks keyed apart) attend chunk by chunk, sharing chunks; the
+            # plan's rows are also the rows that run the int4 products (_row_split)
             num_prompt_tokens=[s.num_prompt_tokens for s in seqs] if self.model.quantization == "int4" else None,
         )
         lora_segments, start = [], 0
@@ -122,7 +123,7 @@ class ModelRunner:
                 lora_segments.append((start, start + len(s.token_ids), s.lora))
             start += len(s.token_ids)
         lora = LoRABatch(lora_segments) if lora_segments else None
-        with row_split(self._row_split(seqs, positions)):
+        with row_split(self._row_split(attn_metadata)):
             hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches, lora)  # [num_tokens, hidden]
         self.num_prompt_tokens_computed += sum(
             max(0, min(s.num_computed_tokens + len(s.token_ids), s.num_prompt_tokens) - s.num_computed_tokens)
@@ -157,14 +158,15 @@ class ModelRunner:
         output.logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None}
         return output
 
-    def _row_split(self, seqs: list[ScheduledSeq], positions: torch.Tensor) -> RowSplit | None:
+    def _row_split(self, attn_metadata: AttentionMetadata) -> RowSplit | None:
         """For an int4 model: generated tokens (position >= the request's prompt length, also when
-        recomputed after a preemption) run the int4 product, prompt tokens the bf16 one."""
+        recomputed after a preemption: the attention metadata's chunked rows) run the int4 product,
+        prompt tokens the bf16 one."""
         if self.model.quantization != "int4":
             return None
-        prompt_lens = torch.tensor([s.num_prompt_tokens for s in seqs], dtype=torch.int64)
-        num_new = torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.int64)
-        generated = positions.cpu() >= torch.repeat_interleave(prompt_lens, num_new)  # [num_tokens]
+        generated = torch.zeros(attn_metadata.num_tokens, dtype=torch.bool)  # [num_tokens]
+        if attn_metadata.chunked is not None:
+            generated[attn_metadata.chunked.token_indices.cpu()] = True
         return RowSplit(int4_rows=generated.nonzero().flatten().to(self.device),
                         dense_rows=(~generated).nonzero().flatten().to(self.device))
 
