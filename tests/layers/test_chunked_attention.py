@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from prefixcache.layers.attention import Attention, build_attention_metadata
-from prefixcache.layers.chunked_attention import build_chunked_rows, merge_chunks
+from prefixcache.layers.chunked_attention import CHUNK_KEYS, build_chunked_rows, merge_chunks
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 32, 16
-PROMPT = 1100  # shared prompt: 2 whole 512-key chunks, then the third partly
+PROMPT = 1100  # shared prompt: 68 whole blocks (4 whole 256-key chunks), then a partial block
 _SCATTERED = random.Random(0).sample(range(1, 200), 69)  # shuffled, none of the requests' own blocks
 
 
@@ -59,17 +59,20 @@ class Sequences:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_generated_rows_get_the_same_bits_in_any_batch(dtype, shared_blocks):
     s = Sequences(dtype, shared_blocks)
-    # Reference: request 0's generated position 1,120 decoded alone (3 chunks, nothing to share).
+    # Reference: request 0's generated position 1,120 decoded alone (5 chunks, nothing to share).
     md, alone = s.run([(0, 1120, 1)])
-    assert md.chunked.shared == [] and md.chunked.job_chunks.tolist() == [0, 1, 2]
+    assert md.chunked.shared == [] and md.chunked.job_chunks.tolist() == list(range(-(-1121 // CHUNK_KEYS)))
     torch.testing.assert_close(alone[0].double(), _reference(s.q[0][1120], s.k[0], s.v[0], 1121),
                                atol=2e-2 if dtype == torch.bfloat16 else 2e-6, rtol=0)
-    # Beside the other requests' decodes: chunks 0 and 1 shared by all three (one call), the rest per row.
+    # Beside the other requests' decodes: the chunks inside the 68 shared blocks (keys 0..1,023) shared by
+    # all three (one call), the rest per row.
     md, out = s.run([(1, 1130, 1), (0, 1120, 1), (2, 1101, 1)])
     [g] = md.chunked.shared
-    assert (g.rows.tolist(), g.num_chunks) == ([0, 1, 2], 2)
-    assert (g.first_slot, g.slots is None) == ((BLOCK, True) if shared_blocks[0] == 1 else (None, False))
-    assert (md.chunked.job_rows.tolist(), md.chunked.job_chunks.tolist()) == ([0, 1, 2], [2, 2, 2])
+    assert (g.rows.tolist(), g.num_chunks) == ([0, 1, 2], 68 * BLOCK // CHUNK_KEYS)
+    assert (g.first_slot, g.runs is None) == ((BLOCK, True) if shared_blocks[0] == 1 else (None, False))
+    rest = [list(range(g.num_chunks, -(-(pos + 1) // CHUNK_KEYS))) for pos in (1130, 1120, 1101)]
+    assert md.chunked.job_rows.tolist() == [r for r, chunks in enumerate(rest) for _ in chunks]
+    assert md.chunked.job_chunks.tolist() == [j for chunks in rest for j in chunks]
     assert md.decode_block_table is None  # every decode is a generated token
     assert torch.equal(out[1], alone[0])
     for i, (r, pos) in enumerate([(1, 1130), (2, 1101)]):
@@ -89,19 +92,27 @@ def test_generated_rows_get_the_same_bits_in_any_batch(dtype, shared_blocks):
 
 
 def test_plan_groups_only_whole_chunks_before_every_members_position():
+    assert CHUNK_KEYS == 256  # the expected values below are written out for it
     table = torch.arange(1, 101).repeat(4, 1)  # [4 rows, 100 blocks], one sequence's blocks
-    table[3, 40:] += 500  # row 3 leaves the others at block 40 (token 640): one whole chunk in common
+    table[3, 40:] += 500  # row 3 leaves the others at block 40 (token 640): two whole chunks in common
     plan = build_chunked_rows([5, 6, 7, 9], [1200, 1537, 1025, 1300], table, BLOCK, "cpu", torch.float32)
     [g] = plan.shared
-    assert (g.rows.tolist(), g.num_chunks, g.first_slot) == ([0, 1, 2, 3], 1, BLOCK)
-    assert plan.job_rows.tolist() == [0, 0, 1, 1, 1, 2, 2, 3, 3] and plan.job_chunks.tolist() == [1, 2, 1, 2, 3, 1, 2, 1, 2]
-    assert plan.num_chunks == 4 and plan.job_slots.shape == (9 * 512,)
-    # Job (row 0, chunk 2): keys 1,024..1,199 real (block 65's slots onward), the rest masked slot 0.
-    slots, bias = plan.job_slots.view(9, 512)[1], plan.job_bias[1, 0, 0]
-    assert slots[:176].tolist() == list(range(65 * BLOCK, 65 * BLOCK + 176)) and set(slots[176:].tolist()) == {0}
+    assert (g.rows.tolist(), g.num_chunks, g.first_slot) == ([0, 1, 2, 3], 2, BLOCK)
+    assert plan.job_rows.tolist() == [0] * 3 + [1] * 5 + [2] * 3 + [3] * 4
+    assert plan.job_chunks.tolist() == [2, 3, 4, 2, 3, 4, 5, 6, 2, 3, 4, 2, 3, 4, 5]
+    assert plan.num_chunks == 7 and plan.run == BLOCK and plan.job_runs.shape == (15 * 256 // BLOCK,)
+    # Job (row 0, chunk 4): keys 1,024..1,199 real (blocks 65..75, whole blocks gathered), the rest
+    # masked, read from run 0.
+    runs, bias = plan.job_runs.view(15, 256 // BLOCK)[2], plan.job_bias[2, 0, 0]
+    assert runs.tolist() == list(range(65, 76)) + [0] * 5
     assert bool((bias[:176] == 0).all()) and bool(torch.isinf(bias[176:]).all())
+    # A block size that does not divide a chunk: runs of gcd(48, 256) = 16 slots, none crossing a block.
+    plan48 = build_chunked_rows([0], [300], torch.arange(3, 10)[None], 48, "cpu", torch.float32)
+    assert plan48.run == 16 and plan48.job_runs.tolist()[:4] == [9, 10, 11, 12]  # block 3 = slots 144..191
+    # chunk 1, keys 256..299: keys 256..287 in block 8 (slots 400..431), 288..299 in block 9 (432..443)
+    assert plan48.job_runs.tolist()[16:20] == [25, 26, 27, 0]
     # Two rows sharing less than one whole chunk before their positions: no group.
-    assert build_chunked_rows([0, 1], [512, 900], table[:2], BLOCK, "cpu", torch.float32).shared == []
+    assert build_chunked_rows([0, 1], [256, 900], table[:2], BLOCK, "cpu", torch.float32).shared == []
 
 
 def test_merge_of_one_chunk_is_its_output_and_missing_chunks_add_nothing():
@@ -118,6 +129,17 @@ def test_merge_of_one_chunk_is_its_output_and_missing_chunks_add_nothing():
     torch.testing.assert_close(merged.double(), (out.double() * weights).sum(0), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("num_chunks", [2, 7, 18, 33])
+def test_merge_gives_a_row_the_same_bits_alone_and_among_rows_with_more_chunks(num_chunks):
+    """A running sum in chunk order: a row's merge doesn't depend on the other rows (torch's
+    ``sum(0)`` fails this: its order changes with the number of rows)."""
+    torch.manual_seed(num_chunks)
+    out, lse = torch.randn(num_chunks + 3, 12, 9, 64), torch.randn(num_chunks + 3, 12, 9) * 3
+    out[num_chunks:, 4], lse[num_chunks:, 4] = 0, float("-inf")  # row 4 has num_chunks chunks, the rest 3 more
+    alone = merge_chunks(out[:num_chunks, 4:5].contiguous(), lse[:num_chunks, 4:5].contiguous())
+    assert torch.equal(merge_chunks(out, lse)[4], alone[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lone_decode_on_consecutive_blocks_reads_a_view_with_the_gathered_bits(dtype):
     torch.manual_seed(3)
@@ -126,7 +148,9 @@ def test_lone_decode_on_consecutive_blocks_reads_a_view_with_the_gathered_bits(d
     table = list(range(10, 10 + 75))  # 1,200 tokens in consecutive blocks
     q, k, v = (torch.randn(1, h, HEAD_DIM).to(dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
 
-    def run(num_pool_blocks):  # position 1,150, generated: chunks 0-2, keys padded to 1,536
+    padded = -(-1151 // CHUNK_KEYS) * CHUNK_KEYS  # position 1,150, generated: its chunks' keys
+
+    def run(num_pool_blocks):
         md, _ = build_attention_metadata([(1150, 1, table)], BLOCK, "cpu", batch_invariant=True, dtype=dtype,
                                          num_pool_blocks=num_pool_blocks, num_prompt_tokens=[1000])
         return md, attn(q, k, v, pool.clone(), md)
@@ -135,7 +159,8 @@ def test_lone_decode_on_consecutive_blocks_reads_a_view_with_the_gathered_bits(d
     md_gather, out_gather = run(0)
     assert md_view.chunked.job_first_slot == 10 * BLOCK and md_gather.chunked.job_first_slot is None
     assert torch.equal(out_view, out_gather)
-    assert run(100)[0].chunked.job_first_slot is None  # slots 160 + 1,536 past a 1,600-slot pool: gathered
+    past = (10 * BLOCK + padded) // BLOCK - 1  # slots 160 + padded past the pool's end: gathered
+    assert run(past)[0].chunked.job_first_slot is None and run(past + 1)[0].chunked.job_first_slot == 10 * BLOCK
     scattered = table[:30] + [110] + table[31:]
     md = build_attention_metadata([(1150, 1, scattered)], BLOCK, "cpu", batch_invariant=True, dtype=dtype,
                                   num_pool_blocks=120, num_prompt_tokens=[1000])[0]
