@@ -69,17 +69,23 @@ class LlamaAttention(nn.Module):
             self.qkv_int8 = concat_weights([self.q_proj.int8, self.k_proj.int8, self.v_proj.int8])
             self.q_proj.int8 = self.k_proj.int8 = self.v_proj.int8 = None
 
-    def _qkv(self, x: torch.Tensor, lora: LoRABatch | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v projections: [T, heads * hd], [T, kv_heads * hd], [T, kv_heads * hd]."""
+    def _fused_qkv(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The fused q|k|v product, [T, (heads + 2 kv_heads) * hd] (prepacked bf16, its int4 rows split,
+        or int8); None when q, k, v run as separate modules."""
         if self.qkv_packed is not None:
             def dense(rows: torch.Tensor) -> torch.Tensor:
                 return row_tiled_linear(rows, None, packed=self.qkv_packed)
 
-            # [T, (heads + 2 kv_heads) * hd]
-            qkv = dense(x) if self.qkv_int4 is None else split_linear(x, dense, self.qkv_int4)
-        elif self.qkv_int8 is not None:
-            qkv = int8_linear(*quantize_activations(x), self.qkv_int8, x.dtype)  # [T, (heads + 2 kv_heads) * hd]
-        else:
+            return dense(x) if self.qkv_int4 is None else split_linear(x, dense, self.qkv_int4)
+        if self.qkv_int8 is not None:
+            return int8_linear(*quantize_activations(x), self.qkv_int8, x.dtype)
+        return None
+
+    def _qkv(self, x: torch.Tensor, qkv: torch.Tensor | None,
+             lora: LoRABatch | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v projections (of the fused product ``qkv`` when there is one, LoRA deltas added):
+        [T, heads * hd], [T, kv_heads * hd], [T, kv_heads * hd]."""
+        if qkv is None:
             return self.q_proj(x, lora), self.k_proj(x, lora), self.v_proj(x, lora)
         kv_dim = self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([self.num_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
@@ -98,17 +104,25 @@ class LlamaAttention(nn.Module):
         Returns:
             shape = [num_tokens, hidden_size].
         """
-        num_tokens = hidden_states.shape[0]
-        q, k, v = self._qkv(hidden_states, lora)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, heads, hd]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, hd]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, hd]
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
+        num_tokens, heads, kv_heads, hd = hidden_states.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = cos_sin
-        q = apply_rotary_emb(q, cos, sin)
-        k = apply_rotary_emb(k, cos, sin)
+        qkv = self._fused_qkv(hidden_states)  # [T, (heads + 2 kv_heads) * hd] or None
+        if qkv is not None and lora is None and self.q_norm is None:
+            # q and k are adjacent columns of the fused product: RoPE over both in one call (element-wise,
+            # the same bits as two calls)
+            qk = apply_rotary_emb(qkv[:, : (heads + kv_heads) * hd].view(num_tokens, heads + kv_heads, hd), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]  # [T, heads, hd], [T, kv_heads, hd]
+            v = qkv[:, (heads + kv_heads) * hd :].view(num_tokens, kv_heads, hd)  # [T, kv_heads, hd]
+        else:
+            q, k, v = self._qkv(hidden_states, qkv, lora)
+            q = q.view(num_tokens, heads, hd)  # [T, heads, hd]
+            k = k.view(num_tokens, kv_heads, hd)  # [T, kv_heads, hd]
+            v = v.view(num_tokens, kv_heads, hd)  # [T, kv_heads, hd]
+            if self.q_norm is not None:
+                q = self.q_norm(q)
+                k = self.k_norm(k)
+            q = apply_rotary_emb(q, cos, sin)
+            k = apply_rotary_emb(k, cos, sin)
         out = self.attn(q, k, v, kv_cache, attn_metadata)  # [T, heads * head_dim]
         return self.o_proj(out, lora)
 
