@@ -89,8 +89,9 @@ class QueryTile:
     start: int  # first new token of the tile, counted from the sequence's first new token
     end: int  # one past its last
     num_keys: int  # padded_num_keys(keys up to its last token)
-    attn_mask: torch.Tensor  # [padded_num_queries(end - start), num_keys] bool, True = attend: causal, no
-    # padded key; the padding query rows repeat the last real row
+    key_bias: torch.Tensor  # [padded_num_queries(end - start), num_keys] model dtype, 0 = attend (causal, no
+    # padded key), -inf = masked; the padding query rows repeat the last real row. Built once per step: a bool
+    # mask would be turned into this by the kernel's caller in every layer (the same bits)
 
 
 @dataclass(slots=True)
@@ -165,7 +166,7 @@ def build_attention_metadata(
             has the same bits in any call (worth it only when the rest of the model is batch-invariant
             too: int8, bfloat16, int4); else each call attends over exactly its keys, and decodes sharing
             prefix blocks attend to them once (cascade, see the module docstring).
-        dtype: the model's activation dtype (of the decode key bias).
+        dtype: the model's activation dtype (of the key biases).
         num_pool_blocks: blocks in the pool (0: unknown). A sequence whose blocks are consecutive
             and whose padded key range ends inside the pool is read as a view instead of a gather
             (same bits: masked keys add exact zeros whatever finite values they hold; the pool
@@ -187,7 +188,7 @@ def build_attention_metadata(
     block_table = _padded_block_table(seqs, block_size, inv)  # [num_seqs, max_num_blocks]
     slot_mapping, positions = _slots_and_positions(seqs, block_table, block_size)
     prefills, decode_rows, decode_token_indices = _split_prefills_and_decodes(seqs, block_table, block_size, device,
-                                                                              inv, num_pool_blocks)
+                                                                              dtype, inv, num_pool_blocks)
     chunked = None
     if num_prompt_tokens is not None and inv:
         chunked, decode_rows, decode_token_indices = _generated_rows(
@@ -304,6 +305,7 @@ def _split_prefills_and_decodes(
     block_table: torch.Tensor,
     block_size: int,
     device: torch.device | str,
+    dtype: torch.dtype,
     batch_invariant: bool,
     num_pool_blocks: int = 0,
 ) -> tuple[list[PrefillMetadata], list[int], list[int]]:
@@ -327,7 +329,7 @@ def _split_prefills_and_decodes(
                     first_block=_consecutive_from(block_table[i], -(-context_len // block_size), num_key_blocks,
                                                   num_pool_blocks),
                     num_keys=num_keys,
-                    tiles=[_query_tile(num_comp, start, min(start + Q_TILE, num_new), device, batch_invariant)
+                    tiles=[_query_tile(num_comp, start, min(start + Q_TILE, num_new), device, dtype, batch_invariant)
                            for start in range(0, num_new, Q_TILE)],
                 )
             )
@@ -344,16 +346,16 @@ def _consecutive_from(block_ids: torch.Tensor, num_real: int, num_read: int, num
     return first if is_consecutive(block_ids[:num_real]) else None
 
 
-def _query_tile(num_computed: int, start: int, end: int, device: torch.device | str,
+def _query_tile(num_computed: int, start: int, end: int, device: torch.device | str, dtype: torch.dtype,
                 batch_invariant: bool) -> QueryTile:
     """The tile of new tokens [start, end) of a sequence with num_computed cached tokens."""
     num_keys = padded_num_keys(num_computed + end, batch_invariant)
     num_rows = padded_num_queries(end - start, batch_invariant)
     query_pos = num_computed + start + torch.arange(num_rows, dtype=torch.int64).clamp_(max=end - start - 1)
     key_pos = torch.arange(num_keys, dtype=torch.int64)
-    attn_mask = key_pos[None, :] <= query_pos[:, None]  # [num_rows, num_keys]; the padded keys come after
-    # every query
-    return QueryTile(start=start, end=end, num_keys=num_keys, attn_mask=attn_mask.to(device))
+    masked = key_pos[None, :] > query_pos[:, None]  # [num_rows, num_keys]; the padded keys come after every query
+    key_bias = torch.zeros(masked.shape, dtype=dtype).masked_fill_(masked, float("-inf"))
+    return QueryTile(start=start, end=end, num_keys=num_keys, key_bias=key_bias.to(device))
 
 
 def _cascade_groups(
@@ -497,14 +499,14 @@ class Attention(nn.Module):
         outs = []
         for tile in p.tiles:
             q_tile = q_seq[tile.start : tile.end]  # [n, num_heads, head_dim]
-            num_rows, n = tile.attn_mask.shape[0], tile.end - tile.start
+            num_rows, n = tile.key_bias.shape[0], tile.end - tile.start
             if num_rows > n:  # padding rows (see the module docstring): copies of the last query
                 q_tile = torch.cat([q_tile, q_tile[-1:].expand(num_rows - n, -1, -1)])
             o = F.scaled_dot_product_attention(
                 q_tile.transpose(0, 1).unsqueeze(0),  # [1, num_heads, num_rows, head_dim]
                 k_seq[:, : tile.num_keys].unsqueeze(0),  # [1, kv_heads, num_keys, head_dim]
                 v_seq[:, : tile.num_keys].unsqueeze(0),
-                attn_mask=tile.attn_mask,
+                attn_mask=tile.key_bias.to(q.dtype),  # a no-op unless built for another dtype
                 scale=self.scale,
                 enable_gqa=True,
             )  # [1, num_heads, num_rows, head_dim]

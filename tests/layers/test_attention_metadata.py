@@ -1,6 +1,7 @@
 """Per-step attention metadata (positions, slots, prefill/decode groups), with exact numbers."""
 
 import pytest
+import torch
 
 from prefixcache.layers.attention import build_attention_metadata, padded_num_keys, padded_num_queries
 
@@ -16,14 +17,18 @@ def test_metadata_positions_slots_and_groups():
     assert md.num_tokens == 6
     assert [(p.token_start, p.token_end) for p in md.prefills] == [(0, 3), (4, 6)]
     # nothing cached: causal; 3 query rows (no padding needed), 512 keys
-    assert md.prefills[0].tiles[0].attn_mask[:, :4].tolist() == [[True, False, False, False], [True, True, False, False],
+    assert md.prefills[0].tiles[0].key_bias.eq(0)[:, :4].tolist() == [[True, False, False, False], [True, True, False, False],
                                                         [True, True, True, False]]
-    assert md.prefills[0].tiles[0].attn_mask.shape == (3, 512) and not md.prefills[0].tiles[0].attn_mask[:, 3:].any()
+    assert md.prefills[0].tiles[0].key_bias.eq(0).shape == (3, 512) and not md.prefills[0].tiles[0].key_bias.eq(0)[:, 3:].any()
     assert (md.prefills[0].context_len, md.prefills[0].num_keys) == (3, 512)
+    bias = md.prefills[0].tiles[0].key_bias  # masked keys -inf, in the model's dtype
+    assert bias.dtype == torch.float32 and bias[0, 1].item() == float("-inf") and bias[0, 0].item() == 0.0
+    bf16 = build_attention_metadata([(0, 3, [2])], 4, "cpu", batch_invariant=True, dtype=torch.bfloat16)[0]
+    assert bf16.prefills[0].tiles[0].key_bias.dtype == torch.bfloat16
     assert md.prefills[0].block_ids.tolist() == [2] + [0] * (PAD - 1)  # padded with block 0
     assert (md.prefills[1].context_len, md.prefills[1].block_ids.tolist()[:3]) == (5, [1, 6, 0])  # 9 unused
     # 2 new tokens after 3 cached: padded to 3 query rows, the third repeats the second
-    assert md.prefills[1].tiles[0].attn_mask[:, :6].tolist() == [[True] * 4 + [False] * 2, [True] * 5 + [False],
+    assert md.prefills[1].tiles[0].key_bias.eq(0)[:, :6].tolist() == [[True] * 4 + [False] * 2, [True] * 5 + [False],
                                                         [True] * 5 + [False]]
     assert md.decode_token_indices.tolist() == [3]
     assert md.decode_block_table.tolist() == [[7, 4] + [0] * (PAD - 2)]
@@ -48,15 +53,15 @@ def test_long_prefill_is_attended_a_tile_at_a_time():
     md, _ = build_attention_metadata([(100, 600, list(range(175)))], 4, "cpu", batch_invariant=True)
     p = md.prefills[0]
     assert p.num_keys == 1024 and p.block_ids.shape == (256,)
-    tiles = [(t.start, t.end, t.num_keys, tuple(t.attn_mask.shape)) for t in p.tiles]
+    tiles = [(t.start, t.end, t.num_keys, tuple(t.key_bias.shape)) for t in p.tiles]
     # tiles of 256 new tokens; each reads the keys up to its last token, padded to 512
     assert tiles == [(0, 256, 512, (256, 512)), (256, 512, 1024, (256, 1024)), (512, 600, 1024, (88, 1024))]
-    assert p.tiles[1].attn_mask[0].sum().item() == 100 + 256 + 1
+    assert p.tiles[1].key_bias[0].eq(0).sum().item() == 100 + 256 + 1
 
 
 def test_without_batch_invariance_each_call_attends_over_exactly_its_keys():
     md, _ = build_attention_metadata([(0, 3, [2]), (5, 1, [7, 4]), (3, 2, [1, 6, 9])], 4, "cpu")
-    assert [(p.num_keys, p.block_ids.tolist(), tuple(p.tiles[0].attn_mask.shape)) for p in md.prefills] == [
+    assert [(p.num_keys, p.block_ids.tolist(), tuple(p.tiles[0].key_bias.eq(0).shape)) for p in md.prefills] == [
         (3, [2], (3, 3)), (5, [1, 6], (2, 5))]
     assert (md.num_decode_keys, md.num_decode_rows, md.decode_block_table.tolist()) == (6, 1, [[7, 4]])
     assert md.decode_attn_mask.reshape(1, 6).all()
