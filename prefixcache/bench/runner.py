@@ -53,6 +53,7 @@ from prefixcache.outputs import RequestOutput
 from prefixcache.sampling_params import SamplingParams
 
 SHARING_GOAL_WORKLOADS = ("system-prompt", "few-shot")
+SPEED_ON_OFF_PAIRS = 5  # pairs of no-sharing runs (caching on, then off) behind the speed table's on / off row
 
 
 @dataclass
@@ -512,8 +513,12 @@ def _bench_speed(loaded: LoadedModel, opts: BenchOptions, hf, workloads: list[di
     num_blocks = _num_blocks_for([workload.build_round(0, [])], opts, _default_pool_blocks(loaded, opts))
     on_llm = LLM(opts.model, loaded=loaded, enable_prefix_caching=True, num_blocks=num_blocks, **base)
     off_llm = LLM(opts.model, loaded=loaded, enable_prefix_caching=False, num_blocks=num_blocks, **base)
-    runs = _throughput_runs(on_llm, off_llm, workload, params, opts, "speed: no-sharing", log)
+    # >= 5 pairs of runs, each pair's on and off back to back: this VM's speed drifts by tens of percent
+    # over minutes, so the ratio is the median of the pairs' ratios, not a ratio of medians
+    pair_opts = dataclasses.replace(opts, repeats=max(opts.repeats, SPEED_ON_OFF_PAIRS))
+    runs = _throughput_runs(on_llm, off_llm, workload, params, pair_opts, "speed: no-sharing", log)
     del on_llm, off_llm
-    on_over_off = statistics.median(runs.off_walls) / statistics.median(runs.on_walls)  # same tokens: tok/s on / off
+    on_over_off = statistics.median(off / on for on, off in zip(runs.on_walls, runs.off_walls))  # same tokens
     return run_speed(loaded, opts, hf, on_over_off, "the no-sharing workload, measured for this table "
-                     f"({workload.num_requests} requests x {opts.max_tokens} tokens, median of {runs.repeats})", log)
+                     f"({workload.num_requests} requests x {opts.max_tokens} tokens; median of {runs.repeats} "
+                     "pairs of runs, on then off, of the pair's off / on time)", log)

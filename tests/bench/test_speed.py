@@ -249,6 +249,7 @@ def test_tiny_speed_run(smollm2, tmp_path):
     assert s["engines"][OURS]["label"] == "prefixcache float32"
     assert s["engines"][HF]["batch_same_tokens_as_ours"] == 1.0  # fp32, same weights, greedy
     assert s["engines"][OURS]["on_over_off"] > 0 and "measured for this table" in s["on_over_off_source"]
+    assert "median of 5 pairs of runs" in s["on_over_off_source"]  # on and off back to back, 5 times
     assert len(s["table"]) == 7 and len(s["goals"]) == 12
     assert {g["workload"] for g in result["goals"]} == {"speed"}
     md = (tmp_path / "bench.md").read_text()
