@@ -1,4 +1,4 @@
-"""Chunked attention for generated tokens: 512-key chunks merged by log-sum-exp, shared chunks once.
+"""Chunked attention for generated tokens: 256-key chunks merged by log-sum-exp, shared chunks once.
 
 A query row (one token, all heads) attends over its context ``[0, position]`` split into chunks of
 :data:`CHUNK_KEYS` keys at fixed absolute offsets (chunk ``j`` = keys ``[256 j, 256 (j + 1))``). Each
@@ -177,7 +177,7 @@ def _shared_groups(context_lens: list[int], block_table: torch.Tensor, block_siz
 
 def _shared_chunks(members: list[int], num_chunks: int, block_ids: torch.Tensor, block_size: int,
                    device: torch.device | str, dtype: torch.dtype) -> SharedChunks:
-    """A group's shared chunks: a slot range when their blocks are consecutive, else the slots."""
+    """A group's shared chunks: a slot range when their blocks are consecutive, else the slot runs."""
     num_tokens = num_chunks * CHUNK_KEYS
     blocks = block_ids[: -(-num_tokens // block_size)]
     consecutive = is_consecutive(blocks)
