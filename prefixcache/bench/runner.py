@@ -241,10 +241,13 @@ def _throughput_runs(on_llm: LLM, off_llm: LLM, workload: Workload, params: Samp
 
 
 def _repeat(runs: _Runs, on_llm: LLM, off_llm: LLM, workload: Workload, params: SamplingParams) -> None:
-    """One more timed run per mode (caching on from an empty cache, then off), same prompts."""
+    """One more timed run per mode, back to back, same prompts (caching on from an empty cache). The
+    order alternates: off first after the on-first initial pair, then on first, ..., so whatever the
+    first (or second) run of a pair pays does not always land on the same mode."""
     on_llm.reset_prefix_cache()
-    runs.on_walls.append(run_rounds(on_llm, workload, params, runs.on.rounds).wall_s)
-    runs.off_walls.append(run_rounds(off_llm, workload, params, runs.on.rounds).wall_s)
+    modes = [(on_llm, runs.on_walls), (off_llm, runs.off_walls)]
+    for llm, walls in modes[::-1] if len(runs.on_walls) % 2 else modes:
+        walls.append(run_rounds(llm, workload, params, runs.on.rounds).wall_s)
 
 
 def timing_spread(*walls: Sequence[float]) -> float | None:
@@ -513,12 +516,12 @@ def _bench_speed(loaded: LoadedModel, opts: BenchOptions, hf, workloads: list[di
     num_blocks = _num_blocks_for([workload.build_round(0, [])], opts, _default_pool_blocks(loaded, opts))
     on_llm = LLM(opts.model, loaded=loaded, enable_prefix_caching=True, num_blocks=num_blocks, **base)
     off_llm = LLM(opts.model, loaded=loaded, enable_prefix_caching=False, num_blocks=num_blocks, **base)
-    # >= 5 pairs of runs, each pair's on and off back to back: this VM's speed drifts by tens of percent
-    # over minutes, so the ratio is the median of the pairs' ratios, not a ratio of medians
+    # >= 5 pairs of runs, each pair's on and off back to back (the order alternating): this VM's speed
+    # drifts by tens of percent over minutes, so the ratio is the median of the pairs' ratios
     pair_opts = dataclasses.replace(opts, repeats=max(opts.repeats, SPEED_ON_OFF_PAIRS))
     runs = _throughput_runs(on_llm, off_llm, workload, params, pair_opts, "speed: no-sharing", log)
     del on_llm, off_llm
     on_over_off = statistics.median(off / on for on, off in zip(runs.on_walls, runs.off_walls))  # same tokens
     return run_speed(loaded, opts, hf, on_over_off, "the no-sharing workload, measured for this table "
                      f"({workload.num_requests} requests x {opts.max_tokens} tokens; median of {runs.repeats} "
-                     "pairs of runs, on then off, of the pair's off / on time)", log)
+                     "back-to-back pairs of runs, on / off order alternating, of the pair's off / on time)", log)

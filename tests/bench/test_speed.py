@@ -222,12 +222,22 @@ TINY_SPEED = SpeedSizes(prefix_tokens=64, num_requests=3, max_tokens=3, decode_t
 
 
 @pytest.mark.slow
-def test_tiny_speed_run(smollm2, tmp_path):
+def test_tiny_speed_run(smollm2, tmp_path, monkeypatch):
+    from prefixcache.bench import runner
     from prefixcache.bench.runner import BenchOptions, run_bench
 
+    modes = []  # caching on / off of each timed no-sharing run, in order
+    run_rounds = runner.run_rounds
+
+    def recording_run_rounds(llm, *args, **kwargs):
+        modes.append("on" if llm.engine.kv_cache_manager.enable_caching else "off")
+        return run_rounds(llm, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_rounds", recording_run_rounds)
     opts = BenchOptions(workloads=("speed",), speed=TINY_SPEED, num_requests=2, max_tokens=2, num_threads=2,
                         cold_samples=1, micro=False, out=str(tmp_path))
     result = run_bench(opts, loaded=smollm2, log=lambda s: None)
+    assert modes == ["on", "off", "off", "on", "on", "off", "off", "on", "on", "off"]  # 5 pairs, order alternating
     s = result["speed"]
     if LLAMA_CPP in s["engines"]:  # importable, and its probe ran
         assert list(s["engines"]) == [OURS, HF, LLAMA_CPP] and s["skipped"] == {}
@@ -249,7 +259,7 @@ def test_tiny_speed_run(smollm2, tmp_path):
     assert s["engines"][OURS]["label"] == "prefixcache float32"
     assert s["engines"][HF]["batch_same_tokens_as_ours"] == 1.0  # fp32, same weights, greedy
     assert s["engines"][OURS]["on_over_off"] > 0 and "measured for this table" in s["on_over_off_source"]
-    assert "median of 5 pairs of runs" in s["on_over_off_source"]  # on and off back to back, 5 times
+    assert "median of 5 back-to-back pairs of runs" in s["on_over_off_source"]  # on and off, 5 times
     assert len(s["table"]) == 7 and len(s["goals"]) == 12
     assert {g["workload"] for g in result["goals"]} == {"speed"}
     md = (tmp_path / "bench.md").read_text()
