@@ -118,11 +118,11 @@ def build_chunked_rows(
     num_chunks_per_row = [-(-c // CHUNK_KEYS) for c in context_lens]
     first_job_chunk = [0] * len(context_lens)
     shared = []
+    run = math.gcd(block_size, CHUNK_KEYS)
     for members, num_shared in _shared_groups(context_lens, block_table, block_size, min_shared_chunks):
         for r in members:
             first_job_chunk[r] = num_shared
-        shared.append(_shared_chunks(members, num_shared, block_table[members[0]], block_size, device, dtype))
-    run = math.gcd(block_size, CHUNK_KEYS)
+        shared.append(_shared_chunks(members, num_shared, block_table[members[0]], block_size, run, device, dtype))
     jobs = [(r, j) for r, n in enumerate(num_chunks_per_row) for j in range(first_job_chunk[r], n)]
     job_rows = torch.tensor([r for r, _ in jobs], dtype=torch.int64)
     job_chunks = torch.tensor([j for _, j in jobs], dtype=torch.int64)
@@ -175,13 +175,13 @@ def _shared_groups(context_lens: list[int], block_table: torch.Tensor, block_siz
     return groups
 
 
-def _shared_chunks(members: list[int], num_chunks: int, block_ids: torch.Tensor, block_size: int,
+def _shared_chunks(members: list[int], num_chunks: int, block_ids: torch.Tensor, block_size: int, run: int,
                    device: torch.device | str, dtype: torch.dtype) -> SharedChunks:
-    """A group's shared chunks: a slot range when their blocks are consecutive, else the slot runs."""
+    """A group's shared chunks: a slot range when their blocks are consecutive, else the slot runs
+    (``run`` slots each: ``ChunkedRows.run``)."""
     num_tokens = num_chunks * CHUNK_KEYS
     blocks = block_ids[: -(-num_tokens // block_size)]
     consecutive = is_consecutive(blocks)
-    run = math.gcd(block_size, CHUNK_KEYS)
     pos = torch.arange(0, num_tokens, run, dtype=torch.int64)  # each run's first key
     return SharedChunks(
         rows=torch.tensor(members, dtype=torch.int64, device=device),
