@@ -1,6 +1,8 @@
-"""Where a forward pass spends its time: torch.profiler over one cold prefill, or a short decode.
+"""Where a forward pass spends its time: torch.profiler over one cold prefill, a short decode, or the
+speed bench's 10 prompts x 32 tokens with every prompt already cached (``--speed-batch``: its decode
+steps).
 
-    .venv/bin/python scripts/profile_step.py [--quantization int8 | --dtype bfloat16] [--prefill-tokens 2000 | --decode-tokens 16]
+    .venv/bin/python scripts/profile_step.py [--quantization int8 | --dtype bfloat16] [--prefill-tokens 2000 | --decode-tokens 16 | --speed-batch]
 """
 
 import argparse
@@ -9,6 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from prefixcache import LLM, SamplingParams
+from prefixcache.bench.workloads import build_speed_prompts
 from prefixcache.sample_texts import SYSTEM_PROMPT
 
 p = argparse.ArgumentParser()
@@ -17,10 +20,15 @@ p.add_argument("--dtype", default="float32")
 p.add_argument("--num-threads", type=int, default=2)
 p.add_argument("--prefill-tokens", type=int, default=2000)
 p.add_argument("--decode-tokens", type=int, default=0, help="profile this many decode steps instead")
+p.add_argument("--speed-batch", action="store_true", help="profile the speed bench's 10 x 32 run, prompts cached")
 args = p.parse_args()
 llm = LLM(quantization=args.quantization, dtype=args.dtype, num_threads=args.num_threads)
 llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
-if args.decode_tokens:
+if args.speed_batch:
+    prompts = build_speed_prompts(llm.engine.tokenizer, 10).shared
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # every prompt's blocks cached: the profiled run decodes
+elif args.decode_tokens:
     prompts, params = ["The capital of France is"], SamplingParams(temperature=0, max_tokens=args.decode_tokens,
                                                                    ignore_eos=True)
 else:
