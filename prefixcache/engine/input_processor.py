@@ -28,6 +28,7 @@ from prefixcache.config import EngineConfig
 from prefixcache.engine.tenancy import ApprovedPrefixes, validate_tenant
 from prefixcache.errors import InvalidInputError, counted
 from prefixcache.layers.lora import LoRAAdapter
+from prefixcache.layers.quant import INT4_OUTPUT_KEY
 from prefixcache.models.loader import LoadedModel
 from prefixcache.request import Request
 from prefixcache.sampling_params import SamplingParams
@@ -69,7 +70,7 @@ class InputProcessor:
         self.num_blocks = num_blocks
         # int4: generated tokens run other kernels than prompt tokens, their blocks get their own key
         self.block_hasher = BlockHasher(config.block_size, config.hash_algo,
-                                        b"int4-generated" if config.quantization == "int4" else b"")
+                                        INT4_OUTPUT_KEY if config.quantization == "int4" else b"")
         self.approved_prefixes = ApprovedPrefixes()
         self._hash_seed = hash_seed_bytes(config.hash_seed, config.hash_seed_file)
         self._model_key: tuple[bytes, bytes] | None = None  # (loaded.fingerprint, key) memo

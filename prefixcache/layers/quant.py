@@ -12,6 +12,13 @@ every output row depends only on its own input row. A token's result is therefor
 any batch, which is what keeps "prefix cache on" and "off" giving identical tokens (vLLM's
 batch-invariant mode and Thinking Machines' "Defeating Nondeterminism in LLM Inference" describe
 the problem that per-tensor activation scales or batch-size-dependent float kernels cause).
+
+``quantization="int4"`` (a bfloat16 model) runs its generated tokens' rows on the same idea with
+llama.cpp's block formats: layer weights on Q4_1's grid (4 bits per weight, a scale and a min per 32
+input features), the lm_head on Q8_0's (8 bits, a scale per 32), activations quantized per row and
+per 32 features to int8, each group's sum exact in int32 and the groups added in a fixed order
+(``csrc/qgemm.cpp``, built by :mod:`prefixcache.layers.qgemm`); its prompt tokens' rows stay bf16
+(:class:`RowSplit`).
 """
 
 from __future__ import annotations
@@ -21,9 +28,12 @@ from dataclasses import dataclass
 import torch
 
 from prefixcache.config import QUANTIZATIONS
+from prefixcache.layers.qgemm import load_qgemm
 
-__all__ = ["INT4_GROUP", "QUANTIZATIONS", "Int4Weight", "Int8Weight", "concat_weights", "int4_linear", "int8_linear",
-           "quantize_activations", "quantize_weight", "quantize_weight_int4", "stacked_weight_and_bias"]
+__all__ = ["INT4_GROUP", "INT4_OUTPUT_KEY", "QUANTIZATIONS", "GroupInt8Weight", "Int4Weight", "Int8Weight",
+           "concat_weights", "group_int8_linear", "int4_linear", "int8_linear", "quantize_activations",
+           "quantize_weight", "quantize_weight_group_int8", "quantize_weight_int4", "split_linear", "split_rows",
+           "stacked_weight_and_bias"]
 _QMAX = 127.0
 _MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros instead of dividing by 0
 
@@ -123,33 +133,61 @@ def int8_linear(
     return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
-INT4_GROUP = 32  # input features per int4 scale/zero pair (Q4_0/Q4_1's block size in llama.cpp)
+INT4_GROUP = 32  # input features per scale (llama.cpp's Q4_1 / Q8_0 block size; also the activations')
+INT4_OUTPUT_KEY = b"int4-generated:q8-activations"  # block-hash key of K/V computed by generated rows
 
 
 @dataclass(slots=True)
 class Int4Weight:
-    """A linear layer's weight in 4 bits, for torch's CPU kernel ``_weight_int4pack_mm_for_cpu``.
+    """A linear layer's weight in 4 bits, for ``int4_mm`` of :mod:`prefixcache.layers.qgemm`.
 
-    ``w[n, k] ≈ (q[n, k] - 8) * scale[k // 32, n] + zero[k // 32, n]`` with ``q`` in 0..15: an
-    asymmetric grid per group of :data:`INT4_GROUP` input features (llama.cpp's Q4_1: ``w = q * d + m``,
-    here ``scale = d``, ``zero = m + 8 d``).
+    ``w[n, k] = q[n, k] * scale[k // 32, n] + min[k // 32, n]`` with ``q`` in 0..15: an asymmetric
+    grid per group of :data:`INT4_GROUP` input features (llama.cpp's Q4_1: ``w = q * d + m``).
 
     Attributes:
-        packed: torch's packed layout of ``q``, shape = [out_features, in_features // 2] uint8.
-        scales_zeros: shape = [in_features // 32, out_features, 2] bfloat16.
-        bias: shape = [out_features] bfloat16, or None.
+        packed: shape = [out_features // 16, in_features // 8, 64] uint8: for a block of 16 outputs and
+            8 inputs, byte ``4 j + i`` holds ``q[j, i]`` in its low and ``q[j, 4 + i]`` in its high nibble.
+        scale: shape = [in_features // 32, out_features] float32.
+        min: shape = [in_features // 32, out_features] float32.
+        bias: shape = [out_features] float32, or None.
     """
 
     packed: torch.Tensor
-    scales_zeros: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor
     bias: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class GroupInt8Weight:
+    """A linear layer's weight in 8 bits with a scale per group of 32 input features (llama.cpp's
+    Q8_0: ``w[n, k] = q[n, k] * scale[k // 32, n]``, q in -127..127), for ``int8_mm``.
+
+    Attributes:
+        packed: shape = [out_features // 16, in_features // 4, 64] int8: for a block of 16 outputs and
+            4 inputs, byte ``4 j + i`` is ``q[j, i]``.
+        scale: shape = [in_features // 32, out_features] float32.
+        correction: shape = [in_features // 32, out_features] int32: ``-128 * sum(q)`` over the group
+            (the kernel multiplies ``q`` with activations offset by +128).
+    """
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    correction: torch.Tensor
+
+
+def _check_grouped_shape(weight: torch.Tensor, name: str) -> tuple[int, int]:
+    n, k = weight.shape
+    if k % INT4_GROUP or n % 16:
+        raise ValueError(f"{name} needs in_features % {INT4_GROUP} == 0 and out_features % 16 == 0, got [{n}, {k}]")
+    return n, k
 
 
 def quantize_weight_int4(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Weight:
     """Groups of 32 input features on a 16-level grid from the group's min to its max (Q4_1's rule).
 
     A weight that already lies on such a grid (SmolLM2's layers: the Q4_1 GGUF dequantized) gets its
-    levels back exactly; only ``scale`` and ``zero`` are rounded to bfloat16.
+    levels back exactly; ``scale`` and ``min`` are float32.
 
     Args:
         weight: shape = [out_features, in_features], any float dtype.
@@ -158,41 +196,70 @@ def quantize_weight_int4(weight: torch.Tensor, bias: torch.Tensor | None = None)
     Raises:
         ValueError: ``in_features`` not a multiple of 32 or ``out_features`` not of 16 (the kernel's).
     """
-    n, k = weight.shape
-    if k % INT4_GROUP or n % 16:
-        raise ValueError(f"int4 needs in_features % {INT4_GROUP} == 0 and out_features % 16 == 0, got "
-                         f"[{n}, {k}]")
+    n, k = _check_grouped_shape(weight, "int4")
     w = weight.detach().float().reshape(n, k // INT4_GROUP, INT4_GROUP)
     lo, hi = w.amin(-1), w.amax(-1)  # [n, groups]
     scale = (hi - lo) / 15
     q = torch.round((w - lo[..., None]) / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(0, 15)
-    scales_zeros = torch.stack([scale.t(), (lo + 8 * scale).t()], dim=-1)  # [groups, n, 2]
+    q = q.to(torch.uint8).view(n // 16, 16, k // 8, 2, 4).permute(0, 2, 1, 3, 4)  # [block, 8 inputs, j, half, i]
+    packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(n // 16, k // 8, 64)
     return Int4Weight(
-        packed=torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).reshape(n, k), 1),
-        scales_zeros=scales_zeros.to(torch.bfloat16).contiguous(),
-        bias=None if bias is None else bias.detach().to(torch.bfloat16).clone(),
+        packed=packed.contiguous(),
+        scale=scale.t().contiguous(),
+        min=lo.t().contiguous(),
+        bias=None if bias is None else bias.detach().float().clone(),
+    )
+
+
+def quantize_weight_group_int8(weight: torch.Tensor) -> GroupInt8Weight:
+    """Groups of 32 input features, symmetric 8-bit (Q8_0's rule: ``scale = max|w| / 127``). A weight
+    that lies on such a grid (SmolLM2's embedding / lm_head: the GGUF's Q8_0 dequantized) gets its
+    levels back, up to its own bfloat16 rounding.
+
+    Args:
+        weight: shape = [out_features, in_features], any float dtype.
+
+    Raises:
+        ValueError: ``in_features`` not a multiple of 32 or ``out_features`` not of 16.
+    """
+    n, k = _check_grouped_shape(weight, "group int8")
+    w = weight.detach().float().reshape(n, k // INT4_GROUP, INT4_GROUP)
+    scale = w.abs().amax(-1) / _QMAX  # [n, groups]
+    q = torch.round(w / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
+    return GroupInt8Weight(
+        packed=q.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(n // 16, k // 4, 64).contiguous(),
+        scale=scale.t().contiguous(),
+        correction=(-128 * q.sum(-1, dtype=torch.int32)).t().contiguous(),
     )
 
 
 def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
-    """``x @ w^T + b`` with the 4-bit weight.
-
-    torch's kernel sums each output in float32 over the input features in one fixed order whatever
-    the number of rows, so a row's bits do not depend on what shares its call (checked on every
-    SmolLM2 projection shape by ``scripts/probe_int4_kernel.py``, and in
-    ``tests/layers/test_quant_int4.py``). It reads a quarter of bf16's bytes, and is fast for a few
-    rows (decode) but slow for many (same script: a layer stack's projections take 6.1 ms at 1 row vs
-    25.6 ms prepacked bf16, about equal at 10 rows, 0.96 s vs 0.08 s at 512), which is why prompt
-    tokens keep bf16.
+    """``x @ w^T + b`` with the 4-bit weight and int8 activations (``int4_mm``: each row quantized
+    per group of 32 inputs, exact int32 sums per group; llama.cpp's Q4_1 x Q8_1 dot product). A
+    row's bits do not depend on what shares its call (``tests/layers/test_quant_int4.py``). Reads an
+    eighth of float32's weight bytes; measured against torch's own 4-bit kernel and bf16 by
+    ``scripts/probe_int4_kernel.py``.
 
     Args:
-        x: shape = [num_tokens, in_features] bfloat16.
+        x: shape = [num_tokens, in_features], float32 or bfloat16.
 
     Returns:
-        shape = [num_tokens, out_features] bfloat16.
+        shape = [num_tokens, out_features], x's dtype.
     """
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.packed, INT4_GROUP, weight.scales_zeros)
-    return y if weight.bias is None else y.add_(weight.bias)
+    return load_qgemm().int4_mm(x, weight.packed, weight.scale, weight.min, weight.bias, x.dtype)
+
+
+def group_int8_linear(x: torch.Tensor, weight: GroupInt8Weight, out_dtype: torch.dtype) -> torch.Tensor:
+    """``x @ w^T`` with the grouped 8-bit weight and int8 activations (``int8_mm``; llama.cpp's Q8_0 x
+    Q8_0 dot product), row-invariant like :func:`int4_linear`.
+
+    Args:
+        x: shape = [num_tokens, in_features], float32 or bfloat16.
+
+    Returns:
+        shape = [num_tokens, out_features], ``out_dtype``.
+    """
+    return load_qgemm().int8_mm(x, weight.packed, weight.scale, weight.correction, None, out_dtype)
 
 
 @dataclass(slots=True)
@@ -238,13 +305,19 @@ def split_linear(x: torch.Tensor, dense, weight: Int4Weight) -> torch.Tensor:
     Returns:
         shape = [num_tokens, out_features].
     """
+    return split_rows(x, dense, lambda rows: int4_linear(rows, weight))
+
+
+def split_rows(x: torch.Tensor, dense, quantized) -> torch.Tensor:
+    """``dense`` for the running :class:`RowSplit`'s dense rows (all rows without one), ``quantized``
+    for its int4 rows, stitched back in row order: shape = [num_tokens, out_features]."""
     split = _ROW_SPLIT[0]
     if split is None or split.int4_rows.numel() == 0:
         return dense(x)
     if split.dense_rows.numel() == 0:
-        return int4_linear(x, weight)
-    y4 = int4_linear(x.index_select(0, split.int4_rows), weight)
+        return quantized(x)
+    y4 = quantized(x.index_select(0, split.int4_rows))
     yd = dense(x.index_select(0, split.dense_rows))
     y = yd.new_empty(x.shape[0], yd.shape[1])
-    y.index_copy_(0, split.int4_rows, y4)
+    y.index_copy_(0, split.int4_rows, y4.to(yd.dtype))
     return y.index_copy_(0, split.dense_rows, yd)

@@ -19,14 +19,18 @@ from prefixcache.layers.lora import (LoRABatch, LoRALinear, PrepackedWeight, pre
 from prefixcache.layers.norm import RMSNorm
 from prefixcache.layers.quant import (
     QUANTIZATIONS,
+    GroupInt8Weight,
     Int4Weight,
     Int8Weight,
     concat_weights,
+    group_int8_linear,
     int8_linear,
     quantize_activations,
     quantize_weight,
+    quantize_weight_group_int8,
     quantize_weight_int4,
     split_linear,
+    split_rows,
     stacked_weight_and_bias,
 )
 from prefixcache.layers.rotary import RotaryEmbedding, apply_rotary_emb
@@ -246,6 +250,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head_packed: PrepackedWeight | None = None  # set_row_tiling: bf16's prepacked lm_head
         self.lm_head_int8: Int8Weight | None = None
+        self.lm_head_q8: GroupInt8Weight | None = None  # quantization "int4": the lm_head on Q8_0's grid
         self.quantization = "none"
         self.tie_weights()
         for name, module in self.named_modules():
@@ -260,10 +265,13 @@ class LlamaForCausalLM(nn.Module):
     def quantize(self, scheme: str) -> None:
         """Derives the forward pass's weights from the float ones: ``"int8"`` (the W8A8 scheme of
         :mod:`prefixcache.layers.quant` for every projection and lm_head; the embedding stays
-        float) or ``"none"`` (the float weights). Call again after the float weights change.
+        float), ``"int4"`` (bfloat16 model: generated tokens' projections on a 4-bit grid, every
+        logits row on an 8-bit one, both with int8 activations; prompt tokens' projections bf16) or
+        ``"none"`` (the float weights). Call again after the float weights change.
 
         Raises:
-            ValueError: an unknown scheme.
+            ValueError: an unknown scheme, or int4 on a model that is not bfloat16.
+            QgemmUnavailable: int4 on a machine where its kernels can't be built or run.
         """
         if scheme not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {scheme!r}")
@@ -273,6 +281,7 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.quantize(scheme)
             layer.mlp.quantize(scheme)
         self.lm_head_int8 = quantize_weight(self.lm_head.weight) if scheme == "int8" else None
+        self.lm_head_q8 = quantize_weight_group_int8(self.lm_head.weight) if scheme == "int4" else None
         self.quantization = scheme
         self.set_row_tiling()
 
@@ -300,9 +309,19 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata, kv_caches, lora)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Args: hidden_states shape = [n, hidden_size]. Returns: float32 logits, shape = [n, vocab_size]."""
+        """Args: hidden_states shape = [n, hidden_size]. Returns: float32 logits, shape = [n, vocab_size].
+
+        int4: rows of generated tokens (the running :class:`~prefixcache.layers.quant.RowSplit`, which
+        the runner sets for the logits rows) use the 8-bit lm_head, the others (a prompt's last token,
+        prompt logprobs) the bf16 one, as the layers split their rows."""
         if self.lm_head_int8 is not None:
             return int8_linear(*quantize_activations(hidden_states), self.lm_head_int8, torch.float32)
+        if self.lm_head_q8 is not None:  # int4: generated tokens' rows (the running RowSplit) on Q8_0's grid
+            return split_rows(hidden_states, self._dense_logits,
+                              lambda rows: group_int8_linear(rows, self.lm_head_q8, torch.float32))
+        return self._dense_logits(hidden_states)
+
+    def _dense_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
             return row_tiled_linear(hidden_states, self.lm_head.weight, self.lm_head.bias, self.lm_head_packed).float()
         return self.lm_head(hidden_states).float()

@@ -146,7 +146,8 @@ class ModelRunner:
                 sampling.extend((fork_id, params, len(rows) - 1, s) for fork_id, params in s.forks)
         if not rows:
             return output
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        with row_split(self._logits_split(seqs)):
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
         logits = logits.float().cpu()  # [num_rows, vocab_size]
         if len(sampling) > len(rows):  # forked samples reuse their parent's row
             logits = logits[torch.tensor([row for _, _, row, _ in sampling])]
@@ -167,6 +168,17 @@ class ModelRunner:
         generated = torch.zeros(attn_metadata.num_tokens, dtype=torch.bool)  # [num_tokens]
         if attn_metadata.chunked is not None:
             generated[attn_metadata.chunked.token_indices.cpu()] = True
+        return RowSplit(int4_rows=generated.nonzero().flatten().to(self.device),
+                        dense_rows=(~generated).nonzero().flatten().to(self.device))
+
+    def _logits_split(self, seqs: list[ScheduledSeq]) -> RowSplit | None:
+        """For an int4 model, the logits rows (each sampling sequence's last new token, in order) split
+        like the forward pass's: a generated token's row (position >= the prompt length) on the
+        8-bit lm_head, a prompt's last token on the bf16 one."""
+        if self.model.quantization != "int4":
+            return None
+        generated = torch.tensor([s.num_computed_tokens + len(s.token_ids) > s.num_prompt_tokens
+                                  for s in seqs if s.sampling_params is not None])  # [num_rows] bool
         return RowSplit(int4_rows=generated.nonzero().flatten().to(self.device),
                         dense_rows=(~generated).nonzero().flatten().to(self.device))
 

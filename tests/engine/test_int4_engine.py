@@ -60,6 +60,34 @@ def test_int4_first_token_and_its_logprobs_equal_bf16s(smollm2_int4):
     assert first4.token_ids == first16.token_ids and first4.logprobs == first16.logprobs
 
 
+def test_int4_generated_tokens_logits_come_from_the_8bit_lm_head(smollm2_int4, monkeypatch):
+    """The prompt's last row takes the bf16 lm_head (the test above); each generated token's row the
+    grouped 8-bit one (its logits rows only, one call per decode step), and the logprobs returned for
+    the next token are that product's log-softmax."""
+    import prefixcache.models.llama as llama
+
+    calls = []
+
+    def recording(x, weight, out_dtype):
+        y = group_int8_linear(x, weight, out_dtype)
+        calls.append((x.shape[0], y.clone()))
+        return y
+
+    group_int8_linear = llama.group_int8_linear
+    monkeypatch.setattr(llama, "group_int8_linear", recording)
+    llm = make(smollm2_int4)
+    prompt = llm.apply_chat_template([{"role": "user", "content": QUESTIONS[1]}])
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, logprobs=5), use_tqdm=False)[0]
+    assert [rows for rows, _ in calls] == [1, 1, 1]  # decode steps 2..4, not the prompt's step
+    for step, (_, logits) in enumerate(calls, start=1):
+        logprobs = torch.log_softmax(logits[0].float(), -1)
+        top = torch.topk(logprobs, 5)
+        assert out.token_ids[step] == top.indices[0].item()
+        returned = out.logprobs[step]  # {token id: Logprob}: the sampled token and the top 5
+        for token_id, value in zip(top.indices.tolist(), top.values.tolist()):
+            assert returned[token_id].logprob == pytest.approx(value, abs=1e-6)
+
+
 def _long_prompts(llm, shared_first: bool) -> list[list[int]]:
     """Three chat prompts of ~560 tokens: the long system text first (one shared prefix, two whole
     256-key chunks of it) or each question first (nothing shared)."""

@@ -6,7 +6,8 @@ import torch
 from prefixcache.cache.hashing import BlockHasher
 from prefixcache.config import EngineConfig
 from prefixcache.errors import InvalidInputError
-from prefixcache.layers.quant import RowSplit, int4_linear, quantize_weight_int4, row_split, split_linear
+from prefixcache.layers.quant import (INT4_OUTPUT_KEY, RowSplit, group_int8_linear, int4_linear, quantize_weight_group_int8,
+                                      quantize_weight_int4, row_split, split_linear)
 
 
 def _grid_weight(n, k, seed=0):
@@ -19,27 +20,77 @@ def _grid_weight(n, k, seed=0):
     return (q * d + m).reshape(n, k)
 
 
-def test_a_weight_on_the_grid_comes_back_to_bf16_rounding_of_scale_and_zero():
+def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Levels q [N, K] from the kernel's layout [N / 16, K / 8, 64] (byte 4 j + i: q[j, i] | q[j, 4 + i] << 4)."""
+    nb, c = packed.shape[:2]
+    b = packed.view(nb, c, 16, 4)
+    q = torch.stack([b & 15, b >> 4], dim=3)  # [block, c, j, half, i]
+    return q.permute(0, 2, 1, 3, 4).reshape(nb * 16, c * 8)
+
+
+def test_a_weight_on_the_grid_gets_its_levels_back_with_float32_scale_and_min():
     w = _grid_weight(64, 96)
     q = quantize_weight_int4(w)
-    assert q.packed.shape == (64, 48) and q.scales_zeros.shape == (3, 64, 2)
-    eye = torch.eye(96).bfloat16()
-    deq = int4_linear(eye, q).float().t()  # [64, 96]: column j of the identity product = w[:, j]
-    scale = q.scales_zeros[..., 0].float().t().repeat_interleave(32, 1)  # [64, 96]
-    # levels exact: the error is only scale/zero's bf16 rounding (and the product's bf16 output)
-    assert (deq - w).abs().max() <= 8 * scale.max() * 2**-8 + w.abs().max() * 2**-8
-    assert torch.allclose(deq, w, atol=2e-3)
+    assert q.packed.shape == (4, 12, 64) and q.packed.dtype == torch.uint8
+    assert q.scale.shape == q.min.shape == (3, 64) and q.scale.dtype == torch.float32
+    levels = _unpack_int4(q.packed).float()  # [64, 96]
+    deq = levels * q.scale.t().repeat_interleave(32, 1) + q.min.t().repeat_interleave(32, 1)
+    assert torch.allclose(deq, w, rtol=0, atol=1e-6)
+    g = torch.Generator().manual_seed(0)
+    expected = torch.randint(0, 16, (64, 3, 32), generator=g).float()
+    expected[..., 0], expected[..., 1] = 0, 15  # _grid_weight's levels
+    assert torch.equal(levels, expected.reshape(64, 96))
 
 
-def test_int4_linear_gives_a_row_the_same_bits_in_any_call_and_adds_the_bias():
+def _exact_case(n, k, rows, seed):
+    """Weights and activations whose every product and partial sum is exact in float32: levels times
+    power-of-two scales, activations already on their int8 grid (each group's max |q| = 127)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g).float()
+    q[:, 0::32], q[:, 1::32] = 0, 15  # each group spans the grid: scale = 2**-6 exactly
+    m = torch.randint(-8, 8, (n, k // 32), generator=g).float() * 2.0**-6
+    w = q * 2.0**-6 + m.repeat_interleave(32, 1)
+    qx = torch.randint(-127, 128, (rows, k // 32, 32), generator=g).float()
+    qx[..., 5] = 127
+    x = (qx * 2.0**-7).reshape(rows, k)
+    return w, x
+
+
+def test_int4_linear_is_exact_where_float32_is_exact():
+    w, x = _exact_case(48, 96, 10, seed=5)
+    b = torch.randint(-64, 64, (48,)).float() * 2.0**-6
+    y = int4_linear(x, quantize_weight_int4(w, b))  # float32 in, float32 out
+    assert y.dtype == torch.float32
+    assert torch.equal(y.double(), x.double() @ w.double().t() + b.double())
+
+
+def test_group_int8_linear_is_exact_where_float32_is_exact():
+    g = torch.Generator().manual_seed(6)
+    q = torch.randint(-127, 128, (32, 64), generator=g).float()
+    q[:, 0], q[:, 32] = 127, -127  # each group's max |q| = 127: scale = 2**-6 exactly
+    w = q * 2.0**-6
+    _, x = _exact_case(32, 64, 7, seed=7)
+    y = group_int8_linear(x, quantize_weight_group_int8(w), torch.float32)
+    assert torch.equal(y.double(), x.double() @ w.double().t())
+
+
+@pytest.mark.parametrize("linear", ["int4", "int8"])
+def test_a_row_gets_the_same_bits_in_any_call(linear):
     w, b = _grid_weight(48, 64, seed=1), torch.randn(48)
-    q = quantize_weight_int4(w, b)
+    if linear == "int4":
+        q = quantize_weight_int4(w, b)
+        f = lambda rows: int4_linear(rows, q)  # noqa: E731
+    else:
+        q8 = quantize_weight_group_int8(w)
+        f = lambda rows: group_int8_linear(rows, q8, torch.bfloat16)  # noqa: E731
+        b = torch.zeros(48)
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
-    single = torch.cat([int4_linear(x[i : i + 1], q) for i in range(40)])
-    for m in (2, 3, 4, 5, 17, 33, 40):
-        assert torch.equal(int4_linear(x[:m], q), single[:m]), m
-    assert torch.equal(int4_linear(x[7:30], q), single[7:30])
-    ref = x.float() @ w.t() + b
+    single = torch.cat([f(x[i : i + 1]) for i in range(40)])
+    for m in (2, 3, 4, 5, 9, 17, 33, 40):
+        assert torch.equal(f(x[:m]), single[:m]), m
+    assert torch.equal(f(x[7:30]), single[7:30])
+    assert single.dtype == torch.bfloat16
+    ref = x.float() @ w.t() + b  # int8 activations + bf16 output: close, not equal
     assert torch.allclose(single.float(), ref, atol=0.05, rtol=0.02)
 
 
@@ -48,6 +99,8 @@ def test_shapes_the_kernel_cannot_take_are_refused():
         quantize_weight_int4(torch.randn(32, 48))
     with pytest.raises(ValueError, match="out_features % 16"):
         quantize_weight_int4(torch.randn(40, 64))
+    with pytest.raises(ValueError, match="out_features % 16"):
+        quantize_weight_group_int8(torch.randn(40, 64))
 
 
 def test_split_linear_runs_generated_rows_on_int4_and_prompt_rows_dense():
@@ -68,14 +121,14 @@ def test_split_linear_runs_generated_rows_on_int4_and_prompt_rows_dense():
 
 def test_blocks_holding_generated_tokens_get_the_output_key():
     tokens = list(range(100, 164))  # 4 blocks of 16
-    plain, tagged = BlockHasher(16), BlockHasher(16, output_block_key=b"int4-generated")
+    plain, tagged = BlockHasher(16), BlockHasher(16, output_block_key=INT4_OUTPUT_KEY)
     h_plain, h_prompt, h_gen = [], [], []
     plain.extend(h_plain, tokens, b"root")
     tagged.extend(h_prompt, tokens, b"root", num_prompt_tokens=64)  # all prompt: as without the key
     tagged.extend(h_gen, tokens, b"root", num_prompt_tokens=40)  # blocks 2 and 3 hold generated tokens
     assert h_prompt == h_plain
     assert h_gen[:2] == h_plain[:2] and h_gen[2] != h_plain[2] and h_gen[3] != h_plain[3]
-    assert h_gen[2] == tagged.hash_block(h_plain[1], tokens[32:48], b"int4-generated")
+    assert h_gen[2] == tagged.hash_block(h_plain[1], tokens[32:48], INT4_OUTPUT_KEY)
 
 
 def test_int4_needs_bfloat16():
