@@ -3,8 +3,9 @@
 - fp32 (not batch-invariant): cascade (shared run attended once, merged by log-sum-exp) vs each
   decode over its whole context (``MIN_CASCADE_KEYS`` raised so no group forms);
 - bf16 batch-invariant: the one-call form (each decode over its whole context padded to a multiple
-  of 512 keys, what bf16 and int4's prompt tokens use) vs the chunked form of int4's generated tokens
-  (``prefixcache.layers.chunked_attention``: fixed 512-key chunks, whole shared chunks once).
+  of 512 keys, what bf16 and int4's prompt tokens use) vs int4's generated tokens' own kernel
+  (``prefixcache.layers.generated_attention``: each row over its own blocks, shared blocks read into
+  cache once).
 
 SmolLM2's attention shape (9 heads, 3 KV heads, head_dim 64), 16-token blocks, a shared prefix of
 2,032 tokens in consecutive blocks and per-decode tails of 70-180 tokens (the speed bench's shape).
@@ -59,10 +60,10 @@ def metadata(form: str):
         return build_attention_metadata(seqs, BLOCK, "cpu")[0]
     return build_attention_metadata(seqs, BLOCK, "cpu", batch_invariant=True, dtype=torch.bfloat16,
                                     num_pool_blocks=num_blocks,
-                                    num_prompt_tokens=prompt_lens if form == "bf16 chunked (int4)" else None)[0]
+                                    num_prompt_tokens=prompt_lens if form == "bf16 generated (int4)" else None)[0]
 
 
-FORMS = ["fp32 cascade", "fp32 whole contexts", "bf16 chunked (int4)", "bf16 one call"]
+FORMS = ["fp32 cascade", "fp32 whole contexts", "bf16 generated (int4)", "bf16 one call"]
 mds = {form: metadata(form) for form in FORMS}
 times: dict[str, list[float]] = {form: [] for form in FORMS}
 with torch.inference_mode():
@@ -76,7 +77,7 @@ with torch.inference_mode():
             times[form].append((time.perf_counter() - start) / args.repeats * 1e3)
 for form in FORMS:
     md = mds[form]
-    shape = (f"{len(md.cascade_groups)} cascade group(s)" if md.chunked is None else
-             f"{len(md.chunked.shared)} shared chunk group(s), {md.chunked.job_rows.numel()} per-decode chunks")
+    shape = (f"{len(md.cascade_groups)} cascade group(s)" if md.generated is None else
+             f"{md.generated.token_indices.numel()} generated rows, one kernel call")
     print(f"{form}: {shape}, {statistics.median(times[form]):.2f} ms per layer "
           f"(rounds: {', '.join(f'{t:.2f}' for t in times[form])})")

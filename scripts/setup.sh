@@ -44,10 +44,10 @@ if [ "${PREFIXCACHE_LLAMACPP:-0}" = "1" ]; then
     CFLAGS="${CFLAGS:-$no_amx}" CXXFLAGS="${CXXFLAGS:-$no_amx}" CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" \
         python -m pip install --quiet -e ".[llamacpp]"
 fi
-# quantization="int4"'s kernels (C++, AVX512-VNNI): built once here (about 40 s) instead of in the first
+# quantization="int4"'s kernels (C++, AVX512-VNNI): built once here (about a minute) instead of in the first
 # int4 run; a CPU or compiler that can't build them leaves int4 unavailable (it then says why), not the rest
-step "building the int4 kernels (prefixcache/layers/csrc/qgemm.cpp) ..."
-python -m prefixcache.layers.qgemm || echo "setup.sh: the int4 kernels did not build; quantization='int4' is unavailable" >&2
+step "building the CPU kernels of quantization=int4 (prefixcache/layers/csrc, about a minute) ..."
+python -m prefixcache.layers.cpu_kernels || echo "setup.sh: the CPU kernels did not build; quantization='int4' is unavailable" >&2
 step "fetching the default model into ${PREFIXCACHE_HOME:-~/.cache/prefixcache} (once) ..."
 python -m prefixcache fetch
 step "done: .venv/bin/prefixcache demo"

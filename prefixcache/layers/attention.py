@@ -42,11 +42,11 @@ log-sum-exp. This is FlashInfer's cascade inference (Ye et al., "Cascade Inferen
 Bandwidth Efficient Shared Prefix Batch Decoding", 2024) and vLLM's cascade attention
 (vllm/v1/attention/backends/flash_attn.py, ``use_cascade_attention``), written over torch's CPU
 flash kernel, which returns the log-sum-exp. It changes rounding (the softmax is summed in two
-parts), so it is used only without ``batch_invariant``. The batch-invariant int4 format shares
-prefixes too, for its generated tokens (``num_prompt_tokens``): they attend in fixed 512-key chunks
-merged in a fixed order (:mod:`prefixcache.layers.chunked_attention`), which gives a row the same
-bits however its chunks are computed, shared or not; its prompt tokens, and every token of int8
-and bfloat16, keep one call over the whole context, which gives a decode the bits of a prefill row.
+parts), so it is used only without ``batch_invariant``. The batch-invariant int4 format's
+generated tokens (``num_prompt_tokens``) attend through our own paged kernel instead
+(:mod:`prefixcache.layers.generated_attention`: one fixed order per row whatever its batch, shared
+blocks read once into cache); its prompt tokens, and every token of int8 and bfloat16, keep one
+call over the whole context, which gives a decode the bits of a prefill row.
 """
 
 from dataclasses import dataclass
@@ -55,11 +55,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixcache.layers.chunked_attention import (KV_SPLIT, MIN_Q_ROWS, ChunkedRows, build_chunked_rows,
-                                                  chunked_attention, common_run_length, is_consecutive)
+from prefixcache.layers.generated_attention import GeneratedRows, build_generated_rows, generated_attention
 
-
+KV_SPLIT = 512  # keys per block of torch's CPU flash-attention kernel (batch-invariant calls pad to a multiple)
+MIN_Q_ROWS = 3  # a query block of 1 or 2 rows takes a different GEMM path (other rounding)
 Q_ROW_QUANTUM = 32  # torch's CPU flash-attention kernel's query blocks are multiples of 32 rows
+
+
+def common_run_length(ids: torch.Tensor) -> int:
+    """Leading columns of ``ids`` [num_rows, n] on which every row agrees: the rows' common run of
+    blocks (the cascade groups')."""
+    same = (ids == ids[0]).all(0)  # [n]
+    return ids.shape[1] if bool(same.all()) else int(same.to(torch.int8).argmin())
+
+
+def is_consecutive(blocks: torch.Tensor) -> bool:
+    """Whether block ids [n] are first, first + 1, ...: readable as one view of the pool."""
+    return bool((blocks == blocks[0] + torch.arange(blocks.shape[0])).all())
 
 
 def padded_num_keys(context_len: int, batch_invariant: bool = True) -> int:
@@ -145,7 +157,7 @@ class AttentionMetadata:
     num_decode_keys: int  # tail keys: padded_num_keys(longest decode tail); 0 without decodes
     batch_invariant: bool  # built with the padding rules of the module docstring
     num_tokens: int  # new tokens in the batch
-    chunked: ChunkedRows | None = None  # generated tokens attended chunk by chunk (layers.chunked_attention):
+    generated: GeneratedRows | None = None  # generated tokens, attended by layers.generated_attention:
     # decodes among them are not in the decode tables; prefill rows among them are overwritten
 
 
@@ -173,8 +185,8 @@ def build_attention_metadata(
             starts zeroed).
         num_prompt_tokens: per sequence, its request's prompt length; given (with
             ``batch_invariant``), every new token at a position >= it (a generated token) is attended
-            by :mod:`prefixcache.layers.chunked_attention` (the int4 format, whose generated tokens'
-            blocks are keyed apart), shared chunks once for all rows that have them.
+            by :mod:`prefixcache.layers.generated_attention` (the int4 format, whose generated tokens'
+            blocks are keyed apart).
 
     Returns:
         (metadata, positions), positions shape = [num_tokens] int64, num_computed_tokens +
@@ -189,11 +201,10 @@ def build_attention_metadata(
     slot_mapping, positions = _slots_and_positions(seqs, block_table, block_size)
     prefills, decode_rows, decode_token_indices = _split_prefills_and_decodes(seqs, block_table, block_size, device,
                                                                               dtype, inv, num_pool_blocks)
-    chunked = None
+    generated = None
     if num_prompt_tokens is not None and inv:
-        chunked, decode_rows, decode_token_indices = _generated_rows(
-            seqs, num_prompt_tokens, block_table, block_size, device, dtype, decode_rows, decode_token_indices,
-            num_pool_blocks * block_size)
+        generated, decode_rows, decode_token_indices = _generated_rows(
+            seqs, num_prompt_tokens, block_table, block_size, device, decode_rows, decode_token_indices)
     decode_block_table, decode_attn_mask, decode_key_bias, decode_index_tensor = None, None, None, None
     cascade_groups, num_decode_keys, decode_first_block = [], 0, None
     if decode_rows:
@@ -203,7 +214,7 @@ def build_attention_metadata(
         )
         decode_key_bias = torch.zeros(decode_attn_mask.shape, dtype=dtype, device=device).masked_fill_(
             ~decode_attn_mask, float("-inf"))
-        if len(decode_rows) != len(seqs) or chunked is not None:
+        if len(decode_rows) != len(seqs) or generated is not None:
             decode_index_tensor = torch.tensor(decode_token_indices, dtype=torch.int64, device=device)
         if len(decode_rows) == 1 and not cascade_groups:
             row = decode_rows[0]
@@ -222,18 +233,17 @@ def build_attention_metadata(
         num_decode_rows=MIN_Q_ROWS if inv else 1,
         batch_invariant=inv,
         num_tokens=sum(num_new for _, num_new, _ in seqs),
-        chunked=chunked,
+        generated=generated,
     )
     return metadata, positions.to(device)
 
 
 def _generated_rows(
     seqs: list[tuple[int, int, list[int]]], num_prompt_tokens: list[int], block_table: torch.Tensor,
-    block_size: int, device: torch.device | str, dtype: torch.dtype, decode_rows: list[int],
-    decode_token_indices: list[int], num_pool_slots: int = 0,
-) -> tuple[ChunkedRows | None, list[int], list[int]]:
-    """The plan of the batch's generated tokens (None without any), and the decodes left to the
-    one-call path (rows and token indices)."""
+    block_size: int, device: torch.device | str, decode_rows: list[int], decode_token_indices: list[int],
+) -> tuple[GeneratedRows | None, list[int], list[int]]:
+    """The batch's generated tokens (None without any), and the decodes left to the one-call path
+    (rows and token indices)."""
     token_indices, context_lens, seq_of_row = [], [], []
     token_start = 0
     for i, ((num_comp, num_new, _), prompt_len) in enumerate(zip(seqs, num_prompt_tokens, strict=True)):
@@ -246,9 +256,8 @@ def _generated_rows(
         return None, decode_rows, decode_token_indices
     generated = set(seq_of_row)
     kept = [(r, t) for r, t in zip(decode_rows, decode_token_indices) if r not in generated]
-    plan = build_chunked_rows(token_indices, context_lens, block_table[seq_of_row], block_size, device, dtype,
-                              num_pool_slots=num_pool_slots)
-    return plan, [r for r, _ in kept], [t for _, t in kept]
+    rows = build_generated_rows(token_indices, context_lens, block_table[seq_of_row], block_size, device)
+    return rows, [r for r, _ in kept], [t for _, t in kept]
 
 
 def _padded_block_table(seqs: list[tuple[int, int, list[int]]], block_size: int,
@@ -465,11 +474,11 @@ class Attention(nn.Module):
         kv_cache[1].view(slots_shape).index_copy_(0, md.slot_mapping, v)  # view: [num_slots, kv_heads, head_dim]
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
 
-        if not md.prefills and md.chunked is None:  # decode-only batch: the decodes are the whole batch, in order
+        if not md.prefills and md.generated is None:  # decode-only batch: the decodes are the whole batch, in order
             out = self._decode_attention(q, k_cache, v_cache, md)  # [num_tokens, num_heads, head_dim]
-        elif md.chunked is not None and md.chunked.token_indices.shape[0] == num_tokens:  # every token generated
-            out = chunked_attention(q, kv_cache[0].view(slots_shape), kv_cache[1].view(slots_shape), md.chunked,
-                                    self.scale)
+        elif md.generated is not None and md.generated.token_indices.shape[0] == num_tokens:  # every token generated
+            out = generated_attention(q, kv_cache[0].view(slots_shape), kv_cache[1].view(slots_shape), md.generated,
+                                      self.scale)
         else:
             out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
             for p in md.prefills:
@@ -477,10 +486,10 @@ class Attention(nn.Module):
             if md.decode_block_table is not None:
                 q_dec = q.index_select(0, md.decode_token_indices)  # [num_decodes, num_heads, head_dim]
                 out.index_copy_(0, md.decode_token_indices, self._decode_attention(q_dec, k_cache, v_cache, md))
-            if md.chunked is not None:  # generated tokens (after the prefills: they overwrite their rows)
-                rows = md.chunked.token_indices
-                out.index_copy_(0, rows, chunked_attention(q.index_select(0, rows), kv_cache[0].view(slots_shape),
-                                                           kv_cache[1].view(slots_shape), md.chunked, self.scale))
+            if md.generated is not None:  # generated tokens (after the prefills: they overwrite their rows)
+                rows = md.generated.token_indices
+                out.index_copy_(0, rows, generated_attention(q.index_select(0, rows), kv_cache[0].view(slots_shape),
+                                                             kv_cache[1].view(slots_shape), md.generated, self.scale))
         return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [num_tokens, num_heads * head_dim]
 
     def _prefill_attention(

@@ -17,7 +17,7 @@ the problem that per-tensor activation scales or batch-size-dependent float kern
 llama.cpp's block formats: layer weights on Q4_1's grid (4 bits per weight, a scale and a min per 32
 input features), the lm_head on Q8_0's (8 bits, a scale per 32), activations quantized per row and
 per 32 features to int8, each group's sum exact in int32 and the groups added in a fixed order
-(``csrc/qgemm.cpp``, built by :mod:`prefixcache.layers.qgemm`); its prompt tokens' rows stay bf16
+(``csrc/qgemm.cpp``, built by :mod:`prefixcache.layers.cpu_kernels`); its prompt tokens' rows stay bf16
 (:class:`RowSplit`).
 """
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixcache.config import QUANTIZATIONS
-from prefixcache.layers.qgemm import load_qgemm
+from prefixcache.layers.cpu_kernels import load_cpu_kernels
 
 __all__ = ["INT4_GROUP", "INT4_OUTPUT_KEY", "QUANTIZATIONS", "GroupInt8Weight", "Int4Weight", "Int8Weight",
            "concat_weights", "group_int8_linear", "int4_linear", "int8_linear", "quantize_activations",
@@ -139,16 +139,17 @@ INT4_OUTPUT_KEY = b"int4-generated:q8-activations"  # block-hash key of K/V comp
 
 @dataclass(slots=True)
 class Int4Weight:
-    """A linear layer's weight in 4 bits, for ``int4_mm`` of :mod:`prefixcache.layers.qgemm`.
+    """A linear layer's weight in 4 bits, for ``int4_mm`` of :mod:`prefixcache.layers.cpu_kernels`.
 
-    ``w[n, k] = q[n, k] * scale[k // 32, n] + min[k // 32, n]`` with ``q`` in 0..15: an asymmetric
-    grid per group of :data:`INT4_GROUP` input features (llama.cpp's Q4_1: ``w = q * d + m``).
+    ``w[n, k] = q[n, k] * scale[n // 16, k // 32, n % 16] + min[n // 16, k // 32, n % 16]`` with ``q``
+    in 0..15: an asymmetric grid per group of :data:`INT4_GROUP` input features (llama.cpp's Q4_1:
+    ``w = q * d + m``, d and m float16).
 
     Attributes:
         packed: shape = [out_features // 16, in_features // 8, 64] uint8: for a block of 16 outputs and
             8 inputs, byte ``4 j + i`` holds ``q[j, i]`` in its low and ``q[j, 4 + i]`` in its high nibble.
-        scale: shape = [in_features // 32, out_features] float32.
-        min: shape = [in_features // 32, out_features] float32.
+        scale: shape = [out_features // 16, in_features // 32, 16] float16 (a block's groups in order).
+        min: the same shape, float16.
         bias: shape = [out_features] float32, or None.
     """
 
@@ -161,14 +162,14 @@ class Int4Weight:
 @dataclass(slots=True)
 class GroupInt8Weight:
     """A linear layer's weight in 8 bits with a scale per group of 32 input features (llama.cpp's
-    Q8_0: ``w[n, k] = q[n, k] * scale[k // 32, n]``, q in -127..127), for ``int8_mm``.
+    Q8_0: ``w[n, k] = q[n, k] * scale[n // 16, k // 32, n % 16]``, q in -127..127), for ``int8_mm``.
 
     Attributes:
         packed: shape = [out_features // 16, in_features // 4, 64] int8: for a block of 16 outputs and
             4 inputs, byte ``4 j + i`` is ``q[j, i]``.
-        scale: shape = [in_features // 32, out_features] float32.
-        correction: shape = [in_features // 32, out_features] int32: ``-128 * sum(q)`` over the group
-            (the kernel multiplies ``q`` with activations offset by +128).
+        scale: shape = [out_features // 16, in_features // 32, 16] float16.
+        correction: the same shape, int32: ``-128 * sum(q)`` over the group (the kernel multiplies
+            ``q`` with activations offset by +128).
     """
 
     packed: torch.Tensor
@@ -187,7 +188,7 @@ def quantize_weight_int4(weight: torch.Tensor, bias: torch.Tensor | None = None)
     """Groups of 32 input features on a 16-level grid from the group's min to its max (Q4_1's rule).
 
     A weight that already lies on such a grid (SmolLM2's layers: the Q4_1 GGUF dequantized) gets its
-    levels back exactly; ``scale`` and ``min`` are float32.
+    levels back exactly; ``scale`` and ``min`` are rounded to float16 (the GGUF's own precision for them).
 
     Args:
         weight: shape = [out_features, in_features], any float dtype.
@@ -205,8 +206,8 @@ def quantize_weight_int4(weight: torch.Tensor, bias: torch.Tensor | None = None)
     packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(n // 16, k // 8, 64)
     return Int4Weight(
         packed=packed.contiguous(),
-        scale=scale.t().contiguous(),
-        min=lo.t().contiguous(),
+        scale=_by_block(scale),
+        min=_by_block(lo),
         bias=None if bias is None else bias.detach().float().clone(),
     )
 
@@ -228,9 +229,15 @@ def quantize_weight_group_int8(weight: torch.Tensor) -> GroupInt8Weight:
     q = torch.round(w / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
     return GroupInt8Weight(
         packed=q.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(n // 16, k // 4, 64).contiguous(),
-        scale=scale.t().contiguous(),
-        correction=(-128 * q.sum(-1, dtype=torch.int32)).t().contiguous(),
+        scale=_by_block(scale),
+        correction=_by_block(-128 * q.sum(-1, dtype=torch.int32), torch.int32),
     )
+
+
+def _by_block(t: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """[n, groups] -> [n // 16, groups, 16]: the kernel reads a block of 16 outputs' groups in order."""
+    n, groups = t.shape
+    return t.reshape(n // 16, 16, groups).transpose(1, 2).to(dtype).contiguous()
 
 
 def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
@@ -246,7 +253,7 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     Returns:
         shape = [num_tokens, out_features], x's dtype.
     """
-    return load_qgemm().int4_mm(x, weight.packed, weight.scale, weight.min, weight.bias, x.dtype)
+    return load_cpu_kernels().int4_mm(x, weight.packed, weight.scale, weight.min, weight.bias, x.dtype)
 
 
 def group_int8_linear(x: torch.Tensor, weight: GroupInt8Weight, out_dtype: torch.dtype) -> torch.Tensor:
@@ -259,7 +266,7 @@ def group_int8_linear(x: torch.Tensor, weight: GroupInt8Weight, out_dtype: torch
     Returns:
         shape = [num_tokens, out_features], ``out_dtype``.
     """
-    return load_qgemm().int8_mm(x, weight.packed, weight.scale, weight.correction, None, out_dtype)
+    return load_cpu_kernels().int8_mm(x, weight.packed, weight.scale, weight.correction, None, out_dtype)
 
 
 @dataclass(slots=True)

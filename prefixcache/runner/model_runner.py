@@ -113,8 +113,8 @@ class ModelRunner:
             batch_invariant=self.model.batch_invariant,  # batch-invariant linear layers: attention too
             dtype=self.kv_caches[0].dtype,
             num_pool_blocks=self.kv_caches[0].shape[1],
-            # int4: generated tokens (their blocks keyed apart) attend chunk by chunk, sharing chunks; the
-            # plan's rows are also the rows that run the int4 products (_row_split)
+            # int4: generated tokens (their blocks keyed apart) attend through layers.generated_attention;
+            # those rows are also the rows that run the int4 products (_row_split)
             num_prompt_tokens=[s.num_prompt_tokens for s in seqs] if self.model.quantization == "int4" else None,
         )
         lora_segments, start = [], 0
@@ -161,13 +161,13 @@ class ModelRunner:
 
     def _row_split(self, attn_metadata: AttentionMetadata) -> RowSplit | None:
         """For an int4 model: generated tokens (position >= the request's prompt length, also when
-        recomputed after a preemption: the attention metadata's chunked rows) run the int4 product,
+        recomputed after a preemption: the attention metadata's generated rows) run the int4 product,
         prompt tokens the bf16 one."""
         if self.model.quantization != "int4":
             return None
         generated = torch.zeros(attn_metadata.num_tokens, dtype=torch.bool)  # [num_tokens]
-        if attn_metadata.chunked is not None:
-            generated[attn_metadata.chunked.token_indices.cpu()] = True
+        if attn_metadata.generated is not None:
+            generated[attn_metadata.generated.token_indices.cpu()] = True
         return RowSplit(int4_rows=generated.nonzero().flatten().to(self.device),
                         dense_rows=(~generated).nonzero().flatten().to(self.device))
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixcache.layers.chunked_attention import CHUNK_KEYS
 from prefixcache.llm import LLM
 from prefixcache.sample_texts import QUESTIONS, SYSTEM_PROMPT
 from prefixcache.sampling_params import SamplingParams
@@ -89,45 +88,47 @@ def test_int4_generated_tokens_logits_come_from_the_8bit_lm_head(smollm2_int4, m
 
 
 def _long_prompts(llm, shared_first: bool) -> list[list[int]]:
-    """Three chat prompts of ~560 tokens: the long system text first (one shared prefix, two whole
-    256-key chunks of it) or each question first (nothing shared)."""
+    """Three chat prompts of ~560 tokens: the long system text first (one shared prefix) or each
+    question first (nothing shared)."""
     system = " ".join([SYSTEM_PROMPT] * 5)
     convs = [[{"role": "system", "content": system if shared_first else q},
               {"role": "user", "content": q if shared_first else system}] for q in QUESTIONS[:3]]
     return [list(llm.apply_chat_template(c)) for c in convs]
 
 
-def test_int4_generated_tokens_share_prefix_chunks_and_match_alone(smollm2_int4, monkeypatch):
-    """Decodes over a shared prompt of > 512 tokens attend to its whole 256-key chunks once
-    (layers.chunked_attention); their tokens equal each request alone with caching off."""
+def test_int4_generated_tokens_over_a_shared_prefix_match_alone(smollm2_int4, monkeypatch):
+    """Decodes over a shared prompt of > 512 tokens run as one batch of generated rows whose block
+    tables start with the same pool blocks (layers.generated_attention); their tokens equal each
+    request alone with caching off."""
     import prefixcache.layers.attention as attention
 
-    shared_groups = []
-    build = attention.build_chunked_rows
+    steps = []
+    build = attention.build_generated_rows
 
     def recording_build(*args, **kwargs):
-        plan = build(*args, **kwargs)
-        shared_groups.append([(g.rows.tolist(), g.num_chunks) for g in plan.shared])
-        return plan
+        rows = build(*args, **kwargs)
+        steps.append(rows)
+        return rows
 
-    monkeypatch.setattr(attention, "build_chunked_rows", recording_build)
+    monkeypatch.setattr(attention, "build_generated_rows", recording_build)
     llm = make(smollm2_int4)
     prompts = _long_prompts(llm, shared_first=True)
     assert min(map(len, prompts)) > 512
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     batched = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     common = next(i for i, ts in enumerate(zip(*prompts)) if len(set(ts)) > 1)  # shared prompt tokens
-    assert common >= 2 * CHUNK_KEYS
-    # chunks 0 and 1 (the whole chunks inside the shared full blocks), all three
-    assert [[0, 1, 2], common // 16 * 16 // CHUNK_KEYS] in [list(g) for step in shared_groups for g in step]
+    decode_steps = [r for r in steps if r.token_indices.tolist() == [0, 1, 2]]
+    assert len(decode_steps) == 7  # tokens 2..8 of the three requests, each step all three together
+    table = decode_steps[0].block_table
+    assert bool((table[:, : common // 16] == table[0, : common // 16]).all())  # the shared full blocks
     off = make(smollm2_int4, enable_prefix_caching=False)
     assert [list(off.generate([p], params, use_tqdm=False)[0].token_ids) for p in prompts] == batched
 
 
 @pytest.mark.slow
 def test_int4_recompute_after_preemption_gives_the_same_tokens(smollm2_int4):
-    """Preempted requests recompute their generated tokens in a prefill, chunk by chunk as their
-    decodes did (contexts past 2 chunks): the same tokens as without preemption."""
+    """Preempted requests recompute their generated tokens in a prefill, through the same kernel
+    as their decodes: the same tokens as without preemption."""
     llm = make(smollm2_int4)
     prompts = _long_prompts(llm, shared_first=False)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)

@@ -1,0 +1,59 @@
+"""Builds and loads our CPU kernels (``csrc/``, AVX-512): ``int4_mm`` and ``int8_mm`` (qgemm.cpp:
+int8-activation products with grouped 4- and 8-bit weights) and ``paged_decode_attention``
+(paged_attention.cpp: generated tokens' attention straight from the KV pool). The formulas and why
+each gives a row the same bits in any batch are in each source's header.
+
+The extension is compiled once per machine with torch's C++ extension builder (g++ and ninja, about
+a minute) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``); ``scripts/setup.sh`` builds it, later loads take about a second. It
+needs a CPU with AVX512-VNNI (the int4 format's only requirement beyond torch).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = ["CpuKernelsUnavailable", "load_cpu_kernels"]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("qgemm.cpp", "paged_attention.cpp", "bindings.cpp")]
+# -fopenmp: ATen's parallel_for is inline OpenMP; the process's libgomp is torch's (same soname), one thread pool
+_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma"]
+_LOADED: list[ModuleType] = []
+
+
+class CpuKernelsUnavailable(RuntimeError):
+    """The kernels can't run here (no AVX512-VNNI, or the extension doesn't build)."""
+
+
+def load_cpu_kernels() -> ModuleType:
+    """The compiled extension (built on first use).
+
+    Raises:
+        CpuKernelsUnavailable: the CPU lacks AVX512-VNNI, or the build failed (the compiler's message).
+    """
+    if _LOADED:
+        return _LOADED[0]
+    if not torch.cpu._is_vnni_supported():
+        raise CpuKernelsUnavailable("quantization='int4' needs a CPU with AVX512-VNNI (its kernels use vpdpbusd)")
+    from torch.utils.cpp_extension import load
+
+    venv_bin = str(Path(sys.executable).parent)  # ninja from the venv, also when it is not on PATH
+    if shutil.which("ninja") is None and venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+    try:
+        module = load(name="prefixcache_cpu_kernels", sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS,
+                      extra_ldflags=["-fopenmp"], verbose=False)
+    except (RuntimeError, OSError, ImportError) as e:
+        raise CpuKernelsUnavailable(f"building the CPU kernels (prefixcache/layers/csrc) failed: {e}") from e
+    _LOADED.append(module)
+    return module
+
+
+if __name__ == "__main__":  # python -m prefixcache.layers.cpu_kernels: build now (setup.sh)
+    load_cpu_kernels()
+    print("cpu_kernels: built " + ", ".join(s.name for s in _SOURCES))

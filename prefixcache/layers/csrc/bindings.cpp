@@ -1,0 +1,17 @@
+// The CPU kernels' Python bindings (built by prefixcache/layers/cpu_kernels.py).
+#include <torch/extension.h>
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min,
+                   const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& corr,
+                   const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_slots, const at::Tensor& v_slots,
+                                  const at::Tensor& block_table, const at::Tensor& context_lens, int64_t block_size,
+                                  double scale);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_mm", &int4_mm, "x [M, K] @ int4 grouped weight^T (+ bias) -> [M, N] (qgemm.cpp)");
+  m.def("int8_mm", &int8_mm, "x [M, K] @ int8 grouped weight^T (+ bias) -> [M, N] (qgemm.cpp)");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "q [R, H, D] over each row's context in the paged pool -> [R, H, D] (paged_attention.cpp)");
+}

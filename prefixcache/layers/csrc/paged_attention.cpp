@@ -1,0 +1,247 @@
+// Decode attention of generated tokens straight from the paged KV pool, one query row at a time.
+//
+// A row (one token, all heads) attends over its context: keys 0 .. context_len - 1 of its sequence,
+// found through its block table (slot = block * block_size + offset), in order. Keys are taken in
+// pieces of at most 16 that never cross a pool block; for each piece and query head: scores
+// ``q . k * scale`` in float32 (bf16 K converted exactly), the running max updated, the running sum
+// and the output accumulator rescaled by exp(old max - new max), then ``p = exp(score - max)`` added
+// to the sum and ``p * v`` to the accumulator (the online softmax of Milakov & Gimelshein 2018, as
+// FlashAttention and flash-decoding use it); at the end ``out = acc / sum``.
+//
+// Every operation of a row depends only on its own query, its own keys and values, their order and
+// the pool's block size, never on the other rows of the call or the split between threads: a row
+// gets the same bits in a decode, in a recompute after preemption and in any batch. Work items are
+// (kv head, row) pairs, kv head major, so rows that share prefix blocks read them one after another
+// on the same thread, from cache after the first.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace {
+
+constexpr int kMaxVec = 16;    // head_dim <= 256 (16 registers of 16 floats)
+constexpr int kMaxGroup = 16;  // query heads per kv head
+constexpr int kPiece = 16;     // keys per softmax piece
+
+inline __m512 load_bf16(const at::BFloat16* p) {  // 16 bf16 -> float32, exact
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+inline __m512 exp512(__m512 x) {  // e^x = 2^n e^r, |r| <= ln2 / 2, degree-6 Taylor polynomial (~1e-7 relative)
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline void store_bf16(at::BFloat16* p, __m512 x) {  // float32 -> bfloat16, round to nearest even
+  __m512i b = _mm512_castps_si512(x);
+  b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                           _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+}
+
+struct Args {
+  const at::BFloat16* q;  // [R, H, D]
+  const at::BFloat16* k;  // [S, KVH, D]
+  const at::BFloat16* v;
+  const int32_t* table;   // [R, max_blocks]
+  const int32_t* lens;    // [R]
+  at::BFloat16* out;      // [R, H, D]
+  int64_t H, KVH, D, max_blocks, block_size;
+  float scale;
+};
+
+void attend_row(const Args& a, int64_t r, int64_t kh) {
+  const int64_t G = a.H / a.KVH, V = a.D / 16, L = a.lens[r];
+  __m512 q[kMaxGroup][kMaxVec], acc[kMaxGroup][kMaxVec];
+  float m[kMaxGroup], l[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) {
+    const at::BFloat16* qp = a.q + (r * a.H + kh * G + g) * a.D;
+    for (int64_t i = 0; i < V; ++i) q[g][i] = load_bf16(qp + 16 * i), acc[g][i] = _mm512_setzero_ps();
+    m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
+  }
+  const int64_t row_stride = a.KVH * a.D;
+  for (int64_t start = 0, n = 0; start < L; start += n) {  // pieces of <= 16 keys inside one pool block
+    const int64_t block = start / a.block_size, offset = start % a.block_size;
+    n = std::min<int64_t>({kPiece, L - start, a.block_size - offset});
+    const int64_t slot = static_cast<int64_t>(a.table[r * a.max_blocks + block]) * a.block_size + offset;
+    const at::BFloat16* kp = a.k + slot * row_stride + kh * a.D;
+    const at::BFloat16* vp = a.v + slot * row_stride + kh * a.D;
+    alignas(64) float s[kMaxGroup][kPiece];
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 kv[kMaxVec];
+      for (int64_t i = 0; i < V; ++i) kv[i] = load_bf16(kp + t * row_stride + 16 * i);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 d = _mm512_mul_ps(q[g][0], kv[0]);
+        for (int64_t i = 1; i < V; ++i) d = _mm512_fmadd_ps(q[g][i], kv[i], d);
+        s[g][t] = _mm512_reduce_add_ps(d) * a.scale;
+      }
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    alignas(64) float p[kMaxGroup][kPiece];
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 sg = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, s[g]);
+      const float m_new = std::max(m[g], _mm512_reduce_max_ps(sg));
+      const float alpha = m[g] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[g] - m_new);
+      const __m512 pg = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sg, _mm512_set1_ps(m_new))));
+      _mm512_store_ps(p[g], pg);
+      l[g] = l[g] * alpha + _mm512_reduce_add_ps(pg);
+      m[g] = m_new;
+      const __m512 av = _mm512_set1_ps(alpha);
+      for (int64_t i = 0; i < V; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], av);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 vv[kMaxVec];
+      for (int64_t i = 0; i < V; ++i) vv[i] = load_bf16(vp + t * row_stride + 16 * i);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 pt = _mm512_set1_ps(p[g][t]);
+        for (int64_t i = 0; i < V; ++i) acc[g][i] = _mm512_fmadd_ps(pt, vv[i], acc[g][i]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[g]);
+    at::BFloat16* op = a.out + (r * a.H + kh * G + g) * a.D;
+    for (int64_t i = 0; i < V; ++i) store_bf16(op + 16 * i, _mm512_mul_ps(acc[g][i], inv));
+  }
+}
+
+
+// 16 vectors -> their 16 horizontal sums, in order. Every vector's lanes are added in the same
+// pattern whatever its position: ((l0 + l2) + (l1 + l3)) within each 128-bit quarter, then the
+// quarters (q0 + q1) + (q2 + q3).
+inline __m512 hsum16(const __m512 (&x)[16]) {
+  __m512 t[8], u[4], w[2];
+  for (int j = 0; j < 8; ++j)
+    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * j], x[2 * j + 1]), _mm512_unpackhi_ps(x[2 * j], x[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {
+    const __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
+    u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int j = 0; j < 2; ++j)
+    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88), _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// The same attention as attend_row with head_dim = 16 V and G query heads per kv head known at
+// compile time: query and accumulators stay in registers, a piece's 16 scores per head come from
+// one transposed sum (hsum16) instead of 16 horizontal ones.
+template <int V, int G>
+void attend_row_fixed(const Args& a, int64_t r, int64_t kh) {
+  const int64_t L = a.lens[r];
+  __m512 q[G][V], acc[G][V];
+  float m[G], l[G];
+  for (int g = 0; g < G; ++g) {
+    const at::BFloat16* qp = a.q + (r * a.H + kh * G + g) * a.D;
+    for (int i = 0; i < V; ++i) q[g][i] = load_bf16(qp + 16 * i), acc[g][i] = _mm512_setzero_ps();
+    m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
+  }
+  const int64_t row_stride = a.KVH * a.D;
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t start = 0, n = 0; start < L; start += n) {  // pieces of <= 16 keys inside one pool block
+    const int64_t block = start / a.block_size, offset = start % a.block_size;
+    n = std::min<int64_t>({kPiece, L - start, a.block_size - offset});
+    const int64_t slot = static_cast<int64_t>(a.table[r * a.max_blocks + block]) * a.block_size + offset;
+    const at::BFloat16* kp = a.k + slot * row_stride + kh * a.D;
+    const at::BFloat16* vp = a.v + slot * row_stride + kh * a.D;
+    __m512 dots[G][16];
+    for (int t = 0; t < 16; ++t) {
+      if (t < n) {
+        __m512 kv[V];
+        for (int i = 0; i < V; ++i) kv[i] = load_bf16(kp + t * row_stride + 16 * i);
+        for (int g = 0; g < G; ++g) {
+          __m512 d = _mm512_mul_ps(q[g][0], kv[0]);
+          for (int i = 1; i < V; ++i) d = _mm512_fmadd_ps(q[g][i], kv[i], d);
+          dots[g][t] = d;
+        }
+      } else {
+        for (int g = 0; g < G; ++g) dots[g][t] = _mm512_setzero_ps();
+      }
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    alignas(64) float p[G][kPiece];
+    for (int g = 0; g < G; ++g) {
+      const __m512 sg = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
+                                           _mm512_mul_ps(hsum16(dots[g]), scale));
+      const float m_new = std::max(m[g], _mm512_reduce_max_ps(sg));
+      const float alpha = m[g] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[g] - m_new);
+      const __m512 pg = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sg, _mm512_set1_ps(m_new))));
+      _mm512_store_ps(p[g], pg);
+      l[g] = l[g] * alpha + _mm512_reduce_add_ps(pg);
+      m[g] = m_new;
+      const __m512 av = _mm512_set1_ps(alpha);
+      for (int i = 0; i < V; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], av);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 vv[V];
+      for (int i = 0; i < V; ++i) vv[i] = load_bf16(vp + t * row_stride + 16 * i);
+      for (int g = 0; g < G; ++g) {
+        const __m512 pt = _mm512_set1_ps(p[g][t]);
+        for (int i = 0; i < V; ++i) acc[g][i] = _mm512_fmadd_ps(pt, vv[i], acc[g][i]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[g]);
+    at::BFloat16* op = a.out + (r * a.H + kh * G + g) * a.D;
+    for (int i = 0; i < V; ++i) store_bf16(op + 16 * i, _mm512_mul_ps(acc[g][i], inv));
+  }
+}
+
+using RowFn = void (*)(const Args&, int64_t, int64_t);
+
+RowFn row_function(int64_t V, int64_t G) {  // head shapes with a compiled fast path, else the general one
+  if (V == 4 && G == 1) return attend_row_fixed<4, 1>;
+  if (V == 4 && G == 2) return attend_row_fixed<4, 2>;
+  if (V == 4 && G == 3) return attend_row_fixed<4, 3>;  // SmolLM2-135M
+  if (V == 4 && G == 4) return attend_row_fixed<4, 4>;
+  if (V == 8 && G == 1) return attend_row_fixed<8, 1>;
+  if (V == 8 && G == 2) return attend_row_fixed<8, 2>;
+  return attend_row;
+}
+
+}  // namespace
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_slots, const at::Tensor& v_slots,
+                                  const at::Tensor& block_table, const at::Tensor& context_lens, int64_t block_size,
+                                  double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "q must be contiguous bf16 [R, H, D]");
+  TORCH_CHECK(k_slots.dim() == 3 && k_slots.scalar_type() == at::kBFloat16 && k_slots.is_contiguous() &&
+              v_slots.sizes() == k_slots.sizes() && v_slots.scalar_type() == at::kBFloat16 && v_slots.is_contiguous(),
+              "k_slots and v_slots must be contiguous bf16 [num_slots, KVH, D]");
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2), KVH = k_slots.size(1);
+  TORCH_CHECK(k_slots.size(2) == D && D % 16 == 0 && D <= 16 * kMaxVec, "head_dim must be a multiple of 16, <= 256");
+  TORCH_CHECK(H % KVH == 0 && H / KVH <= kMaxGroup, "num_heads must be a multiple of num_kv_heads, <= 16 per kv head");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == R && block_table.scalar_type() == at::kInt &&
+              block_table.is_contiguous(), "block_table must be contiguous int32 [R, max_blocks]");
+  TORCH_CHECK(context_lens.numel() == R && context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
+              "context_lens must be contiguous int32 [R]");
+  TORCH_CHECK(block_size >= 1, "block_size must be >= 1");
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(lens[r] >= 1 && lens[r] <= block_table.size(1) * block_size, "context_lens out of the block table's range");
+  at::Tensor out = at::empty_like(q);
+  const Args a{q.data_ptr<at::BFloat16>(), k_slots.data_ptr<at::BFloat16>(), v_slots.data_ptr<at::BFloat16>(),
+               block_table.data_ptr<int32_t>(), lens, out.data_ptr<at::BFloat16>(), H, KVH, D, block_table.size(1),
+               block_size, static_cast<float>(scale)};
+  const RowFn attend = row_function(D / 16, H / KVH);
+  at::parallel_for(0, KVH * R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) attend(a, i % R, i / R);
+  });
+  return out;
+}

@@ -1,0 +1,126 @@
+"""Generated tokens' attention (layers/generated_attention.py, csrc/paged_attention.cpp): right values,
+the same bits in any batch and after a preemption, only the row's own keys read."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from prefixcache.layers.attention import Attention, build_attention_metadata
+from prefixcache.layers.generated_attention import build_generated_rows, generated_attention
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 32, 16
+PROMPT = 1100  # shared prompt: 68 whole blocks, then a partial block
+_SCATTERED = random.Random(0).sample(range(1, 200), 69)  # shuffled, none of the requests' own blocks
+
+
+def _reference(q, k, v, context_len):
+    """One query over its context, plain softmax attention in float64: [heads, head_dim]."""
+    group = q.shape[0] // k.shape[1]
+    k = k[:context_len].double().repeat_interleave(group, dim=1)  # [ctx, heads, hd]
+    v = v[:context_len].double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("hd,khd->hk", q.double(), k) / math.sqrt(q.shape[-1])
+    return torch.einsum("hk,khd->hd", scores.softmax(-1), v)
+
+
+class Sequences:
+    """Three requests over one 1,100-token prompt (shared blocks, consecutive or scattered), each with
+    its own generated tokens: K/V written into a pool, queries kept to replay any batch."""
+
+    def __init__(self, shared_blocks):
+        torch.manual_seed(0)
+        dtype = torch.bfloat16
+        self.pool = torch.zeros(2, 420, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
+        own = [list(range(200 + 10 * i, 210 + 10 * i)) for i in range(3)]  # 160 tokens of its own each
+        # The prompt's last block (tokens 1,088..1,099) is copied per request, as a partial block is.
+        self.tables = [shared_blocks[:68] + [300 + i] + own[i] for i in range(3)]
+        n = PROMPT + 150
+        self.q = [torch.randn(n, HEADS, HEAD_DIM).to(dtype) for _ in range(3)]
+        self.k = [torch.randn(n, KV_HEADS, HEAD_DIM).to(dtype) for _ in range(3)]
+        self.v = [torch.randn(n, KV_HEADS, HEAD_DIM).to(dtype) for _ in range(3)]
+        for i in range(1, 3):  # the same prompt: the same prompt K/V
+            self.k[i][:PROMPT], self.v[i][:PROMPT] = self.k[0][:PROMPT], self.v[0][:PROMPT]
+        for i, table in enumerate(self.tables):
+            for pos in range(n):
+                b, o = table[pos // BLOCK], pos % BLOCK
+                self.pool[0, b, o], self.pool[1, b, o] = self.k[i][pos], self.v[i][pos]
+        self.attn = Attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+
+    def run(self, batch):
+        """batch: (request, num_computed, num_new) per sequence; every token's output, [tokens, heads, hd]."""
+        md, _ = build_attention_metadata([(c, n, self.tables[i]) for i, c, n in batch], BLOCK, "cpu",
+                                         batch_invariant=True, dtype=torch.bfloat16, num_pool_blocks=420,
+                                         num_prompt_tokens=[PROMPT] * len(batch))
+        q, k, v = (torch.cat([t[i][c : c + n] for i, c, n in batch]) for t in (self.q, self.k, self.v))
+        return md, self.attn(q, k, v, self.pool.clone(), md).view(-1, HEADS, HEAD_DIM)
+
+
+@pytest.mark.parametrize("shared_blocks", [list(range(1, 70)), _SCATTERED], ids=["consecutive", "scattered"])
+def test_generated_rows_get_the_same_bits_in_any_batch(shared_blocks):
+    s = Sequences(shared_blocks)
+    md, alone = s.run([(0, 1120, 1)])  # request 0's generated position 1,120 decoded alone
+    assert md.generated.token_indices.tolist() == [0] and md.generated.context_lens.tolist() == [1121]
+    assert md.generated.block_table[0, :71].tolist() == s.tables[0][:71]  # 1,121 keys: 71 blocks
+    torch.testing.assert_close(alone[0].double(), _reference(s.q[0][1120], s.k[0], s.v[0], 1121), atol=2e-2, rtol=0)
+    # Beside the other requests' decodes (the 68 shared blocks in all three tables)
+    md, out = s.run([(1, 1130, 1), (0, 1120, 1), (2, 1101, 1)])
+    assert md.decode_block_table is None  # every decode is a generated token
+    assert md.generated.context_lens.tolist() == [1131, 1121, 1102]
+    assert torch.equal(out[1], alone[0])
+    for i, (r, pos) in enumerate([(1, 1130), (2, 1101)]):
+        torch.testing.assert_close(out[i * 2].double(), _reference(s.q[r][pos], s.k[r], s.v[r], pos + 1),
+                                   atol=2e-2, rtol=0)
+    # Recomputed after a preemption: the prompt's tail and generated tokens in one prefill chunk, beside
+    # a decode; each generated row equals its decode, the prompt rows their prefill rows.
+    _, decodes = s.run([(0, p, 1) for p in range(1100, 1125)])
+    _, prompt_rows = s.run([(0, 1000, 100)])
+    md, out = s.run([(2, 1101, 1), (0, 1000, 125)])
+    assert md.generated.token_indices.tolist() == [0, *range(101, 126)]
+    assert torch.equal(out[1:101], prompt_rows)
+    assert torch.equal(out[101:], decodes) and torch.equal(decodes[20], alone[0])
+    # A prompt token decoded alone (its last, after a full hit) keeps the one-call path.
+    md, out = s.run([(0, 1099, 1)])
+    assert md.generated is None and torch.equal(out[0], prompt_rows[99])
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16, 48])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 2, 128)])
+def test_kernel_reads_only_each_rows_keys_and_gives_it_the_same_bits_alone(block_size, heads, kv_heads, head_dim):
+    """Rows over shared and own blocks of any block size; every slot outside the rows' contexts holds
+    NaN (a read of one would show); each row alone = in the batch, and close to float64 softmax."""
+    g = torch.Generator().manual_seed(block_size)
+    num_blocks = -(-700 // block_size) * 3 + 4
+    k_slots = torch.full((num_blocks * block_size, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    v_slots = k_slots.clone()
+    perm = torch.randperm(num_blocks, generator=g)
+    need = -(-700 // block_size)
+    shared = perm[:need // 2]  # the three rows share their first half
+    tables = [torch.cat([shared, perm[need // 2 + i * need : need // 2 + (i + 1) * need]])[:need] for i in range(3)]
+    lens = [700, 351, 1]
+    for table, n in zip(tables, lens):
+        slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+        k_slots[slots] = torch.randn(n, kv_heads, head_dim, generator=g).bfloat16()
+        v_slots[slots] = torch.randn(n, kv_heads, head_dim, generator=g).bfloat16()
+    q = torch.randn(3, heads, head_dim, generator=g).bfloat16()
+    rows = build_generated_rows([0, 1, 2], lens, torch.stack(tables), block_size, "cpu")
+    out = generated_attention(q, k_slots, v_slots, rows, head_dim**-0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    for r, (table, n) in enumerate(zip(tables, lens)):
+        alone = generated_attention(q[r : r + 1], k_slots, v_slots,
+                                    build_generated_rows([0], [n], table[None], block_size, "cpu"), head_dim**-0.5)
+        assert torch.equal(alone[0], out[r])
+        slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+        torch.testing.assert_close(out[r].double(), _reference(q[r], k_slots[slots], v_slots[slots], n),
+                                   atol=2e-2, rtol=0)
+    # one key: the output is its value (softmax of one score is 1), to bf16 rounding
+    slot = int(tables[2][0]) * block_size
+    assert torch.equal(out[2], v_slots[slot].repeat_interleave(heads // kv_heads, 0))
+
+
+def test_kernel_refuses_a_context_outside_its_block_table():
+    k = torch.zeros(32, 1, 16, dtype=torch.bfloat16)
+    q = torch.zeros(1, 1, 16, dtype=torch.bfloat16)
+    for bad in (0, 33):
+        with pytest.raises(RuntimeError, match="context_lens out of the block table's range"):
+            generated_attention(q, k, k, build_generated_rows([0], [bad], torch.tensor([[0, 1]]), 16, "cpu"), 0.25)
