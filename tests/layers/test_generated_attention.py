@@ -118,9 +118,11 @@ def test_kernel_reads_only_each_rows_keys_and_gives_it_the_same_bits_alone(block
     assert torch.equal(out[2], v_slots[slot].repeat_interleave(heads // kv_heads, 0))
 
 
-def test_kernel_refuses_a_context_outside_its_block_table():
+def test_kernel_refuses_a_context_or_block_outside_its_table_or_pool():
     k = torch.zeros(32, 1, 16, dtype=torch.bfloat16)
     q = torch.zeros(1, 1, 16, dtype=torch.bfloat16)
     for bad in (0, 33):
         with pytest.raises(RuntimeError, match="context_lens out of the block table's range"):
             generated_attention(q, k, k, build_generated_rows([0], [bad], torch.tensor([[0, 1]]), 16, "cpu"), 0.25)
+    with pytest.raises(RuntimeError, match="block_table holds a block outside the pool"):  # 2 blocks of 16
+        generated_attention(q, k, k, build_generated_rows([0], [20], torch.tensor([[0, 2]]), 16, "cpu"), 0.25)

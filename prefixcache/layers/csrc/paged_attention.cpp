@@ -233,11 +233,18 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_slots
               "context_lens must be contiguous int32 [R]");
   TORCH_CHECK(block_size >= 1, "block_size must be >= 1");
   const int32_t* lens = context_lens.data_ptr<int32_t>();
-  for (int64_t r = 0; r < R; ++r)
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t num_pool_blocks = k_slots.size(0) / block_size;
+  for (int64_t r = 0; r < R; ++r) {
     TORCH_CHECK(lens[r] >= 1 && lens[r] <= block_table.size(1) * block_size, "context_lens out of the block table's range");
+    for (int64_t b = 0; b < (lens[r] + block_size - 1) / block_size; ++b) {
+      const int32_t id = table[r * block_table.size(1) + b];
+      TORCH_CHECK(id >= 0 && id < num_pool_blocks, "block_table holds a block outside the pool");
+    }
+  }
   at::Tensor out = at::empty_like(q);
   const Args a{q.data_ptr<at::BFloat16>(), k_slots.data_ptr<at::BFloat16>(), v_slots.data_ptr<at::BFloat16>(),
-               block_table.data_ptr<int32_t>(), lens, out.data_ptr<at::BFloat16>(), H, KVH, D, block_table.size(1),
+               table, lens, out.data_ptr<at::BFloat16>(), H, KVH, D, block_table.size(1),
                block_size, static_cast<float>(scale)};
   const RowFn attend = row_function(D / 16, H / KVH);
   at::parallel_for(0, KVH * R, 1, [&](int64_t begin, int64_t end) {
