@@ -87,17 +87,18 @@ def test_generated_rows_get_the_same_bits_in_any_batch(shared_blocks):
 @pytest.mark.parametrize("block_size", [1, 5, 16, 48])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 2, 128)])
 def test_kernel_reads_only_each_rows_keys_and_gives_it_the_same_bits_alone(block_size, heads, kv_heads, head_dim):
-    """Rows over shared and own blocks of any block size; every slot outside the rows' contexts holds
-    NaN (a read of one would show); each row alone = in the batch, and close to float64 softmax."""
+    """Rows over shared and own blocks of any block size (the longest context in three 1,024-key
+    segments); every slot outside the rows' contexts holds NaN (a read of one would show); each row
+    alone = in the batch, and close to float64 softmax."""
     g = torch.Generator().manual_seed(block_size)
-    num_blocks = -(-700 // block_size) * 3 + 4
+    num_blocks = -(-2100 // block_size) * 3 + 4
     k_slots = torch.full((num_blocks * block_size, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
     v_slots = k_slots.clone()
     perm = torch.randperm(num_blocks, generator=g)
-    need = -(-700 // block_size)
+    need = -(-2100 // block_size)
     shared = perm[:need // 2]  # the three rows share their first half
     tables = [torch.cat([shared, perm[need // 2 + i * need : need // 2 + (i + 1) * need]])[:need] for i in range(3)]
-    lens = [700, 351, 1]
+    lens = [2100, 351, 1]
     for table, n in zip(tables, lens):
         slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
         k_slots[slots] = torch.randn(n, kv_heads, head_dim, generator=g).bfloat16()

@@ -6,13 +6,16 @@
 // ``q . k * scale`` in float32 (bf16 K converted exactly), the running max updated, the running sum
 // and the output accumulator rescaled by exp(old max - new max), then ``p = exp(score - max)`` added
 // to the sum and ``p * v`` to the accumulator (the online softmax of Milakov & Gimelshein 2018, as
-// FlashAttention and flash-decoding use it); at the end ``out = acc / sum``.
+// FlashAttention use it). A context is split into segments of 1,024 keys at fixed positions
+// (flash-decoding's split-K, so a long context's segments run on all threads), each segment's
+// (acc, max, sum) kept in float32, then merged in segment order: out = sum_s w_s acc_s / sum_s w_s sum_s
+// with w_s = exp(max_s - max), as float32 element-wise sums in that order.
 //
 // Every operation of a row depends only on its own query, its own keys and values, their order and
 // the pool's block size, never on the other rows of the call or the split between threads: a row
 // gets the same bits in a decode, in a recompute after preemption and in any batch. Work items are
-// (kv head, row) pairs, kv head major, so rows that share prefix blocks read them one after another
-// on the same thread, from cache after the first.
+// (kv head, segment, row), in that order, so rows that share prefix blocks read them one after
+// another on the same thread, from cache after the first.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -20,12 +23,14 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 namespace {
 
 constexpr int kMaxVec = 16;    // head_dim <= 256 (16 registers of 16 floats)
 constexpr int kMaxGroup = 16;  // query heads per kv head
 constexpr int kPiece = 16;     // keys per softmax piece
+constexpr int64_t kSegment = 1024;  // keys per work item: a row's context is split at multiples of it
 
 inline __m512 load_bf16(const at::BFloat16* p) {  // 16 bf16 -> float32, exact
   return _mm512_castsi512_ps(
@@ -66,8 +71,10 @@ struct Args {
   float scale;
 };
 
-void attend_row(const Args& a, int64_t r, int64_t kh) {
-  const int64_t G = a.H / a.KVH, V = a.D / 16, L = a.lens[r];
+// Keys [k_begin, k_end) of row r, kv head kh: the unnormalized output, the max and the sum to
+// `part` ([G][D] accumulators, then [G] maxima, then [G] sums).
+void attend_row(const Args& a, int64_t r, int64_t kh, int64_t k_begin, int64_t k_end, float* part) {
+  const int64_t G = a.H / a.KVH, V = a.D / 16;
   __m512 q[kMaxGroup][kMaxVec], acc[kMaxGroup][kMaxVec];
   float m[kMaxGroup], l[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) {
@@ -76,9 +83,9 @@ void attend_row(const Args& a, int64_t r, int64_t kh) {
     m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
   }
   const int64_t row_stride = a.KVH * a.D;
-  for (int64_t start = 0, n = 0; start < L; start += n) {  // pieces of <= 16 keys inside one pool block
+  for (int64_t start = k_begin, n = 0; start < k_end; start += n) {  // pieces of <= 16 keys inside one pool block
     const int64_t block = start / a.block_size, offset = start % a.block_size;
-    n = std::min<int64_t>({kPiece, L - start, a.block_size - offset});
+    n = std::min<int64_t>({kPiece, k_end - start, a.block_size - offset});
     const int64_t slot = static_cast<int64_t>(a.table[r * a.max_blocks + block]) * a.block_size + offset;
     const at::BFloat16* kp = a.k + slot * row_stride + kh * a.D;
     const at::BFloat16* vp = a.v + slot * row_stride + kh * a.D;
@@ -115,9 +122,8 @@ void attend_row(const Args& a, int64_t r, int64_t kh) {
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.f / l[g]);
-    at::BFloat16* op = a.out + (r * a.H + kh * G + g) * a.D;
-    for (int64_t i = 0; i < V; ++i) store_bf16(op + 16 * i, _mm512_mul_ps(acc[g][i], inv));
+    for (int64_t i = 0; i < V; ++i) _mm512_storeu_ps(part + g * a.D + 16 * i, acc[g][i]);
+    part[G * a.D + g] = m[g], part[G * a.D + G + g] = l[g];
   }
 }
 
@@ -142,8 +148,7 @@ inline __m512 hsum16(const __m512 (&x)[16]) {
 // compile time: query and accumulators stay in registers, a piece's 16 scores per head come from
 // one transposed sum (hsum16) instead of 16 horizontal ones.
 template <int V, int G>
-void attend_row_fixed(const Args& a, int64_t r, int64_t kh) {
-  const int64_t L = a.lens[r];
+void attend_row_fixed(const Args& a, int64_t r, int64_t kh, int64_t k_begin, int64_t k_end, float* part) {
   __m512 q[G][V], acc[G][V];
   float m[G], l[G];
   for (int g = 0; g < G; ++g) {
@@ -153,9 +158,9 @@ void attend_row_fixed(const Args& a, int64_t r, int64_t kh) {
   }
   const int64_t row_stride = a.KVH * a.D;
   const __m512 scale = _mm512_set1_ps(a.scale);
-  for (int64_t start = 0, n = 0; start < L; start += n) {  // pieces of <= 16 keys inside one pool block
+  for (int64_t start = k_begin, n = 0; start < k_end; start += n) {  // pieces of <= 16 keys inside one pool block
     const int64_t block = start / a.block_size, offset = start % a.block_size;
-    n = std::min<int64_t>({kPiece, L - start, a.block_size - offset});
+    n = std::min<int64_t>({kPiece, k_end - start, a.block_size - offset});
     const int64_t slot = static_cast<int64_t>(a.table[r * a.max_blocks + block]) * a.block_size + offset;
     const at::BFloat16* kp = a.k + slot * row_stride + kh * a.D;
     const at::BFloat16* vp = a.v + slot * row_stride + kh * a.D;
@@ -197,13 +202,35 @@ void attend_row_fixed(const Args& a, int64_t r, int64_t kh) {
     }
   }
   for (int g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.f / l[g]);
-    at::BFloat16* op = a.out + (r * a.H + kh * G + g) * a.D;
-    for (int i = 0; i < V; ++i) store_bf16(op + 16 * i, _mm512_mul_ps(acc[g][i], inv));
+    for (int i = 0; i < V; ++i) _mm512_storeu_ps(part + g * a.D + 16 * i, acc[g][i]);
+    part[G * a.D + g] = m[g], part[G * a.D + G + g] = l[g];
   }
 }
 
-using RowFn = void (*)(const Args&, int64_t, int64_t);
+// Row r, kv head kh: its segments' parts merged in segment order, out = sum_s w_s acc_s / sum_s w_s l_s
+// with w_s = exp(m_s - max_s m_s), written as bf16.
+void merge_row(const Args& a, int64_t r, int64_t kh, const float* parts, int64_t num_segments, int64_t part_size) {
+  const int64_t G = a.H / a.KVH, V = a.D / 16;
+  for (int64_t g = 0; g < G; ++g) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t s = 0; s < num_segments; ++s) top = std::max(top, parts[s * part_size + G * a.D + g]);
+    __m512 out[kMaxVec];
+    for (int64_t i = 0; i < V; ++i) out[i] = _mm512_setzero_ps();
+    float den = 0.f;
+    for (int64_t s = 0; s < num_segments; ++s) {
+      const float* part = parts + s * part_size;
+      const float w = std::exp(part[G * a.D + g] - top);
+      den += w * part[G * a.D + G + g];
+      const __m512 wv = _mm512_set1_ps(w);
+      for (int64_t i = 0; i < V; ++i) out[i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(part + g * a.D + 16 * i), out[i]);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / den);
+    at::BFloat16* op = a.out + (r * a.H + kh * G + g) * a.D;
+    for (int64_t i = 0; i < V; ++i) store_bf16(op + 16 * i, _mm512_mul_ps(out[i], inv));
+  }
+}
+
+using RowFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, float*);
 
 RowFn row_function(int64_t V, int64_t G) {  // head shapes with a compiled fast path, else the general one
   if (V == 4 && G == 1) return attend_row_fixed<4, 1>;
@@ -246,9 +273,22 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_slots
   const Args a{q.data_ptr<at::BFloat16>(), k_slots.data_ptr<at::BFloat16>(), v_slots.data_ptr<at::BFloat16>(),
                table, lens, out.data_ptr<at::BFloat16>(), H, KVH, D, block_table.size(1),
                block_size, static_cast<float>(scale)};
-  const RowFn attend = row_function(D / 16, H / KVH);
+  // Work items (kv head, segment, row), in that order: rows over the same blocks run back to back.
+  int64_t num_segments = 1;
+  for (int64_t r = 0; r < R; ++r) num_segments = std::max<int64_t>(num_segments, (lens[r] + kSegment - 1) / kSegment);
+  const int64_t G = H / KVH, part_size = G * D + 2 * G;
+  std::vector<float> parts(R * KVH * num_segments * part_size);
+  const auto part_of = [&](int64_t r, int64_t kh, int64_t s) { return parts.data() + ((r * KVH + kh) * num_segments + s) * part_size; };
+  const RowFn attend = row_function(D / 16, G);
+  at::parallel_for(0, KVH * num_segments * R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t kh = i / (num_segments * R), s = i / R % num_segments, r = i % R;
+      if (s * kSegment < lens[r]) attend(a, r, kh, s * kSegment, std::min<int64_t>(lens[r], (s + 1) * kSegment), part_of(r, kh, s));
+    }
+  });
   at::parallel_for(0, KVH * R, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) attend(a, i % R, i / R);
+    for (int64_t i = begin; i < end; ++i)
+      merge_row(a, i % R, i / R, part_of(i % R, i / R, 0), (lens[i % R] + kSegment - 1) / kSegment, part_size);
   });
   return out;
 }
