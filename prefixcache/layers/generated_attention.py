@@ -3,13 +3,14 @@
 A query row (one token, all heads) attends over its context, keys ``[0, position]`` of its sequence,
 read through its block table by our kernel ``paged_decode_attention``
 (``prefixcache/layers/csrc/paged_attention.cpp``): online softmax in float32 over pieces of at most
-16 keys inside one pool block, in key order, for each (kv head, row) on one thread. No keys are
-gathered or padded and one call serves all of a step's generated rows. A row's arithmetic depends
+16 keys inside one pool block, in key order, a long context in 1,024-key segments at fixed positions
+(separate work items, so on all threads) merged in segment order. No keys are gathered or padded and
+one call serves all of a step's generated rows. A row's arithmetic depends
 only on its own query, keys and values (and the pool's block size), so it gets the same bits in a
 decode, in a recompute after preemption and in any batch.
 
 Rows whose contexts share prefix blocks (requests over one system prompt, the samples of an ``n > 1``
-request) are processed one after another per kv head on the same thread, so a shared block is read
+request) are processed one after another per kv head and segment on the same thread, so a shared block is read
 from memory once and from cache by the next rows: the memory side of shared-prefix (cascade)
 attention (FlashInfer's cascade inference, Ye et al. 2024; vLLM's ``use_cascade_attention``) without
 changing any row's arithmetic. (Before 2026-12-01 this module split contexts into fixed 256-key

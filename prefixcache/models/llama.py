@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.layers.attention import Attention, AttentionMetadata
+from prefixcache.layers.cpu_kernels import CpuKernelsUnavailable, load_cpu_kernels
 from prefixcache.layers.lora import (LoRABatch, LoRALinear, PrepackedWeight, prepacked_linear_supported,
                                     row_tiled_linear)
 from prefixcache.layers.norm import RMSNorm
@@ -265,18 +266,24 @@ class LlamaForCausalLM(nn.Module):
     def quantize(self, scheme: str) -> None:
         """Derives the forward pass's weights from the float ones: ``"int8"`` (the W8A8 scheme of
         :mod:`prefixcache.layers.quant` for every projection and lm_head; the embedding stays
-        float), ``"int4"`` (bfloat16 model: generated tokens' projections on a 4-bit grid, every
-        logits row on an 8-bit one, both with int8 activations; prompt tokens' projections bf16) or
-        ``"none"`` (the float weights). Call again after the float weights change.
+        float), ``"int4"`` (bfloat16 model: generated tokens' projections on a 4-bit grid and their
+        logits rows on an 8-bit lm_head, both with int8 activations; prompt tokens' projections and
+        logits bf16) or ``"none"`` (the float weights). Call again after the float weights change.
 
         Raises:
             ValueError: an unknown scheme, or int4 on a model that is not bfloat16.
-            QgemmUnavailable: int4 on a machine where its kernels can't be built or run.
+            CpuKernelsUnavailable: int4 where its kernels can't be built or run, or without oneDNN's
+                prepacked bf16 linear (the fused q|k|v and gate|up products its row split runs in).
         """
         if scheme not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {scheme!r}")
         if scheme == "int4" and self.lm_head.weight.dtype != torch.bfloat16:
             raise ValueError(f"quantization 'int4' needs a bfloat16 model, got {self.lm_head.weight.dtype}")
+        if scheme == "int4":
+            load_cpu_kernels()  # now, with its reason, rather than at the first generated token
+            if not prepacked_linear_supported():
+                raise CpuKernelsUnavailable("quantization='int4' needs oneDNN's prepacked bf16 linear "
+                                            "(torch.ops.mkldnn._reorder_linear_weight), missing from this torch")
         for layer in self.model.layers:
             layer.self_attn.quantize(scheme)
             layer.mlp.quantize(scheme)

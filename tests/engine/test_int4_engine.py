@@ -59,10 +59,12 @@ def test_int4_first_token_and_its_logprobs_equal_bf16s(smollm2_int4):
     assert first4.token_ids == first16.token_ids and first4.logprobs == first16.logprobs
 
 
-def test_int4_generated_tokens_logits_come_from_the_8bit_lm_head(smollm2_int4, monkeypatch):
+def test_int4_generated_tokens_run_the_4bit_layers_and_the_8bit_lm_head(smollm2_int4, monkeypatch):
     """The prompt's last row takes the bf16 lm_head (the test above); each generated token's row the
     grouped 8-bit one (its logits rows only, one call per decode step), and the logprobs returned for
-    the next token are that product's log-softmax."""
+    the next token are that product's log-softmax; every projection of a generated token (and none of a
+    prompt token's) runs on the 4-bit weights."""
+    import prefixcache.layers.quant as quant
     import prefixcache.models.llama as llama
 
     calls = []
@@ -74,10 +76,15 @@ def test_int4_generated_tokens_logits_come_from_the_8bit_lm_head(smollm2_int4, m
 
     group_int8_linear = llama.group_int8_linear
     monkeypatch.setattr(llama, "group_int8_linear", recording)
+    layer_rows = []  # rows of each 4-bit projection call (quant.split_linear looks int4_linear up in quant)
+    int4_linear = quant.int4_linear
+    monkeypatch.setattr(quant, "int4_linear", lambda x, w: layer_rows.append(x.shape[0]) or int4_linear(x, w))
     llm = make(smollm2_int4)
     prompt = llm.apply_chat_template([{"role": "user", "content": QUESTIONS[1]}])
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, logprobs=5), use_tqdm=False)[0]
     assert [rows for rows, _ in calls] == [1, 1, 1]  # decode steps 2..4, not the prompt's step
+    # and the layers' projections: q|k|v, o, gate|up, down per layer, 1 row each, in those 3 steps only
+    assert layer_rows == [1] * (3 * 4 * llm.engine.runner.model.config.num_hidden_layers)
     for step, (_, logits) in enumerate(calls, start=1):
         logprobs = torch.log_softmax(logits[0].float(), -1)
         top = torch.topk(logprobs, 5)

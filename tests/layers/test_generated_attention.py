@@ -85,7 +85,10 @@ def test_generated_rows_get_the_same_bits_in_any_batch(shared_blocks):
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 16, 48])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 2, 128)])
+# (9, 3, 64) is SmolLM2's; with (2, 2, 64), (4, 2, 64), (8, 2, 64), (2, 2, 128), (4, 2, 128) every compiled
+# fast path runs; (4, 4, 16) and (8, 2, 128) take the general loop
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (2, 2, 64), (4, 2, 64), (8, 2, 64), (2, 2, 128),
+                                                     (4, 2, 128), (4, 4, 16), (8, 2, 128)])
 def test_kernel_reads_only_each_rows_keys_and_gives_it_the_same_bits_alone(block_size, heads, kv_heads, head_dim):
     """Rows over shared and own blocks of any block size (the longest context in three 1,024-key
     segments); every slot outside the rows' contexts holds NaN (a read of one would show); each row

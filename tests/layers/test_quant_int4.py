@@ -95,6 +95,20 @@ def test_a_row_gets_the_same_bits_in_any_call(linear):
     assert torch.allclose(single.float(), ref, atol=0.05, rtol=0.02)
 
 
+def test_non_finite_activations_give_that_row_nan_and_subnormal_groups_count_as_zeros():
+    w = _grid_weight(32, 64, seed=8)
+    q4, q8 = quantize_weight_int4(w), quantize_weight_group_int8(w)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(9))
+    x[1, 3], x[2, 40] = float("nan"), float("inf")
+    x[3, 32:] = 1e-39  # a group of subnormals: 1 / (max / 127) overflows
+    for y in (int4_linear(x, q4), group_int8_linear(x, q8, torch.float32)):
+        assert bool(y[1].isnan().all()) and bool(y[2].isnan().all())
+        assert bool(y[0].isfinite().all()) and bool(y[3].isfinite().all())
+    x3 = x[3:4].clone()
+    x3[0, 32:] = 0
+    assert torch.equal(int4_linear(x[3:4], q4), int4_linear(x3, q4))
+
+
 def test_shapes_the_kernel_cannot_take_are_refused():
     with pytest.raises(ValueError, match="in_features % 32"):
         quantize_weight_int4(torch.randn(32, 48))

@@ -80,3 +80,15 @@ def test_replace_weights_requantizes(tiny_pair):
     after = int8.model.model.layers[0].mlp.down_proj.int8
     assert not torch.equal(after.qweight, before)
     assert after.qweight.unique().tolist() == [127] and torch.allclose(after.scale, torch.tensor(0.5 / 127))
+
+
+def test_int4_is_refused_without_oneDNNs_prepacked_linear(tiny_llama_dir, monkeypatch):
+    """Its row split runs in the fused q|k|v and gate|up products, which exist only prepacked: without
+    them a bf16 model must not silently run some projections of generated tokens in bf16."""
+    import prefixcache.models.llama as llama
+    from prefixcache.layers.cpu_kernels import CpuKernelsUnavailable
+
+    bf16 = load_model(str(tiny_llama_dir), load_tokenizer=False, dtype=torch.bfloat16)
+    monkeypatch.setattr(llama, "prepacked_linear_supported", lambda: False)
+    with pytest.raises(CpuKernelsUnavailable, match="prepacked bf16 linear"):
+        bf16.model.quantize("int4")

@@ -251,7 +251,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_slots
   TORCH_CHECK(k_slots.dim() == 3 && k_slots.scalar_type() == at::kBFloat16 && k_slots.is_contiguous() &&
               v_slots.sizes() == k_slots.sizes() && v_slots.scalar_type() == at::kBFloat16 && v_slots.is_contiguous(),
               "k_slots and v_slots must be contiguous bf16 [num_slots, KVH, D]");
+  TORCH_CHECK(q.is_cpu() && k_slots.is_cpu() && v_slots.is_cpu() && block_table.is_cpu() && context_lens.is_cpu(),
+              "paged_decode_attention runs on CPU tensors");
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2), KVH = k_slots.size(1);
+  TORCH_CHECK(KVH >= 1 && H >= 1, "num_heads and num_kv_heads must be >= 1");
   TORCH_CHECK(k_slots.size(2) == D && D % 16 == 0 && D <= 16 * kMaxVec, "head_dim must be a multiple of 16, <= 256");
   TORCH_CHECK(H % KVH == 0 && H / KVH <= kMaxGroup, "num_heads must be a multiple of num_kv_heads, <= 16 per kv head");
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == R && block_table.scalar_type() == at::kInt &&

@@ -22,6 +22,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -54,11 +55,18 @@ QuantRows quantize_rows(const T* x, int64_t M, int64_t K, bool offset) {
     for (int64_t g = 0; g < G; ++g) {
       float v[kGroup];
       float amax = 0.f;
+      bool finite = true;
       for (int i = 0; i < kGroup; ++i) {
         v[i] = to_float(x[m * K + g * kGroup + i]);
+        finite = finite && std::isfinite(v[i]);
         amax = std::max(amax, std::fabs(v[i]));
       }
-      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      if (!finite) {  // NaN / inf in the group: the row's outputs become NaN (q = 0, d = NaN)
+        d = std::numeric_limits<float>::quiet_NaN(), inv = 0.f;
+      } else if (!std::isfinite(inv)) {  // a group of subnormals (|x| < ~1e-36): zeros
+        d = 0.f, inv = 0.f;
+      }
       int sum = 0;
       for (int i = 0; i < kGroup; ++i) {
         const int q = static_cast<int>(std::nearbyint(v[i] * inv));
@@ -173,6 +181,7 @@ void for_blocks(int64_t M, int64_t N, const Block& block) {
 }
 
 QuantRows quantize(const at::Tensor& x_in, bool offset) {
+  TORCH_CHECK(x_in.is_cpu(), "the int4 / int8 kernels run on CPU tensors");
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % kGroup == 0, "x must be [M, K] with K % 32 == 0");
   const at::Tensor x = x_in.contiguous();
   if (x.scalar_type() == at::kBFloat16)
