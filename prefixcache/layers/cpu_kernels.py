@@ -11,6 +11,7 @@ needs a CPU with AVX512-VNNI (the int4 format's only requirement beyond torch).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -20,7 +21,8 @@ from types import ModuleType
 import torch
 
 __all__ = ["CpuKernelsUnavailable", "load_cpu_kernels"]
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("qgemm.cpp", "paged_attention.cpp", "bindings.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("qgemm.cpp", "paged_attention.cpp", "bindings.cpp")]
 # -fopenmp: ATen's parallel_for is inline OpenMP; the process's libgomp is torch's (same soname), one thread pool
 _FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma"]
 _LOADED: list[ModuleType] = []
@@ -46,12 +48,20 @@ def load_cpu_kernels() -> ModuleType:
     if shutil.which("ninja") is None and venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     try:
-        module = load(name="prefixcache_cpu_kernels", sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS,
+        module = load(name=_extension_name(), sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS,
                       extra_ldflags=["-fopenmp"], verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         raise CpuKernelsUnavailable(f"building the CPU kernels (prefixcache/layers/csrc) failed: {e}") from e
     _LOADED.append(module)
     return module
+
+
+def _extension_name() -> str:
+    """The build's name carries a digest of every file in csrc/ (headers too, which torch's own
+    change check does not read), so an edited header rebuilds, and checkouts with different sources
+    keep separate builds instead of rebuilding over each other."""
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(_CSRC.iterdir()) if f.is_file()))
+    return f"prefixcache_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
 if __name__ == "__main__":  # python -m prefixcache.layers.cpu_kernels: build now (setup.sh)

@@ -20,6 +20,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx512.h"
+
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -31,11 +33,6 @@ constexpr int kMaxVec = 16;    // head_dim <= 256 (16 registers of 16 floats)
 constexpr int kMaxGroup = 16;  // query heads per kv head
 constexpr int kPiece = 16;     // keys per softmax piece
 constexpr int64_t kSegment = 1024;  // keys per work item: a row's context is split at multiples of it
-
-inline __m512 load_bf16(const at::BFloat16* p) {  // 16 bf16 -> float32, exact
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
 
 inline __m512 exp512(__m512 x) {  // e^x = 2^n e^r, |r| <= ln2 / 2, degree-6 Taylor polynomial (~1e-7 relative)
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
@@ -53,13 +50,6 @@ inline __m512 exp512(__m512 x) {  // e^x = 2^n e^r, |r| <= ln2 / 2, degree-6 Tay
   return _mm512_scalef_ps(p, n);
 }
 
-inline void store_bf16(at::BFloat16* p, __m512 x) {  // float32 -> bfloat16, round to nearest even
-  __m512i b = _mm512_castps_si512(x);
-  b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                           _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
-}
-
 struct Args {
   const at::BFloat16* q;  // [R, H, D]
   const at::BFloat16* k;  // [S, KVH, D]
@@ -70,63 +60,6 @@ struct Args {
   int64_t H, KVH, D, max_blocks, block_size;
   float scale;
 };
-
-// Keys [k_begin, k_end) of row r, kv head kh: the unnormalized output, the max and the sum to
-// `part` ([G][D] accumulators, then [G] maxima, then [G] sums).
-void attend_row(const Args& a, int64_t r, int64_t kh, int64_t k_begin, int64_t k_end, float* part) {
-  const int64_t G = a.H / a.KVH, V = a.D / 16;
-  __m512 q[kMaxGroup][kMaxVec], acc[kMaxGroup][kMaxVec];
-  float m[kMaxGroup], l[kMaxGroup];
-  for (int64_t g = 0; g < G; ++g) {
-    const at::BFloat16* qp = a.q + (r * a.H + kh * G + g) * a.D;
-    for (int64_t i = 0; i < V; ++i) q[g][i] = load_bf16(qp + 16 * i), acc[g][i] = _mm512_setzero_ps();
-    m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
-  }
-  const int64_t row_stride = a.KVH * a.D;
-  for (int64_t start = k_begin, n = 0; start < k_end; start += n) {  // pieces of <= 16 keys inside one pool block
-    const int64_t block = start / a.block_size, offset = start % a.block_size;
-    n = std::min<int64_t>({kPiece, k_end - start, a.block_size - offset});
-    const int64_t slot = static_cast<int64_t>(a.table[r * a.max_blocks + block]) * a.block_size + offset;
-    const at::BFloat16* kp = a.k + slot * row_stride + kh * a.D;
-    const at::BFloat16* vp = a.v + slot * row_stride + kh * a.D;
-    alignas(64) float s[kMaxGroup][kPiece];
-    for (int64_t t = 0; t < n; ++t) {
-      __m512 kv[kMaxVec];
-      for (int64_t i = 0; i < V; ++i) kv[i] = load_bf16(kp + t * row_stride + 16 * i);
-      for (int64_t g = 0; g < G; ++g) {
-        __m512 d = _mm512_mul_ps(q[g][0], kv[0]);
-        for (int64_t i = 1; i < V; ++i) d = _mm512_fmadd_ps(q[g][i], kv[i], d);
-        s[g][t] = _mm512_reduce_add_ps(d) * a.scale;
-      }
-    }
-    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-    alignas(64) float p[kMaxGroup][kPiece];
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512 sg = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, s[g]);
-      const float m_new = std::max(m[g], _mm512_reduce_max_ps(sg));
-      const float alpha = m[g] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[g] - m_new);
-      const __m512 pg = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sg, _mm512_set1_ps(m_new))));
-      _mm512_store_ps(p[g], pg);
-      l[g] = l[g] * alpha + _mm512_reduce_add_ps(pg);
-      m[g] = m_new;
-      const __m512 av = _mm512_set1_ps(alpha);
-      for (int64_t i = 0; i < V; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], av);
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      __m512 vv[kMaxVec];
-      for (int64_t i = 0; i < V; ++i) vv[i] = load_bf16(vp + t * row_stride + 16 * i);
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512 pt = _mm512_set1_ps(p[g][t]);
-        for (int64_t i = 0; i < V; ++i) acc[g][i] = _mm512_fmadd_ps(pt, vv[i], acc[g][i]);
-      }
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t i = 0; i < V; ++i) _mm512_storeu_ps(part + g * a.D + 16 * i, acc[g][i]);
-    part[G * a.D + g] = m[g], part[G * a.D + G + g] = l[g];
-  }
-}
-
 
 // 16 vectors -> their 16 horizontal sums, in order. Every vector's lanes are added in the same
 // pattern whatever its position: ((l0 + l2) + (l1 + l3)) within each 128-bit quarter, then the
@@ -144,16 +77,19 @@ inline __m512 hsum16(const __m512 (&x)[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
 
-// The same attention as attend_row with head_dim = 16 V and G query heads per kv head known at
-// compile time: query and accumulators stay in registers, a piece's 16 scores per head come from
-// one transposed sum (hsum16) instead of 16 horizontal ones.
-template <int V, int G>
-void attend_row_fixed(const Args& a, int64_t r, int64_t kh, int64_t k_begin, int64_t k_end, float* part) {
-  __m512 q[G][V], acc[G][V];
-  float m[G], l[G];
-  for (int g = 0; g < G; ++g) {
+// Keys [k_begin, k_end) of row r, kv head kh: the unnormalized output, the max and the sum to `part`
+// ([G][D] accumulators, then [G] maxima, then [G] sums). kV = head_dim / 16 and kG = query heads per
+// kv head as compile-time constants keep query and accumulators in registers (SmolLM2's shape and a
+// few others, see row_function); 0 reads them from `a` at run time (the general path, same steps).
+template <int kV, int kG>
+void attend_segment(const Args& a, int64_t r, int64_t kh, int64_t k_begin, int64_t k_end, float* part) {
+  constexpr int kVN = kV ? kV : kMaxVec, kGN = kG ? kG : kMaxGroup;
+  const int64_t V = kV ? kV : a.D / 16, G = kG ? kG : a.H / a.KVH;
+  __m512 q[kGN][kVN], acc[kGN][kVN];
+  float m[kGN], l[kGN];
+  for (int64_t g = 0; g < G; ++g) {
     const at::BFloat16* qp = a.q + (r * a.H + kh * G + g) * a.D;
-    for (int i = 0; i < V; ++i) q[g][i] = load_bf16(qp + 16 * i), acc[g][i] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < V; ++i) q[g][i] = load_bf16(qp + 16 * i), acc[g][i] = _mm512_setzero_ps();
     m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
   }
   const int64_t row_stride = a.KVH * a.D;
@@ -164,23 +100,23 @@ void attend_row_fixed(const Args& a, int64_t r, int64_t kh, int64_t k_begin, int
     const int64_t slot = static_cast<int64_t>(a.table[r * a.max_blocks + block]) * a.block_size + offset;
     const at::BFloat16* kp = a.k + slot * row_stride + kh * a.D;
     const at::BFloat16* vp = a.v + slot * row_stride + kh * a.D;
-    __m512 dots[G][16];
-    for (int t = 0; t < 16; ++t) {
+    __m512 dots[kGN][kPiece];  // per head and key: the 16 lane partial sums of q . k
+    for (int64_t t = 0; t < kPiece; ++t) {
       if (t < n) {
-        __m512 kv[V];
-        for (int i = 0; i < V; ++i) kv[i] = load_bf16(kp + t * row_stride + 16 * i);
-        for (int g = 0; g < G; ++g) {
+        __m512 kv[kVN];
+        for (int64_t i = 0; i < V; ++i) kv[i] = load_bf16(kp + t * row_stride + 16 * i);
+        for (int64_t g = 0; g < G; ++g) {
           __m512 d = _mm512_mul_ps(q[g][0], kv[0]);
-          for (int i = 1; i < V; ++i) d = _mm512_fmadd_ps(q[g][i], kv[i], d);
+          for (int64_t i = 1; i < V; ++i) d = _mm512_fmadd_ps(q[g][i], kv[i], d);
           dots[g][t] = d;
         }
       } else {
-        for (int g = 0; g < G; ++g) dots[g][t] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < G; ++g) dots[g][t] = _mm512_setzero_ps();
       }
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-    alignas(64) float p[G][kPiece];
-    for (int g = 0; g < G; ++g) {
+    alignas(64) float p[kGN][kPiece];
+    for (int64_t g = 0; g < G; ++g) {
       const __m512 sg = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
                                            _mm512_mul_ps(hsum16(dots[g]), scale));
       const float m_new = std::max(m[g], _mm512_reduce_max_ps(sg));
@@ -190,19 +126,19 @@ void attend_row_fixed(const Args& a, int64_t r, int64_t kh, int64_t k_begin, int
       l[g] = l[g] * alpha + _mm512_reduce_add_ps(pg);
       m[g] = m_new;
       const __m512 av = _mm512_set1_ps(alpha);
-      for (int i = 0; i < V; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], av);
+      for (int64_t i = 0; i < V; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], av);
     }
     for (int64_t t = 0; t < n; ++t) {
-      __m512 vv[V];
-      for (int i = 0; i < V; ++i) vv[i] = load_bf16(vp + t * row_stride + 16 * i);
-      for (int g = 0; g < G; ++g) {
+      __m512 vv[kVN];
+      for (int64_t i = 0; i < V; ++i) vv[i] = load_bf16(vp + t * row_stride + 16 * i);
+      for (int64_t g = 0; g < G; ++g) {
         const __m512 pt = _mm512_set1_ps(p[g][t]);
-        for (int i = 0; i < V; ++i) acc[g][i] = _mm512_fmadd_ps(pt, vv[i], acc[g][i]);
+        for (int64_t i = 0; i < V; ++i) acc[g][i] = _mm512_fmadd_ps(pt, vv[i], acc[g][i]);
       }
     }
   }
-  for (int g = 0; g < G; ++g) {
-    for (int i = 0; i < V; ++i) _mm512_storeu_ps(part + g * a.D + 16 * i, acc[g][i]);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t i = 0; i < V; ++i) _mm512_storeu_ps(part + g * a.D + 16 * i, acc[g][i]);
     part[G * a.D + g] = m[g], part[G * a.D + G + g] = l[g];
   }
 }
@@ -233,13 +169,13 @@ void merge_row(const Args& a, int64_t r, int64_t kh, const float* parts, int64_t
 using RowFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, float*);
 
 RowFn row_function(int64_t V, int64_t G) {  // head shapes with a compiled fast path, else the general one
-  if (V == 4 && G == 1) return attend_row_fixed<4, 1>;
-  if (V == 4 && G == 2) return attend_row_fixed<4, 2>;
-  if (V == 4 && G == 3) return attend_row_fixed<4, 3>;  // SmolLM2-135M
-  if (V == 4 && G == 4) return attend_row_fixed<4, 4>;
-  if (V == 8 && G == 1) return attend_row_fixed<8, 1>;
-  if (V == 8 && G == 2) return attend_row_fixed<8, 2>;
-  return attend_row;
+  if (V == 4 && G == 1) return attend_segment<4, 1>;
+  if (V == 4 && G == 2) return attend_segment<4, 2>;
+  if (V == 4 && G == 3) return attend_segment<4, 3>;  // SmolLM2-135M
+  if (V == 4 && G == 4) return attend_segment<4, 4>;
+  if (V == 8 && G == 1) return attend_segment<8, 1>;
+  if (V == 8 && G == 2) return attend_segment<8, 2>;
+  return attend_segment<0, 0>;
 }
 
 }  // namespace

@@ -20,9 +20,12 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx512.h"
+
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -107,12 +110,7 @@ inline void store_row(const Call& a, int64_t row, int64_t nb, __m512 y) {
     _mm512_storeu_ps(static_cast<float*>(a.out) + row * a.N + nb * kLanes, y);
     return;
   }
-  // float32 -> bfloat16, round to nearest even (torch's conversion for finite values)
-  __m512i b = _mm512_castps_si512(y);
-  b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(b, 16),
-                                                                                         _mm512_set1_epi32(1))));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(a.out) + row * a.N + nb * kLanes),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+  store_bf16(static_cast<at::BFloat16*>(a.out) + row * a.N + nb * kLanes, y);
 }
 
 // int4 packed: [N / 16, K / 8, 64] uint8: byte (b, c, 4 j + i) = q[16 b + j, 8 c + i] | q[16 b + j, 8 c + 4 + i] << 4
@@ -172,11 +170,20 @@ void int8_block(const Call& a, const int8_t* packed, int64_t r0, int64_t nb) {
   for (int r = 0; r < R; ++r) store_row(a, r0 + r, nb, y[r]);
 }
 
+// block(rows, r0, nb) for every block of 16 outputs and every pass of up to kMaxRows rows, the pass's
+// row count as a compile-time constant (std::integral_constant<int, 1..4>)
 template <typename Block>
 void for_blocks(int64_t M, int64_t N, const Block& block) {
   at::parallel_for(0, N / kLanes, 1, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb)
-      for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) block(r0, std::min<int64_t>(kMaxRows, M - r0), nb);
+      for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
+        switch (std::min<int64_t>(kMaxRows, M - r0)) {
+          case 1: block(std::integral_constant<int, 1>{}, r0, nb); break;
+          case 2: block(std::integral_constant<int, 2>{}, r0, nb); break;
+          case 3: block(std::integral_constant<int, 3>{}, r0, nb); break;
+          default: block(std::integral_constant<int, 4>{}, r0, nb);
+        }
+      }
   });
 }
 
@@ -220,14 +227,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   Call a = make_call(xq, M, K, N, scale, bias, out_dtype, out);
   a.min = min.data_ptr<at::Half>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  for_blocks(M, N, [&](int64_t r0, int64_t rows, int64_t nb) {
-    switch (rows) {
-      case 1: int4_block<1>(a, w, r0, nb); break;
-      case 2: int4_block<2>(a, w, r0, nb); break;
-      case 3: int4_block<3>(a, w, r0, nb); break;
-      default: int4_block<4>(a, w, r0, nb);
-    }
-  });
+  for_blocks(M, N, [&](auto rows, int64_t r0, int64_t nb) { int4_block<decltype(rows)::value>(a, w, r0, nb); });
   return out;
 }
 
@@ -242,13 +242,6 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   Call a = make_call(xq, M, K, N, scale, bias, out_dtype, out);
   a.corr = corr.data_ptr<int32_t>();
   const int8_t* w = packed.data_ptr<int8_t>();
-  for_blocks(M, N, [&](int64_t r0, int64_t rows, int64_t nb) {
-    switch (rows) {
-      case 1: int8_block<1>(a, w, r0, nb); break;
-      case 2: int8_block<2>(a, w, r0, nb); break;
-      case 3: int8_block<3>(a, w, r0, nb); break;
-      default: int8_block<4>(a, w, r0, nb);
-    }
-  });
+  for_blocks(M, N, [&](auto rows, int64_t r0, int64_t nb) { int8_block<decltype(rows)::value>(a, w, r0, nb); });
   return out;
 }
