@@ -2,8 +2,9 @@
 
 1. torch's CPU flash-attention kernel per 512-key entry (3 KV heads, head_dim 64) for 3 to 90 query
    rows per KV head: the cost follows the entries (K/V handled per entry), hardly the rows;
-2. the lm_head (49,152 x 576) as bf16 ``F.linear`` vs int8 and int4 weight-only kernels
-   (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) for 1 to 32 rows.
+2. the lm_head (49,152 x 576) as bf16 ``F.linear`` vs torch's int8 weight-only kernel
+   (``_weight_int8pack_mm``) vs our int4 product (``int4_linear``, int8 activations; torch's
+   ``_weight_int4pack_mm_for_cpu`` before 2026-12-01) for 1 to 32 rows.
 
     .venv/bin/python scripts/probe_decode_kernels.py [--num-threads 2]
 """
