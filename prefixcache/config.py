@@ -83,7 +83,7 @@ class EngineConfig(CacheConfig, SchedulerConfig):
     quantization: str = field(default="none", metadata={
         "help": "linear-layer weights: none (in --dtype), int8 (int8 weights x per-token int8 activations, "
                 "exact int32 sums: batch-invariant) or int4 (with --dtype bfloat16: generated tokens' projections "
-                "on 4-bit weights, prompt tokens' on bf16; README 'Weight formats')", "choices": QUANTIZATIONS})
+                "on 4-bit weights in our C++ decoder, prompt tokens' on bf16; no LoRA; README 'Weight formats')", "choices": QUANTIZATIONS})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: CUDA if present)"})
     num_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks; overrides --kv-cache-memory"})

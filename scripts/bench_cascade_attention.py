@@ -23,6 +23,7 @@ import torch
 
 import prefixcache.layers.attention as attention
 from prefixcache.layers.attention import Attention, build_attention_metadata
+from prefixcache.layers.generated_attention import generated_attention
 
 p = argparse.ArgumentParser()
 p.add_argument("--decodes", type=int, default=10)
@@ -63,6 +64,16 @@ def metadata(form: str):
                                     num_prompt_tokens=prompt_lens if form == "bf16 generated (int4)" else None)[0]
 
 
+def run(form: str, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """One layer's attention in ``form``: Attention (K/V write included), or for int4's generated rows
+    the kernel as layers.generated_decoder calls it (its K/V write is in the decoder's C++)."""
+    md = mds[form]
+    if md.generated is None:
+        return attn(q, k, k, cache, md)
+    slots = (-1, KV_HEADS, HEAD_DIM)
+    return generated_attention(q, cache[0].view(slots), cache[1].view(slots), md.generated, HEAD_DIM**-0.5)
+
+
 FORMS = ["fp32 cascade", "fp32 whole contexts", "bf16 generated (int4)", "bf16 one call"]
 mds = {form: metadata(form) for form in FORMS}
 times: dict[str, list[float]] = {form: [] for form in FORMS}
@@ -70,10 +81,10 @@ with torch.inference_mode():
     for _ in range(args.rounds):
         for form in FORMS:
             q, k, cache = (q32, k32, cache32) if form.startswith("fp32") else (q16, k16, cache16)
-            attn(q, k, k, cache, mds[form])
+            run(form, q, k, cache)
             start = time.perf_counter()
             for _ in range(args.repeats):
-                attn(q, k, k, cache, mds[form])
+                run(form, q, k, cache)
             times[form].append((time.perf_counter() - start) / args.repeats * 1e3)
 for form in FORMS:
     md = mds[form]

@@ -10,12 +10,11 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import prefixcache.layers.attention as attention
-import prefixcache.layers.quant as quant
 import prefixcache.models.llama as llama
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.bench.workloads import build_speed_prompts
+from prefixcache.layers.generated_decoder import GeneratedDecoder
 from prefixcache.sample_texts import SYSTEM_PROMPT
 
 p = argparse.ArgumentParser()
@@ -29,8 +28,8 @@ args = p.parse_args()
 
 
 def recorded(module, name: str) -> None:
-    """Wraps ``module.name`` in a profiler range: our C++ kernels (int4's) are not profiler events
-    themselves, so their time shows under these names."""
+    """Wraps ``module.name`` (a module or class attribute) in a profiler range: our C++ kernels
+    (int4's) are not profiler events themselves, so their time shows under these names."""
     fn = getattr(module, name)
 
     def wrapper(*a, **kw):
@@ -40,9 +39,8 @@ def recorded(module, name: str) -> None:
     setattr(module, name, wrapper)
 
 
-recorded(quant, "int4_linear")  # looked up in quant's namespace by split_linear
+recorded(GeneratedDecoder, "run")  # int4: generated rows' layers (C++: products, attention, norms in one call)
 recorded(llama, "group_int8_linear")
-recorded(attention, "generated_attention")
 llm = LLM(quantization=args.quantization, dtype=args.dtype, num_threads=args.num_threads)
 llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
 if args.speed_batch:

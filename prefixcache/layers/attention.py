@@ -20,12 +20,15 @@ Invariants:
 Batch invariance (a query's output is the same bits whichever other queries share its call): torch's
 CPU flash-attention kernel (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp) splits the keys into
 blocks of 512 and the queries into blocks of 32, 64 or 256 rows, and merges key blocks by online
-softmax. Its GEMMs give a row the same bits for any block of >= 3 rows but not for 1 or 2 rows (a
-matrix-vector path), and a key block shorter than 512 sums in another order. With
-``batch_invariant`` every call has its keys padded, masked, to a multiple of 512
-(`padded_num_keys`), always an explicit mask, and its queries padded so that no query block has 1
-or 2 rows (`padded_num_queries`; a decode's call takes the query heads of one KV head as its rows,
-and its query is repeated to ``ceil(3 / heads per KV head)`` rows, once for SmolLM2's 3). A query then gets the
+softmax. Its GEMMs run a query block in sub-blocks of 16 rows: a row gets the same bits in a call
+of 4 to 16 rows and in any full sub-block, other bits in a call of 1 to 3 rows or in a 2- or 3-row
+tail after full sub-blocks (measured on SmolLM2's head shape by ``scripts/probe_attention_rows.py``,
+2026-12-01: a 130-token prefill's rows 128-129 differed from the same rows after a 112-token cached
+prefix; before that date the rule here only kept blocks from having 1 or 2 rows), and a key block
+shorter than 512 sums in another order. With ``batch_invariant`` every call has its keys padded, masked, to a multiple of 512
+(`padded_num_keys`), always an explicit mask, and its queries padded to 4..16 rows or a multiple
+of 16 (`padded_num_queries`; a decode's call takes the query heads of one KV head as its rows,
+and its query is repeated to ``ceil(4 / heads per KV head)`` copies, twice for SmolLM2's 3). A query then gets the
 same bits in a decode, in a prefill chunk of any length after any cached prefix, and in any batch
 (`tests/layers/test_attention_invariance.py`). The runner turns it on for the batch-invariant
 formats (int8, whose linear layers are exact; bfloat16 and int4, whose GEMMs run in row tiles that
@@ -43,7 +46,8 @@ Bandwidth Efficient Shared Prefix Batch Decoding", 2024) and vLLM's cascade atte
 (vllm/v1/attention/backends/flash_attn.py, ``use_cascade_attention``), written over torch's CPU
 flash kernel, which returns the log-sum-exp. It changes rounding (the softmax is summed in two
 parts), so it is used only without ``batch_invariant``. The batch-invariant int4 format's
-generated tokens (``num_prompt_tokens``) attend through our own paged kernel instead
+generated tokens (``num_prompt_tokens``) never reach this module: they run through
+:mod:`prefixcache.layers.generated_decoder` and our own paged kernel
 (:mod:`prefixcache.layers.generated_attention`: one fixed order per row whatever its batch, shared
 blocks read once into cache); its prompt tokens, and every token of int8 and bfloat16, keep one
 call over the whole context, which gives a decode the bits of a prefill row.
@@ -55,11 +59,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixcache.layers.generated_attention import GeneratedRows, build_generated_rows, generated_attention
+from prefixcache.layers.generated_attention import GeneratedRows, build_generated_rows
 
 KV_SPLIT = 512  # keys per block of torch's CPU flash-attention kernel (batch-invariant calls pad to a multiple)
-MIN_Q_ROWS = 3  # a query block of 1 or 2 rows takes a different GEMM path (other rounding)
-Q_ROW_QUANTUM = 32  # torch's CPU flash-attention kernel's query blocks are multiples of 32 rows
+MIN_Q_ROWS = 4  # a call of 1 to 3 query rows takes another GEMM path (other rounding)
+Q_ROW_QUANTUM = 16  # rows of the GEMMs' sub-blocks: a 2- or 3-row tail after them rounds differently too
+# Part of every cache key (engine.input_processor.model_key): names the rules that decide the bits of
+# every K/V the pool holds (the padding above, layers.lora.row_tiled_linear's row counts); changed with
+# them, so a disk or Redis tier filled under an older rule is never read as if computed now
+# (2026-12-01: query rows padded to 4..16 or a multiple of 16; no one-row GEMM call).
+KV_NUMERICS = "attention-rows:4-16-x16|gemm-rows:2+"
 
 
 def common_run_length(ids: torch.Tensor) -> int:
@@ -81,14 +90,13 @@ def padded_num_keys(context_len: int, batch_invariant: bool = True) -> int:
 
 
 def padded_num_queries(num_queries: int, batch_invariant: bool = True) -> int:
-    """Query rows a call computes: at least :data:`MIN_Q_ROWS`, and never a last query block of 1
-    or 2 rows (``num_queries % 32`` in {1, 2} is padded to 3); ``num_queries`` when not
-    ``batch_invariant``."""
+    """Query rows a call computes: :data:`MIN_Q_ROWS` to :data:`Q_ROW_QUANTUM` rows as they are (at
+    least 4), more rounded up to a multiple of 16, so no row ever falls in a 1- to 3-row call or tail;
+    ``num_queries`` when not ``batch_invariant``."""
     if not batch_invariant:
         return num_queries
     n = max(num_queries, MIN_Q_ROWS)
-    rest = n % Q_ROW_QUANTUM
-    return n + MIN_Q_ROWS - rest if n > Q_ROW_QUANTUM and 0 < rest < MIN_Q_ROWS else n
+    return n if n <= Q_ROW_QUANTUM else -(-n // Q_ROW_QUANTUM) * Q_ROW_QUANTUM
 
 
 Q_TILE = 256  # new tokens of a prefill attended per call: each call reads only the keys up to its tile
@@ -157,8 +165,10 @@ class AttentionMetadata:
     num_decode_keys: int  # tail keys: padded_num_keys(longest decode tail); 0 without decodes
     batch_invariant: bool  # built with the padding rules of the module docstring
     num_tokens: int  # new tokens in the batch
-    generated: GeneratedRows | None = None  # generated tokens, attended by layers.generated_attention:
-    # decodes among them are not in the decode tables; prefill rows among them are overwritten
+    generated: GeneratedRows | None = None  # generated tokens (num_prompt_tokens given): run by the model's
+    # layers.generated_decoder, never by Attention; every other field describes the remaining rows only
+    dense_token_indices: torch.Tensor | None = None  # [num_tokens] int64: with `generated`, the batch
+    # index of each remaining (prompt) row, the sub-batch the other fields describe
 
 
 def build_attention_metadata(
@@ -184,9 +194,10 @@ def build_attention_metadata(
             (same bits: masked keys add exact zeros whatever finite values they hold; the pool
             starts zeroed).
         num_prompt_tokens: per sequence, its request's prompt length; given (with
-            ``batch_invariant``), every new token at a position >= it (a generated token) is attended
-            by :mod:`prefixcache.layers.generated_attention` (the int4 format, whose generated tokens'
-            blocks are keyed apart).
+            ``batch_invariant``), every new token at a position >= it (a generated token) goes to
+            ``generated`` (the int4 format runs them through :mod:`prefixcache.layers.generated_decoder`;
+            their blocks are keyed apart) and the rest of the metadata describes the other tokens,
+            ``dense_token_indices`` (none when every token is generated).
 
     Returns:
         (metadata, positions), positions shape = [num_tokens] int64, num_computed_tokens +
@@ -196,15 +207,20 @@ def build_attention_metadata(
         ValueError: Empty batch, a sequence with no new token or negative computed tokens, or block_ids too
             short for the sequence's context.
     """
-    inv = batch_invariant
+    if num_prompt_tokens is not None and batch_invariant:
+        return _split_metadata(seqs, block_size, device, dtype, num_pool_blocks, num_prompt_tokens)
+    return _build_metadata(seqs, block_size, device, batch_invariant, dtype, num_pool_blocks)
+
+
+def _build_metadata(
+    seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device | str, inv: bool,
+    dtype: torch.dtype, num_pool_blocks: int,
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """build_attention_metadata without generated rows."""
     block_table = _padded_block_table(seqs, block_size, inv)  # [num_seqs, max_num_blocks]
     slot_mapping, positions = _slots_and_positions(seqs, block_table, block_size)
     prefills, decode_rows, decode_token_indices = _split_prefills_and_decodes(seqs, block_table, block_size, device,
                                                                               dtype, inv, num_pool_blocks)
-    generated = None
-    if num_prompt_tokens is not None and inv:
-        generated, decode_rows, decode_token_indices = _generated_rows(
-            seqs, num_prompt_tokens, block_table, block_size, device, decode_rows, decode_token_indices)
     decode_block_table, decode_attn_mask, decode_key_bias, decode_index_tensor = None, None, None, None
     cascade_groups, num_decode_keys, decode_first_block = [], 0, None
     if decode_rows:
@@ -214,7 +230,7 @@ def build_attention_metadata(
         )
         decode_key_bias = torch.zeros(decode_attn_mask.shape, dtype=dtype, device=device).masked_fill_(
             ~decode_attn_mask, float("-inf"))
-        if len(decode_rows) != len(seqs) or generated is not None:
+        if len(decode_rows) != len(seqs):
             decode_index_tensor = torch.tensor(decode_token_indices, dtype=torch.int64, device=device)
         if len(decode_rows) == 1 and not cascade_groups:
             row = decode_rows[0]
@@ -233,31 +249,42 @@ def build_attention_metadata(
         num_decode_rows=MIN_Q_ROWS if inv else 1,
         batch_invariant=inv,
         num_tokens=sum(num_new for _, num_new, _ in seqs),
-        generated=generated,
     )
     return metadata, positions.to(device)
 
 
-def _generated_rows(
-    seqs: list[tuple[int, int, list[int]]], num_prompt_tokens: list[int], block_table: torch.Tensor,
-    block_size: int, device: torch.device | str, decode_rows: list[int], decode_token_indices: list[int],
-) -> tuple[GeneratedRows | None, list[int], list[int]]:
-    """The batch's generated tokens (None without any), and the decodes left to the one-call path
-    (rows and token indices)."""
-    token_indices, context_lens, seq_of_row = [], [], []
-    token_start = 0
-    for i, ((num_comp, num_new, _), prompt_len) in enumerate(zip(seqs, num_prompt_tokens, strict=True)):
-        for pos in range(max(num_comp, prompt_len), num_comp + num_new):
-            token_indices.append(token_start + pos - num_comp)
+def _split_metadata(
+    seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device | str, dtype: torch.dtype,
+    num_pool_blocks: int, num_prompt_tokens: list[int],
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """build_attention_metadata with ``num_prompt_tokens``: the generated rows apart, the batch-invariant
+    metadata of the prompt rows (each sequence's new tokens before its prompt length) in the rest."""
+    block_table = _padded_block_table(seqs, block_size, True)  # [num_seqs, max_num_blocks]; validates
+    _, positions = _slots_and_positions(seqs, block_table, block_size)
+    dense_seqs, dense_indices, gen_indices, context_lens, seq_of_row = [], [], [], [], []
+    start = 0
+    for i, ((num_comp, num_new, block_ids), prompt_len) in enumerate(zip(seqs, num_prompt_tokens, strict=True)):
+        num_dense = min(max(prompt_len - num_comp, 0), num_new)
+        if num_dense:
+            dense_seqs.append((num_comp, num_dense, block_ids))
+            dense_indices.extend(range(start, start + num_dense))
+        for pos in range(num_comp + num_dense, num_comp + num_new):
+            gen_indices.append(start + pos - num_comp)
             context_lens.append(pos + 1)
             seq_of_row.append(i)
-        token_start += num_new
-    if not token_indices:
-        return None, decode_rows, decode_token_indices
-    generated = set(seq_of_row)
-    kept = [(r, t) for r, t in zip(decode_rows, decode_token_indices) if r not in generated]
-    rows = build_generated_rows(token_indices, context_lens, block_table[seq_of_row], block_size, device)
-    return rows, [r for r, _ in kept], [t for _, t in kept]
+        start += num_new
+    if not gen_indices:
+        return _build_metadata(seqs, block_size, device, True, dtype, num_pool_blocks)
+    if dense_seqs:
+        metadata, _ = _build_metadata(dense_seqs, block_size, device, True, dtype, num_pool_blocks)
+    else:
+        metadata = AttentionMetadata(
+            slot_mapping=torch.empty(0, dtype=torch.int64, device=device), prefills=[], decode_token_indices=None,
+            decode_block_table=None, decode_attn_mask=None, decode_key_bias=None, decode_first_block=None,
+            cascade_groups=[], num_decode_rows=MIN_Q_ROWS, num_decode_keys=0, batch_invariant=True, num_tokens=0)
+    metadata.generated = build_generated_rows(gen_indices, context_lens, block_table[seq_of_row], block_size, device)
+    metadata.dense_token_indices = torch.tensor(dense_indices, dtype=torch.int64, device=device)
+    return metadata, positions.to(device)
 
 
 def _padded_block_table(seqs: list[tuple[int, int, list[int]]], block_size: int,
@@ -474,11 +501,8 @@ class Attention(nn.Module):
         kv_cache[1].view(slots_shape).index_copy_(0, md.slot_mapping, v)  # view: [num_slots, kv_heads, head_dim]
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
 
-        if not md.prefills and md.generated is None:  # decode-only batch: the decodes are the whole batch, in order
+        if not md.prefills:  # decode-only batch: the decodes are the whole batch, in order
             out = self._decode_attention(q, k_cache, v_cache, md)  # [num_tokens, num_heads, head_dim]
-        elif md.generated is not None and md.generated.token_indices.shape[0] == num_tokens:  # every token generated
-            out = generated_attention(q, kv_cache[0].view(slots_shape), kv_cache[1].view(slots_shape), md.generated,
-                                      self.scale)
         else:
             out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
             for p in md.prefills:
@@ -486,10 +510,6 @@ class Attention(nn.Module):
             if md.decode_block_table is not None:
                 q_dec = q.index_select(0, md.decode_token_indices)  # [num_decodes, num_heads, head_dim]
                 out.index_copy_(0, md.decode_token_indices, self._decode_attention(q_dec, k_cache, v_cache, md))
-            if md.generated is not None:  # generated tokens (after the prefills: they overwrite their rows)
-                rows = md.generated.token_indices
-                out.index_copy_(0, rows, generated_attention(q.index_select(0, rows), kv_cache[0].view(slots_shape),
-                                                             kv_cache[1].view(slots_shape), md.generated, self.scale))
         return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [num_tokens, num_heads * head_dim]
 
     def _prefill_attention(

@@ -1,6 +1,7 @@
 """Builds and loads our CPU kernels (``csrc/``, AVX-512): ``int4_mm`` and ``int8_mm`` (qgemm.cpp:
-int8-activation products with grouped 4- and 8-bit weights) and ``paged_decode_attention``
-(paged_attention.cpp: generated tokens' attention straight from the KV pool). The formulas and why
+int8-activation products with grouped 4- and 8-bit weights), ``paged_decode_attention``
+(paged_attention.cpp: generated tokens' attention straight from the KV pool) and ``GeneratedDecoder``
+(generated_decoder.cpp: generated tokens' decoder layers around those kernels). The formulas and why
 each gives a row the same bits in any batch are in each source's header.
 
 The extension is compiled once per machine with torch's C++ extension builder (g++ and ninja, about
@@ -22,7 +23,7 @@ import torch
 
 __all__ = ["CpuKernelsUnavailable", "load_cpu_kernels"]
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("qgemm.cpp", "paged_attention.cpp", "bindings.cpp")]
+_SOURCES = [_CSRC / name for name in ("qgemm.cpp", "paged_attention.cpp", "generated_decoder.cpp", "bindings.cpp")]
 # -fopenmp: ATen's parallel_for is inline OpenMP; the process's libgomp is torch's (same soname), one thread pool
 _FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma"]
 _LOADED: list[ModuleType] = []

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from prefixcache.layers.quant import (Int4Weight, Int8Weight, int8_linear, quantize_activations, split_linear,
+from prefixcache.layers.quant import (Int8Weight, int8_linear, quantize_activations,
                                      stacked_weight_and_bias)
 
 TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -129,10 +129,10 @@ class PrepackedWeight:
     (``torch.ops.mkldnn._reorder_linear_weight`` once, then ``_linear_pointwise``: what
     torch.compile's CPU backend (inductor) emits for bf16 linears) skips it, and a fused qkv or
     gate_up matrix makes one call where there were three or two. Measured here
-    (``scripts/probe_bf16_prepacked_linear.py``, 1 and 2 threads): a row gets the bits of a one-row
-    call in every call of 1 to 128 rows, on every SmolLM2 shape, fused ones and the lm_head
-    included (the 1536 -> 576 down_proj differs from 160 rows on), so the row-tiled path calls it
-    with :data:`PREPACKED_ROW_TILE` rows at most and stays batch-invariant. A 2,000-token SmolLM2
+    (``scripts/probe_bf16_prepacked_linear.py``, 1 and 2 threads): a row gets the same bits in
+    every call of 2 to 128 rows, on every SmolLM2 shape, fused ones and the lm_head included (the
+    1536 -> 576 down_proj differs from 160 rows on, and in a one-row call), so the row-tiled path
+    calls it with 2 to :data:`PREPACKED_ROW_TILE` rows and stays batch-invariant. A 2,000-token SmolLM2
     prefill took 1.56-1.61 s with per-module prepacked weights in 32-row calls vs 1.90-1.94 s
     plain; fused and in 128-row calls see ``scripts/bench_bf16_prepacked.py``. The copy costs the
     weights' size again in memory.
@@ -170,13 +170,16 @@ def prepacked_linear_supported() -> bool:
 
 def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
                      packed: PrepackedWeight | None = None) -> torch.Tensor:
-    """``F.linear`` in calls of at most :data:`ROW_TILE` rows (:data:`PREPACKED_ROW_TILE` with
+    """``F.linear`` in calls of 2 to :data:`ROW_TILE` rows (:data:`PREPACKED_ROW_TILE` with
     ``packed``), so each row's bits do not depend on how many rows share the call.
 
     Measured here (``scripts/probe_gemm_row_invariance.py --dtype bfloat16``): torch's plain bf16
-    GEMM on this CPU (oneDNN) gives a row the same bits for every call of 1 to 32 rows, and other
+    GEMM on this CPU (oneDNN) gives a row the same bits for every call of 2 to 32 rows, and other
     bits beyond 32 (another kernel blocking), for every projection shape of the model and the
-    lm_head; the prepacked product for 1 to 128 rows (:class:`PrepackedWeight`).
+    lm_head; the prepacked product for 2 to 128 rows (:class:`PrepackedWeight`). A call of one row
+    takes another kernel whose sums differ for the 1536-input down_proj (~1 row in 10 with SiLU-like
+    activations: found 2026-12-01 when a bf16 decode alone and in a batch of six diverged), so a
+    single row runs as two (itself twice) and a last tile of one row is taken with the row before it.
 
     Args:
         x: shape = [num_tokens, in_features].
@@ -191,9 +194,15 @@ def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.T
         linear, tile = (lambda rows: F.linear(rows, weight, bias)), ROW_TILE
     else:
         linear, tile = packed.linear, PREPACKED_ROW_TILE
-    if x.shape[0] <= tile:
+    n = x.shape[0]
+    if n == 1:
+        return linear(x.expand(2, -1).contiguous())[:1]
+    if n <= tile:
         return linear(x)
-    return torch.cat([linear(x[i : i + tile]) for i in range(0, x.shape[0], tile)])
+    tiles = [linear(x[i : i + tile]) for i in range(0, n - 1 if n % tile == 1 else n, tile)]
+    if n % tile == 1:  # the last row with its predecessor: no one-row call
+        tiles.append(linear(x[n - 2 :])[1:])
+    return torch.cat(tiles)
 
 
 class LoRALinear(nn.Linear):
@@ -209,13 +218,10 @@ class LoRALinear(nn.Linear):
     int8: Int8Weight | None = None
     row_tiled: bool = False  # float products in calls of <= ROW_TILE rows (a batch-invariant bf16 model)
     packed: PrepackedWeight | None = None  # the row-tiled product's prepacked weight (bf16, oneDNN)
-    int4: Int4Weight | None = None  # generated tokens' rows run on it (quantization "int4"; quant.RowSplit)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """Args: x shape = [num_tokens, in_features]. Returns: shape = [num_tokens, out_features]."""
-        if self.int4 is not None:
-            y = split_linear(x, lambda rows: row_tiled_linear(rows, self.weight, self.bias, self.packed), self.int4)
-        elif self.int8 is None:
+        if self.int8 is None:
             y = (row_tiled_linear(x, self.weight, self.bias, self.packed) if self.row_tiled
                  else F.linear(x, self.weight, self.bias))
         else:

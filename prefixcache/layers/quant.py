@@ -13,12 +13,13 @@ any batch, which is what keeps "prefix cache on" and "off" giving identical toke
 batch-invariant mode and Thinking Machines' "Defeating Nondeterminism in LLM Inference" describe
 the problem that per-tensor activation scales or batch-size-dependent float kernels cause).
 
-``quantization="int4"`` (a bfloat16 model) runs its generated tokens' rows on the same idea with
+``quantization="int4"`` (a bfloat16 model) runs its generated tokens on the same idea with
 llama.cpp's block formats: layer weights on Q4_1's grid (4 bits per weight, a scale and a min per 32
 input features), the lm_head on Q8_0's (8 bits, a scale per 32), activations quantized per row and
 per 32 features to int8, each group's sum exact in int32 and the groups added in a fixed order
-(``csrc/qgemm.cpp``, built by :mod:`prefixcache.layers.cpu_kernels`); its prompt tokens' rows stay bf16
-(:class:`RowSplit`).
+(``csrc/qgemm.cpp``, built by :mod:`prefixcache.layers.cpu_kernels`), in the layers of
+:mod:`prefixcache.layers.generated_decoder`; its prompt tokens stay bf16 (and their logits rows:
+:class:`RowSplit`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from prefixcache.layers.cpu_kernels import load_cpu_kernels
 
 __all__ = ["INT4_GROUP", "INT4_OUTPUT_KEY", "QUANTIZATIONS", "GroupInt8Weight", "Int4Weight", "Int8Weight",
            "concat_weights", "group_int8_linear", "int4_linear", "int8_linear", "quantize_activations",
-           "quantize_weight", "quantize_weight_group_int8", "quantize_weight_int4", "split_linear", "split_rows",
+           "quantize_weight", "quantize_weight_group_int8", "quantize_weight_int4", "split_rows",
            "stacked_weight_and_bias"]
 _QMAX = 127.0
 _MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros instead of dividing by 0
@@ -134,7 +135,7 @@ def int8_linear(
 
 
 INT4_GROUP = 32  # input features per scale (llama.cpp's Q4_1 / Q8_0 block size; also the activations')
-INT4_OUTPUT_KEY = b"int4-generated:q8-activations"  # block-hash key of K/V computed by generated rows
+INT4_OUTPUT_KEY = b"int4-generated:decoder-f32-residual"  # block-hash key of K/V computed by generated rows
 
 
 @dataclass(slots=True)
@@ -271,8 +272,8 @@ def group_int8_linear(x: torch.Tensor, weight: GroupInt8Weight, out_dtype: torch
 
 @dataclass(slots=True)
 class RowSplit:
-    """Which rows of a step run the int4 product (generated tokens) and which the bf16 one (prompt
-    tokens), for a model with ``quantization="int4"``. A token's rows are chosen by what the token
+    """Which logits rows of a step run the 8-bit lm_head (generated tokens) and which the bf16 one (a
+    prompt's last token), for a model with ``quantization="int4"``. A token's rows are chosen by what the token
     is, never by what shares its batch: the format stays batch-invariant.
 
     Attributes:
@@ -288,8 +289,8 @@ _ROW_SPLIT: list[RowSplit | None] = [None]  # the running step's split (the engi
 
 
 class row_split:  # noqa: N801 (a context manager used like a function)
-    """``with row_split(split): model(...)``: the int4 layers of the model read ``split`` (None: all
-    rows dense) for the duration of one forward pass."""
+    """``with row_split(split): model.compute_logits(...)``: the int4 model's lm_head reads ``split``
+    (None: all rows dense) for the duration of the call."""
 
     def __init__(self, split: RowSplit | None) -> None:
         self.split = split
@@ -299,20 +300,6 @@ class row_split:  # noqa: N801 (a context manager used like a function)
 
     def __exit__(self, *exc) -> None:
         _ROW_SPLIT[0] = None
-
-
-def split_linear(x: torch.Tensor, dense, weight: Int4Weight) -> torch.Tensor:
-    """``dense(x)`` for prompt-token rows and :func:`int4_linear` for generated-token rows (the
-    running step's :class:`RowSplit`), stitched back in row order.
-
-    Args:
-        x: shape = [num_tokens, in_features] bfloat16.
-        dense: the bf16 product, a callable of ``[rows, in_features]``.
-
-    Returns:
-        shape = [num_tokens, out_features].
-    """
-    return split_rows(x, dense, lambda rows: int4_linear(rows, weight))
 
 
 def split_rows(x: torch.Tensor, dense, quantized) -> torch.Tensor:

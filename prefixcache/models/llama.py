@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.layers.attention import Attention, AttentionMetadata
+from prefixcache.layers.generated_decoder import DecoderLayerWeights, GeneratedDecoder
 from prefixcache.layers.cpu_kernels import CpuKernelsUnavailable, load_cpu_kernels
 from prefixcache.layers.lora import (LoRABatch, LoRALinear, PrepackedWeight, prepacked_linear_supported,
                                     row_tiled_linear)
@@ -30,7 +31,6 @@ from prefixcache.layers.quant import (
     quantize_weight,
     quantize_weight_group_int8,
     quantize_weight_int4,
-    split_linear,
     split_rows,
     stacked_weight_and_bias,
 )
@@ -60,7 +60,8 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
         self.qkv_int8: Int8Weight | None = None  # q, k, v in one int8 matrix, set by `quantize`
         self.qkv_packed: PrepackedWeight | None = None  # q, k, v in one prepacked bf16 matrix (set_row_tiling)
-        self.qkv_int4: Int4Weight | None = None  # q, k, v in one int4 matrix (quantization "int4")
+        self.qkv_int4: Int4Weight | None = None  # q, k, v in one int4 matrix (quantization "int4": generated rows)
+        self.o_int4: Int4Weight | None = None  # o_proj's int4 matrix (quantization "int4": generated rows)
 
     def quantize(self, scheme: str) -> None:
         """Sets (``"int8"``, ``"int4"``) or clears (``"none"``) the quantized weights of the four
@@ -69,19 +70,16 @@ class LlamaAttention(nn.Module):
             proj.int8 = quantize_weight(proj.weight, proj.bias) if scheme == "int8" else None
         self.qkv_int8 = None
         self.qkv_int4 = _fused_int4([self.q_proj, self.k_proj, self.v_proj]) if scheme == "int4" else None
-        self.o_proj.int4 = _fused_int4([self.o_proj]) if scheme == "int4" else None
+        self.o_int4 = _fused_int4([self.o_proj]) if scheme == "int4" else None
         if scheme == "int8":  # q, k, v run fused: their own int8 copies would only take memory
             self.qkv_int8 = concat_weights([self.q_proj.int8, self.k_proj.int8, self.v_proj.int8])
             self.q_proj.int8 = self.k_proj.int8 = self.v_proj.int8 = None
 
     def _fused_qkv(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The fused q|k|v product, [T, (heads + 2 kv_heads) * hd] (prepacked bf16, its int4 rows split,
-        or int8); None when q, k, v run as separate modules."""
+        """The fused q|k|v product, [T, (heads + 2 kv_heads) * hd] (prepacked bf16 or int8); None when
+        q, k, v run as separate modules."""
         if self.qkv_packed is not None:
-            def dense(rows: torch.Tensor) -> torch.Tensor:
-                return row_tiled_linear(rows, None, packed=self.qkv_packed)
-
-            return dense(x) if self.qkv_int4 is None else split_linear(x, dense, self.qkv_int4)
+            return row_tiled_linear(x, None, packed=self.qkv_packed)
         if self.qkv_int8 is not None:
             return int8_linear(*quantize_activations(x), self.qkv_int8, x.dtype)
         return None
@@ -143,6 +141,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_int8: Int8Weight | None = None  # gate and up in one int8 matrix, set by `quantize`
         self.gate_up_packed: PrepackedWeight | None = None  # gate and up, prepacked bf16 (set_row_tiling)
         self.gate_up_int4: Int4Weight | None = None  # gate and up in one int4 matrix (quantization "int4")
+        self.down_int4: Int4Weight | None = None  # down_proj's int4 matrix (quantization "int4")
 
     def quantize(self, scheme: str) -> None:
         """Sets (``"int8"``, ``"int4"``) or clears (``"none"``) the quantized weights of the three
@@ -151,7 +150,7 @@ class LlamaMLP(nn.Module):
             proj.int8 = quantize_weight(proj.weight, proj.bias) if scheme == "int8" else None
         self.gate_up_int8 = None
         self.gate_up_int4 = _fused_int4([self.gate_proj, self.up_proj]) if scheme == "int4" else None
-        self.down_proj.int4 = _fused_int4([self.down_proj]) if scheme == "int4" else None
+        self.down_int4 = _fused_int4([self.down_proj]) if scheme == "int4" else None
         if scheme == "int8":
             self.gate_up_int8 = concat_weights([self.gate_proj.int8, self.up_proj.int8])
             self.gate_proj.int8 = self.up_proj.int8 = None
@@ -167,14 +166,10 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up, lora)
 
     def _gate_up(self, x: torch.Tensor) -> torch.Tensor:
-        """The fused gate|up product, [T, 2 * intermediate]: int8, or prepacked bf16 (int4 rows split)."""
+        """The fused gate|up product, [T, 2 * intermediate]: int8, or prepacked bf16."""
         if self.gate_up_packed is None:
             return int8_linear(*quantize_activations(x), self.gate_up_int8, x.dtype)
-
-        def dense(rows: torch.Tensor) -> torch.Tensor:
-            return row_tiled_linear(rows, None, packed=self.gate_up_packed)
-
-        return dense(x) if self.gate_up_int4 is None else split_linear(x, dense, self.gate_up_int4)
+        return row_tiled_linear(x, None, packed=self.gate_up_packed)
 
 
 def _fused_int4(modules: list[nn.Linear]) -> Int4Weight:
@@ -219,6 +214,20 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList([LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.generated_decoder: GeneratedDecoder | None = None  # quantization "int4": generated rows' layers
+
+    def build_generated_decoder(self, config: ModelConfig) -> None:
+        """The generated rows' decoder over the layers' int4 weights (quantization "int4")."""
+        layers = [DecoderLayerWeights(
+            input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+            q_norm=None if layer.self_attn.q_norm is None else layer.self_attn.q_norm.weight,
+            k_norm=None if layer.self_attn.k_norm is None else layer.self_attn.k_norm.weight,
+            qkv=layer.self_attn.qkv_int4, o=layer.self_attn.o_int4, gate_up=layer.mlp.gate_up_int4,
+            down=layer.mlp.down_int4) for layer in self.layers]
+        self.generated_decoder = GeneratedDecoder(
+            layers, self.norm.weight, self.rotary_emb.inv_freq, num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+            intermediate_size=config.intermediate_size, eps=config.rms_norm_eps, scale=config.head_dim**-0.5)
 
     def forward(
         self,
@@ -230,10 +239,37 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """See `LlamaForCausalLM.forward`."""
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        if attn_metadata.generated is not None:
+            return self._forward_split(hidden_states, positions, attn_metadata, kv_caches, lora)
         cos_sin = self.rotary_emb(positions, hidden_states.dtype)  # computed once, shared by all layers
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states = layer(hidden_states, cos_sin, kv_cache, attn_metadata, lora)
         return self.norm(hidden_states)
+
+    def _forward_split(self, hidden_states: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                       kv_caches: list[torch.Tensor], lora: LoRABatch | None) -> torch.Tensor:
+        """quantization "int4": the metadata's generated rows through :attr:`generated_decoder`, the
+        other rows (``md.dense_token_indices``, which the rest of ``md`` describes) through the torch
+        layers, each layer's prompt rows first (a recomputed generated row reads its prompt's K/V)."""
+        if self.generated_decoder is None:
+            raise RuntimeError("attention metadata with generated rows needs quantization='int4'")
+        if lora is not None:
+            raise RuntimeError("quantization='int4' runs no LoRA adapter (refused when the request is added)")
+        gen, dense = md.generated, md.dense_token_indices
+        num_tokens = hidden_states.shape[0]
+        gen_hidden = (hidden_states if gen.token_indices.numel() == num_tokens
+                      else hidden_states.index_select(0, gen.token_indices)).float().contiguous()  # [G, hidden]
+        if dense is None or dense.numel() == 0:
+            self.generated_decoder.run(gen_hidden, gen, kv_caches)  # all layers in one call
+            return self.generated_decoder.final_norm(gen_hidden)
+        dense_hidden = hidden_states.index_select(0, dense)  # [P, hidden]
+        cos_sin = self.rotary_emb(positions.index_select(0, dense), hidden_states.dtype)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            dense_hidden = layer(dense_hidden, cos_sin, kv_cache, md)
+            self.generated_decoder.run(gen_hidden, gen, kv_caches, i, i + 1)
+        out = hidden_states.new_empty(hidden_states.shape)  # [num_tokens, hidden]
+        out.index_copy_(0, dense, self.norm(dense_hidden))
+        return out.index_copy_(0, gen.token_indices, self.generated_decoder.final_norm(gen_hidden))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -266,9 +302,10 @@ class LlamaForCausalLM(nn.Module):
     def quantize(self, scheme: str) -> None:
         """Derives the forward pass's weights from the float ones: ``"int8"`` (the W8A8 scheme of
         :mod:`prefixcache.layers.quant` for every projection and lm_head; the embedding stays
-        float), ``"int4"`` (bfloat16 model: generated tokens' projections on a 4-bit grid and their
-        logits rows on an 8-bit lm_head, both with int8 activations; prompt tokens' projections and
-        logits bf16) or ``"none"`` (the float weights). Call again after the float weights change.
+        float), ``"int4"`` (bfloat16 model: generated tokens run every layer in
+        :class:`~prefixcache.layers.generated_decoder.GeneratedDecoder`, projections on a 4-bit grid,
+        and their logits rows on an 8-bit lm_head, both with int8 activations; prompt tokens'
+        layers and logits bf16) or ``"none"`` (the float weights). Call again after the float weights change.
 
         Raises:
             ValueError: an unknown scheme, or int4 on a model that is not bfloat16.
@@ -287,6 +324,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.quantize(scheme)
             layer.mlp.quantize(scheme)
+        self.model.generated_decoder = None
+        if scheme == "int4":
+            self.model.build_generated_decoder(self.config)
         self.lm_head_int8 = quantize_weight(self.lm_head.weight) if scheme == "int8" else None
         self.lm_head_q8 = quantize_weight_group_int8(self.lm_head.weight) if scheme == "int4" else None
         self.quantization = scheme

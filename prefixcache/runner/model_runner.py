@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prefixcache.layers.attention import AttentionMetadata, build_attention_metadata
+from prefixcache.layers.attention import build_attention_metadata
 from prefixcache.layers.lora import LoRABatch
 from prefixcache.layers.quant import RowSplit, row_split
 from prefixcache.layers.sampler import SamplingMetadata, TokenLogprobs, sample_batch
@@ -113,8 +113,7 @@ class ModelRunner:
             batch_invariant=self.model.batch_invariant,  # batch-invariant linear layers: attention too
             dtype=self.kv_caches[0].dtype,
             num_pool_blocks=self.kv_caches[0].shape[1],
-            # int4: generated tokens (their blocks keyed apart) attend through layers.generated_attention;
-            # those rows are also the rows that run the int4 products (_row_split)
+            # int4: generated tokens (their blocks keyed apart) run through layers.generated_decoder
             num_prompt_tokens=[s.num_prompt_tokens for s in seqs] if self.model.quantization == "int4" else None,
         )
         lora_segments, start = [], 0
@@ -123,8 +122,7 @@ class ModelRunner:
                 lora_segments.append((start, start + len(s.token_ids), s.lora))
             start += len(s.token_ids)
         lora = LoRABatch(lora_segments) if lora_segments else None
-        with row_split(self._row_split(attn_metadata)):
-            hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches, lora)  # [num_tokens, hidden]
+        hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches, lora)  # [num_tokens, hidden]
         self.num_prompt_tokens_computed += sum(
             max(0, min(s.num_computed_tokens + len(s.token_ids), s.num_prompt_tokens) - s.num_computed_tokens)
             for s in seqs
@@ -158,18 +156,6 @@ class ModelRunner:
         output.sampled_token_ids = dict(zip(ids, out.token_ids))
         output.logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None}
         return output
-
-    def _row_split(self, attn_metadata: AttentionMetadata) -> RowSplit | None:
-        """For an int4 model: generated tokens (position >= the request's prompt length, also when
-        recomputed after a preemption: the attention metadata's generated rows) run the int4 product,
-        prompt tokens the bf16 one."""
-        if self.model.quantization != "int4":
-            return None
-        generated = torch.zeros(attn_metadata.num_tokens, dtype=torch.bool)  # [num_tokens]
-        if attn_metadata.generated is not None:
-            generated[attn_metadata.generated.token_indices.cpu()] = True
-        return RowSplit(int4_rows=generated.nonzero().flatten().to(self.device),
-                        dense_rows=(~generated).nonzero().flatten().to(self.device))
 
     def _logits_split(self, seqs: list[ScheduledSeq]) -> RowSplit | None:
         """For an int4 model, the logits rows (each sampling sequence's last new token, in order) split

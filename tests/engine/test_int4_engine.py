@@ -62,10 +62,10 @@ def test_int4_first_token_and_its_logprobs_equal_bf16s(smollm2_int4):
 def test_int4_generated_tokens_run_the_4bit_layers_and_the_8bit_lm_head(smollm2_int4, monkeypatch):
     """The prompt's last row takes the bf16 lm_head (the test above); each generated token's row the
     grouped 8-bit one (its logits rows only, one call per decode step), and the logprobs returned for
-    the next token are that product's log-softmax; every projection of a generated token (and none of a
-    prompt token's) runs on the 4-bit weights."""
-    import prefixcache.layers.quant as quant
+    the next token are that product's log-softmax; every layer of a generated token (and none of a
+    prompt token's) runs in the generated rows' decoder (layers.generated_decoder, 4-bit weights)."""
     import prefixcache.models.llama as llama
+    from prefixcache.layers.generated_decoder import GeneratedDecoder
 
     calls = []
 
@@ -76,15 +76,20 @@ def test_int4_generated_tokens_run_the_4bit_layers_and_the_8bit_lm_head(smollm2_
 
     group_int8_linear = llama.group_int8_linear
     monkeypatch.setattr(llama, "group_int8_linear", recording)
-    layer_rows = []  # rows of each 4-bit projection call (quant.split_linear looks int4_linear up in quant)
-    int4_linear = quant.int4_linear
-    monkeypatch.setattr(quant, "int4_linear", lambda x, w: layer_rows.append(x.shape[0]) or int4_linear(x, w))
+    runs = []  # (rows, first layer, end layer) of each generated-rows decoder call
+    run = GeneratedDecoder.run
+
+    def recording_run(self, hidden, rows, kv_caches, begin=0, end=None):
+        runs.append((hidden.shape[0], begin, end))
+        return run(self, hidden, rows, kv_caches, begin, end)
+
+    monkeypatch.setattr(GeneratedDecoder, "run", recording_run)
     llm = make(smollm2_int4)
     prompt = llm.apply_chat_template([{"role": "user", "content": QUESTIONS[1]}])
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, logprobs=5), use_tqdm=False)[0]
     assert [rows for rows, _ in calls] == [1, 1, 1]  # decode steps 2..4, not the prompt's step
-    # and the layers' projections: q|k|v, o, gate|up, down per layer, 1 row each, in those 3 steps only
-    assert layer_rows == [1] * (3 * 4 * llm.engine.runner.model.config.num_hidden_layers)
+    # and the layers (4-bit q|k|v, o, gate|up, down): one call per decode step over all 30 layers, 1 row
+    assert runs == [(1, 0, None)] * 3
     for step, (_, logits) in enumerate(calls, start=1):
         logprobs = torch.log_softmax(logits[0].float(), -1)
         top = torch.topk(logprobs, 5)
@@ -145,3 +150,17 @@ def test_int4_recompute_after_preemption_gives_the_same_tokens(smollm2_int4):
     assert small.get_metrics().num_preemptions > 0
     ref = [list(llm.generate([p], params, use_tqdm=False)[0].token_ids) for p in prompts]
     assert [list(o.token_ids) for o in outs] == ref
+
+
+def test_int4_refuses_a_lora_adapter_and_keeps_serving(smollm2_int4, tmp_path):
+    """The generated rows' decoder adds no LoRA deltas, so an adapter is refused up front (naming the
+    field), nothing is queued, and the engine goes on serving."""
+    from prefixcache.errors import InvalidInputError
+    from prefixcache.layers.lora import LoRARequest
+
+    llm = make(smollm2_int4)
+    with pytest.raises(InvalidInputError, match="lora: adapters need quantization") as e:
+        llm.engine.add_request([1, 2, 3], GREEDY, lora=LoRARequest("mine", str(tmp_path)))
+    assert e.value.field == "lora" and not llm.engine.scheduler.requests
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 2

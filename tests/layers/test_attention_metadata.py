@@ -16,10 +16,10 @@ def test_metadata_positions_slots_and_groups():
     assert md.slot_mapping.tolist() == [8, 9, 10, 17, 7, 24]
     assert md.num_tokens == 6
     assert [(p.token_start, p.token_end) for p in md.prefills] == [(0, 3), (4, 6)]
-    # nothing cached: causal; 3 query rows (no padding needed), 512 keys
+    # nothing cached: causal; 3 query rows padded to 4 (the fourth repeats the third), 512 keys
     assert md.prefills[0].tiles[0].key_bias.eq(0)[:, :4].tolist() == [[True, False, False, False], [True, True, False, False],
-                                                        [True, True, True, False]]
-    assert md.prefills[0].tiles[0].key_bias.eq(0).shape == (3, 512) and not md.prefills[0].tiles[0].key_bias.eq(0)[:, 3:].any()
+                                                        [True, True, True, False], [True, True, True, False]]
+    assert md.prefills[0].tiles[0].key_bias.eq(0).shape == (4, 512) and not md.prefills[0].tiles[0].key_bias.eq(0)[:, 3:].any()
     assert (md.prefills[0].context_len, md.prefills[0].num_keys) == (3, 512)
     bias = md.prefills[0].tiles[0].key_bias  # masked keys -inf, in the model's dtype
     assert bias.dtype == torch.float32 and bias[0, 1].item() == float("-inf") and bias[0, 0].item() == 0.0
@@ -27,12 +27,11 @@ def test_metadata_positions_slots_and_groups():
     assert bf16.prefills[0].tiles[0].key_bias.dtype == torch.bfloat16
     assert md.prefills[0].block_ids.tolist() == [2] + [0] * (PAD - 1)  # padded with block 0
     assert (md.prefills[1].context_len, md.prefills[1].block_ids.tolist()[:3]) == (5, [1, 6, 0])  # 9 unused
-    # 2 new tokens after 3 cached: padded to 3 query rows, the third repeats the second
-    assert md.prefills[1].tiles[0].key_bias.eq(0)[:, :6].tolist() == [[True] * 4 + [False] * 2, [True] * 5 + [False],
-                                                        [True] * 5 + [False]]
+    # 2 new tokens after 3 cached: padded to 4 query rows, the third and fourth repeat the second
+    assert md.prefills[1].tiles[0].key_bias.eq(0)[:, :6].tolist() == [[True] * 4 + [False] * 2] + [[True] * 5 + [False]] * 3
     assert md.decode_token_indices.tolist() == [3]
     assert md.decode_block_table.tolist() == [[7, 4] + [0] * (PAD - 2)]
-    assert md.num_decode_keys == 512 and md.decode_attn_mask.shape == (1, 1, 1, 512) and md.num_decode_rows == 3
+    assert md.num_decode_keys == 512 and md.decode_attn_mask.shape == (1, 1, 1, 512) and md.num_decode_rows == 4
     assert md.decode_attn_mask[0, 0, 0, :8].tolist() == [True] * 6 + [False] * 2
 
 
@@ -54,8 +53,8 @@ def test_long_prefill_is_attended_a_tile_at_a_time():
     p = md.prefills[0]
     assert p.num_keys == 1024 and p.block_ids.shape == (256,)
     tiles = [(t.start, t.end, t.num_keys, tuple(t.key_bias.shape)) for t in p.tiles]
-    # tiles of 256 new tokens; each reads the keys up to its last token, padded to 512
-    assert tiles == [(0, 256, 512, (256, 512)), (256, 512, 1024, (256, 1024)), (512, 600, 1024, (88, 1024))]
+    # tiles of 256 new tokens; each reads the keys up to its last token, padded to 512; 88 rows padded to 96
+    assert tiles == [(0, 256, 512, (256, 512)), (256, 512, 1024, (256, 1024)), (512, 600, 1024, (96, 1024))]
     assert p.tiles[1].key_bias[0].eq(0).sum().item() == 100 + 256 + 1
 
 
@@ -69,8 +68,8 @@ def test_without_batch_invariance_each_call_attends_over_exactly_its_keys():
 
 def test_padded_sizes():
     assert [padded_num_keys(n) for n in (1, 511, 512, 513, 2183)] == [512, 512, 512, 1024, 2560]
-    assert [padded_num_queries(n) for n in (1, 2, 3, 31, 32, 33, 34, 35, 64, 65, 257, 258, 259)] == [
-        3, 3, 3, 31, 32, 35, 35, 35, 64, 67, 259, 259, 259]
+    assert [padded_num_queries(n) for n in (1, 2, 3, 4, 15, 16, 17, 31, 32, 33, 64, 65, 130, 257, 259)] == [
+        4, 4, 4, 4, 15, 16, 32, 32, 32, 48, 64, 80, 144, 272, 272]
 
 
 @pytest.mark.parametrize("seqs", [[], [(0, 0, [1])], [(3, 2, [1])]])

@@ -1,5 +1,6 @@
-"""Generated tokens' attention (layers/generated_attention.py, csrc/paged_attention.cpp): right values,
-the same bits in any batch and after a preemption, only the row's own keys read."""
+"""Generated tokens' attention (layers/generated_attention.py, csrc/paged_attention.cpp) and the split
+attention metadata that routes them: right values, the same bits in any batch and after a preemption,
+only the row's own keys read."""
 
 import math
 import random
@@ -53,7 +54,17 @@ class Sequences:
                                          batch_invariant=True, dtype=torch.bfloat16, num_pool_blocks=420,
                                          num_prompt_tokens=[PROMPT] * len(batch))
         q, k, v = (torch.cat([t[i][c : c + n] for i, c, n in batch]) for t in (self.q, self.k, self.v))
-        return md, self.attn(q, k, v, self.pool.clone(), md).view(-1, HEADS, HEAD_DIM)
+        pool = self.pool.clone()
+        if md.generated is None:
+            return md, self.attn(q, k, v, pool, md).view(-1, HEADS, HEAD_DIM)
+        # generated rows as the model runs them (layers.generated_decoder: their K/V is already in
+        # the pool here), the others through Attention with the metadata of their sub-batch
+        out, dense, rows = torch.empty_like(q), md.dense_token_indices, md.generated.token_indices
+        if dense.numel():
+            out[dense] = self.attn(q[dense], k[dense], v[dense], pool, md).view(-1, HEADS, HEAD_DIM)
+        slots = (-1, KV_HEADS, HEAD_DIM)
+        out[rows] = generated_attention(q[rows], pool[0].view(slots), pool[1].view(slots), md.generated, HEAD_DIM**-0.5)
+        return md, out
 
 
 @pytest.mark.parametrize("shared_blocks", [list(range(1, 70)), _SCATTERED], ids=["consecutive", "scattered"])
@@ -77,6 +88,7 @@ def test_generated_rows_get_the_same_bits_in_any_batch(shared_blocks):
     _, prompt_rows = s.run([(0, 1000, 100)])
     md, out = s.run([(2, 1101, 1), (0, 1000, 125)])
     assert md.generated.token_indices.tolist() == [0, *range(101, 126)]
+    assert md.dense_token_indices.tolist() == list(range(1, 101)) and md.num_tokens == 100
     assert torch.equal(out[1:101], prompt_rows)
     assert torch.equal(out[101:], decodes) and torch.equal(decodes[20], alone[0])
     # A prompt token decoded alone (its last, after a full hit) keeps the one-call path.

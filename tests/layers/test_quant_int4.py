@@ -7,7 +7,7 @@ from prefixcache.cache.hashing import BlockHasher
 from prefixcache.config import EngineConfig
 from prefixcache.errors import InvalidInputError
 from prefixcache.layers.quant import (INT4_OUTPUT_KEY, RowSplit, group_int8_linear, int4_linear, quantize_weight_group_int8,
-                                      quantize_weight_int4, row_split, split_linear)
+                                      quantize_weight_int4, row_split, split_rows)
 
 
 def _grid_weight(n, k, seed=0):
@@ -118,20 +118,23 @@ def test_shapes_the_kernel_cannot_take_are_refused():
         quantize_weight_group_int8(torch.randn(40, 64))
 
 
-def test_split_linear_runs_generated_rows_on_int4_and_prompt_rows_dense():
+def test_split_rows_runs_generated_rows_quantized_and_prompt_rows_dense():
+    """The int4 model's logits rows: generated tokens' on the quantized product, a prompt's last
+    token's on the dense one, stitched back in row order."""
     w = _grid_weight(32, 64, seed=3)
     q = quantize_weight_int4(w)
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
     dense = lambda rows: torch.nn.functional.linear(rows, w.bfloat16())  # noqa: E731
+    quantized = lambda rows: int4_linear(rows, q)  # noqa: E731
     split = RowSplit(int4_rows=torch.tensor([1, 4, 5]), dense_rows=torch.tensor([0, 2, 3]))
-    assert torch.equal(split_linear(x, dense, q), dense(x))  # no split set: all dense
+    assert torch.equal(split_rows(x, dense, quantized), dense(x))  # no split set: all dense
     with row_split(split):
-        y = split_linear(x, dense, q)
+        y = split_rows(x, dense, quantized)
     assert torch.equal(y[[1, 4, 5]], int4_linear(x[[1, 4, 5]], q))
     assert torch.equal(y[[0, 2, 3]], dense(x[[0, 2, 3]]))
     with row_split(RowSplit(int4_rows=torch.arange(6), dense_rows=torch.arange(0))):
-        assert torch.equal(split_linear(x, dense, q), int4_linear(x, q))
-    assert torch.equal(split_linear(x, dense, q), dense(x))  # the context ended
+        assert torch.equal(split_rows(x, dense, quantized), int4_linear(x, q))
+    assert torch.equal(split_rows(x, dense, quantized), dense(x))  # the context ended
 
 
 def test_blocks_holding_generated_tokens_get_the_output_key():

@@ -9,9 +9,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_slots
                                   const at::Tensor& block_table, const at::Tensor& context_lens, int64_t block_size,
                                   double scale);
 
+void bind_generated_decoder(pybind11::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, "x [M, K] @ int4 grouped weight^T (+ bias) -> [M, N] (qgemm.cpp)");
   m.def("int8_mm", &int8_mm, "x [M, K] @ int8 grouped weight^T (+ bias) -> [M, N] (qgemm.cpp)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "q [R, H, D] over each row's context in the paged pool -> [R, H, D] (paged_attention.cpp)");
+  bind_generated_decoder(m);  // generated tokens' decoder layers (generated_decoder.cpp)
 }

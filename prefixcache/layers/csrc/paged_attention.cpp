@@ -34,22 +34,6 @@ constexpr int kMaxGroup = 16;  // query heads per kv head
 constexpr int kPiece = 16;     // keys per softmax piece
 constexpr int64_t kSegment = 1024;  // keys per work item: a row's context is split at multiples of it
 
-inline __m512 exp512(__m512 x) {  // e^x = 2^n e^r, |r| <= ln2 / 2, degree-6 Taylor polynomial (~1e-7 relative)
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 struct Args {
   const at::BFloat16* q;  // [R, H, D]
   const at::BFloat16* k;  // [S, KVH, D]
