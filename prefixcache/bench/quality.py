@@ -3,8 +3,9 @@
 Per format (``float32``, ``bfloat16``, ``int8``, ``int4``), on the same model:
 
 - perplexity: ``exp(mean NLL)`` of the bench's RAG document (``bench/texts.py``, ~2,000 tokens),
-  teacher-forced in one prefill through our own model over the paged pool (``int4``: every row on the
-  4-bit weights, as generated tokens run, not bf16 as prompt tokens run);
+  teacher-forced in one prefill through our own model over the paged pool (``int4``: every row as a
+  generated token runs, through the C++ decoder's 4-bit layers and the 8-bit lm_head, not bf16 as
+  prompt tokens run);
 - greedy agreement with float32 on the seed chat prompts (``sample_texts``): how many prompts give
   the identical ``max_tokens`` tokens, and the mean fraction of tokens before the first difference.
 """
@@ -35,13 +36,17 @@ def perplexity(loaded: LoadedModel, token_ids: list[int], block_size: int = 16) 
     num_blocks = -(-len(token_ids) // block_size) + 32  # room for the keys padded to a multiple of 512
     kv = allocate_kv_caches(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
                             cfg.head_dim, loaded.dtype, "cpu")
+    int4 = loaded.quantization == "int4"
+    # int4: a prompt length of 0 makes every row a generated one (the C++ decoder, 4-bit layers, all rows
+    # in one call: each row attends to its own context only) and its logits the 8-bit lm_head's
     md, positions = build_attention_metadata([(0, len(token_ids), list(range(num_blocks)))], block_size, "cpu",
-                                              batch_invariant=loaded.model.batch_invariant, dtype=loaded.dtype)
+                                              batch_invariant=loaded.model.batch_invariant, dtype=loaded.dtype,
+                                              num_prompt_tokens=[0] if int4 else None)
     ids = torch.tensor(token_ids, dtype=torch.int64)
     rows = torch.arange(len(token_ids))
-    split = RowSplit(int4_rows=rows, dense_rows=rows[:0]) if loaded.quantization == "int4" else None
-    with row_split(split):  # int4: the 4-bit weights on every row
-        logits = loaded.model.compute_logits(loaded.model(ids, positions, md, kv))  # [n, vocab] float32
+    hidden = loaded.model(ids, positions, md, kv)  # [n, hidden]
+    with row_split(RowSplit(int4_rows=rows, dense_rows=rows[:0]) if int4 else None):
+        logits = loaded.model.compute_logits(hidden)  # [n, vocab] float32
     nll = torch.nn.functional.cross_entropy(logits[:-1].double(), ids[1:], reduction="mean")
     return math.exp(float(nll))
 

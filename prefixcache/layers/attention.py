@@ -28,7 +28,8 @@ prefix; before that date the rule here only kept blocks from having 1 or 2 rows)
 shorter than 512 sums in another order. With ``batch_invariant`` every call has its keys padded, masked, to a multiple of 512
 (`padded_num_keys`), always an explicit mask, and its queries padded to 4..16 rows or a multiple
 of 16 (`padded_num_queries`; a decode's call takes the query heads of one KV head as its rows,
-and its query is repeated to ``ceil(4 / heads per KV head)`` copies, twice for SmolLM2's 3). A query then gets the
+and its query is repeated to the fewest copies that make such a count: ``ceil(4 / heads per KV head)``
+up to 16 heads, twice for SmolLM2's 3). A query then gets the
 same bits in a decode, in a prefill chunk of any length after any cached prefix, and in any batch
 (`tests/layers/test_attention_invariance.py`). The runner turns it on for the batch-invariant
 formats (int8, whose linear layers are exact; bfloat16 and int4, whose GEMMs run in row tiles that
@@ -161,7 +162,7 @@ class AttentionMetadata:
     # this one: read as a view of the pool (masked padding blocks are whatever follows), no copy
     cascade_groups: list[CascadeGroup]  # shared-prefix groups of decodes; empty when batch-invariant
     num_decode_rows: int  # rows each (decode, KV head) call block needs: MIN_Q_ROWS when batch-invariant,
-    # else 1; its query heads count, so each query is repeated ceil(num_decode_rows / heads per KV head) times
+    # else 1; its query heads count, so each query is repeated _decode_repeats(heads per KV head, this) times
     num_decode_keys: int  # tail keys: padded_num_keys(longest decode tail); 0 without decodes
     batch_invariant: bool  # built with the padding rules of the module docstring
     num_tokens: int  # new tokens in the batch
@@ -566,7 +567,7 @@ class Attention(nn.Module):
             k_dec = k_cache.index_select(0, flat_blocks).view(kv_shape)[:, keys]  # [num_decodes, num_keys, kv_heads, hd]
             v_dec = v_cache.index_select(0, flat_blocks).view(kv_shape)[:, keys]  # [num_decodes, num_keys, kv_heads, hd]
         group = self.num_heads // self.num_kv_heads
-        rows = -(-md.num_decode_rows // group)  # repeats of each query, so that a block has enough rows
+        rows = _decode_repeats(group, md.num_decode_rows)  # repeats of each query, so that the call's rows pad right
         q = q_dec.view(num_decodes, self.num_kv_heads, group, 1, self.head_dim)
         q = q.expand(-1, -1, -1, rows, -1).reshape(num_decodes, self.num_kv_heads, group * rows, self.head_dim)
         # The query heads of one KV head as rows of one call (GQA without repeating K/V); the query
@@ -615,6 +616,16 @@ class Attention(nn.Module):
         lse = lse.reshape(self.num_kv_heads, num_members, group).transpose(0, 1)
         return (out.reshape(num_members, self.num_heads, self.head_dim),
                 lse.reshape(num_members, self.num_heads))
+
+
+def _decode_repeats(group: int, min_rows: int) -> int:
+    """Copies of each decode query in its call block of ``group`` query heads: the fewest giving at least
+    ``min_rows`` rows that :func:`padded_num_queries` leaves as they are (no 1- to 3-row tail after
+    16-row sub-blocks; 1 copy without batch invariance, ``min_rows`` 1)."""
+    repeats = -(-min_rows // group)
+    while min_rows > 1 and padded_num_queries(group * repeats) != group * repeats:
+        repeats += 1
+    return repeats
 
 
 def merge_attention_states(

@@ -67,7 +67,9 @@ class GeneratedDecoder:
 
     Raises:
         CpuKernelsUnavailable: the kernels can't be built or run here.
-        RuntimeError: hidden_size or intermediate_size not a multiple of 32, head_dim not of 16.
+        RuntimeError: hidden_size or intermediate_size not a multiple of 32, head_dim not a multiple of 16
+            up to 256, more than 16 query heads per kv head (the paged kernel's limits), or a weight,
+            bias or norm whose shape doesn't match.
     """
 
     def __init__(self, layers: list[DecoderLayerWeights], final_norm: torch.Tensor, inv_freq: torch.Tensor, *,
@@ -81,7 +83,7 @@ class GeneratedDecoder:
     def run(self, hidden: torch.Tensor, rows: GeneratedRows, kv_caches: list[torch.Tensor], begin: int = 0,
             end: int | None = None) -> None:
         """Runs layers ``[begin, end)`` (default: all) on ``hidden`` in place, writing each row's K/V
-        at its position in those layers' pools first.
+        at its position in those layers' pools first. Releases the GIL while it runs.
 
         Args:
             hidden: shape = [num_rows, hidden_size] float32, contiguous: the rows' residual stream.

@@ -15,7 +15,7 @@ from torch import nn
 
 from prefixcache.layers.attention import Attention, AttentionMetadata
 from prefixcache.layers.generated_decoder import DecoderLayerWeights, GeneratedDecoder
-from prefixcache.layers.cpu_kernels import CpuKernelsUnavailable, load_cpu_kernels
+from prefixcache.layers.cpu_kernels import load_cpu_kernels
 from prefixcache.layers.lora import (LoRABatch, LoRALinear, PrepackedWeight, prepacked_linear_supported,
                                     row_tiled_linear)
 from prefixcache.layers.norm import RMSNorm
@@ -309,8 +309,9 @@ class LlamaForCausalLM(nn.Module):
 
         Raises:
             ValueError: an unknown scheme, or int4 on a model that is not bfloat16.
-            CpuKernelsUnavailable: int4 where its kernels can't be built or run, or without oneDNN's
-                prepacked bf16 linear (the fused q|k|v and gate|up products its row split runs in).
+            CpuKernelsUnavailable: int4 where its kernels can't be built or run.
+            RuntimeError: int4 on a model shape the generated rows' decoder can't run (see
+                :class:`~prefixcache.layers.generated_decoder.GeneratedDecoder`).
         """
         if scheme not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {scheme!r}")
@@ -318,9 +319,6 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"quantization 'int4' needs a bfloat16 model, got {self.lm_head.weight.dtype}")
         if scheme == "int4":
             load_cpu_kernels()  # now, with its reason, rather than at the first generated token
-            if not prepacked_linear_supported():
-                raise CpuKernelsUnavailable("quantization='int4' needs oneDNN's prepacked bf16 linear "
-                                            "(torch.ops.mkldnn._reorder_linear_weight), missing from this torch")
         for layer in self.model.layers:
             layer.self_attn.quantize(scheme)
             layer.mlp.quantize(scheme)
@@ -360,7 +358,7 @@ class LlamaForCausalLM(nn.Module):
 
         int4: rows of generated tokens (the running :class:`~prefixcache.layers.quant.RowSplit`, which
         the runner sets for the logits rows) use the 8-bit lm_head, the others (a prompt's last token,
-        prompt logprobs) the bf16 one, as the layers split their rows."""
+        prompt logprobs) the bf16 one, as generated and prompt rows run different layers."""
         if self.lm_head_int8 is not None:
             return int8_linear(*quantize_activations(hidden_states), self.lm_head_int8, torch.float32)
         if self.lm_head_q8 is not None:  # int4: generated tokens' rows (the running RowSplit) on Q8_0's grid

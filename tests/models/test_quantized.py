@@ -82,13 +82,24 @@ def test_replace_weights_requantizes(tiny_pair):
     assert after.qweight.unique().tolist() == [127] and torch.allclose(after.scale, torch.tensor(0.5 / 127))
 
 
-def test_int4_is_refused_without_oneDNNs_prepacked_linear(tiny_llama_dir, monkeypatch):
-    """Its row split runs in the fused q|k|v and gate|up products, which exist only prepacked: without
-    them a bf16 model must not silently run some projections of generated tokens in bf16."""
+def test_int4_runs_without_oneDNNs_prepacked_linear(tiny_llama_dir, monkeypatch):
+    """Generated rows run the C++ decoder whatever torch offers; prompt rows fall back to the plain
+    row-tiled products (before 2026-12-01 int4 was refused here: its row split lived in the fused
+    prepacked products)."""
     import prefixcache.models.llama as llama
-    from prefixcache.layers.cpu_kernels import CpuKernelsUnavailable
 
     bf16 = load_model(str(tiny_llama_dir), load_tokenizer=False, dtype=torch.bfloat16)
     monkeypatch.setattr(llama, "prepacked_linear_supported", lambda: False)
-    with pytest.raises(CpuKernelsUnavailable, match="prepacked bf16 linear"):
-        bf16.model.quantize("int4")
+    bf16.model.quantize("int4")
+    assert bf16.model.model.generated_decoder is not None
+    assert bf16.model.model.layers[0].self_attn.qkv_packed is None and bf16.model.lm_head_packed is None
+
+
+def test_int4_refuses_a_shape_its_decoder_cannot_run(tmp_path):
+    """A model whose heads the paged kernel can't serve (head_dim 8) is refused at quantize, with the
+    reason, not at its first generated token."""
+    from model_testlib import make_tiny_checkpoint
+
+    make_tiny_checkpoint(tmp_path, "llama", num_attention_heads=8, num_key_value_heads=2)  # head_dim 64 / 8 = 8
+    with pytest.raises(RuntimeError, match="head_dim a multiple of 16"):
+        load_model(str(tmp_path), load_tokenizer=False, dtype=torch.bfloat16, quantization="int4")

@@ -51,10 +51,18 @@ at::Tensor float_vector(const at::Tensor& t, int64_t n, const char* name) {
   return t.to(at::kFloat).contiguous();
 }
 
-Int4Linear int4_linear(const std::vector<at::Tensor>& w, size_t i) {  // packed, scale, min, bias (empty: none)
+// packed, scale, min, bias (empty: none) of an [out_features, in_features] product; its shapes checked
+// here, since the layer loop reads out_features floats per row of the product
+Int4Linear int4_linear(const std::vector<at::Tensor>& w, size_t i, int64_t out_features, int64_t in_features,
+                       const char* name) {
+  const at::Tensor& packed = w[i];
+  TORCH_CHECK(packed.dim() == 3 && packed.size(0) * 16 == out_features && packed.size(1) * 8 == in_features,
+              name, " must be an int4 weight of [", out_features, ", ", in_features, "]");
+  TORCH_CHECK(w[i + 3].numel() == 0 || w[i + 3].numel() == out_features, name, "'s bias must have ", out_features,
+              " elements");
   c10::optional<at::Tensor> bias;
   if (w[i + 3].numel() > 0) bias = w[i + 3].to(at::kFloat).contiguous();
-  return Int4Linear{w[i], w[i + 1], w[i + 2], bias};
+  return Int4Linear{packed, w[i + 1], w[i + 2], bias};
 }
 
 // rms_norm of n floats (n % 16 == 0: hidden, head_dim) times a float32 weight: sum of squares in 16 lanes in index
@@ -83,14 +91,18 @@ class GeneratedDecoder {
                    int64_t head_dim, int64_t intermediate, double eps, double scale)
       : hidden_(hidden), H_(num_heads), KVH_(num_kv_heads), D_(head_dim), I_(intermediate),
         eps_(static_cast<float>(eps)), scale_(scale) {
-    TORCH_CHECK(hidden % 32 == 0 && intermediate % 32 == 0 && head_dim % 16 == 0,
-                "hidden_size and intermediate_size must be multiples of 32, head_dim of 16");
+    TORCH_CHECK(hidden % 32 == 0 && intermediate % 32 == 0 && head_dim % 16 == 0 && head_dim <= 256,
+                "hidden_size and intermediate_size must be multiples of 32, head_dim a multiple of 16 <= 256");
+    TORCH_CHECK(num_kv_heads >= 1 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= 16,
+                "num_heads must be a multiple of num_kv_heads, <= 16 per kv head (paged_decode_attention's)");
     final_norm_ = float_vector(final_norm, hidden, "final_norm");
     inv_freq_ = float_vector(inv_freq, head_dim / 2, "inv_freq");
     for (const auto& w : layers) {
       TORCH_CHECK(w.size() == 20, "each layer takes 20 tensors");
+      const int64_t attn = num_heads * head_dim;
       Layer l{float_vector(w[0], hidden, "input_norm"), float_vector(w[1], hidden, "post_norm"), {}, {},
-              int4_linear(w, 4), int4_linear(w, 8), int4_linear(w, 12), int4_linear(w, 16)};
+              int4_linear(w, 4, attn + 2 * num_kv_heads * head_dim, hidden, "qkv"), int4_linear(w, 8, hidden, attn, "o"),
+              int4_linear(w, 12, 2 * intermediate, hidden, "gate_up"), int4_linear(w, 16, hidden, intermediate, "down")};
       if (w[2].numel() > 0) l.q_norm = float_vector(w[2], head_dim, "q_norm");
       if (w[3].numel() > 0) l.k_norm = float_vector(w[3], head_dim, "k_norm");
       layers_.push_back(std::move(l));
@@ -110,7 +122,11 @@ class GeneratedDecoder {
     TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == R && block_table.scalar_type() == at::kInt &&
                 block_table.is_contiguous() && context_lens.numel() == R && context_lens.scalar_type() == at::kInt &&
                 context_lens.is_contiguous() && block_size >= 1, "block_table / context_lens / block_size malformed");
+    TORCH_CHECK(block_table.is_cpu() && context_lens.is_cpu(), "block_table and context_lens must be CPU tensors");
     if (R == 0 || begin == end) return;
+    for (int64_t l = begin; l < end; ++l)
+      TORCH_CHECK(kv_caches[l].is_cpu() && kv_caches[l].sizes() == kv_caches[begin].sizes(),
+                  "kv_caches must be CPU tensors of one shape");
     const std::vector<int64_t> slots = write_slots(block_table, context_lens, block_size, kv_caches[begin]);
     const at::Tensor cos_sin = rope_table(context_lens);  // [R, 2, D / 2]
     for (int64_t l = begin; l < end; ++l) {
@@ -229,6 +245,9 @@ void bind_generated_decoder(pybind11::module& m) {
   pybind11::class_<GeneratedDecoder>(m, "GeneratedDecoder")
       .def(pybind11::init<const std::vector<std::vector<at::Tensor>>&, const at::Tensor&, const at::Tensor&, int64_t,
                           int64_t, int64_t, int64_t, int64_t, double, double>())
-      .def("run", &GeneratedDecoder::run, "h [R, hidden] float32 through layers [begin, end), in place")
-      .def("final_norm", &GeneratedDecoder::final_norm, "h [R, hidden] float32 -> rms_norm(h) * w bf16");
+      // no Python object is touched inside: the GIL is released (the server's event loop runs meanwhile)
+      .def("run", &GeneratedDecoder::run, "h [R, hidden] float32 through layers [begin, end), in place",
+           pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("final_norm", &GeneratedDecoder::final_norm, "h [R, hidden] float32 -> rms_norm(h) * w bf16",
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }
