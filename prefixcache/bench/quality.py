@@ -41,7 +41,8 @@ def perplexity(loaded: LoadedModel, token_ids: list[int], block_size: int = 16) 
     # in one call: each row attends to its own context only) and its logits the 8-bit lm_head's
     md, positions = build_attention_metadata([(0, len(token_ids), list(range(num_blocks)))], block_size, "cpu",
                                               batch_invariant=loaded.model.batch_invariant, dtype=loaded.dtype,
-                                              num_prompt_tokens=[0] if int4 else None)
+                                              num_prompt_tokens=[0] if int4 else None,
+                                              paged_kernel=loaded.model.paged_attention)
     ids = torch.tensor(token_ids, dtype=torch.int64)
     rows = torch.arange(len(token_ids))
     hidden = loaded.model(ids, positions, md, kv)  # [n, hidden]

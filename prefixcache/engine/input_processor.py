@@ -28,7 +28,7 @@ from prefixcache.config import EngineConfig
 from prefixcache.engine.tenancy import ApprovedPrefixes, validate_tenant
 from prefixcache.errors import InvalidInputError, counted
 from prefixcache.layers.lora import LoRAAdapter
-from prefixcache.layers.attention import KV_NUMERICS
+from prefixcache.layers.attention import kv_numerics
 from prefixcache.layers.quant import INT4_OUTPUT_KEY
 from prefixcache.models.loader import LoadedModel
 from prefixcache.request import Request
@@ -82,12 +82,13 @@ class InputProcessor:
     @property
     def model_key(self) -> bytes:
         """The cache key's model part: the weights' fingerprint, the dtype K/V is computed in, the
-        weight quantization and the attention's padding rules (``KV_NUMERICS``): K/V computed at
+        weight quantization and the attention's rules (``attention.kv_numerics``): K/V computed at
         another precision or with other bits is never reused. Follows the loaded
         model's fingerprint, which changes whenever its weights are replaced."""
-        memo = self.loaded.fingerprint + self.loaded.quantization.encode()
+        paged = self.loaded.model.paged_attention
+        memo = self.loaded.fingerprint + self.loaded.quantization.encode() + bytes([paged])
         if self._model_key is None or self._model_key[0] != memo:
-            weights_format = f"{self.loaded.dtype}|quantization={self.loaded.quantization}|{KV_NUMERICS}"
+            weights_format = f"{self.loaded.dtype}|quantization={self.loaded.quantization}|{kv_numerics(paged)}"
             key = hashlib.sha256(self.loaded.fingerprint + weights_format.encode()).digest()
             self._model_key = (memo, key)
         return self._model_key[1]

@@ -52,6 +52,14 @@ generated tokens (``num_prompt_tokens``) never reach this module: they run throu
 (:mod:`prefixcache.layers.generated_attention`: one fixed order per row whatever its batch, shared
 blocks read once into cache); its prompt tokens, and every token of int8 and bfloat16, keep one
 call over the whole context, which gives a decode the bits of a prefill row.
+
+Our paged kernel: a batch-invariant bfloat16 model on a CPU with AVX512-BF16 (``paged_kernel``, which
+``LlamaForCausalLM.paged_attention`` decides) runs every row that reaches this module through
+:mod:`prefixcache.layers.prefill_attention` instead: one call per layer for the whole step, keys read
+in place through the block tables, a row's bits fixed by construction, so none of the padding above
+(2-3.7x faster than the padded flash calls on SmolLM2's prompts, ``scripts/probe_prefill_attention.py``).
+The torch path stays for float32, int8 over a float32 model, head shapes the kernel doesn't take and
+CPUs without AVX512-BF16; the cache key names which one computed the K/V (:func:`kv_numerics`).
 """
 
 from dataclasses import dataclass
@@ -61,6 +69,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.layers.generated_attention import GeneratedRows, build_generated_rows
+from prefixcache.layers.prefill_attention import PagedRows, build_paged_rows, paged_prefill_attention
 
 KV_SPLIT = 512  # keys per block of torch's CPU flash-attention kernel (batch-invariant calls pad to a multiple)
 MIN_Q_ROWS = 4  # a call of 1 to 3 query rows takes another GEMM path (other rounding)
@@ -70,6 +79,13 @@ Q_ROW_QUANTUM = 16  # rows of the GEMMs' sub-blocks: a 2- or 3-row tail after th
 # them, so a disk or Redis tier filled under an older rule is never read as if computed now
 # (2026-12-01: query rows padded to 4..16 or a multiple of 16; no one-row GEMM call).
 KV_NUMERICS = "attention-rows:4-16-x16|gemm-rows:2+"
+PAGED_KV_NUMERICS = "paged-bf16-attention:keys32|gemm-rows:2+"  # the same for our kernel's prompt rows
+
+
+def kv_numerics(paged_kernel: bool) -> str:
+    """The cache key's name for the rules that decide the bits of the pool's K/V: our paged kernel
+    (:mod:`prefixcache.layers.prefill_attention`) or torch's padded flash calls."""
+    return PAGED_KV_NUMERICS if paged_kernel else KV_NUMERICS
 
 
 def common_run_length(ids: torch.Tensor) -> int:
@@ -170,12 +186,14 @@ class AttentionMetadata:
     # layers.generated_decoder, never by Attention; every other field describes the remaining rows only
     dense_token_indices: torch.Tensor | None = None  # [num_tokens] int64: with `generated`, the batch
     # index of each remaining (prompt) row, the sub-batch the other fields describe
+    paged: PagedRows | None = None  # built with ``paged_kernel``: every row runs our paged kernel, and
+    # prefills / decode fields are empty
 
 
 def build_attention_metadata(
     seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device | str,
     batch_invariant: bool = False, dtype: torch.dtype = torch.float32, num_pool_blocks: int = 0,
-    num_prompt_tokens: list[int] | None = None,
+    num_prompt_tokens: list[int] | None = None, paged_kernel: bool = False,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Builds a step's attention metadata and token positions.
 
@@ -199,6 +217,9 @@ def build_attention_metadata(
             ``generated`` (the int4 format runs them through :mod:`prefixcache.layers.generated_decoder`;
             their blocks are keyed apart) and the rest of the metadata describes the other tokens,
             ``dense_token_indices`` (none when every token is generated).
+        paged_kernel: (with ``batch_invariant``, a bf16 pool) the (prompt) rows run our paged kernel
+            (:mod:`prefixcache.layers.prefill_attention`, ``paged``), which needs no padding; the
+            model decides, as its cache key names it (``LlamaForCausalLM.paged_attention``).
 
     Returns:
         (metadata, positions), positions shape = [num_tokens] int64, num_computed_tokens +
@@ -208,16 +229,20 @@ def build_attention_metadata(
         ValueError: Empty batch, a sequence with no new token or negative computed tokens, or block_ids too
             short for the sequence's context.
     """
+    if paged_kernel and not batch_invariant:
+        raise ValueError("paged_kernel needs batch_invariant")
     if num_prompt_tokens is not None and batch_invariant:
-        return _split_metadata(seqs, block_size, device, dtype, num_pool_blocks, num_prompt_tokens)
-    return _build_metadata(seqs, block_size, device, batch_invariant, dtype, num_pool_blocks)
+        return _split_metadata(seqs, block_size, device, dtype, num_pool_blocks, num_prompt_tokens, paged_kernel)
+    return _build_metadata(seqs, block_size, device, batch_invariant, dtype, num_pool_blocks, paged_kernel)
 
 
 def _build_metadata(
     seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device | str, inv: bool,
-    dtype: torch.dtype, num_pool_blocks: int,
+    dtype: torch.dtype, num_pool_blocks: int, paged_kernel: bool = False,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """build_attention_metadata without generated rows."""
+    if paged_kernel:
+        return _paged_metadata(seqs, block_size, device)
     block_table = _padded_block_table(seqs, block_size, inv)  # [num_seqs, max_num_blocks]
     slot_mapping, positions = _slots_and_positions(seqs, block_table, block_size)
     prefills, decode_rows, decode_token_indices = _split_prefills_and_decodes(seqs, block_table, block_size, device,
@@ -254,9 +279,24 @@ def _build_metadata(
     return metadata, positions.to(device)
 
 
+def _paged_metadata(
+    seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device | str,
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """build_attention_metadata for our paged kernel: slots, positions and the kernel's tables only."""
+    block_table = _padded_block_table(seqs, block_size, False)  # [num_seqs, max_num_blocks]; validates
+    slot_mapping, positions = _slots_and_positions(seqs, block_table, block_size)
+    metadata = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device), prefills=[], decode_token_indices=None, decode_block_table=None,
+        decode_attn_mask=None, decode_key_bias=None, decode_first_block=None, cascade_groups=[],
+        num_decode_rows=MIN_Q_ROWS, num_decode_keys=0, batch_invariant=True,
+        num_tokens=sum(num_new for _, num_new, _ in seqs),
+        paged=build_paged_rows([c for c, _, _ in seqs], [n for _, n, _ in seqs], block_table))
+    return metadata, positions.to(device)
+
+
 def _split_metadata(
     seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device | str, dtype: torch.dtype,
-    num_pool_blocks: int, num_prompt_tokens: list[int],
+    num_pool_blocks: int, num_prompt_tokens: list[int], paged_kernel: bool = False,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """build_attention_metadata with ``num_prompt_tokens``: the generated rows apart, the batch-invariant
     metadata of the prompt rows (each sequence's new tokens before its prompt length) in the rest."""
@@ -275,9 +315,9 @@ def _split_metadata(
             seq_of_row.append(i)
         start += num_new
     if not gen_indices:
-        return _build_metadata(seqs, block_size, device, True, dtype, num_pool_blocks)
+        return _build_metadata(seqs, block_size, device, True, dtype, num_pool_blocks, paged_kernel)
     if dense_seqs:
-        metadata, _ = _build_metadata(dense_seqs, block_size, device, True, dtype, num_pool_blocks)
+        metadata, _ = _build_metadata(dense_seqs, block_size, device, True, dtype, num_pool_blocks, paged_kernel)
     else:
         metadata = AttentionMetadata(
             slot_mapping=torch.empty(0, dtype=torch.int64, device=device), prefills=[], decode_token_indices=None,
@@ -500,6 +540,8 @@ class Attention(nn.Module):
         md = attn_metadata
         kv_cache[0].view(slots_shape).index_copy_(0, md.slot_mapping, k)  # view: [num_slots, kv_heads, head_dim]
         kv_cache[1].view(slots_shape).index_copy_(0, md.slot_mapping, v)  # view: [num_slots, kv_heads, head_dim]
+        if md.paged is not None:  # our kernel, every row in one call
+            return paged_prefill_attention(q, kv_cache, md.paged, self.scale).view(num_tokens, -1)
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
 
         if not md.prefills:  # decode-only batch: the decodes are the whole batch, in order

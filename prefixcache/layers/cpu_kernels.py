@@ -1,6 +1,9 @@
 """Builds and loads our CPU kernels (``csrc/``, AVX-512): ``int4_mm`` and ``int8_mm`` (qgemm.cpp:
 int8-activation products with grouped 4- and 8-bit weights), ``paged_decode_attention``
-(paged_attention.cpp: generated tokens' attention straight from the KV pool) and ``GeneratedDecoder``
+(paged_attention.cpp: generated tokens' attention straight from the KV pool),
+``paged_prefill_attention`` (prefill_attention.cpp: prompt rows' causal attention from the pool; its
+functions alone are compiled for AVX512-BF16 and run only where the CPU has it, see
+:func:`prefixcache.layers.prefill_attention.prefill_kernel_supported`) and ``GeneratedDecoder``
 (generated_decoder.cpp: generated tokens' decoder layers around those kernels). The formulas and why
 each gives a row the same bits in any batch are in each source's header.
 
@@ -23,7 +26,7 @@ import torch
 
 __all__ = ["CpuKernelsUnavailable", "load_cpu_kernels"]
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("qgemm.cpp", "paged_attention.cpp", "generated_decoder.cpp", "bindings.cpp")]
+_SOURCES = [_CSRC / name for name in ("qgemm.cpp", "paged_attention.cpp", "prefill_attention.cpp", "generated_decoder.cpp", "bindings.cpp")]
 # -fopenmp: ATen's parallel_for is inline OpenMP; the process's libgomp is torch's (same soname), one thread pool
 _FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma"]
 _LOADED: list[ModuleType] = []

@@ -16,6 +16,7 @@ from torch import nn
 from prefixcache.layers.attention import Attention, AttentionMetadata
 from prefixcache.layers.generated_decoder import DecoderLayerWeights, GeneratedDecoder
 from prefixcache.layers.cpu_kernels import load_cpu_kernels
+from prefixcache.layers.prefill_attention import prefill_kernel_supported
 from prefixcache.layers.lora import (LoRABatch, LoRALinear, PrepackedWeight, prepacked_linear_supported,
                                     row_tiled_linear)
 from prefixcache.layers.norm import RMSNorm
@@ -379,6 +380,17 @@ class LlamaForCausalLM(nn.Module):
         ``prefixcache.layers.attention`` says. float32's GEMMs round by batch size (MKL), so it
         keeps the cheaper untiled calls and agrees with a batch only to float rounding."""
         return self.quantization == "int8" or self.lm_head.weight.dtype == torch.bfloat16  # int4 is bf16
+
+    @property
+    def paged_attention(self) -> bool:
+        """Whether attention runs our paged kernel (:mod:`prefixcache.layers.prefill_attention`): a
+        batch-invariant bfloat16 model whose head shape the kernel takes, on a CPU with AVX512-BF16;
+        else torch's flash kernel with the padding of :mod:`prefixcache.layers.attention`. The two round
+        differently, so the cache key names the one in use (``attention.kv_numerics``)."""
+        cfg = self.config
+        return (self.batch_invariant and self.lm_head.weight.dtype == torch.bfloat16
+                and self.lm_head.weight.device.type == "cpu"
+                and prefill_kernel_supported(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim))
 
     def set_row_tiling(self) -> None:
         """Makes every float projection row-tiled iff the model is bfloat16 (call after a dtype

@@ -115,6 +115,7 @@ class ModelRunner:
             num_pool_blocks=self.kv_caches[0].shape[1],
             # int4: generated tokens (their blocks keyed apart) run through layers.generated_decoder
             num_prompt_tokens=[s.num_prompt_tokens for s in seqs] if self.model.quantization == "int4" else None,
+            paged_kernel=self.model.paged_attention,
         )
         lora_segments, start = [], 0
         for s in seqs:

@@ -1,0 +1,290 @@
+// Causal attention of a step's prompt rows straight from the paged KV pool, on AVX512-BF16 dot products.
+//
+// Each sequence of the step brings tokens num_computed .. num_computed + n - 1 (a prefill chunk after
+// its cached prefix, or one decode token); the token at position t attends to keys 0 .. t of its
+// sequence, found through its block table (slot = block * block_size + offset). A work item is one
+// sequence, one KV head and up to 48 rows (token, query head of that KV head), laid across the lanes
+// of up to three 16-lane vectors: scores, softmax and output are computed for 16 rows per instruction,
+// over keys taken in blocks of 32 at fixed positions (0-31, 32-63, ...):
+//   s = (q . k) * scale   q . k by vdpbf16ps over head_dim pairs in order (bf16 q and k, float32 sums)
+//   m' = max(m, max_j s_j), alpha = e^(m - m'), p_j = e^(s_j - m'), l = alpha l + sum_j p_j (key order)
+//   o = alpha o + sum_j bf16(p_j) v_j     by vdpbf16ps over key pairs (2i, 2i + 1) in order
+// (the online softmax of Milakov & Gimelshein 2018 as FlashAttention-2 uses it, Dao 2023; p in bf16
+// for the second product as torch's CPU flash-attention kernel does), and out = bf16(o / l).
+// Keys after a row's own position are masked to p = 0 (their product adds exact zeros); a block past
+// every key of a row leaves it unchanged (alpha = e^0 = 1), so it may be skipped or not.
+//
+// Batch invariance: every operation on a row's lane depends only on its own query, its keys and values
+// at their absolute positions, the head shape and scale, never on the other rows of its vectors, the
+// tiling of its sequence's tokens, the cached/new split, or the thread that runs it: a row gets the same
+// bits in a prefill of any length after any cached prefix, in a decode, and in any batch.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include "avx512.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512bf16,fma")
+
+namespace {
+
+constexpr int kKeys = 32;        // keys per softmax block, at absolute positions kKeys * i
+constexpr int kLanes = 16;       // rows per vector
+constexpr int kMaxVecs = 3;      // rows per work item: up to 48
+constexpr int kMaxDim = 256;     // head_dim <= 256, a multiple of 32
+constexpr int kDimChunk = 8;     // output dims per register block of the second product
+
+struct Args {
+  const at::BFloat16* q;  // [T, H, D]
+  const at::BFloat16* k;  // [S, KVH, D]
+  const at::BFloat16* v;
+  const int32_t* table;        // [B, max_blocks]
+  const int32_t* query_start;  // [B + 1]: sequence b's tokens are rows query_start[b] .. query_start[b + 1] - 1
+  const int32_t* num_computed; // [B]: position of sequence b's first token
+  at::BFloat16* out;           // [T, H, D]
+  int64_t H, KVH, D, G, max_blocks, block_size;
+  float scale;
+};
+
+struct Work {
+  int32_t seq, kh, begin, end;  // tokens [begin, end) of the batch (rows of q)
+  int64_t cost;
+};
+
+struct Buffers {  // one work item's state, float32 unless said
+  alignas(64) uint32_t qp[kMaxDim / 2][kMaxVecs * kLanes];  // q pairs by (dim pair, row)
+  alignas(64) float s[kKeys][kMaxVecs * kLanes];            // scores by (key, row)
+  alignas(64) uint32_t pp[kKeys / 2][kMaxVecs * kLanes];    // bf16 p pairs by (key pair, row)
+  alignas(64) uint32_t vp[kKeys / 2][kMaxDim];              // bf16 v pairs by (key pair, dim)
+  alignas(64) float o[kMaxDim][kMaxVecs * kLanes];          // unnormalized output by (dim, row)
+};
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+// Scores of keys j0 .. j0 + 7 of the block (kw: their K rows as dim pairs) for the NV row vectors from
+// `base`: s = (q . k) * scale, -inf where the key lies after the row's position.
+template <int NV>
+void score_keys(Buffers& buf, int64_t base, const uint32_t* const* kw, int64_t P, const __m512i* pos,
+                int64_t key0, int64_t j0, __m512 scale) {
+  __m512 acc[8][NV];
+  for (int j = 0; j < 8; ++j)
+    for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    __m512i qv[NV];
+    for (int v = 0; v < NV; ++v) qv[v] = _mm512_load_si512(&buf.qp[p][base + v * kLanes]);
+    for (int j = 0; j < 8; ++j) {
+      const __m512i kb = _mm512_set1_epi32(static_cast<int>(kw[j][p]));
+      for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], as_bh(qv[v]), as_bh(kb));
+    }
+  }
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int j = 0; j < 8; ++j) {
+    const __m512i key = _mm512_set1_epi32(static_cast<int>(key0 + j0 + j));
+    for (int v = 0; v < NV; ++v)
+      _mm512_store_ps(&buf.s[j0 + j][base + v * kLanes],
+                      _mm512_mask_mov_ps(neg_inf, _mm512_cmpge_epi32_mask(pos[v], key), _mm512_mul_ps(acc[j][v], scale)));
+  }
+}
+
+// o = alpha o + p v for the NV row vectors from `base`, over key pairs 0 .. num_pairs - 1 of the block:
+// kDimChunk dims x NV row vectors per register block.
+template <int NV>
+void add_values(Buffers& buf, int64_t base, int64_t D, int64_t num_pairs, const __m512* alpha) {
+  for (int64_t d0 = 0; d0 < D; d0 += kDimChunk) {
+    __m512 acc[kDimChunk][NV];
+    for (int d = 0; d < kDimChunk; ++d)
+      for (int v = 0; v < NV; ++v) acc[d][v] = _mm512_mul_ps(_mm512_load_ps(&buf.o[d0 + d][base + v * kLanes]), alpha[v]);
+    for (int64_t i = 0; i < num_pairs; ++i) {
+      __m512i pv[NV];
+      for (int v = 0; v < NV; ++v) pv[v] = _mm512_load_si512(&buf.pp[i][base + v * kLanes]);
+      for (int d = 0; d < kDimChunk; ++d) {
+        const __m512i vb = _mm512_set1_epi32(static_cast<int>(buf.vp[i][d0 + d]));
+        for (int v = 0; v < NV; ++v) acc[d][v] = _mm512_dpbf16_ps(acc[d][v], as_bh(pv[v]), as_bh(vb));
+      }
+    }
+    for (int d = 0; d < kDimChunk; ++d)
+      for (int v = 0; v < NV; ++v) _mm512_store_ps(&buf.o[d0 + d][base + v * kLanes], acc[d][v]);
+  }
+}
+
+template <int NV>
+void block_products(Buffers& buf, int v0, const uint32_t* const* kw, int64_t P, int64_t D, const __m512i* pos,
+                    int64_t key0, __m512 scale) {
+  for (int64_t j0 = 0; j0 < kKeys; j0 += 8) score_keys<NV>(buf, v0 * kLanes, kw + j0, P, pos + v0, key0, j0, scale);
+}
+
+// Softmax of the block for row vector v: running max m and sum l, bf16 p pairs; returns alpha.
+inline __m512 softmax_block(Buffers& buf, int64_t base, int64_t nk, __m512& m, __m512& l, __m512i pair_idx) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 mb = neg_inf;
+  for (int64_t j = 0; j < nk; ++j) mb = _mm512_max_ps(mb, _mm512_load_ps(&buf.s[j][base]));
+  const __m512 m_new = _mm512_max_ps(m, mb);
+  const __m512 alpha = exp512(_mm512_sub_ps(m, m_new));  // m = -inf (first block): e^-87, times o = l = 0
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < kKeys; j += 2) {
+    __m512 pj[2];
+    for (int t = 0; t < 2; ++t) {
+      const __m512 sj = _mm512_load_ps(&buf.s[j + t][base]);
+      pj[t] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sj, neg_inf, _CMP_NEQ_OQ), exp512(_mm512_sub_ps(sj, m_new)));
+      if (j + t < nk) sum = _mm512_add_ps(sum, pj[t]);
+    }
+    __m512bh both = _mm512_cvtne2ps_pbh(pj[1], pj[0]);  // words 0-15: even keys, 16-31: odd keys
+    _mm512_store_si512(&buf.pp[j / 2][base], _mm512_permutexvar_epi16(pair_idx, reinterpret_cast<__m512i&>(both)));
+  }
+  l = _mm512_add_ps(_mm512_mul_ps(l, alpha), sum);
+  m = m_new;
+  return alpha;
+}
+
+// Rows of item w: tokens w.begin .. w.end - 1, each with G query heads (row = token * G + g), padded to
+// RV vectors of 16 with copies of the last row.
+void attend_item(const Args& a, const Work& w, Buffers& buf) {
+  const int64_t D = a.D, G = a.G, P = D / 2, num_rows = (w.end - w.begin) * G;
+  const int RV = static_cast<int>((num_rows + kLanes - 1) / kLanes);
+  const int64_t first_pos = a.num_computed[w.seq] + (w.begin - a.query_start[w.seq]);
+  const int64_t num_keys = first_pos + (w.end - w.begin);  // the last row's position + 1
+  alignas(64) int32_t pos_rows[kMaxVecs * kLanes];
+  for (int64_t r = 0; r < RV * kLanes; ++r) {
+    const int64_t rr = std::min(r, num_rows - 1);
+    pos_rows[r] = static_cast<int32_t>(first_pos + rr / G);
+    const uint32_t* qrow = reinterpret_cast<const uint32_t*>(a.q + ((w.begin + rr / G) * a.H + w.kh * G + rr % G) * D);
+    for (int64_t p = 0; p < P; ++p) buf.qp[p][r] = qrow[p];
+  }
+  __m512i pos[kMaxVecs];
+  __m512 m[kMaxVecs], l[kMaxVecs], alpha[kMaxVecs];
+  for (int v = 0; v < RV; ++v) {
+    pos[v] = _mm512_load_si512(pos_rows + v * kLanes);
+    m[v] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    l[v] = _mm512_setzero_ps();
+  }
+  for (int64_t d = 0; d < D; ++d)
+    for (int v = 0; v < RV; ++v) _mm512_store_ps(&buf.o[d][v * kLanes], _mm512_setzero_ps());
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  const int64_t row_stride = a.KVH * D;
+  const int32_t* table = a.table + w.seq * a.max_blocks;
+  // vpermt2w indices: dword i of the result = (word i of x, word i of y), for dims 0-15 / 16-31 of 32
+  alignas(64) int16_t lo_idx[32], hi_idx[32];
+  for (int i = 0; i < 16; ++i) lo_idx[2 * i] = i, lo_idx[2 * i + 1] = 32 + i, hi_idx[2 * i] = 16 + i, hi_idx[2 * i + 1] = 48 + i;
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  // vpermw indices: dword i = (word i, word 16 + i), the even and odd keys' p from cvtne2ps's [even | odd]
+  alignas(64) int16_t p_idx[32];
+  for (int i = 0; i < 16; ++i) p_idx[2 * i] = i, p_idx[2 * i + 1] = 16 + i;
+  const __m512i pair_idx = _mm512_load_si512(p_idx);
+
+  for (int64_t k0 = 0; k0 < num_keys; k0 += kKeys) {
+    const int64_t nk = std::min<int64_t>(kKeys, num_keys - k0);
+    int v0 = 0;  // vectors whose rows all sit before this block skip it (no change, see the header)
+    while (v0 < RV && pos_rows[v0 * kLanes + kLanes - 1] < k0) ++v0;
+    const uint32_t* kw[kKeys];
+    const at::BFloat16* vrow[kKeys];
+    for (int64_t j = 0, block = k0 / a.block_size, offset = k0 % a.block_size; j < kKeys; ++j) {
+      if (j < nk) {  // keys past num_keys: the last valid one again, masked
+        const int64_t slot = static_cast<int64_t>(table[block]) * a.block_size + offset;
+        kw[j] = reinterpret_cast<const uint32_t*>(a.k + slot * row_stride + w.kh * D);
+        vrow[j] = a.v + slot * row_stride + w.kh * D;
+        if (++offset == a.block_size) offset = 0, ++block;
+      } else {
+        kw[j] = kw[nk - 1], vrow[j] = vrow[nk - 1];
+      }
+    }
+    if (RV - v0 == 3) block_products<3>(buf, v0, kw, P, D, pos, k0, scale);
+    else if (RV - v0 == 2) block_products<2>(buf, v0, kw, P, D, pos, k0, scale);
+    else block_products<1>(buf, v0, kw, P, D, pos, k0, scale);
+    for (int v = v0; v < RV; ++v) alpha[v] = softmax_block(buf, v * kLanes, nk, m[v], l[v], pair_idx);
+    // v pairs: dword d of vp[i] = (v_{2i}[d], v_{2i+1}[d])
+    for (int64_t i = 0; i < kKeys / 2; ++i) {
+      for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        const __m512i x = _mm512_loadu_si512(vrow[2 * i] + d0);
+        const __m512i y = 2 * i + 1 < nk ? _mm512_loadu_si512(vrow[2 * i + 1] + d0) : _mm512_setzero_si512();
+        _mm512_store_si512(&buf.vp[i][d0], _mm512_permutex2var_epi16(x, lo, y));
+        _mm512_store_si512(&buf.vp[i][d0 + 16], _mm512_permutex2var_epi16(x, hi, y));
+      }
+    }
+    const int64_t num_pairs = (nk + 1) / 2;
+    if (RV - v0 == 3) add_values<3>(buf, v0 * kLanes, D, num_pairs, alpha + v0);
+    else if (RV - v0 == 2) add_values<2>(buf, v0 * kLanes, D, num_pairs, alpha + v0);
+    else add_values<1>(buf, v0 * kLanes, D, num_pairs, alpha + v0);
+  }
+  // out = bf16(o / l)
+  alignas(64) float inv_l[kMaxVecs * kLanes], row[kMaxDim];
+  for (int v = 0; v < RV; ++v) _mm512_store_ps(inv_l + v * kLanes, _mm512_div_ps(_mm512_set1_ps(1.f), l[v]));
+  for (int64_t r = 0; r < num_rows; ++r) {
+    for (int64_t d = 0; d < D; ++d) row[d] = buf.o[d][r];
+    at::BFloat16* orow = a.out + ((w.begin + r / G) * a.H + w.kh * G + r % G) * D;
+    const __m512 inv = _mm512_set1_ps(inv_l[r]);
+    for (int64_t d = 0; d < D; d += 16) store_bf16(orow + d, _mm512_mul_ps(_mm512_load_ps(row + d), inv));
+  }
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+// Checked and launched without the avx512bf16 target: the caller must check the CPU first.
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_slots, const at::Tensor& v_slots,
+                                   const at::Tensor& block_table, const at::Tensor& query_start,
+                                   const at::Tensor& num_computed, int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "q must be contiguous bf16 [T, H, D]");
+  TORCH_CHECK(k_slots.dim() == 3 && k_slots.scalar_type() == at::kBFloat16 && k_slots.is_contiguous() &&
+              v_slots.sizes() == k_slots.sizes() && v_slots.scalar_type() == at::kBFloat16 && v_slots.is_contiguous(),
+              "k_slots and v_slots must be contiguous bf16 [num_slots, KVH, D]");
+  TORCH_CHECK(q.is_cpu() && k_slots.is_cpu() && v_slots.is_cpu() && block_table.is_cpu() && query_start.is_cpu() &&
+              num_computed.is_cpu(), "paged_prefill_attention runs on CPU tensors");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_slots.size(1), B = num_computed.numel();
+  TORCH_CHECK(KVH >= 1 && H >= 1 && H % KVH == 0 && H / KVH <= kMaxVecs * kLanes,
+              "num_heads must be a multiple of num_kv_heads, <= 48 per kv head");
+  TORCH_CHECK(k_slots.size(2) == D && D % 32 == 0 && D <= kMaxDim, "head_dim must be a multiple of 32, <= 256");
+  TORCH_CHECK(block_size >= 1 && k_slots.size(0) % block_size == 0, "block_size must divide the pool's slots");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B && block_table.scalar_type() == at::kInt &&
+              block_table.is_contiguous(), "block_table must be contiguous int32 [B, max_blocks]");
+  TORCH_CHECK(query_start.numel() == B + 1 && query_start.scalar_type() == at::kInt && query_start.is_contiguous() &&
+              num_computed.scalar_type() == at::kInt && num_computed.is_contiguous(),
+              "query_start must be int32 [B + 1], num_computed int32 [B]");
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  const int32_t* nc = num_computed.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t max_blocks = block_table.size(1), num_pool_blocks = k_slots.size(0) / block_size;
+  TORCH_CHECK(B >= 1 && qs[0] == 0 && qs[B] == T, "query_start must run from 0 to num_tokens");
+  const int64_t G = H / KVH, tokens_per_item = std::max<int64_t>(1, kMaxVecs * kLanes / G);
+  std::vector<Work> work;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(qs[b + 1] > qs[b] && nc[b] >= 0, "every sequence needs >= 1 token and num_computed >= 0");
+    const int64_t context_len = static_cast<int64_t>(nc[b]) + qs[b + 1] - qs[b];
+    TORCH_CHECK(context_len <= max_blocks * block_size, "a context is longer than its block table");
+    for (int64_t i = 0; i < (context_len + block_size - 1) / block_size; ++i) {
+      const int32_t id = table[b * max_blocks + i];
+      TORCH_CHECK(id >= 0 && id < num_pool_blocks, "block_table holds a block outside the pool");
+    }
+    for (int64_t kh = 0; kh < KVH; ++kh)
+      for (int64_t t = qs[b]; t < qs[b + 1]; t += tokens_per_item) {
+        const int64_t end = std::min<int64_t>(qs[b + 1], t + tokens_per_item);
+        const int64_t keys = nc[b] + end - qs[b];
+        work.push_back(Work{static_cast<int32_t>(b), static_cast<int32_t>(kh), static_cast<int32_t>(t),
+                            static_cast<int32_t>(end), keys * ((end - t) * G + kLanes - 1) / kLanes});
+      }
+  }
+  std::stable_sort(work.begin(), work.end(), [](const Work& x, const Work& y) { return x.cost > y.cost; });
+  at::Tensor out = at::empty_like(q);
+  const Args a{q.data_ptr<at::BFloat16>(), k_slots.data_ptr<at::BFloat16>(), v_slots.data_ptr<at::BFloat16>(),
+               table, qs, nc, out.data_ptr<at::BFloat16>(), H, KVH, D, G, max_blocks, block_size,
+               static_cast<float>(scale)};
+  // Longest items first, each thread taking the next one when done (results don't depend on who runs what).
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(work.size());
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
+    auto buf = std::make_unique<Buffers>();
+    for (int64_t i = next++; i < num_items; i = next++) {
+      attend_item(a, work[i], *buf);
+    }
+  });
+  return out;
+}

@@ -1,0 +1,51 @@
+"""Times one layer's prompt attention, our paged kernel vs torch's padded flash path, on SmolLM2's head
+shape, for the bench's three shapes: a cold 2,178-token prefill, ten 150-token suffixes over 2,032
+cached keys (the 10 x 32 run's second step), one such suffix (warm TTFT). Both paths include the K/V
+write; best of --repeats.
+
+    .venv/bin/python scripts/probe_prefill_attention.py [--num-threads 2] [--repeats 3]
+"""
+
+import argparse
+import time
+
+import torch
+
+from prefixcache.layers.attention import Attention, build_attention_metadata
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.num_threads)
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 400
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5)
+    blocks = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, as a busy pool's are
+    shapes = {"cold 2178": [(0, 2178)], "10 x 150 over 2032": [(2032, 150)] * 10, "1 x 150 over 2032": [(2032, 150)]}
+    print(f"{'shape':<22}{'torch padded (ms)':>18}{'ours (ms)':>11}{'ratio':>8}")
+    for name, seqs in shapes.items():
+        batch = [(c, n, blocks) for c, n in seqs]
+        num_tokens = sum(n for _, n in seqs)
+        q = torch.randn(num_tokens, heads, head_dim, generator=gen).bfloat16()
+        k = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).bfloat16()
+        v = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).bfloat16()
+        times = []
+        for paged in (False, True):
+            md, _ = build_attention_metadata(batch, block_size, "cpu", batch_invariant=True, dtype=torch.bfloat16,
+                                             num_pool_blocks=num_blocks, paged_kernel=paged)
+            attn(q, k, v, kv_cache, md)
+            best = float("inf")
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                attn(q, k, v, kv_cache, md)
+                best = min(best, time.perf_counter() - start)
+            times.append(best * 1e3)
+        print(f"{name:<22}{times[0]:>18.1f}{times[1]:>11.1f}{times[0] / times[1]:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

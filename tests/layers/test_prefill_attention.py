@@ -1,0 +1,116 @@
+"""Our paged prompt-attention kernel (layers/prefill_attention.py, csrc/prefill_attention.cpp): right
+values against float64 attention, and a row's exact bits whatever its batch, chunking, cached prefix,
+or decode; the metadata that routes every row to it; the shapes it refuses."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from prefixcache.layers.attention import PAGED_KV_NUMERICS, Attention, build_attention_metadata, kv_numerics
+from prefixcache.layers.prefill_attention import build_paged_rows, paged_prefill_attention, prefill_kernel_supported
+
+pytestmark = pytest.mark.skipif(not prefill_kernel_supported(9, 3, 64),
+                                reason="our paged attention kernel needs AVX512-BF16 and AVX512-VNNI")
+BLOCK, NUM_BLOCKS = 16, 300
+
+
+class Pool:
+    """A bf16 pool holding three 700-token sequences' K/V in scattered blocks, and their queries."""
+
+    def __init__(self, heads, kv_heads, head_dim, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.pool = torch.randn(2, NUM_BLOCKS, BLOCK, kv_heads, head_dim, generator=gen).bfloat16()
+        blocks = random.Random(seed).sample(range(NUM_BLOCKS), 3 * 44)
+        self.tables = [blocks[44 * i : 44 * (i + 1)] for i in range(3)]
+        self.q = [torch.randn(700, heads, head_dim, generator=gen).bfloat16() for _ in range(3)]
+
+    def run(self, batch):
+        """batch: (sequence, num_computed, num_new); the new tokens' outputs [tokens, heads, head_dim]."""
+        md, _ = build_attention_metadata([(c, n, self.tables[i]) for i, c, n in batch], BLOCK, "cpu",
+                                         batch_invariant=True, dtype=torch.bfloat16, num_pool_blocks=NUM_BLOCKS,
+                                         paged_kernel=True)
+        q = torch.cat([self.q[i][c : c + n] for i, c, n in batch])
+        return paged_prefill_attention(q, self.pool, md.paged, self.head_dim**-0.5)
+
+    def reference(self, i, pos):
+        """Token ``pos`` of sequence i over keys 0..pos, float64: [heads, head_dim]."""
+        slots = [self.tables[i][p // BLOCK] * BLOCK + p % BLOCK for p in range(pos + 1)]
+        k, v = (self.pool[j].reshape(-1, self.kv_heads, self.head_dim)[slots].double() for j in (0, 1))
+        group = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [keys, heads, hd]
+        scores = torch.einsum("hd,khd->hk", self.q[i][pos].double(), k) / math.sqrt(self.head_dim)
+        return torch.einsum("hk,khd->hd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (16, 1, 64)])
+def test_rows_match_float64_attention(shape):
+    """Every row of a batch (a cold prefill, a chunk after a cached prefix, decodes) is float64
+    attention to bf16 accuracy: the error of bf16 p in the second product, at most 0.02 here."""
+    pool = Pool(*shape)
+    batch = [(0, 0, 130), (1, 517, 1), (2, 300, 77), (0, 40, 1)]
+    out = pool.run(batch)
+    start = 0
+    for i, c, n in batch:
+        for j in range(n):
+            ref = pool.reference(i, c + j)
+            assert (out[start + j].double() - ref).abs().max() < 0.02, (i, c + j)
+        start += n
+
+
+def test_a_row_has_the_same_bits_in_any_batch_chunking_or_decode():
+    """Sequence 2's tokens 300..499: one 200-token chunk, 37 + 163 after a cache hit, beside other
+    sequences, and each token alone as a decode: identical bits (the property cache on == off rests on)."""
+    pool = Pool(9, 3, 64)
+    whole = pool.run([(2, 300, 200)])
+    split = torch.cat([pool.run([(2, 300, 37)]), pool.run([(0, 5, 90), (2, 337, 163), (1, 10, 1)])[90:253]])
+    assert torch.equal(whole, split)
+    for pos in (300, 301, 331, 347, 352, 499):
+        alone = pool.run([(1, 600, 1), (2, pos, 1)])[1]
+        assert torch.equal(alone, whole[pos - 300]), pos
+    cold = pool.run([(2, 0, 500)])[300:]
+    assert torch.equal(cold, whole)
+
+
+def test_matches_torchs_padded_path_to_rounding():
+    """The Attention module on the kernel's metadata agrees with its torch flash path within bf16
+    rounding (they round differently, hence kv_numerics)."""
+    pool = Pool(9, 3, 64)
+    attn = Attention(9, 3, 64, 64**-0.5)
+    batch = [(2, 100, 50), (1, 333, 1)]
+    gen = torch.Generator().manual_seed(1)
+    k, v = torch.randn(51, 3, 64, generator=gen).bfloat16(), torch.randn(51, 3, 64, generator=gen).bfloat16()
+    q = torch.cat([pool.q[i][c : c + n] for i, c, n in batch])
+    outs = []
+    for paged in (False, True):
+        md, _ = build_attention_metadata([(c, n, pool.tables[i]) for i, c, n in batch], BLOCK, "cpu",
+                                         batch_invariant=True, dtype=torch.bfloat16, num_pool_blocks=NUM_BLOCKS,
+                                         paged_kernel=paged)
+        assert (md.paged is not None) == paged and (md.prefills == []) == paged
+        outs.append(attn(q, k, v, pool.pool.clone(), md).float())
+    assert (outs[0] - outs[1]).abs().max() < 0.02
+    assert not torch.equal(outs[0], outs[1])
+
+
+def test_paged_metadata_tables():
+    md, positions = build_attention_metadata([(5, 3, [7, 2]), (16, 1, [4, 9, 1])], BLOCK, "cpu",
+                                             batch_invariant=True, dtype=torch.bfloat16, paged_kernel=True)
+    assert md.paged.query_start.tolist() == [0, 3, 4]
+    assert md.paged.num_computed.tolist() == [5, 16]
+    assert md.paged.block_table.tolist() == [[7, 0], [4, 9]]  # padded with block 0
+    assert md.slot_mapping.tolist() == [7 * 16 + 5, 7 * 16 + 6, 7 * 16 + 7, 9 * 16 + 0]
+    assert positions.tolist() == [5, 6, 7, 16]
+    with pytest.raises(ValueError, match="batch_invariant"):
+        build_attention_metadata([(0, 2, [0])], BLOCK, "cpu", paged_kernel=True)
+
+
+def test_refuses_what_it_cannot_run():
+    assert not prefill_kernel_supported(4, 4, 16)  # head_dim not a multiple of 32
+    assert not prefill_kernel_supported(98, 2, 64)  # 49 query heads per KV head
+    pool = Pool(9, 3, 64)
+    rows = build_paged_rows([0], [4], torch.tensor([[NUM_BLOCKS]]))  # a block outside the pool
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        paged_prefill_attention(pool.q[0][:4], pool.pool, rows, 0.125)
+    assert kv_numerics(True) == PAGED_KV_NUMERICS != kv_numerics(False)
