@@ -57,7 +57,7 @@ Our paged kernel: a batch-invariant bfloat16 model on a CPU with AVX512-BF16 (``
 ``LlamaForCausalLM.paged_attention`` decides) runs every row that reaches this module through
 :mod:`prefixcache.layers.prefill_attention` instead: one call per layer for the whole step, keys read
 in place through the block tables, a row's bits fixed by construction, so none of the padding above
-(2-3.7x faster than the padded flash calls on SmolLM2's prompts, ``scripts/probe_prefill_attention.py``).
+(3.3-4.4x faster than the padded flash calls on SmolLM2's prompts, ``scripts/probe_prefill_attention.py``).
 The torch path stays for float32, int8 over a float32 model, head shapes the kernel doesn't take and
 CPUs without AVX512-BF16; the cache key names which one computed the K/V (:func:`kv_numerics`).
 """

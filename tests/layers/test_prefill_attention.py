@@ -114,3 +114,17 @@ def test_refuses_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="outside the pool"):
         paged_prefill_attention(pool.q[0][:4], pool.pool, rows, 0.125)
     assert kv_numerics(True) == PAGED_KV_NUMERICS != kv_numerics(False)
+
+
+def test_a_nan_score_makes_its_rows_nan_in_every_tiling():
+    """A NaN key at position 35: rows that see it are NaN (as float attention gives), chunked or as
+    decodes; the rows before it, in the same work item, are finite and keep their bits."""
+    pool = Pool(9, 3, 64)
+    clean = pool.run([(0, 0, 40)])
+    slot = pool.tables[0][35 // BLOCK] * BLOCK + 35 % BLOCK
+    pool.pool[0].view(-1, 3, 64)[slot, 1] = float("nan")  # kv head 1: query heads 3-5
+    chunk = pool.run([(0, 0, 40)])
+    decodes = torch.cat([pool.run([(0, pos, 1)]) for pos in range(40)])
+    for out in (chunk, decodes):
+        assert torch.equal(out[:35], clean[:35])
+        assert out[35:, 3:6].isnan().all() and torch.equal(out[35:, :3], clean[35:, :3])

@@ -81,8 +81,9 @@ class PagedDriver:
     def step(self, batch: list[tuple[str, list[int]]]) -> dict[str, torch.Tensor]:
         """One forward over the new tokens of each (seq_id, token_ids); returns float32 logits per seq."""
         seqs = [(self.num_computed[s], len(toks), self.block_tables[s]) for s, toks in batch]
-        md, positions = build_attention_metadata(seqs, self.block_size, "cpu",
-                                                   batch_invariant=self.loaded.quantization == "int8")
+        model = self.loaded.model  # the metadata the runner builds for this model
+        md, positions = build_attention_metadata(seqs, self.block_size, "cpu", batch_invariant=model.batch_invariant,
+                                                 dtype=self.kv_caches[0].dtype, paged_kernel=model.paged_attention)
         input_ids = torch.tensor([t for _, toks in batch for t in toks], dtype=torch.int64)
         with torch.inference_mode():
             model = self.loaded.model

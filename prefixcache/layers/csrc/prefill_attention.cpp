@@ -11,10 +11,13 @@
 //   o = alpha o + sum_j bf16(p_j) v_j     by vdpbf16ps over key pairs (2i, 2i + 1) in order
 // (the online softmax of Milakov & Gimelshein 2018 as FlashAttention-2 uses it, Dao 2023; p in bf16
 // for the second product as torch's CPU flash-attention kernel does), and out = bf16(o / l).
-// Keys after a row's own position are masked to p = 0 (their product adds exact zeros); a block past
-// every key of a row leaves it unchanged (alpha = e^0 = 1), so it may be skipped or not.
+// Keys after a row's own position are masked to p = 0 (their product adds exact zeros while V is
+// finite); a block past every key of a row leaves it unchanged (alpha = e^0 = 1), so it may be skipped
+// or not. A NaN or +inf score at a visible key makes the row NaN. (An Inf/NaN in V after a row's
+// position can still reach it as 0 * inf when another row of its work item sees that key: a model
+// whose K/V overflow has already failed; torch's flash kernel does the same.)
 //
-// Batch invariance: every operation on a row's lane depends only on its own query, its keys and values
+// Batch invariance (finite K/V): every operation on a row's lane depends only on its own query, its keys and values
 // at their absolute positions, the head shape and scale, never on the other rows of its vectors, the
 // tiling of its sequence's tokens, the cached/new split, or the thread that runs it: a row gets the same
 // bits in a prefill of any length after any cached prefix, in a decode, and in any batch.
@@ -122,11 +125,19 @@ void block_products(Buffers& buf, int v0, const uint32_t* const* kw, int64_t P, 
   for (int64_t j0 = 0; j0 < kKeys; j0 += 8) score_keys<NV>(buf, v0 * kLanes, kw + j0, P, pos + v0, key0, j0, scale);
 }
 
-// Softmax of the block for row vector v: running max m and sum l, bf16 p pairs; returns alpha.
-inline __m512 softmax_block(Buffers& buf, int64_t base, int64_t nk, __m512& m, __m512& l, __m512i pair_idx) {
+// Softmax of the block for row vector v: running max m and sum l, bf16 p pairs; returns alpha. `bad`
+// collects the lanes with a NaN or +inf score at a visible key (masked keys are -inf): their output is
+// NaN, as float attention's would be, in every tiling.
+inline __m512 softmax_block(Buffers& buf, int64_t base, int64_t nk, __m512& m, __m512& l, __mmask16& bad,
+                            __m512i pair_idx) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 pos_inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   __m512 mb = neg_inf;
-  for (int64_t j = 0; j < nk; ++j) mb = _mm512_max_ps(mb, _mm512_load_ps(&buf.s[j][base]));
+  for (int64_t j = 0; j < nk; ++j) {
+    const __m512 sj = _mm512_load_ps(&buf.s[j][base]);
+    bad |= _mm512_cmp_ps_mask(sj, sj, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(sj, pos_inf, _CMP_EQ_OQ);
+    mb = _mm512_max_ps(mb, sj);
+  }
   const __m512 m_new = _mm512_max_ps(m, mb);
   const __m512 alpha = exp512(_mm512_sub_ps(m, m_new));  // m = -inf (first block): e^-87, times o = l = 0
   __m512 sum = _mm512_setzero_ps();
@@ -161,6 +172,7 @@ void attend_item(const Args& a, const Work& w, Buffers& buf) {
   }
   __m512i pos[kMaxVecs];
   __m512 m[kMaxVecs], l[kMaxVecs], alpha[kMaxVecs];
+  __mmask16 bad[kMaxVecs] = {};
   for (int v = 0; v < RV; ++v) {
     pos[v] = _mm512_load_si512(pos_rows + v * kLanes);
     m[v] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -199,7 +211,7 @@ void attend_item(const Args& a, const Work& w, Buffers& buf) {
     if (RV - v0 == 3) block_products<3>(buf, v0, kw, P, D, pos, k0, scale);
     else if (RV - v0 == 2) block_products<2>(buf, v0, kw, P, D, pos, k0, scale);
     else block_products<1>(buf, v0, kw, P, D, pos, k0, scale);
-    for (int v = v0; v < RV; ++v) alpha[v] = softmax_block(buf, v * kLanes, nk, m[v], l[v], pair_idx);
+    for (int v = v0; v < RV; ++v) alpha[v] = softmax_block(buf, v * kLanes, nk, m[v], l[v], bad[v], pair_idx);
     // v pairs: dword d of vp[i] = (v_{2i}[d], v_{2i+1}[d])
     for (int64_t i = 0; i < kKeys / 2; ++i) {
       for (int64_t d0 = 0; d0 < D; d0 += 32) {
@@ -216,7 +228,9 @@ void attend_item(const Args& a, const Work& w, Buffers& buf) {
   }
   // out = bf16(o / l)
   alignas(64) float inv_l[kMaxVecs * kLanes], row[kMaxDim];
-  for (int v = 0; v < RV; ++v) _mm512_store_ps(inv_l + v * kLanes, _mm512_div_ps(_mm512_set1_ps(1.f), l[v]));
+  for (int v = 0; v < RV; ++v)
+    _mm512_store_ps(inv_l + v * kLanes, _mm512_mask_mov_ps(_mm512_div_ps(_mm512_set1_ps(1.f), l[v]), bad[v],
+                                                           _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN())));
   for (int64_t r = 0; r < num_rows; ++r) {
     for (int64_t d = 0; d < D; ++d) row[d] = buf.o[d][r];
     at::BFloat16* orow = a.out + ((w.begin + r / G) * a.H + w.kh * G + r % G) * D;
@@ -229,10 +243,11 @@ void attend_item(const Args& a, const Work& w, Buffers& buf) {
 
 #pragma GCC pop_options
 
-// Checked and launched without the avx512bf16 target: the caller must check the CPU first.
+// Checked and launched without the avx512bf16 target (the CPU is checked first).
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_slots, const at::Tensor& v_slots,
                                    const at::Tensor& block_table, const at::Tensor& query_start,
                                    const at::Tensor& num_computed, int64_t block_size, double scale) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "paged_prefill_attention needs a CPU with AVX512-BF16");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "q must be contiguous bf16 [T, H, D]");
   TORCH_CHECK(k_slots.dim() == 3 && k_slots.scalar_type() == at::kBFloat16 && k_slots.is_contiguous() &&
               v_slots.sizes() == k_slots.sizes() && v_slots.scalar_type() == at::kBFloat16 && v_slots.is_contiguous(),

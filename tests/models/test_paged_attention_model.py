@@ -1,0 +1,28 @@
+"""A bf16 model on our paged attention kernel (layers/prefill_attention.py): the runner's metadata, the
+same logits bits whether a prompt runs whole or chunked then decoded (cache on == off at the model),
+and close to transformers' float32 model."""
+
+import pytest
+import torch
+from model_testlib import chunked_then_decoded, make_tiny_checkpoint
+from test_llama_vs_transformers import prefill_alone, random_ids, reference_logits
+
+from prefixcache.layers.prefill_attention import prefill_kernel_supported
+from prefixcache.models.loader import load_model
+
+pytestmark = pytest.mark.skipif(not prefill_kernel_supported(4, 2, 32), reason="needs AVX512-BF16 and AVX512-VNNI")
+
+
+@pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("llama", {"hidden_size": 128, "num_attention_heads": 2,
+                                                                      "num_key_value_heads": 1})])
+def test_bf16_model_on_the_kernel_same_bits_chunked_and_close_to_fp32(tmp_path, arch, overrides):
+    ref = make_tiny_checkpoint(tmp_path, arch, **overrides)
+    loaded = load_model(str(tmp_path), dtype=torch.bfloat16, load_tokenizer=False)
+    assert loaded.model.paged_attention  # head_dim 32 (qwen3) / 64 (llama here)
+    ids = random_ids(45, seed=7)
+    whole = prefill_alone(loaded, ids)
+    chunked, _ = chunked_then_decoded(loaded, ids)
+    assert torch.equal(whole, chunked)
+    torch.testing.assert_close(whole, reference_logits(ref, ids), atol=0.1, rtol=0.05)
+    fp32 = load_model(str(tmp_path), load_tokenizer=False)
+    assert not fp32.model.paged_attention  # float32 keeps torch's path
