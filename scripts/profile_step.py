@@ -10,6 +10,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+import prefixcache.layers.attention as attention
 import prefixcache.models.llama as llama
 
 from prefixcache import LLM, SamplingParams
@@ -29,7 +30,7 @@ args = p.parse_args()
 
 def recorded(module, name: str) -> None:
     """Wraps ``module.name`` (a module or class attribute) in a profiler range: our C++ kernels
-    (int4's) are not profiler events themselves, so their time shows under these names."""
+    are not profiler events themselves, so their time shows under these names."""
     fn = getattr(module, name)
 
     def wrapper(*a, **kw):
@@ -41,6 +42,7 @@ def recorded(module, name: str) -> None:
 
 recorded(GeneratedDecoder, "run")  # int4: generated rows' layers (C++: products, attention, norms in one call)
 recorded(llama, "group_int8_linear")
+recorded(attention, "paged_prefill_attention")  # bf16 prompt rows' attention (C++, one call per layer)
 llm = LLM(quantization=args.quantization, dtype=args.dtype, num_threads=args.num_threads)
 llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
 if args.speed_batch:
