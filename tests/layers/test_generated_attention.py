@@ -142,3 +142,21 @@ def test_kernel_refuses_a_context_or_block_outside_its_table_or_pool():
             generated_attention(q, k, k, build_generated_rows([0], [bad], torch.tensor([[0, 1]]), 16, "cpu"), 0.25)
     with pytest.raises(RuntimeError, match="block_table holds a block outside the pool"):  # 2 blocks of 16
         generated_attention(q, k, k, build_generated_rows([0], [20], torch.tensor([[0, 2]]), 16, "cpu"), 0.25)
+
+
+def test_a_nan_key_makes_the_rows_that_see_it_nan():
+    """A NaN key in a shared block: every row whose context holds it is NaN for that KV head's query
+    heads (the exp's clamp used to turn the NaN into a finite weight); the other KV head and a row whose
+    context ends before the key keep the bits they had."""
+    g = torch.Generator().manual_seed(5)
+    k_slots = torch.randn(100 * 16, 2, 32, generator=g).bfloat16()
+    v_slots = torch.randn(100 * 16, 2, 32, generator=g).bfloat16()
+    q = torch.randn(3, 4, 32, generator=g).bfloat16()
+    table = torch.arange(100).repeat(3, 1)  # three rows over the same blocks
+    rows = build_generated_rows([0, 1, 2], [1500, 40, 700], table, 16, "cpu")
+    clean = generated_attention(q, k_slots, v_slots, rows, 32**-0.5)
+    k_slots[600, 1] = float("nan")  # position 600, KV head 1 (query heads 2, 3)
+    out = generated_attention(q, k_slots, v_slots, rows, 32**-0.5)
+    for r in (0, 2):  # contexts 1,500 (the NaN in its first segment) and 700
+        assert out[r, 2:].isnan().all() and torch.equal(out[r, :2], clean[r, :2])
+    assert torch.equal(out[1], clean[1])  # 40 keys: never reaches position 600

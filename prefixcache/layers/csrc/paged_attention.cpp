@@ -11,6 +11,8 @@
 // (acc, max, sum) kept in float32, then merged in segment order: out = sum_s w_s acc_s / sum_s w_s sum_s
 // with w_s = exp(max_s - max), as float32 element-wise sums in that order.
 //
+// A NaN or +inf score at one of a row's keys makes that row's output NaN, as float attention's would be.
+//
 // Every operation of a row depends only on its own query, its own keys and values, their order and
 // the pool's block size, never on the other rows of the call or the split between threads: a row
 // gets the same bits in a decode, in a recompute after preemption and in any batch. Work items are
@@ -71,6 +73,7 @@ void attend_segment(const Args& a, int64_t r, int64_t kh, int64_t k_begin, int64
   const int64_t V = kV ? kV : a.D / 16, G = kG ? kG : a.H / a.KVH;
   __m512 q[kGN][kVN], acc[kGN][kVN];
   float m[kGN], l[kGN];
+  bool bad[kGN] = {};  // a NaN or +inf score at one of the row's keys: its output is NaN (see below)
   for (int64_t g = 0; g < G; ++g) {
     const at::BFloat16* qp = a.q + (r * a.H + kh * G + g) * a.D;
     for (int64_t i = 0; i < V; ++i) q[g][i] = load_bf16(qp + 16 * i), acc[g][i] = _mm512_setzero_ps();
@@ -103,6 +106,8 @@ void attend_segment(const Args& a, int64_t r, int64_t kh, int64_t k_begin, int64
     for (int64_t g = 0; g < G; ++g) {
       const __m512 sg = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
                                            _mm512_mul_ps(hsum16(dots[g]), scale));
+      bad[g] |= (_mm512_mask_cmp_ps_mask(valid, sg, sg, _CMP_UNORD_Q) |
+                 _mm512_mask_cmp_ps_mask(valid, sg, _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_EQ_OQ)) != 0;
       const float m_new = std::max(m[g], _mm512_reduce_max_ps(sg));
       const float alpha = m[g] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[g] - m_new);
       const __m512 pg = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sg, _mm512_set1_ps(m_new))));
@@ -123,7 +128,8 @@ void attend_segment(const Args& a, int64_t r, int64_t kh, int64_t k_begin, int64
   }
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t i = 0; i < V; ++i) _mm512_storeu_ps(part + g * a.D + 16 * i, acc[g][i]);
-    part[G * a.D + g] = m[g], part[G * a.D + G + g] = l[g];
+    // a bad row's sum is NaN, so its merged output is NaN (the exp clamp would otherwise hide the NaN)
+    part[G * a.D + g] = m[g], part[G * a.D + G + g] = bad[g] ? std::numeric_limits<float>::quiet_NaN() : l[g];
   }
 }
 
