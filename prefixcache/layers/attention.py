@@ -285,13 +285,18 @@ def _paged_metadata(
     """build_attention_metadata for our paged kernel: slots, positions and the kernel's tables only."""
     block_table = _padded_block_table(seqs, block_size, False)  # [num_seqs, max_num_blocks]; validates
     slot_mapping, positions = _slots_and_positions(seqs, block_table, block_size)
-    metadata = AttentionMetadata(
-        slot_mapping=slot_mapping.to(device), prefills=[], decode_token_indices=None, decode_block_table=None,
+    paged = build_paged_rows([c for c, _, _ in seqs], [n for _, n, _ in seqs], block_table)
+    return _metadata_without_calls(slot_mapping.to(device), paged), positions.to(device)
+
+
+def _metadata_without_calls(slot_mapping: torch.Tensor, paged: PagedRows | None) -> AttentionMetadata:
+    """Batch-invariant metadata with no torch attention calls: every row on our paged kernel
+    (``paged``), or no rows at all for Attention (``paged`` None: a step of generated rows only)."""
+    return AttentionMetadata(
+        slot_mapping=slot_mapping, prefills=[], decode_token_indices=None, decode_block_table=None,
         decode_attn_mask=None, decode_key_bias=None, decode_first_block=None, cascade_groups=[],
-        num_decode_rows=MIN_Q_ROWS, num_decode_keys=0, batch_invariant=True,
-        num_tokens=sum(num_new for _, num_new, _ in seqs),
-        paged=build_paged_rows([c for c, _, _ in seqs], [n for _, n, _ in seqs], block_table))
-    return metadata, positions.to(device)
+        num_decode_rows=MIN_Q_ROWS, num_decode_keys=0, batch_invariant=True, num_tokens=slot_mapping.shape[0],
+        paged=paged)
 
 
 def _split_metadata(
@@ -319,10 +324,7 @@ def _split_metadata(
     if dense_seqs:
         metadata, _ = _build_metadata(dense_seqs, block_size, device, True, dtype, num_pool_blocks, paged_kernel)
     else:
-        metadata = AttentionMetadata(
-            slot_mapping=torch.empty(0, dtype=torch.int64, device=device), prefills=[], decode_token_indices=None,
-            decode_block_table=None, decode_attn_mask=None, decode_key_bias=None, decode_first_block=None,
-            cascade_groups=[], num_decode_rows=MIN_Q_ROWS, num_decode_keys=0, batch_invariant=True, num_tokens=0)
+        metadata = _metadata_without_calls(torch.empty(0, dtype=torch.int64, device=device), None)
     metadata.generated = build_generated_rows(gen_indices, context_lens, block_table[seq_of_row], block_size, device)
     metadata.dense_token_indices = torch.tensor(dense_indices, dtype=torch.int64, device=device)
     return metadata, positions.to(device)

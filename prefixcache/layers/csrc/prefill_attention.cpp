@@ -119,9 +119,9 @@ void add_values(Buffers& buf, int64_t base, int64_t D, int64_t num_pairs, const 
   }
 }
 
-template <int NV>
-void block_products(Buffers& buf, int v0, const uint32_t* const* kw, int64_t P, int64_t D, const __m512i* pos,
-                    int64_t key0, __m512 scale) {
+template <int NV>  // all of a block's scores, 8 keys at a time
+void block_scores(Buffers& buf, int v0, const uint32_t* const* kw, int64_t P, const __m512i* pos, int64_t key0,
+                  __m512 scale) {
   for (int64_t j0 = 0; j0 < kKeys; j0 += 8) score_keys<NV>(buf, v0 * kLanes, kw + j0, P, pos + v0, key0, j0, scale);
 }
 
@@ -208,9 +208,9 @@ void attend_item(const Args& a, const Work& w, Buffers& buf) {
         kw[j] = kw[nk - 1], vrow[j] = vrow[nk - 1];
       }
     }
-    if (RV - v0 == 3) block_products<3>(buf, v0, kw, P, D, pos, k0, scale);
-    else if (RV - v0 == 2) block_products<2>(buf, v0, kw, P, D, pos, k0, scale);
-    else block_products<1>(buf, v0, kw, P, D, pos, k0, scale);
+    if (RV - v0 == 3) block_scores<3>(buf, v0, kw, P, pos, k0, scale);
+    else if (RV - v0 == 2) block_scores<2>(buf, v0, kw, P, pos, k0, scale);
+    else block_scores<1>(buf, v0, kw, P, pos, k0, scale);
     for (int v = v0; v < RV; ++v) alpha[v] = softmax_block(buf, v * kLanes, nk, m[v], l[v], bad[v], pair_idx);
     // v pairs: dword d of vp[i] = (v_{2i}[d], v_{2i+1}[d])
     for (int64_t i = 0; i < kKeys / 2; ++i) {
