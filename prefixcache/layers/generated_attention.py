@@ -2,24 +2,27 @@
 
 A query row (one token, all heads) attends over its context, keys ``[0, position]`` of its sequence,
 read through its block table by our kernel ``paged_decode_attention``
-(``prefixcache/layers/csrc/paged_attention.cpp``): online softmax in float32 over pieces of at most
-16 keys inside one pool block, in key order, a long context in 1,024-key segments at fixed positions
-(separate work items, so on all threads) merged in segment order. No keys are gathered or padded and
-one call serves all of a step's generated rows. A row's arithmetic depends
-only on its own query, keys and values (and the pool's block size), so it gets the same bits in a
-decode, in a recompute after preemption and in any batch.
+(``prefixcache/layers/csrc/paged_attention.cpp``, formulas in its header): an online softmax in key
+order, a long context in 1,024-key segments at fixed positions (separate work items, so on all
+threads) merged in segment order. No keys are gathered or padded and one call serves all of a step's
+generated rows. A row's arithmetic depends only on its own query, keys and values (and the pool's
+block size), so it gets the same bits in a decode, in a recompute after preemption and in any batch.
 
-Rows whose contexts share prefix blocks (requests over one system prompt, the samples of an ``n > 1``
-request) are processed one after another per kv head and segment on the same thread, so a shared block is read
-from memory once and from cache by the next rows: the memory side of shared-prefix (cascade)
-attention (FlashInfer's cascade inference, Ye et al. 2024; vLLM's ``use_cascade_attention``) without
-changing any row's arithmetic. (Before 2026-12-01 this module split contexts into fixed 256-key
-chunks of torch's flash kernel merged by log-sum-exp, computing shared chunks once: same invariance,
-more calls and copies.)
+On a CPU with AVX512-BF16 (and head_dim a multiple of 32) keys go in blocks of 32 at fixed positions,
+32 keys in the lanes of two vectors, both products as bf16 dot products with float32 sums (``p``
+rounded to bf16, as the prompt kernel and torch's CPU flash kernel do); elsewhere a float32 form (pieces
+of at most 16 keys inside one pool block, ``float32_form=True`` runs it anywhere). Rows whose contexts
+start with the same pool blocks (requests over one system prompt, the samples of an ``n > 1``
+request) form one work item: each shared block's K is transposed and its V interleaved once, then every
+row of the item does its own arithmetic over it. That is the memory and preparation side of
+shared-prefix (cascade) attention (FlashInfer's cascade inference, Ye et al. 2024; vLLM's
+``use_cascade_attention``) without its log-sum-exp merge, which would change a row's rounding with its
+batch. Measured on SmolLM2's head shape (9 / 3 heads, head_dim 64, one layer, 2 threads, 2026-12-01,
+``.venv/bin/python scripts/probe_decode_attention.py``): see that script's docstring.
 
-It rounds differently from the one-call flash form prompt rows use, so a model uses it only for rows
-whose K/V no prompt row ever reuses: the generated tokens of the int4 format, whose blocks are keyed
-apart (:class:`prefixcache.cache.hashing.BlockHasher` ``output_block_key``).
+It rounds differently from the prompt rows' kernels, so a model uses it only for rows whose K/V no
+prompt row ever reuses: the generated tokens of the int4 format, whose blocks are keyed apart
+(:class:`prefixcache.cache.hashing.BlockHasher` ``output_block_key``).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def build_generated_rows(token_indices: list[int], context_lens: list[int], bloc
 
 
 def generated_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, rows: GeneratedRows,
-                        scale: float) -> torch.Tensor:
+                        scale: float, float32_form: bool = False) -> torch.Tensor:
     """Each row's attention over its context (see the module docstring).
 
     Args:
@@ -70,9 +73,11 @@ def generated_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.T
         v_slots: values, the same shape.
         rows: from :func:`build_generated_rows`.
         scale: softmax scale.
+        float32_form: run the float32 form also where the CPU has AVX512-BF16 (tests, side-by-side timing).
 
     Returns:
         shape = [num_rows, num_heads, head_dim] bfloat16.
     """
-    return load_cpu_kernels().paged_decode_attention(q.contiguous(), k_slots, v_slots, rows.block_table,
-                                                     rows.context_lens, rows.block_size, scale)
+    kernels = load_cpu_kernels()
+    fn = kernels.paged_decode_attention_float32 if float32_form else kernels.paged_decode_attention
+    return fn(q.contiguous(), k_slots, v_slots, rows.block_table, rows.context_lens, rows.block_size, scale)

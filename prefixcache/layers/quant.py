@@ -135,7 +135,10 @@ def int8_linear(
 
 
 INT4_GROUP = 32  # input features per scale (llama.cpp's Q4_1 / Q8_0 block size; also the activations')
-INT4_OUTPUT_KEY = b"int4-generated:decoder-f32-residual"  # block-hash key of K/V computed by generated rows
+# Block-hash key of K/V computed by generated rows. Their attention's form (csrc/paged_attention.cpp)
+# follows the CPU's AVX512-BF16 like the prompt kernel's, which the model key names (attention.kv_numerics);
+# this names the forms' versions, so K/V of the earlier 16-key-piece bf16-CPU form in a tier is not reused.
+INT4_OUTPUT_KEY = b"int4-generated:decoder-f32-residual|decode-attention:bf16-keys32"
 
 
 @dataclass(slots=True)

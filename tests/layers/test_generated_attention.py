@@ -96,15 +96,19 @@ def test_generated_rows_get_the_same_bits_in_any_batch(shared_blocks):
     assert md.generated is None and torch.equal(out[0], prompt_rows[99])
 
 
+@pytest.mark.parametrize("float32_form", [False, True], ids=["bf16-form", "float32-form"])
 @pytest.mark.parametrize("block_size", [1, 5, 16, 48])
 # (9, 3, 64) is SmolLM2's; with (2, 2, 64), (4, 2, 64), (8, 2, 64), (2, 2, 128), (4, 2, 128) every compiled
 # fast path runs; (4, 4, 16) and (8, 2, 128) take the general loop
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (2, 2, 64), (4, 2, 64), (8, 2, 64), (2, 2, 128),
                                                      (4, 2, 128), (4, 4, 16), (8, 2, 128)])
-def test_kernel_reads_only_each_rows_keys_and_gives_it_the_same_bits_alone(block_size, heads, kv_heads, head_dim):
+def test_kernel_reads_only_each_rows_keys_and_gives_it_the_same_bits_alone(block_size, heads, kv_heads, head_dim,
+                                                                          float32_form):
     """Rows over shared and own blocks of any block size (the longest context in three 1,024-key
-    segments); every slot outside the rows' contexts holds NaN (a read of one would show); each row
-    alone = in the batch, and close to float64 softmax."""
+    segments; the bf16 form prepares the shared blocks once for the rows that share them); every slot
+    outside the rows' contexts holds NaN (a read of one would show); each row alone = in the batch,
+    and close to float64 softmax. Both forms (the bf16 one where the CPU has AVX512-BF16 and head_dim
+    % 32 == 0, else float32)."""
     g = torch.Generator().manual_seed(block_size)
     num_blocks = -(-2100 // block_size) * 3 + 4
     k_slots = torch.full((num_blocks * block_size, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
@@ -120,11 +124,12 @@ def test_kernel_reads_only_each_rows_keys_and_gives_it_the_same_bits_alone(block
         v_slots[slots] = torch.randn(n, kv_heads, head_dim, generator=g).bfloat16()
     q = torch.randn(3, heads, head_dim, generator=g).bfloat16()
     rows = build_generated_rows([0, 1, 2], lens, torch.stack(tables), block_size, "cpu")
-    out = generated_attention(q, k_slots, v_slots, rows, head_dim**-0.5)
+    out = generated_attention(q, k_slots, v_slots, rows, head_dim**-0.5, float32_form)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     for r, (table, n) in enumerate(zip(tables, lens)):
         alone = generated_attention(q[r : r + 1], k_slots, v_slots,
-                                    build_generated_rows([0], [n], table[None], block_size, "cpu"), head_dim**-0.5)
+                                    build_generated_rows([0], [n], table[None], block_size, "cpu"), head_dim**-0.5,
+                                    float32_form)
         assert torch.equal(alone[0], out[r])
         slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
         torch.testing.assert_close(out[r].double(), _reference(q[r], k_slots[slots], v_slots[slots], n),
@@ -144,7 +149,8 @@ def test_kernel_refuses_a_context_or_block_outside_its_table_or_pool():
         generated_attention(q, k, k, build_generated_rows([0], [20], torch.tensor([[0, 2]]), 16, "cpu"), 0.25)
 
 
-def test_a_nan_key_makes_the_rows_that_see_it_nan():
+@pytest.mark.parametrize("float32_form", [False, True], ids=["bf16-form", "float32-form"])
+def test_a_nan_key_makes_the_rows_that_see_it_nan(float32_form):
     """A NaN key in a shared block: every row whose context holds it is NaN for that KV head's query
     heads (the exp's clamp used to turn the NaN into a finite weight); the other KV head and a row whose
     context ends before the key keep the bits they had."""
@@ -154,9 +160,9 @@ def test_a_nan_key_makes_the_rows_that_see_it_nan():
     q = torch.randn(3, 4, 32, generator=g).bfloat16()
     table = torch.arange(100).repeat(3, 1)  # three rows over the same blocks
     rows = build_generated_rows([0, 1, 2], [1500, 40, 700], table, 16, "cpu")
-    clean = generated_attention(q, k_slots, v_slots, rows, 32**-0.5)
+    clean = generated_attention(q, k_slots, v_slots, rows, 32**-0.5, float32_form)
     k_slots[600, 1] = float("nan")  # position 600, KV head 1 (query heads 2, 3)
-    out = generated_attention(q, k_slots, v_slots, rows, 32**-0.5)
+    out = generated_attention(q, k_slots, v_slots, rows, 32**-0.5, float32_form)
     for r in (0, 2):  # contexts 1,500 (the NaN in its first segment) and 700
         assert out[r, 2:].isnan().all() and torch.equal(out[r, :2], clean[r, :2])
     assert torch.equal(out[1], clean[1])  # 40 keys: never reaches position 600

@@ -8,6 +8,9 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_slots, const at::Tensor& v_slots,
                                   const at::Tensor& block_table, const at::Tensor& context_lens, int64_t block_size,
                                   double scale);
+at::Tensor paged_decode_attention_float32(const at::Tensor& q, const at::Tensor& k_slots, const at::Tensor& v_slots,
+                                          const at::Tensor& block_table, const at::Tensor& context_lens,
+                                          int64_t block_size, double scale);
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_slots, const at::Tensor& v_slots,
                                    const at::Tensor& block_table, const at::Tensor& query_start,
                                    const at::Tensor& num_computed, int64_t block_size, double scale);
@@ -19,6 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_mm", &int8_mm, "x [M, K] @ int8 grouped weight^T (+ bias) -> [M, N] (qgemm.cpp)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "q [R, H, D] over each row's context in the paged pool -> [R, H, D] (paged_attention.cpp)");
+  m.def("paged_decode_attention_float32", &paged_decode_attention_float32,
+        "paged_decode_attention's float32 form, also where the CPU has AVX512-BF16 (paged_attention.cpp)");
   m.def("paged_prefill_attention", &paged_prefill_attention, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "causal q [T, H, D] of each sequence's new tokens over its context in the paged pool -> [T, H, D] "
         "(prefill_attention.cpp; needs AVX512-BF16)");
