@@ -7,7 +7,7 @@ pieces, float32 products; what a CPU without AVX512-BF16 runs, and what every CP
 
 - ten decodes over a 2,032-token prefix in shared blocks with own tails of 70-169 tokens (the speed
   bench's 10 x 32 decode steps);
-- one decode at a 2,200-token context, and one at 8,100 (single-sequence and long-context decode).
+- one decode at a 100-, a 2,200- and an 8,100-token context (single-sequence and long-context decode).
 
 The forms alternate for ``--rounds`` rounds, each reports its median (this machine's speed drifts).
 Needs a CPU with AVX512-BF16 for the first form (elsewhere both columns are the float32 form).
@@ -36,6 +36,7 @@ shared = list(range(127))  # 2,032 tokens
 cases = {
     "10 decodes over a shared 2,032-token prefix": (
         [shared + list(range(200 + 20 * i, 220 + 20 * i)) for i in range(10)], [2032 + 70 + 11 * i for i in range(10)]),
+    "1 decode, 100-token context": ([list(range(1, 8))], [100]),
     "1 decode, 2,200-token context": ([list(range(1, 150))], [2200]),
     "1 decode, 8,100-token context": ([list(range(1, 520))], [8100]),
 }

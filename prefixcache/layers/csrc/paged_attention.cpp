@@ -191,7 +191,7 @@ RowFn row_function(int64_t V, int64_t G) {  // head shapes with a compiled fast 
 namespace bf16dp {
 
 constexpr int kKeys = 32;          // keys per softmax block, at absolute positions kKeys * i
-constexpr int kChunkBlocks = 4;    // blocks prepared at once (128 keys)
+constexpr int kChunkBlocks = 2;    // blocks prepared at once (64 keys: 16 KB for head_dim 64, inside L1)
 constexpr int kMaxItemRows = 16;   // rows of one work item
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
@@ -459,7 +459,9 @@ void launch(const Args& a, int64_t R) {
   std::atomic<int64_t> next{0};  // longest items first, each thread taking the next when done
   const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
-    std::vector<__m512i> prep(static_cast<size_t>(kChunkBlocks * 2 * a.D));  // kChunkBlocks x 32 D dwords
+    // kChunkBlocks x 32 D dwords, kept per thread across calls (every dword read is written first)
+    thread_local std::vector<__m512i> prep;
+    if (prep.size() < static_cast<size_t>(kChunkBlocks * 2 * a.D)) prep.resize(kChunkBlocks * 2 * a.D);
     for (int64_t i = next++; i < num_items; i = next++)
       run_item(a, items[i], order.data(), part_size, parts.data(), num_segments, reinterpret_cast<uint32_t*>(prep.data()), fn);
   });
