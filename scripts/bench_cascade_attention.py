@@ -3,9 +3,9 @@
 - fp32 (not batch-invariant): cascade (shared run attended once, merged by log-sum-exp) vs each
   decode over its whole context (``MIN_CASCADE_KEYS`` raised so no group forms);
 - bf16 batch-invariant: the one-call form (each decode over its whole context padded to a multiple
-  of 512 keys, what bf16 and int4's prompt tokens use) vs int4's generated tokens' own kernel
-  (``prefixcache.layers.generated_attention``: each row over its own blocks, shared blocks read into
-  cache once).
+  of 512 keys, torch's flash path, which prompt rows take where our prompt kernel doesn't run) vs int4's
+  generated tokens' own kernel (``prefixcache.layers.generated_attention``: each row over its own
+  blocks, shared blocks prepared once for the rows that share them).
 
 SmolLM2's attention shape (9 heads, 3 KV heads, head_dim 64), 16-token blocks, a shared prefix of
 2,032 tokens in consecutive blocks and per-decode tails of 70-180 tokens (the speed bench's shape).
