@@ -172,19 +172,20 @@ void merge_row(const Args& a, int64_t r, int64_t kh, const float* parts, int64_t
 
 using RowFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, float*);
 
-RowFn row_function(int64_t V, int64_t G) {  // head shapes with a compiled fast path, else the general one
-  if (V == 4 && G == 1) return attend_segment<4, 1>;
-  if (V == 4 && G == 2) return attend_segment<4, 2>;
-  if (V == 4 && G == 3) return attend_segment<4, 3>;  // SmolLM2-135M
-  if (V == 4 && G == 4) return attend_segment<4, 4>;
-  if (V == 8 && G == 1) return attend_segment<8, 1>;
-  if (V == 8 && G == 2) return attend_segment<8, 2>;
+// The head shapes (head_dim / 16, query heads per kv head) both forms compile as fast paths, query and
+// accumulators in registers (4, 3: SmolLM2-135M); any other shape runs the <0, 0> general path.
+#define FOR_FAST_SHAPES(X) X(4, 1) X(4, 2) X(4, 3) X(4, 4) X(8, 1) X(8, 2)
+
+RowFn row_function(int64_t V, int64_t G) {
+#define PICK(v, g) if (V == v && G == g) return attend_segment<v, g>;
+  FOR_FAST_SHAPES(PICK)
+#undef PICK
   return attend_segment<0, 0>;
 }
 
 }  // namespace
 
-// ---- The AVX512-BF16 form (header, second part): keys in lanes, bf16 dot products, shared pieces prepared once.
+// ---- The AVX512-BF16 form (header, second part): keys in lanes, bf16 dot products, shared key blocks prepared once.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512bf16,fma")
 
@@ -346,13 +347,10 @@ void run_blocks(const Args& a, int64_t r, int64_t kh, const KeyBlock* blocks, in
 
 using BlocksFn = void (*)(const Args&, int64_t, int64_t, const KeyBlock*, int, const uint32_t*, int64_t, float*);
 
-BlocksFn blocks_function(int64_t V, int64_t G) {  // compiled fast paths as row_function's, else the general one
-  if (V == 4 && G == 1) return run_blocks<4, 1>;
-  if (V == 4 && G == 2) return run_blocks<4, 2>;
-  if (V == 4 && G == 3) return run_blocks<4, 3>;  // SmolLM2-135M
-  if (V == 4 && G == 4) return run_blocks<4, 4>;
-  if (V == 8 && G == 1) return run_blocks<8, 1>;
-  if (V == 8 && G == 2) return run_blocks<8, 2>;
+BlocksFn blocks_function(int64_t V, int64_t G) {
+#define PICK(v, g) if (V == v && G == g) return run_blocks<v, g>;
+  FOR_FAST_SHAPES(PICK)
+#undef PICK
   return run_blocks<0, 0>;
 }
 
