@@ -42,7 +42,10 @@ def recorded(module, name: str) -> None:
 
 recorded(GeneratedDecoder, "run")  # int4: generated rows' layers (C++: products, attention, norms in one call)
 recorded(llama, "group_int8_linear")
-recorded(attention, "paged_prefill_attention")  # bf16 prompt rows' attention (C++, one call per layer)
+recorded(attention, "paged_prefill_attention")  # bf16 prompt rows' attention (C++, one call per layer) ...
+recorded(llama, "paged_prefill_attention")  # ... from the fused layers too
+for fused_op in ("add_rms_norm", "rope_write_kv", "silu_mul"):  # bf16 prompt rows' element-wise ops (C++)
+    recorded(llama, fused_op)
 llm = LLM(quantization=args.quantization, dtype=args.dtype, num_threads=args.num_threads)
 llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
 if args.speed_batch:

@@ -79,7 +79,9 @@ Q_ROW_QUANTUM = 16  # rows of the GEMMs' sub-blocks: a 2- or 3-row tail after th
 # them, so a disk or Redis tier filled under an older rule is never read as if computed now
 # (2026-12-01: query rows padded to 4..16 or a multiple of 16; no one-row GEMM call).
 KV_NUMERICS = "attention-rows:4-16-x16|gemm-rows:2+"
-PAGED_KV_NUMERICS = "paged-bf16-attention:keys32|gemm-rows:2+"  # the same for our kernel's prompt rows
+# the same for our kernel's prompt rows, with the fused element-wise ops of layers.prompt_ops around it
+# (2026-12-01: their RMSNorm sum order and SiLU exp replaced torch's)
+PAGED_KV_NUMERICS = "paged-bf16-attention:keys32|gemm-rows:2+|prompt-ops:1"
 
 
 def kv_numerics(paged_kernel: bool) -> str:

@@ -4,7 +4,8 @@ int8-activation products with grouped 4- and 8-bit weights), ``paged_decode_atte
 ``paged_prefill_attention`` (prefill_attention.cpp: prompt rows' causal attention from the pool; its
 functions alone are compiled for AVX512-BF16 and run only where the CPU has it, see
 :func:`prefixcache.layers.prefill_attention.prefill_kernel_supported`) and ``GeneratedDecoder``
-(generated_decoder.cpp: generated tokens' decoder layers around those kernels). The formulas and why
+(generated_decoder.cpp: generated tokens' decoder layers around those kernels), and ``add_rms_norm``,
+``rope_write_kv``, ``silu_mul`` (prompt_ops.cpp: a bf16 model's prompt rows' element-wise ops, fused). The formulas and why
 each gives a row the same bits in any batch are in each source's header.
 
 The extension is compiled once per machine with torch's C++ extension builder (g++ and ninja, about
@@ -26,7 +27,8 @@ import torch
 
 __all__ = ["CpuKernelsUnavailable", "load_cpu_kernels"]
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("qgemm.cpp", "paged_attention.cpp", "prefill_attention.cpp", "generated_decoder.cpp", "bindings.cpp")]
+_SOURCES = [_CSRC / name for name in ("qgemm.cpp", "paged_attention.cpp", "prefill_attention.cpp", "generated_decoder.cpp",
+                                      "prompt_ops.cpp", "bindings.cpp")]
 # -fopenmp: ATen's parallel_for is inline OpenMP; the process's libgomp is torch's (same soname), one thread pool
 _FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma"]
 _LOADED: list[ModuleType] = []

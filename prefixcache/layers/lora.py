@@ -190,19 +190,27 @@ def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.T
     Returns:
         shape = [num_tokens, out_features].
     """
+    tiles = row_tiles(x, weight, bias, packed)
+    return tiles[0] if len(tiles) == 1 else torch.cat(tiles)
+
+
+def row_tiles(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
+              packed: PrepackedWeight | None = None) -> list[torch.Tensor]:
+    """:func:`row_tiled_linear`'s calls' outputs, not concatenated: row tiles of [num_tokens,
+    out_features] in order (:mod:`prefixcache.layers.prompt_ops` reads them in place)."""
     if packed is None:
         linear, tile = (lambda rows: F.linear(rows, weight, bias)), ROW_TILE
     else:
         linear, tile = packed.linear, PREPACKED_ROW_TILE
     n = x.shape[0]
     if n == 1:
-        return linear(x.expand(2, -1).contiguous())[:1]
+        return [linear(x.expand(2, -1).contiguous())[:1]]
     if n <= tile:
-        return linear(x)
+        return [linear(x)]
     tiles = [linear(x[i : i + tile]) for i in range(0, n - 1 if n % tile == 1 else n, tile)]
     if n % tile == 1:  # the last row with its predecessor: no one-row call
         tiles.append(linear(x[n - 2 :])[1:])
-    return torch.cat(tiles)
+    return tiles
 
 
 class LoRALinear(nn.Linear):
@@ -218,6 +226,12 @@ class LoRALinear(nn.Linear):
     int8: Int8Weight | None = None
     row_tiled: bool = False  # float products in calls of <= ROW_TILE rows (a batch-invariant bf16 model)
     packed: PrepackedWeight | None = None  # the row-tiled product's prepacked weight (bf16, oneDNN)
+
+    def tiles(self, x: torch.Tensor, lora: LoRABatch | None = None) -> list[torch.Tensor]:
+        """:meth:`forward` as row tiles (:func:`row_tiles`; one tile unless prepacked and LoRA-free)."""
+        if self.packed is not None and self.int8 is None and lora is None:
+            return row_tiles(x, None, packed=self.packed)
+        return [self(x, lora)]
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """Args: x shape = [num_tokens, in_features]. Returns: shape = [num_tokens, out_features]."""

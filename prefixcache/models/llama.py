@@ -16,9 +16,10 @@ from torch import nn
 from prefixcache.layers.attention import Attention, AttentionMetadata
 from prefixcache.layers.generated_decoder import DecoderLayerWeights, GeneratedDecoder
 from prefixcache.layers.cpu_kernels import load_cpu_kernels
-from prefixcache.layers.prefill_attention import prefill_kernel_supported
+from prefixcache.layers.prefill_attention import paged_prefill_attention, prefill_kernel_supported
 from prefixcache.layers.lora import (LoRABatch, LoRALinear, PrepackedWeight, prepacked_linear_supported,
-                                    row_tiled_linear)
+                                    row_tiled_linear, row_tiles)
+from prefixcache.layers.prompt_ops import add_rms_norm, rope_write_kv, silu_mul
 from prefixcache.layers.norm import RMSNorm
 from prefixcache.layers.quant import (
     QUANTIZATIONS,
@@ -108,6 +109,31 @@ class LlamaAttention(nn.Module):
         Returns:
             shape = [num_tokens, hidden_size].
         """
+        return self.o_proj(self._attend(hidden_states, cos_sin, kv_cache, attn_metadata, lora), lora)
+
+    def forward_fused(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+                      md: AttentionMetadata, lora: LoRABatch | None) -> list[torch.Tensor]:
+        """:meth:`forward` on the paged kernel with :mod:`prefixcache.layers.prompt_ops`: RoPE and the
+        K/V write in one pass over the q|k|v product's row tiles (the same bits as the torch ops: LoRA
+        and Qwen3's q/k norm keep them). Returns o_proj's row tiles, [num_tokens, hidden_size] in all."""
+        qkv = self._qkv_tiles(x) if lora is None and self.q_norm is None else None
+        if qkv is None:
+            out = self._attend(x, cos_sin, kv_cache, md, lora)
+        else:
+            q = rope_write_kv(qkv, *cos_sin, kv_cache, md.slot_mapping, self.num_heads, self.num_kv_heads)
+            out = paged_prefill_attention(q, kv_cache, md.paged, self.attn.scale).view(x.shape[0], -1)
+        return self.o_proj.tiles(out, lora)
+
+    def _qkv_tiles(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """The fused q|k|v product as row tiles; None when q, k, v run as separate modules."""
+        if self.qkv_packed is not None:
+            return row_tiles(x, None, packed=self.qkv_packed)
+        qkv = self._fused_qkv(x)
+        return None if qkv is None else [qkv]
+
+    def _attend(self, hidden_states: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata, lora: LoRABatch | None) -> torch.Tensor:
+        """Projections, RoPE, K/V write and attention: [num_tokens, heads * head_dim]."""
         num_tokens, heads, kv_heads, hd = hidden_states.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = cos_sin
         qkv = self._fused_qkv(hidden_states)  # [T, (heads + 2 kv_heads) * hd] or None
@@ -127,8 +153,7 @@ class LlamaAttention(nn.Module):
                 k = self.k_norm(k)
             q = apply_rotary_emb(q, cos, sin)
             k = apply_rotary_emb(k, cos, sin)
-        out = self.attn(q, k, v, kv_cache, attn_metadata)  # [T, heads * head_dim]
-        return self.o_proj(out, lora)
+        return self.attn(q, k, v, kv_cache, attn_metadata)  # [T, heads * head_dim]
 
 
 class LlamaMLP(nn.Module):
@@ -165,6 +190,21 @@ class LlamaMLP(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)
             gate, up = self.gate_proj.add_lora(gate, x, lora), self.up_proj.add_lora(up, x, lora)
         return self.down_proj(F.silu(gate) * up, lora)
+
+    def forward_fused(self, x: torch.Tensor, lora: LoRABatch | None) -> list[torch.Tensor]:
+        """:meth:`forward` with :func:`~prefixcache.layers.prompt_ops.silu_mul` over gate|up's row
+        tiles. Returns down_proj's row tiles, [num_tokens, hidden_size] in all."""
+        if self.gate_up_packed is not None and lora is None:
+            gate_up = row_tiles(x, None, packed=self.gate_up_packed)
+        elif self.gate_up_int8 is None and self.gate_up_packed is None:
+            gate_up = [torch.cat([self.gate_proj(x, lora), self.up_proj(x, lora)], dim=-1)]
+        else:
+            fused = self._gate_up(x)  # [T, 2 * intermediate]
+            gate, up = fused.chunk(2, dim=-1)
+            self.gate_proj.add_lora(gate, x, lora)  # in place, on fused's columns
+            self.up_proj.add_lora(up, x, lora)
+            gate_up = [fused]
+        return self.down_proj.tiles(silu_mul(gate_up), lora)
 
     def _gate_up(self, x: torch.Tensor) -> torch.Tensor:
         """The fused gate|up product, [T, 2 * intermediate]: int8, or prepacked bf16."""
@@ -205,6 +245,18 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states), lora)
         return residual + hidden_states
 
+    def forward_fused(self, x: list[torch.Tensor], residual: torch.Tensor | None,
+                      cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, md: AttentionMetadata,
+                      lora: LoRABatch | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """:meth:`forward` with :mod:`prefixcache.layers.prompt_ops`: takes the previous layer's MLP
+        output as row tiles (the embedding for the first layer) and the residual stream before its
+        add (None for the first layer); returns its own (the add is the next layer's, or the final norm's)."""
+        normed, residual = add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        attn = self.self_attn.forward_fused(normed, cos_sin, kv_cache, md, lora)
+        normed, residual = add_rms_norm(attn, residual, self.post_attention_layernorm.weight,
+                                        self.post_attention_layernorm.eps)
+        return self.mlp.forward_fused(normed, lora), residual
+
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (`model.*` in the checkpoint)."""
@@ -216,6 +268,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.generated_decoder: GeneratedDecoder | None = None  # quantization "int4": generated rows' layers
+        self.fused_prompt_ops = False  # layers' forward_fused (prompt_ops), set with the paged kernel
 
     def build_generated_decoder(self, config: ModelConfig) -> None:
         """The generated rows' decoder over the layers' int4 weights (quantization "int4")."""
@@ -243,9 +296,22 @@ class LlamaModel(nn.Module):
         if attn_metadata.generated is not None:
             return self._forward_split(hidden_states, positions, attn_metadata, kv_caches, lora)
         cos_sin = self.rotary_emb(positions, hidden_states.dtype)  # computed once, shared by all layers
+        if self.fused_prompt_ops:
+            return self._run_fused(hidden_states, cos_sin, kv_caches, attn_metadata, lora)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states = layer(hidden_states, cos_sin, kv_cache, attn_metadata, lora)
         return self.norm(hidden_states)
+
+    def _run_fused(self, hidden_states: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                   kv_caches: list[torch.Tensor], md: AttentionMetadata, lora: LoRABatch | None,
+                   after_layer=None) -> torch.Tensor:
+        """Every layer's ``forward_fused`` then the final norm; ``after_layer(i)`` runs after layer i."""
+        x, residual = [hidden_states], None
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x, residual = layer.forward_fused(x, residual, cos_sin, kv_cache, md, lora)
+            if after_layer is not None:
+                after_layer(i)
+        return add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def _forward_split(self, hidden_states: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                        kv_caches: list[torch.Tensor], lora: LoRABatch | None) -> torch.Tensor:
@@ -265,11 +331,16 @@ class LlamaModel(nn.Module):
             return self.generated_decoder.final_norm(gen_hidden)
         dense_hidden = hidden_states.index_select(0, dense)  # [P, hidden]
         cos_sin = self.rotary_emb(positions.index_select(0, dense), hidden_states.dtype)
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            dense_hidden = layer(dense_hidden, cos_sin, kv_cache, md)
-            self.generated_decoder.run(gen_hidden, gen, kv_caches, i, i + 1)
+        if self.fused_prompt_ops:
+            dense_hidden = self._run_fused(dense_hidden, cos_sin, kv_caches, md, None,
+                                           lambda i: self.generated_decoder.run(gen_hidden, gen, kv_caches, i, i + 1))
+        else:
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                dense_hidden = layer(dense_hidden, cos_sin, kv_cache, md)
+                self.generated_decoder.run(gen_hidden, gen, kv_caches, i, i + 1)
+            dense_hidden = self.norm(dense_hidden)
         out = hidden_states.new_empty(hidden_states.shape)  # [num_tokens, hidden]
-        out.index_copy_(0, dense, self.norm(dense_hidden))
+        out.index_copy_(0, dense, dense_hidden)
         return out.index_copy_(0, gen.token_indices, self.generated_decoder.final_norm(gen_hidden))
 
 
@@ -410,6 +481,7 @@ class LlamaForCausalLM(nn.Module):
                 attn.o_proj.packed, mlp.down_proj.packed = PrepackedWeight([attn.o_proj]), PrepackedWeight([mlp.down_proj])
                 packs += [attn.qkv_packed, mlp.gate_up_packed, attn.o_proj.packed, mlp.down_proj.packed]
         self.lm_head_packed = PrepackedWeight([self.lm_head]) if pack else None
+        self.model.fused_prompt_ops = self.paged_attention  # prompt_ops' rounding goes with the kernel's key
         if pack and self.lm_head.weight.device.type != "meta":
             for packed in packs + [self.lm_head_packed]:
                 packed.pack()  # now, not in the first request (~0.5 s for SmolLM2)

@@ -111,3 +111,24 @@ def test_bad_lora_argument(make_llm, tmp_path):
     with pytest.raises(ValueError, match="lora"):
         llm.generate("hi", GREEDY, lora="not-a-request", use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_bf16_base_request_same_bits_beside_an_adapter(smollm2, adapters):
+    """bf16 runs the fused prompt ops of layers/prompt_ops.py, and a step with LoRA deltas takes torch's
+    ops for RoPE and the K/V write: a base request's tokens and logprobs are the same alone and beside
+    an adapter's request."""
+    from prefixcache.llm import LLM
+    from prefixcache.models.loader import load_model
+
+    loaded = load_model("smollm2-135m", dtype=torch.bfloat16)
+    assert loaded.model.model.fused_prompt_ops == loaded.model.paged_attention
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    p, rx = prompt_ids(3), LoRARequest("x", str(adapters[1]["x"][1]))
+
+    def make():
+        return LLM("smollm2-135m", loaded=loaded, dtype="bfloat16", num_threads=2, num_blocks=64)
+
+    alone = make().generate(p, params, use_tqdm=False)[0]
+    mixed = make().generate([p, p], params, lora=[rx, None], use_tqdm=False)
+    assert mixed[1].token_ids == alone.token_ids and mixed[1].logprobs == alone.logprobs
+    assert mixed[0].token_ids != alone.token_ids  # the adapter's request did run its deltas

@@ -8,14 +8,17 @@ from model_testlib import chunked_then_decoded, make_tiny_checkpoint
 from test_llama_vs_transformers import prefill_alone, random_ids, reference_logits
 
 from prefixcache.layers.prefill_attention import prefill_kernel_supported
+from prefixcache.models.llama import LlamaDecoderLayer
 from prefixcache.models.loader import load_model
+
+LAYER_FORWARD_FUSED = LlamaDecoderLayer.forward_fused
 
 pytestmark = pytest.mark.skipif(not prefill_kernel_supported(4, 2, 32), reason="needs AVX512-BF16 and AVX512-VNNI")
 
 
 @pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("llama", {"hidden_size": 128, "num_attention_heads": 2,
                                                                       "num_key_value_heads": 1})])
-def test_bf16_model_on_the_kernel_same_bits_chunked_and_close_to_fp32(tmp_path, arch, overrides):
+def test_bf16_model_on_the_kernel_same_bits_chunked_and_close_to_fp32(tmp_path, monkeypatch, arch, overrides):
     ref = make_tiny_checkpoint(tmp_path, arch, **overrides)
     loaded = load_model(str(tmp_path), dtype=torch.bfloat16, load_tokenizer=False)
     assert loaded.model.paged_attention  # head_dim 32 (qwen3) / 64 (llama here)
@@ -24,5 +27,15 @@ def test_bf16_model_on_the_kernel_same_bits_chunked_and_close_to_fp32(tmp_path, 
     chunked, _ = chunked_then_decoded(loaded, ids)
     assert torch.equal(whole, chunked)
     torch.testing.assert_close(whole, reference_logits(ref, ids), atol=0.1, rtol=0.05)
+    # the fused element-wise ops (layers/prompt_ops.py) go with the kernel; torch's ops round within an ulp of them
+    assert loaded.model.model.fused_prompt_ops
+    calls = []
+    monkeypatch.setattr(LlamaDecoderLayer, "forward_fused",
+                        lambda self, *a: calls.append(1) or LAYER_FORWARD_FUSED(self, *a))
+    assert torch.equal(prefill_alone(loaded, ids), whole) and len(calls) == loaded.model.config.num_hidden_layers
+    loaded.model.model.fused_prompt_ops = False
+    torch_ops = prefill_alone(loaded, ids)
+    assert len(calls) == loaded.model.config.num_hidden_layers  # the torch layers ran
+    torch.testing.assert_close(torch_ops, whole, atol=0.05, rtol=0.02)
     fp32 = load_model(str(tmp_path), load_tokenizer=False)
-    assert not fp32.model.paged_attention  # float32 keeps torch's path
+    assert not fp32.model.paged_attention and not fp32.model.model.fused_prompt_ops  # float32 keeps torch's path

@@ -15,6 +15,14 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_slot
                                    const at::Tensor& block_table, const at::Tensor& query_start,
                                    const at::Tensor& num_computed, int64_t block_size, double scale);
 
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const std::vector<at::Tensor>& x_tiles,
+                                                const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
+                                                double eps);
+at::Tensor rope_write_kv(const std::vector<at::Tensor>& qkv_tiles, const at::Tensor& cos, const at::Tensor& sin_rot,
+                         const at::Tensor& k_slots, const at::Tensor& v_slots, const at::Tensor& slot_mapping,
+                         int64_t H, int64_t KVH);
+at::Tensor silu_mul(const std::vector<at::Tensor>& gate_up_tiles);
+
 void bind_generated_decoder(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -27,5 +35,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "causal q [T, H, D] of each sequence's new tokens over its context in the paged pool -> [T, H, D] "
         "(prefill_attention.cpp; needs AVX512-BF16)");
+  m.def("add_rms_norm", &add_rms_norm, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "row tiles x [T, n] (+ residual) -> (rms_norm(h) * w, h = residual + x), bf16 (prompt_ops.cpp)");
+  m.def("rope_write_kv", &rope_write_kv, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "row tiles [T, (H + 2 KVH) D] -> q [T, H, D] rotated; k rotated and v written to the pool (prompt_ops.cpp)");
+  m.def("silu_mul", &silu_mul, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "row tiles [T, 2 I] -> silu(gate) * up [T, I], bf16 (prompt_ops.cpp)");
   bind_generated_decoder(m);  // generated tokens' decoder layers (generated_decoder.cpp)
 }

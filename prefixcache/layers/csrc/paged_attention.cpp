@@ -267,6 +267,22 @@ void prepare(const Args& a, const int32_t* table_row, int64_t kh, const KeyBlock
   }
 }
 
+// Asks for the K and V rows of keys [begin, end) (one row's block table, kv head kh) to be brought into
+// cache ahead of their prepare: a decode step finds a layer's K/V out of cache (every other layer ran since),
+// and the rows of one kv head lie 2 KVH D bytes apart, a stride the hardware prefetcher follows poorly.
+void prefetch_keys(const Args& a, const int32_t* table_row, int64_t kh, int64_t begin, int64_t end) {
+  const int64_t row_stride = a.KVH * a.D, row_bytes = a.D * 2;
+  for (int64_t pos = begin; pos < end; ++pos) {
+    const int64_t slot = static_cast<int64_t>(table_row[pos / a.block_size]) * a.block_size + pos % a.block_size;
+    const char* kr = reinterpret_cast<const char*>(a.k + slot * row_stride + kh * a.D);
+    const char* vr = reinterpret_cast<const char*>(a.v + slot * row_stride + kh * a.D);
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      _mm_prefetch(kr + b, _MM_HINT_T0);
+      _mm_prefetch(vr + b, _MM_HINT_T0);
+    }
+  }
+}
+
 // Which dim of its 32-dim block the output accumulator's dword j holds: V pairs are interleaved within
 // 128-bit lanes (vpunpckl/hwd), so dwords 0-15 hold dims 0-3, 8-11, 16-19, 24-27 and 16-31 the others;
 // a row's output is put back in dim order once, after its last block.
@@ -373,10 +389,12 @@ void run_item(const Args& a, const Item& it, const int32_t* order, int64_t part_
   KeyBlock blocks[kChunkBlocks];
   int count = 0;
   // the shared keys: each chunk of blocks prepared once (through the first row's table), then every row over it
+  const int32_t* first_table = a.table + order[it.begin] * a.max_blocks;
   for (int64_t x = seg_start; x < it.shared_end;) {
     const int64_t next = next_blocks(x, it.shared_end, blocks, kChunkBlocks, count);
     for (int c = 0; c < count; ++c)
-      prepare(a, a.table + order[it.begin] * a.max_blocks, it.kh, blocks[c], prep + c * prep_stride, prep + c * prep_stride + 16 * D);
+      prepare(a, first_table, it.kh, blocks[c], prep + c * prep_stride, prep + c * prep_stride + 16 * D);
+    prefetch_keys(a, first_table, it.kh, next, std::min<int64_t>(next + kChunkBlocks * kKeys, it.shared_end));
     for (int32_t j = it.begin; j < it.end; ++j) fn(a, order[j], it.kh, blocks, count, prep, prep_stride, part_of(order[j]));
     x = next;
   }
@@ -387,6 +405,7 @@ void run_item(const Args& a, const Item& it, const int32_t* order, int64_t part_
       const int64_t next = next_blocks(x, end, blocks, kChunkBlocks, count);
       for (int c = 0; c < count; ++c)
         prepare(a, a.table + r * a.max_blocks, it.kh, blocks[c], prep + c * prep_stride, prep + c * prep_stride + 16 * D);
+      prefetch_keys(a, a.table + r * a.max_blocks, it.kh, next, std::min<int64_t>(next + kChunkBlocks * kKeys, end));
       fn(a, r, it.kh, blocks, count, prep, prep_stride, part_of(r));
       x = next;
     }

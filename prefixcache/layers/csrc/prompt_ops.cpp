@@ -1,0 +1,197 @@
+// The element-wise ops of a bf16 model's prompt rows between its GEMMs, fused: each reads the row tiles
+// of the GEMM before it in place (layers/lora.py's row_tiles, instead of torch.cat of them) and makes one
+// pass over its rows. Used wherever the paged prompt kernel runs (prefill_attention.cpp); per row:
+//
+//   add_rms_norm:  h = bf16(residual + x)       (x alone in the first layer)
+//                  y = bf16(w * bf16(h * (1 / sqrt(mean(h^2) + eps))))
+//                  sum of squares of h in float32 over 16 lanes in index order, then across the lanes in a
+//                  fixed pattern (_mm512_reduce_add_ps); the rest torch's bf16 op order (RMSNorm in norm.py)
+//   rope_write_kv: q, k (heads of one [q | k | v] row) rotated as bf16(bf16(x cos) + bf16(roll(x, D/2) sin_rot)),
+//                  torch's bf16 ops' bits (layers/rotary.py's apply_rotary_emb); k and v written to the
+//                  row's pool slot, q returned contiguous for the attention kernel
+//   silu_mul:      a = bf16(bf16(g / (1 + e^-g)) * u) for the row's [g | u], e^x by exp512 (avx512.h)
+//
+// Every value depends only on its own row (and the weights), never on the other rows, the tiling or the
+// threads: a row gets the same bits in any batch. Rounding to bf16 is to nearest even, as torch's
+// (finite values; a NaN stays NaN).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include "avx512.h"
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,fma")  // masked 256-bit bf16 loads and stores
+
+namespace {
+
+// A GEMM's output as row tiles [rows_i, cols], tile i holding rows start[i] .. start[i + 1] - 1.
+struct Tiles {
+  std::vector<const at::BFloat16*> data;
+  std::vector<int64_t> start;
+  int64_t cols = 0;
+
+  int64_t rows() const { return start.back(); }
+  const at::BFloat16* row(int64_t t) const {
+    const int64_t i = std::upper_bound(start.begin(), start.end(), t) - start.begin() - 1;
+    return data[i] + (t - start[i]) * cols;
+  }
+};
+
+Tiles make_tiles(const std::vector<at::Tensor>& tiles, const char* name) {
+  TORCH_CHECK(!tiles.empty(), name, " needs at least one tile");
+  Tiles out;
+  out.cols = tiles[0].dim() == 2 ? tiles[0].size(1) : -1;
+  out.start.push_back(0);
+  for (const at::Tensor& t : tiles) {
+    TORCH_CHECK(t.dim() == 2 && t.size(1) == out.cols && t.scalar_type() == at::kBFloat16 && t.is_cpu() &&
+                    t.is_contiguous(),
+                name, ": every tile must be a contiguous bf16 CPU tensor [rows, ", out.cols, "]");
+    out.data.push_back(t.data_ptr<at::BFloat16>());
+    out.start.push_back(out.start.back() + t.size(0));
+  }
+  return out;
+}
+
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+
+inline __m512 load_bf16_n(const at::BFloat16* p, int64_t n) {  // n <= 16 bf16 -> float32 (0 past n)
+  const __m256i w = _mm256_maskz_loadu_epi16(tail_mask(n), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
+}
+
+inline __m512i to_bf16_bits(__m512 x) {  // round to nearest even, bf16 in each dword's high half; NaN stays NaN
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                        _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000))), nan,
+                               _mm512_set1_epi32(0x7FC00000));
+}
+
+inline __m512 round_bf16(__m512 x) { return _mm512_castsi512_ps(to_bf16_bits(x)); }
+
+inline void store_bf16_n(at::BFloat16* p, __m512 x, int64_t n) {
+  _mm256_mask_storeu_epi16(p, tail_mask(n), _mm512_cvtepi32_epi16(_mm512_srli_epi32(to_bf16_bits(x), 16)));
+}
+
+constexpr int64_t kGrain = 8;  // rows per parallel_for grain
+
+}  // namespace
+
+// Returns (y, h): y the normed rows [T, n], h the new residual stream [T, n] (x itself when there is no
+// residual and x is one tile).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const std::vector<at::Tensor>& x_tiles,
+                                                const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
+                                                double eps) {
+  const Tiles x = make_tiles(x_tiles, "add_rms_norm");
+  const int64_t T = x.rows(), n = x.cols;
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
+              "add_rms_norm: weight must be contiguous bf16 [", n, "]");
+  const bool has_res = residual.has_value() && residual->defined();
+  if (has_res)
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == T && residual->size(1) == n &&
+                    residual->scalar_type() == at::kBFloat16 && residual->is_contiguous(),
+                "add_rms_norm: residual must be contiguous bf16 [", T, ", ", n, "]");
+  const at::TensorOptions opts = at::TensorOptions().dtype(at::kBFloat16);
+  at::Tensor h = !has_res && x_tiles.size() == 1 ? x_tiles[0] : at::empty({T, n}, opts);
+  at::Tensor y = at::empty({T, n}, opts);
+  const at::BFloat16* res = has_res ? residual->data_ptr<at::BFloat16>() : nullptr;
+  const at::BFloat16* w = weight.data_ptr<at::BFloat16>();
+  at::BFloat16* hp = h.data_ptr<at::BFloat16>();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const bool copy = hp != x_tiles[0].data_ptr<at::BFloat16>() || x_tiles.size() > 1;
+  at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const at::BFloat16* xr = x.row(t);
+      at::BFloat16* hr = hp + t * n;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < n; i += 16) {
+        __m512 v = load_bf16_n(xr + i, n - i);
+        if (res != nullptr) v = round_bf16(_mm512_add_ps(load_bf16_n(res + t * n + i, n - i), v));
+        if (copy) store_bf16_n(hr + i, v, n - i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + static_cast<float>(eps)));
+      for (int64_t i = 0; i < n; i += 16) {
+        const __m512 normed = round_bf16(_mm512_mul_ps(load_bf16_n(hr + i, n - i), r));
+        store_bf16_n(yp + t * n + i, _mm512_mul_ps(load_bf16_n(w + i, n - i), normed), n - i);
+      }
+    }
+  });
+  return {y, h};
+}
+
+// qkv rows [T, (H + 2 KVH) D] -> q [T, H, D]; k, v of row t written to k_slots / v_slots [S, KVH, D] at
+// slot_mapping[t]. cos, sin_rot: [T, D] (rotary.py's RotaryEmbedding.forward).
+at::Tensor rope_write_kv(const std::vector<at::Tensor>& qkv_tiles, const at::Tensor& cos, const at::Tensor& sin_rot,
+                         const at::Tensor& k_slots, const at::Tensor& v_slots, const at::Tensor& slot_mapping,
+                         int64_t H, int64_t KVH) {
+  const Tiles x = make_tiles(qkv_tiles, "rope_write_kv");
+  const int64_t T = x.rows();
+  TORCH_CHECK(H >= 1 && KVH >= 1 && x.cols % (H + 2 * KVH) == 0, "rope_write_kv: qkv rows must hold H + 2 KVH heads");
+  const int64_t D = x.cols / (H + 2 * KVH), half = D / 2;
+  TORCH_CHECK(D % 32 == 0, "rope_write_kv: head_dim must be a multiple of 32, got ", D);
+  for (const at::Tensor* t : {&cos, &sin_rot})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->size(1) == D && t->scalar_type() == at::kBFloat16 &&
+                    t->is_contiguous(),
+                "rope_write_kv: cos and sin_rot must be contiguous bf16 [", T, ", ", D, "]");
+  TORCH_CHECK(k_slots.dim() == 3 && k_slots.size(1) == KVH && k_slots.size(2) == D && k_slots.is_contiguous() &&
+                  k_slots.scalar_type() == at::kBFloat16 && v_slots.sizes() == k_slots.sizes() &&
+                  v_slots.is_contiguous() && v_slots.scalar_type() == at::kBFloat16,
+              "rope_write_kv: k_slots and v_slots must be contiguous bf16 [S, ", KVH, ", ", D, "]");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == T && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.is_contiguous(),
+              "rope_write_kv: slot_mapping must be contiguous int64 [", T, "]");
+  const int64_t S = k_slots.size(0);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < S, "rope_write_kv: slot ", slots[t], " outside the pool's ", S, " slots");
+  at::Tensor q = at::empty({T, H, D}, at::TensorOptions().dtype(at::kBFloat16));
+  const at::BFloat16 *cp = cos.data_ptr<at::BFloat16>(), *sp = sin_rot.data_ptr<at::BFloat16>();
+  at::BFloat16 *qp = q.data_ptr<at::BFloat16>(), *kp = k_slots.data_ptr<at::BFloat16>(), *vp = v_slots.data_ptr<at::BFloat16>();
+  at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const at::BFloat16* row = x.row(t);
+      for (int64_t j = 0; j < H + KVH; ++j) {
+        const at::BFloat16* src = row + j * D;
+        at::BFloat16* dst = j < H ? qp + (t * H + j) * D : kp + (slots[t] * KVH + j - H) * D;
+        for (int64_t d = 0; d < D; d += 16) {
+          const __m512 a = round_bf16(_mm512_mul_ps(load_bf16(src + d), load_bf16(cp + t * D + d)));
+          const __m512 b = round_bf16(_mm512_mul_ps(load_bf16(src + (d + half) % D), load_bf16(sp + t * D + d)));
+          store_bf16_n(dst + d, _mm512_add_ps(a, b), 16);
+        }
+      }
+      std::copy(row + (H + KVH) * D, row + (H + 2 * KVH) * D, vp + slots[t] * KVH * D);
+    }
+  });
+  return q;
+}
+
+// [g | u] rows [T, 2 I] -> [T, I].
+at::Tensor silu_mul(const std::vector<at::Tensor>& gate_up_tiles) {
+  const Tiles x = make_tiles(gate_up_tiles, "silu_mul");
+  TORCH_CHECK(x.cols % 2 == 0, "silu_mul: rows must hold [gate | up], an even width");
+  const int64_t T = x.rows(), I = x.cols / 2;
+  at::Tensor out = at::empty({T, I}, at::TensorOptions().dtype(at::kBFloat16));
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const at::BFloat16* row = x.row(t);
+      for (int64_t i = 0; i < I; i += 16) {
+        const __m512 g = load_bf16_n(row + i, I - i);
+        const __m512 silu = round_bf16(
+            _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+        store_bf16_n(op + t * I + i, _mm512_mul_ps(silu, load_bf16_n(row + I + i, I - i)), I - i);
+      }
+    }
+  });
+  return out;
+}
+
+#pragma GCC pop_options
