@@ -1,7 +1,7 @@
 """Times one layer's prompt attention, our paged kernel vs torch's padded flash path, on SmolLM2's head
-shape, for the bench's three shapes: a cold 2,178-token prefill, ten 150-token suffixes over 2,032
-cached keys (the 10 x 32 run's second step), one such suffix (warm TTFT). Both paths include the K/V
-write; best of --repeats.
+shape, for the bench's shapes: a cold 2,178-token prefill, ten 150-token suffixes over 2,032
+cached keys (the 10 x 32 run's second step), one such suffix (warm TTFT), and a 2,048-token chunk after
+6,000 cached keys (an 8,000-token prefill's last chunk). Both paths include the K/V write; best of --repeats.
 
     .venv/bin/python scripts/probe_prefill_attention.py [--num-threads 2] [--repeats 3]
 """
@@ -21,11 +21,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
     gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 400
+    heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 600
     kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
     attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5)
     blocks = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, as a busy pool's are
-    shapes = {"cold 2178": [(0, 2178)], "10 x 150 over 2032": [(2032, 150)] * 10, "1 x 150 over 2032": [(2032, 150)]}
+    shapes = {"cold 2178": [(0, 2178)], "10 x 150 over 2032": [(2032, 150)] * 10, "1 x 150 over 2032": [(2032, 150)],
+              "2048 over 6000": [(6000, 2048)]}  # the last chunk of an 8,000-token prefill
     print(f"{'shape':<22}{'torch padded (ms)':>18}{'ours (ms)':>11}{'ratio':>8}")
     for name, seqs in shapes.items():
         batch = [(c, n, blocks) for c, n in seqs]

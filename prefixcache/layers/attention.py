@@ -80,8 +80,8 @@ Q_ROW_QUANTUM = 16  # rows of the GEMMs' sub-blocks: a 2- or 3-row tail after th
 # (2026-12-01: query rows padded to 4..16 or a multiple of 16; no one-row GEMM call).
 KV_NUMERICS = "attention-rows:4-16-x16|gemm-rows:2+"
 # the same for our kernel's prompt rows, with the fused element-wise ops of layers.prompt_ops around it
-# (2026-12-01: their RMSNorm sum order and SiLU exp replaced torch's)
-PAGED_KV_NUMERICS = "paged-bf16-attention:keys32|gemm-rows:2+|prompt-ops:1"
+# (2026-12-01: their RMSNorm sum order and SiLU exp replaced torch's; the kernel's softmax moved to base 2)
+PAGED_KV_NUMERICS = "paged-bf16-attention:keys32-exp2|gemm-rows:2+|prompt-ops:1"
 
 
 def kv_numerics(paged_kernel: bool) -> str:

@@ -6,9 +6,11 @@
 // sequence, one KV head and up to 48 rows (token, query head of that KV head), laid across the lanes
 // of up to three 16-lane vectors: scores, softmax and output are computed for 16 rows per instruction,
 // over keys taken in blocks of 32 at fixed positions (0-31, 32-63, ...):
-//   s = (q . k) * scale   q . k by vdpbf16ps over head_dim pairs in order (bf16 q and k, float32 sums)
-//   m' = max(m, max_j s_j), alpha = e^(m - m'), p_j = e^(s_j - m'), l = alpha l + sum_j p_j (key order)
+//   s = (q . k) * (scale log2(e))   q . k by vdpbf16ps over head_dim pairs in order (bf16 q and k, float32 sums)
+//   m' = max(m, max_j s_j), alpha = 2^(m - m'), p_j = 2^(s_j - m'), l = alpha l + sum_j p_j (key order)
 //   o = alpha o + sum_j bf16(p_j) v_j     by vdpbf16ps over key pairs (2i, 2i + 1) in order
+// (the softmax in base 2 with log2(e) folded into the scale, as FlashAttention-2's kernels do; 2^x by
+// exp2_512: 2^n times a degree-5 polynomial of the rest, ~3e-6 relative)
 // (the online softmax of Milakov & Gimelshein 2018 as FlashAttention-2 uses it, Dao 2023; p in bf16
 // for the second product as torch's CPU flash-attention kernel does), and out = bf16(o / l).
 // Keys after a row's own position are masked to p = 0 (their product adds exact zeros while V is
@@ -73,6 +75,22 @@ struct Buffers {  // one work item's state, float32 unless said
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 
+// 2^x for x <= 0 (x below -126, -inf and NaN give 2^-126: the caller masks those lanes): n = round(x),
+// f = x - n in [-0.5, 0.5], 2^f by its Taylor polynomial of degree 5 in f ln2 (relative error < 3e-6), then
+// scaled by 2^n (vscalefps).
+inline __m512 exp2_512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));  // a NaN x (-inf - -inf) gives -126: max returns its second operand
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558146e-3f);  // ln2^5 / 120
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));  // ln2^4 / 24
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));  // ln2^3 / 6
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));  // ln2^2 / 2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));  // ln2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // Scores of keys j0 .. j0 + 7 of the block (kw: their K rows as dim pairs) for the NV row vectors from
 // `base`: s = (q . k) * scale, -inf where the key lies after the row's position.
 template <int NV>
@@ -102,10 +120,15 @@ void score_keys(Buffers& buf, int64_t base, const uint32_t* const* kw, int64_t P
 // kDimChunk dims x NV row vectors per register block.
 template <int NV>
 void add_values(Buffers& buf, int64_t base, int64_t D, int64_t num_pairs, const __m512* alpha) {
+  bool rescale = false;  // alpha = 1 in every lane (no new maximum): o * 1 = o, the products skipped
+  for (int v = 0; v < NV; ++v) rescale |= _mm512_cmp_ps_mask(alpha[v], _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0;
   for (int64_t d0 = 0; d0 < D; d0 += kDimChunk) {
     __m512 acc[kDimChunk][NV];
     for (int d = 0; d < kDimChunk; ++d)
-      for (int v = 0; v < NV; ++v) acc[d][v] = _mm512_mul_ps(_mm512_load_ps(&buf.o[d0 + d][base + v * kLanes]), alpha[v]);
+      for (int v = 0; v < NV; ++v) {
+        acc[d][v] = _mm512_load_ps(&buf.o[d0 + d][base + v * kLanes]);
+        if (rescale) acc[d][v] = _mm512_mul_ps(acc[d][v], alpha[v]);
+      }
     for (int64_t i = 0; i < num_pairs; ++i) {
       __m512i pv[NV];
       for (int v = 0; v < NV; ++v) pv[v] = _mm512_load_si512(&buf.pp[i][base + v * kLanes]);
@@ -139,13 +162,13 @@ inline __m512 softmax_block(Buffers& buf, int64_t base, int64_t nk, __m512& m, _
     mb = _mm512_max_ps(mb, sj);
   }
   const __m512 m_new = _mm512_max_ps(m, mb);
-  const __m512 alpha = exp512(_mm512_sub_ps(m, m_new));  // m = -inf (first block): e^-87, times o = l = 0
+  const __m512 alpha = exp2_512(_mm512_sub_ps(m, m_new));  // m = -inf (first block): 2^-126, times o = l = 0
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < kKeys; j += 2) {
     __m512 pj[2];
     for (int t = 0; t < 2; ++t) {
       const __m512 sj = _mm512_load_ps(&buf.s[j + t][base]);
-      pj[t] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sj, neg_inf, _CMP_NEQ_OQ), exp512(_mm512_sub_ps(sj, m_new)));
+      pj[t] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sj, neg_inf, _CMP_NEQ_OQ), exp2_512(_mm512_sub_ps(sj, m_new)));
       if (j + t < nk) sum = _mm512_add_ps(sum, pj[t]);
     }
     __m512bh both = _mm512_cvtne2ps_pbh(pj[1], pj[0]);  // words 0-15: even keys, 16-31: odd keys
@@ -180,7 +203,7 @@ void attend_item(const Args& a, const Work& w, Buffers& buf) {
   }
   for (int64_t d = 0; d < D; ++d)
     for (int v = 0; v < RV; ++v) _mm512_store_ps(&buf.o[d][v * kLanes], _mm512_setzero_ps());
-  const __m512 scale = _mm512_set1_ps(a.scale);
+  const __m512 scale = _mm512_set1_ps(a.scale * 1.44269504088896341f);  // scores in base 2: * log2(e)
   const int64_t row_stride = a.KVH * D;
   const int32_t* table = a.table + w.seq * a.max_blocks;
   // vpermt2w indices: dword i of the result = (word i of x, word i of y), for dims 0-15 / 16-31 of 32
@@ -207,6 +230,16 @@ void attend_item(const Args& a, const Work& w, Buffers& buf) {
       } else {
         kw[j] = kw[nk - 1], vrow[j] = vrow[nk - 1];
       }
+    }
+    // the next block's K and V rows asked for now, read by the time this block's products are done
+    // (a long context's K/V is out of L2: each work item streams all of it)
+    for (int64_t j = 0, key = k0 + kKeys, block = key / a.block_size, offset = key % a.block_size;
+         j < kKeys && key < num_keys; ++j, ++key) {
+      const int64_t slot = static_cast<int64_t>(table[block]) * a.block_size + offset;
+      const char* kr = reinterpret_cast<const char*>(a.k + slot * row_stride + w.kh * D);
+      const char* vr = reinterpret_cast<const char*>(a.v + slot * row_stride + w.kh * D);
+      for (int64_t b = 0; b < 2 * D; b += 64) _mm_prefetch(kr + b, _MM_HINT_T0), _mm_prefetch(vr + b, _MM_HINT_T0);
+      if (++offset == a.block_size) offset = 0, ++block;
     }
     if (RV - v0 == 3) block_scores<3>(buf, v0, kw, P, pos, k0, scale);
     else if (RV - v0 == 2) block_scores<2>(buf, v0, kw, P, pos, k0, scale);
