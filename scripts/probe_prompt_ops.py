@@ -37,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
     llm = LLM(dtype=args.dtype, quantization=args.quantization, num_threads=args.num_threads)
     model = llm.engine.runner.model.model
-    if not model.fused_prompt_ops:
+    if not llm.engine.runner.model.paged_attention:
         raise SystemExit("this model does not run the fused ops here (needs bf16 on a CPU with AVX512-BF16)")
     shared = build_speed_prompts(llm.engine.tokenizer, 10).shared
     llm.generate([shared[0][:64]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up

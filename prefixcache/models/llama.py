@@ -268,7 +268,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.generated_decoder: GeneratedDecoder | None = None  # quantization "int4": generated rows' layers
-        self.fused_prompt_ops = False  # layers' forward_fused (prompt_ops), set with the paged kernel
+        # layers' forward_fused (prompt_ops) in every step whose metadata runs the paged kernel (md.paged), which
+        # the cache key names with them (attention.kv_numerics); False only in A/B probes (scripts/probe_prompt_ops.py)
+        self.fused_prompt_ops = True
 
     def build_generated_decoder(self, config: ModelConfig) -> None:
         """The generated rows' decoder over the layers' int4 weights (quantization "int4")."""
@@ -296,7 +298,7 @@ class LlamaModel(nn.Module):
         if attn_metadata.generated is not None:
             return self._forward_split(hidden_states, positions, attn_metadata, kv_caches, lora)
         cos_sin = self.rotary_emb(positions, hidden_states.dtype)  # computed once, shared by all layers
-        if self.fused_prompt_ops:
+        if self.fused_prompt_ops and attn_metadata.paged is not None:
             return self._run_fused(hidden_states, cos_sin, kv_caches, attn_metadata, lora)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states = layer(hidden_states, cos_sin, kv_cache, attn_metadata, lora)
@@ -331,7 +333,7 @@ class LlamaModel(nn.Module):
             return self.generated_decoder.final_norm(gen_hidden)
         dense_hidden = hidden_states.index_select(0, dense)  # [P, hidden]
         cos_sin = self.rotary_emb(positions.index_select(0, dense), hidden_states.dtype)
-        if self.fused_prompt_ops:
+        if self.fused_prompt_ops and md.paged is not None:
             dense_hidden = self._run_fused(dense_hidden, cos_sin, kv_caches, md, None,
                                            lambda i: self.generated_decoder.run(gen_hidden, gen, kv_caches, i, i + 1))
         else:
@@ -481,7 +483,6 @@ class LlamaForCausalLM(nn.Module):
                 attn.o_proj.packed, mlp.down_proj.packed = PrepackedWeight([attn.o_proj]), PrepackedWeight([mlp.down_proj])
                 packs += [attn.qkv_packed, mlp.gate_up_packed, attn.o_proj.packed, mlp.down_proj.packed]
         self.lm_head_packed = PrepackedWeight([self.lm_head]) if pack else None
-        self.model.fused_prompt_ops = self.paged_attention  # prompt_ops' rounding goes with the kernel's key
         if pack and self.lm_head.weight.device.type != "meta":
             for packed in packs + [self.lm_head_packed]:
                 packed.pack()  # now, not in the first request (~0.5 s for SmolLM2)

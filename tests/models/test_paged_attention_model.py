@@ -38,4 +38,18 @@ def test_bf16_model_on_the_kernel_same_bits_chunked_and_close_to_fp32(tmp_path, 
     assert len(calls) == loaded.model.config.num_hidden_layers  # the torch layers ran
     torch.testing.assert_close(torch_ops, whole, atol=0.05, rtol=0.02)
     fp32 = load_model(str(tmp_path), load_tokenizer=False)
-    assert not fp32.model.paged_attention and not fp32.model.model.fused_prompt_ops  # float32 keeps torch's path
+    assert not fp32.model.paged_attention  # float32 keeps torch's path, and its ops
+    prefill_alone(fp32, ids)
+    assert len(calls) == loaded.model.config.num_hidden_layers
+    # metadata built without the kernel (md.paged None): the torch layers, not the fused ones
+    loaded.model.model.fused_prompt_ops = True
+    from prefixcache.layers.attention import build_attention_metadata
+    md, positions = build_attention_metadata([(0, len(ids), list(range(4)))], 16, "cpu", batch_invariant=True,
+                                             dtype=torch.bfloat16, num_pool_blocks=8)
+    assert md.paged is None
+    pool = [torch.zeros(2, 8, 16, loaded.model.config.num_key_value_heads, loaded.model.config.head_dim,
+                        dtype=torch.bfloat16) for _ in range(loaded.model.config.num_hidden_layers)]
+    with torch.inference_mode():
+        hidden = loaded.model(torch.tensor(ids), positions, md, pool)
+    assert hidden.shape == (len(ids), loaded.model.config.hidden_size)
+    assert len(calls) == loaded.model.config.num_hidden_layers

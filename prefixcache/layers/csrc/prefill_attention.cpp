@@ -75,7 +75,8 @@ struct Buffers {  // one work item's state, float32 unless said
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 
-// 2^x for x <= 0 (x below -126, -inf and NaN give 2^-126: the caller masks those lanes): n = round(x),
+// 2^x for x <= 0 (x below -126, -inf and NaN give 2^-126, ~1e-38, where e^x gave e^-87 before; the caller
+// masks the lanes of masked keys, s = -inf, to 0): n = round(x),
 // f = x - n in [-0.5, 0.5], 2^f by its Taylor polynomial of degree 5 in f ln2 (relative error < 3e-6), then
 // scaled by 2^n (vscalefps).
 inline __m512 exp2_512(__m512 x) {

@@ -91,13 +91,14 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const std::vector<at::Tensor>& x
                                                 double eps) {
   const Tiles x = make_tiles(x_tiles, "add_rms_norm");
   const int64_t T = x.rows(), n = x.cols;
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
-              "add_rms_norm: weight must be contiguous bf16 [", n, "]");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  weight.is_cpu(),
+              "add_rms_norm: weight must be contiguous bf16 [", n, "] on the CPU");
   const bool has_res = residual.has_value() && residual->defined();
   if (has_res)
     TORCH_CHECK(residual->dim() == 2 && residual->size(0) == T && residual->size(1) == n &&
-                    residual->scalar_type() == at::kBFloat16 && residual->is_contiguous(),
-                "add_rms_norm: residual must be contiguous bf16 [", T, ", ", n, "]");
+                    residual->scalar_type() == at::kBFloat16 && residual->is_contiguous() && residual->is_cpu(),
+                "add_rms_norm: residual must be contiguous bf16 [", T, ", ", n, "] on the CPU");
   const at::TensorOptions opts = at::TensorOptions().dtype(at::kBFloat16);
   at::Tensor h = !has_res && x_tiles.size() == 1 ? x_tiles[0] : at::empty({T, n}, opts);
   at::Tensor y = at::empty({T, n}, opts);
@@ -139,15 +140,15 @@ at::Tensor rope_write_kv(const std::vector<at::Tensor>& qkv_tiles, const at::Ten
   TORCH_CHECK(D % 32 == 0, "rope_write_kv: head_dim must be a multiple of 32, got ", D);
   for (const at::Tensor* t : {&cos, &sin_rot})
     TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->size(1) == D && t->scalar_type() == at::kBFloat16 &&
-                    t->is_contiguous(),
-                "rope_write_kv: cos and sin_rot must be contiguous bf16 [", T, ", ", D, "]");
+                    t->is_contiguous() && t->is_cpu(),
+                "rope_write_kv: cos and sin_rot must be contiguous bf16 [", T, ", ", D, "] on the CPU");
   TORCH_CHECK(k_slots.dim() == 3 && k_slots.size(1) == KVH && k_slots.size(2) == D && k_slots.is_contiguous() &&
                   k_slots.scalar_type() == at::kBFloat16 && v_slots.sizes() == k_slots.sizes() &&
-                  v_slots.is_contiguous() && v_slots.scalar_type() == at::kBFloat16,
-              "rope_write_kv: k_slots and v_slots must be contiguous bf16 [S, ", KVH, ", ", D, "]");
+                  v_slots.is_contiguous() && v_slots.scalar_type() == at::kBFloat16 && k_slots.is_cpu() && v_slots.is_cpu(),
+              "rope_write_kv: k_slots and v_slots must be contiguous bf16 [S, ", KVH, ", ", D, "] on the CPU");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == T && slot_mapping.scalar_type() == at::kLong &&
-                  slot_mapping.is_contiguous(),
-              "rope_write_kv: slot_mapping must be contiguous int64 [", T, "]");
+                  slot_mapping.is_contiguous() && slot_mapping.is_cpu(),
+              "rope_write_kv: slot_mapping must be contiguous int64 [", T, "] on the CPU");
   const int64_t S = k_slots.size(0);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
