@@ -137,8 +137,9 @@ def int8_linear(
 INT4_GROUP = 32  # input features per scale (llama.cpp's Q4_1 / Q8_0 block size; also the activations')
 # Block-hash key of K/V computed by generated rows. Their attention's form (csrc/paged_attention.cpp)
 # follows the CPU's AVX512-BF16 like the prompt kernel's, which the model key names (attention.kv_numerics);
-# this names the forms' versions, so K/V of the earlier 16-key-piece bf16-CPU form in a tier is not reused.
-INT4_OUTPUT_KEY = b"int4-generated:decoder-f32-residual|decode-attention:bf16-keys32"
+# this names the forms' versions and which rows take which, so K/V computed under an earlier rule in a tier
+# is not reused (2026-12-01: rows past 4,096 keys take the float32 form).
+INT4_OUTPUT_KEY = b"int4-generated:decoder-f32-residual|decode-attention:bf16-keys32|f32-past-4096"
 
 
 @dataclass(slots=True)

@@ -139,6 +139,34 @@ def test_kernel_reads_only_each_rows_keys_and_gives_it_the_same_bits_alone(block
     assert torch.equal(out[2], v_slots[slot].repeat_interleave(heads // kv_heads, 0))
 
 
+def test_rows_past_4096_keys_take_the_float32_form_by_their_own_length():
+    """Where the bf16 form runs, a row whose context passes 4,096 keys gets exactly the float32 form's
+    bits (a lone long context streams its K/V faster that way), alone and beside shorter rows, which keep
+    the bf16 form's bits; the rule reads only the row's own length."""
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, block = 9, 3, 64, 16
+    num_blocks = 2 * 260 + 8
+    k_slots = torch.randn(num_blocks * block, kv_heads, head_dim, generator=g).bfloat16()
+    v_slots = torch.randn(num_blocks * block, kv_heads, head_dim, generator=g).bfloat16()
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.stack([perm[:260], perm[260:520], perm[:260]])  # the third shares the first's blocks
+    lens = [4097, 4096, 600]
+    q = torch.randn(3, heads, head_dim, generator=g).bfloat16()
+
+    def run(rows_idx, float32_form=False):
+        rows = build_generated_rows(list(range(len(rows_idx))), [lens[i] for i in rows_idx], tables[rows_idx], block,
+                                    "cpu")
+        return generated_attention(q[rows_idx], k_slots, v_slots, rows, head_dim**-0.5, float32_form)
+
+    batch = run([0, 1, 2])
+    for r in range(3):
+        assert torch.equal(run([r])[0], batch[r])
+    assert torch.equal(batch[0], run([0], float32_form=True)[0])  # past 4,096: the float32 form's bits
+    if torch.cpu._is_avx512_bf16_supported():  # else every row runs the float32 form
+        assert not torch.equal(batch[1], run([1], float32_form=True)[0])  # 4,096 itself: the bf16 form
+        assert not torch.equal(batch[2], run([2], float32_form=True)[0])
+
+
 def test_kernel_refuses_a_context_or_block_outside_its_table_or_pool():
     k = torch.zeros(32, 1, 16, dtype=torch.bfloat16)
     q = torch.zeros(1, 1, 16, dtype=torch.bfloat16)

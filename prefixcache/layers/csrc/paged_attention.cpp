@@ -18,8 +18,10 @@
 //   and read the shared blocks' prepared K/V from cache, each row still doing its own arithmetic over
 //   every one of its keys (FlashInfer's and vLLM's cascade attention instead attend to the shared part
 //   once and merge by log-sum-exp, which changes a row's rounding with its batch).
-// - float32 (elsewhere): keys in pieces of at most 16 that never cross a pool block, scores in float32
-//   (bf16 K converted exactly) summed over 16 lanes then across them in a fixed pattern, p @ v in float32.
+// - float32 (elsewhere, and for rows whose context is longer than kBf16MaxContext = 4,096 keys: a lone long
+//   context streams its K/V faster this way; the row's own length decides, never its batch): keys in pieces
+//   of at most 16 that never cross a pool block, scores in float32 (bf16 K converted exactly) summed over 16
+//   lanes then across them in a fixed pattern, p @ v in float32.
 //
 // The prompt kernel (prefill_attention.cpp) runs exactly where the first form does, so the model's cache
 // key (attention.kv_numerics) tells the two apart, and INT4_OUTPUT_KEY (layers/quant.py) names the form.
@@ -49,6 +51,11 @@ constexpr int kMaxVec = 16;    // head_dim <= 256 (16 registers of 16 floats)
 constexpr int kMaxGroup = 16;  // query heads per kv head
 constexpr int kPiece = 16;     // keys per softmax piece
 constexpr int64_t kSegment = 1024;  // keys per work item: a row's context is split at multiples of it
+// Rows with a longer context take the float32 form also where the bf16 form runs: a lone long context gains
+// nothing from sharing prepared blocks and streams its K/V faster through the float32 form (8,100 keys, 30
+// layers out of cache: 23.1 vs 32.2 ms, scripts/probe_decode_attention.py --layers 30). By the row's own
+// length only, so a row's form, and its bits, never depend on its batch.
+constexpr int64_t kBf16MaxContext = 4096;
 
 struct Args {
   const at::BFloat16* q;  // [R, H, D]
@@ -59,6 +66,9 @@ struct Args {
   at::BFloat16* out;      // [R, H, D]
   int64_t H, KVH, D, max_blocks, block_size;
   float scale;
+  const uint8_t* skip = nullptr;  // [R] or null: rows this launch leaves to the other form (1)
+
+  bool runs(int64_t r) const { return skip == nullptr || skip[r] == 0; }
 };
 
 // 16 vectors -> their 16 horizontal sums, in order. Every vector's lanes are added in the same
@@ -432,7 +442,7 @@ std::vector<Item> make_items(const Args& a, int64_t R, int64_t num_segments, std
       const int64_t seg_start = s * kSegment, seg_end = seg_start + kSegment, first = seg_start / a.block_size;
       rows.clear();  // (first block, -keys in the segment, row): a group's longest contexts first
       for (int64_t r = 0; r < R; ++r)
-        if (a.lens[r] > seg_start)
+        if (a.lens[r] > seg_start && a.runs(r))
           rows.emplace_back(a.table[r * a.max_blocks + first], seg_start - std::min<int64_t>(a.lens[r], seg_end), r);
       std::sort(rows.begin(), rows.end());
       for (size_t i = 0; i < rows.size();) {
@@ -485,7 +495,7 @@ void launch(const Args& a, int64_t R) {
   at::parallel_for(0, a.KVH * R, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i % R, kh = i / R;
-      merge_row(a, r, kh, parts.data() + (r * a.KVH + kh) * num_segments * part_size, (a.lens[r] + kSegment - 1) / kSegment,
+      if (a.runs(r)) merge_row(a, r, kh, parts.data() + (r * a.KVH + kh) * num_segments * part_size, (a.lens[r] + kSegment - 1) / kSegment,
                 part_size);
     }
   });
@@ -526,12 +536,19 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_slots, cons
     }
   }
   at::Tensor out = at::empty_like(q);
-  const Args a{q.data_ptr<at::BFloat16>(), k_slots.data_ptr<at::BFloat16>(), v_slots.data_ptr<at::BFloat16>(),
-               table, lens, out.data_ptr<at::BFloat16>(), H, KVH, D, block_table.size(1),
-               block_size, static_cast<float>(scale)};
+  Args a{q.data_ptr<at::BFloat16>(), k_slots.data_ptr<at::BFloat16>(), v_slots.data_ptr<at::BFloat16>(),
+         table, lens, out.data_ptr<at::BFloat16>(), H, KVH, D, block_table.size(1),
+         block_size, static_cast<float>(scale)};
+  std::vector<uint8_t> is_long(R), is_short(R);  // which form each row takes (kBf16MaxContext)
   if (allow_bf16 && __builtin_cpu_supports("avx512bf16") && D % 32 == 0) {  // the model key names this form (header)
-    bf16dp::launch(a, R);
-    return out;
+    int64_t num_long = 0;
+    for (int64_t r = 0; r < R; ++r) is_long[r] = lens[r] > kBf16MaxContext, is_short[r] = !is_long[r], num_long += is_long[r];
+    if (num_long < R) {
+      a.skip = num_long > 0 ? is_long.data() : nullptr;
+      bf16dp::launch(a, R);
+    }
+    if (num_long == 0) return out;
+    a.skip = is_short.data();  // the long rows: the float32 form below
   }
   // Work items (kv head, segment, row), in that order: rows over the same blocks run back to back.
   int64_t num_segments = 1;
@@ -543,12 +560,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_slots, cons
   at::parallel_for(0, KVH * num_segments * R, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t kh = i / (num_segments * R), s = i / R % num_segments, r = i % R;
-      if (s * kSegment < lens[r]) attend(a, r, kh, s * kSegment, std::min<int64_t>(lens[r], (s + 1) * kSegment), part_of(r, kh, s));
+      if (s * kSegment < lens[r] && a.runs(r)) attend(a, r, kh, s * kSegment, std::min<int64_t>(lens[r], (s + 1) * kSegment), part_of(r, kh, s));
     }
   });
   at::parallel_for(0, KVH * R, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
-      merge_row(a, i % R, i / R, part_of(i % R, i / R, 0), (lens[i % R] + kSegment - 1) / kSegment, part_size);
+      if (a.runs(i % R)) merge_row(a, i % R, i / R, part_of(i % R, i / R, 0), (lens[i % R] + kSegment - 1) / kSegment, part_size);
   });
   return out;
 }
