@@ -11,7 +11,9 @@ block size), so it gets the same bits in a decode, in a recompute after preempti
 On a CPU with AVX512-BF16 (and head_dim a multiple of 32) keys go in blocks of 32 at fixed positions,
 32 keys in the lanes of two vectors, both products as bf16 dot products with float32 sums (``p``
 rounded to bf16, as the prompt kernel and torch's CPU flash kernel do); elsewhere a float32 form (pieces
-of at most 16 keys inside one pool block, ``float32_form=True`` runs it anywhere). Rows whose contexts
+of at most 16 keys inside one pool block, ``float32_form=True`` runs it anywhere), which also takes
+every row past 4,096 keys (a lone long context reads its K/V faster that way; the row's own length
+decides, never its batch). Rows whose contexts
 start with the same pool blocks (requests over one system prompt, the samples of an ``n > 1``
 request) form one work item: each shared block's K is transposed and its V interleaved once, then every
 row of the item does its own arithmetic over it. That is the memory and preparation side of
