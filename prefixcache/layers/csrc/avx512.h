@@ -1,5 +1,5 @@
-// bfloat16 <-> float32 and e^x for 16 lanes, shared by the CPU kernels (qgemm.cpp, paged_attention.cpp,
-// generated_decoder.cpp).
+// bfloat16 <-> float32, e^x for 16 lanes and the K/V row prefetch, shared by the CPU kernels (qgemm.cpp,
+// paged_attention.cpp, prefill_attention.cpp, generated_decoder.cpp, prompt_ops.cpp).
 #pragma once
 #include <ATen/ATen.h>
 #include <immintrin.h>
@@ -9,11 +9,21 @@ inline __m512 load_bf16(const at::BFloat16* p) {  // 16 bf16 -> float32, exact
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-inline void store_bf16(at::BFloat16* p, __m512 x) {  // float32 -> bfloat16, round to nearest even (torch's, finite x)
-  __m512i b = _mm512_castps_si512(x);
-  b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                           _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+// float32 -> bfloat16 rounded to nearest even (torch's c10::BFloat16 rounding), the bf16 in each dword's
+// high half, low half zero; NaN stays a quiet NaN. The one rounding every kernel's bf16 store uses.
+inline __m512i to_bf16_bits(__m512 x) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                        _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000))), nan,
+                               _mm512_set1_epi32(0x7FC00000));
+}
+
+inline __m512 round_bf16(__m512 x) { return _mm512_castsi512_ps(to_bf16_bits(x)); }  // x's value as bf16, in float32
+
+inline void store_bf16(at::BFloat16* p, __m512 x) {  // 16 lanes, rounded as to_bf16_bits
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(to_bf16_bits(x), 16)));
 }
 
 inline __m512 exp512(__m512 x) {  // e^x = 2^n e^r, |r| <= ln2 / 2, degree-6 Taylor polynomial (~1e-7 relative)
@@ -30,4 +40,19 @@ inline __m512 exp512(__m512 x) {  // e^x = 2^n e^r, |r| <= ln2 / 2, degree-6 Tay
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+
+// Asks for the K and V rows of keys [begin, end) of one sequence (its block table row `table`, kv head at
+// element offset head_offset within a slot's row of row_stride elements) to be brought into L1 ahead of
+// their use: a long context's K/V is out of cache (a decode step ran every other layer since; a prompt item
+// streams all of it), and one kv head's rows lie row_stride elements apart, a stride the hardware
+// prefetcher follows poorly. row_bytes: bytes of one head's row (2 D for bf16).
+inline void prefetch_kv_rows(const at::BFloat16* k, const at::BFloat16* v, const int32_t* table, int64_t block_size,
+                             int64_t row_stride, int64_t head_offset, int64_t row_bytes, int64_t begin, int64_t end) {
+  for (int64_t pos = begin; pos < end; ++pos) {
+    const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
+    const char* kr = reinterpret_cast<const char*>(k + slot * row_stride + head_offset);
+    const char* vr = reinterpret_cast<const char*>(v + slot * row_stride + head_offset);
+    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(kr + b, _MM_HINT_T0), _mm_prefetch(vr + b, _MM_HINT_T0);
+  }
 }

@@ -277,20 +277,9 @@ void prepare(const Args& a, const int32_t* table_row, int64_t kh, const KeyBlock
   }
 }
 
-// Asks for the K and V rows of keys [begin, end) (one row's block table, kv head kh) to be brought into
-// cache ahead of their prepare: a decode step finds a layer's K/V out of cache (every other layer ran since),
-// and the rows of one kv head lie 2 KVH D bytes apart, a stride the hardware prefetcher follows poorly.
+// K/V rows of keys [begin, end) of one row (its block table row), kv head kh, asked for ahead (avx512.h).
 void prefetch_keys(const Args& a, const int32_t* table_row, int64_t kh, int64_t begin, int64_t end) {
-  const int64_t row_stride = a.KVH * a.D, row_bytes = a.D * 2;
-  for (int64_t pos = begin; pos < end; ++pos) {
-    const int64_t slot = static_cast<int64_t>(table_row[pos / a.block_size]) * a.block_size + pos % a.block_size;
-    const char* kr = reinterpret_cast<const char*>(a.k + slot * row_stride + kh * a.D);
-    const char* vr = reinterpret_cast<const char*>(a.v + slot * row_stride + kh * a.D);
-    for (int64_t b = 0; b < row_bytes; b += 64) {
-      _mm_prefetch(kr + b, _MM_HINT_T0);
-      _mm_prefetch(vr + b, _MM_HINT_T0);
-    }
-  }
+  prefetch_kv_rows(a.k, a.v, table_row, a.block_size, a.KVH * a.D, kh * a.D, a.D * 2, begin, end);
 }
 
 // Which dim of its 32-dim block the output accumulator's dword j holds: V pairs are interleaved within
@@ -539,8 +528,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_slots, cons
   Args a{q.data_ptr<at::BFloat16>(), k_slots.data_ptr<at::BFloat16>(), v_slots.data_ptr<at::BFloat16>(),
          table, lens, out.data_ptr<at::BFloat16>(), H, KVH, D, block_table.size(1),
          block_size, static_cast<float>(scale)};
-  std::vector<uint8_t> is_long(R), is_short(R);  // which form each row takes (kBf16MaxContext)
+  std::vector<uint8_t> is_long, is_short;  // which form each row takes (kBf16MaxContext); sized only for the bf16 form
   if (allow_bf16 && __builtin_cpu_supports("avx512bf16") && D % 32 == 0) {  // the model key names this form (header)
+    is_long.resize(R), is_short.resize(R);
     int64_t num_long = 0;
     for (int64_t r = 0; r < R; ++r) is_long[r] = lens[r] > kBf16MaxContext, is_short[r] = !is_long[r], num_long += is_long[r];
     if (num_long < R) {

@@ -234,14 +234,8 @@ void attend_item(const Args& a, const Work& w, Buffers& buf) {
     }
     // the next block's K and V rows asked for now, read by the time this block's products are done
     // (a long context's K/V is out of L2: each work item streams all of it)
-    for (int64_t j = 0, key = k0 + kKeys, block = key / a.block_size, offset = key % a.block_size;
-         j < kKeys && key < num_keys; ++j, ++key) {
-      const int64_t slot = static_cast<int64_t>(table[block]) * a.block_size + offset;
-      const char* kr = reinterpret_cast<const char*>(a.k + slot * row_stride + w.kh * D);
-      const char* vr = reinterpret_cast<const char*>(a.v + slot * row_stride + w.kh * D);
-      for (int64_t b = 0; b < 2 * D; b += 64) _mm_prefetch(kr + b, _MM_HINT_T0), _mm_prefetch(vr + b, _MM_HINT_T0);
-      if (++offset == a.block_size) offset = 0, ++block;
-    }
+    prefetch_kv_rows(a.k, a.v, table, a.block_size, row_stride, w.kh * D, 2 * D, k0 + kKeys,
+                     std::min<int64_t>(k0 + 2 * kKeys, num_keys));
     if (RV - v0 == 3) block_scores<3>(buf, v0, kw, P, pos, k0, scale);
     else if (RV - v0 == 2) block_scores<2>(buf, v0, kw, P, pos, k0, scale);
     else block_scores<1>(buf, v0, kw, P, pos, k0, scale);

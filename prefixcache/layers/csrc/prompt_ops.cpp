@@ -58,6 +58,7 @@ Tiles make_tiles(const std::vector<at::Tensor>& tiles, const char* name) {
   return out;
 }
 
+// Masked tails (avx512vl, this file's target): rows whose width is not a multiple of 16.
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
 
 inline __m512 load_bf16_n(const at::BFloat16* p, int64_t n) {  // n <= 16 bf16 -> float32 (0 past n)
@@ -65,18 +66,7 @@ inline __m512 load_bf16_n(const at::BFloat16* p, int64_t n) {  // n <= 16 bf16 -
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
 }
 
-inline __m512i to_bf16_bits(__m512 x) {  // round to nearest even, bf16 in each dword's high half; NaN stays NaN
-  const __m512i b = _mm512_castps_si512(x);
-  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                                        _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))));
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_mask_mov_epi32(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000))), nan,
-                               _mm512_set1_epi32(0x7FC00000));
-}
-
-inline __m512 round_bf16(__m512 x) { return _mm512_castsi512_ps(to_bf16_bits(x)); }
-
-inline void store_bf16_n(at::BFloat16* p, __m512 x, int64_t n) {
+inline void store_bf16_n(at::BFloat16* p, __m512 x, int64_t n) {  // the first n <= 16 lanes, rounded as to_bf16_bits
   _mm256_mask_storeu_epi16(p, tail_mask(n), _mm512_cvtepi32_epi16(_mm512_srli_epi32(to_bf16_bits(x), 16)));
 }
 
