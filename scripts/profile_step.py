@@ -1,8 +1,9 @@
 """Where a forward pass spends its time: torch.profiler over one cold prefill, a short decode, or the
 speed bench's 10 prompts x 32 tokens with every prompt already cached (``--speed-batch``: its decode
-steps).
+steps), or its one step that prefills the 10 prompts' own tokens over the cached system prompt
+(``--speed-suffixes``).
 
-    .venv/bin/python scripts/profile_step.py [--quantization int8 | --dtype bfloat16] [--prefill-tokens 2000 | --decode-tokens 16 | --speed-batch]
+    .venv/bin/python scripts/profile_step.py [--quantization int8 | --dtype bfloat16] [--prefill-tokens 2000 | --decode-tokens 16 | --speed-batch | --speed-suffixes]
 """
 
 import argparse
@@ -25,6 +26,8 @@ p.add_argument("--num-threads", type=int, default=2)
 p.add_argument("--prefill-tokens", type=int, default=2000)
 p.add_argument("--decode-tokens", type=int, default=0, help="profile this many decode steps instead")
 p.add_argument("--speed-batch", action="store_true", help="profile the speed bench's 10 x 32 run, prompts cached")
+p.add_argument("--speed-suffixes", action="store_true",
+               help="profile the 10 x 32 run's step that prefills the 10 prompts' suffixes, the system prompt cached")
 args = p.parse_args()
 
 
@@ -52,6 +55,10 @@ if args.speed_batch:
     prompts = build_speed_prompts(llm.engine.tokenizer, 10).shared
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # every prompt's blocks cached: the profiled run decodes
+elif args.speed_suffixes:
+    prompts = build_speed_prompts(llm.engine.tokenizer, 10).shared
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # the prefix cached
+    prompts, params = prompts[1:], SamplingParams(temperature=0, max_tokens=1)  # nine suffixes in one step
 elif args.decode_tokens:
     prompts, params = ["The capital of France is"], SamplingParams(temperature=0, max_tokens=args.decode_tokens,
                                                                    ignore_eos=True)
