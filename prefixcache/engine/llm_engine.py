@@ -12,7 +12,9 @@
 
 A step that raises fails only its own requests (finish_reason ``"error"``): the blocks cached in
 that step are dropped from the cache (their K/V was never written, or only partly), the requests'
-blocks are freed, and the engine goes on serving the others.
+blocks are freed, and the engine goes on serving the others. A request whose sampling failed in a
+step that ran (its grammar, ``ModelRunnerOutput.failed``) finishes with ``"error"`` alone; the
+step's K/V and the other requests' tokens stand.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from prefixcache.models.loader import LoadedModel, load_model
 from prefixcache.outputs import RequestOutput
 from prefixcache.request import Request, RequestStatus
 from prefixcache.runner.kv_pool import kv_block_layout, kv_cache_bytes_per_block, num_blocks_for_memory
-from prefixcache.runner.model_runner import ModelRunner
+from prefixcache.runner.model_runner import ModelRunner, ModelRunnerOutput
 from prefixcache.sampling_params import SamplingParams
 from prefixcache.scheduler_output import SchedulerOutput
 
@@ -250,9 +252,29 @@ class LLMEngine:
         if self.kv_tiers is not None:  # what computing costs, for the tiers' load-or-recompute rule
             self.kv_tiers.observe_compute(time.perf_counter() - start, sum(len(s.token_ids) for s in scheduler_output.seqs))
         self._store_to_tiers()
-        updated = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        sampled, failed = self._drop_failed(scheduler_output, runner_output)
+        updated = self.scheduler.update_from_output(scheduler_output, sampled)
         self.scheduler.store_prompt_logprobs(runner_output.prompt_logprobs)
-        return self._postprocess(updated, runner_output.logprobs)
+        outputs = self._postprocess(updated, runner_output.logprobs)
+        for request_id, message in failed.items():
+            self.scheduler.requests[request_id].error = message
+        return outputs + self._finish([self.scheduler.requests[rid] for rid in failed], RequestStatus.FINISHED_ERROR)
+
+    @staticmethod
+    def _drop_failed(scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> tuple[dict[str, int], dict[str, str]]:
+        """The step's sampled tokens without those of requests whose sampling failed, and those
+        requests (id → why). A failed fork's parent fails with it (its samples are created from
+        its token, which is dropped: the group ends with ``"error"``)."""
+        if not runner_output.failed:
+            return runner_output.sampled_token_ids, {}
+        failed: dict[str, str] = {}
+        for seq in scheduler_output.seqs:
+            ids = [seq.request_id] + [fork_id for fork_id, _ in seq.forks]
+            message = next((runner_output.failed[i] for i in ids if i in runner_output.failed), None)
+            if message is not None:
+                failed[seq.request_id] = message
+        dropped = set(failed) | {f for s in scheduler_output.seqs if s.request_id in failed for f, _ in s.forks}
+        return {rid: t for rid, t in runner_output.sampled_token_ids.items() if rid not in dropped}, failed
 
     def _store_to_tiers(self) -> None:
         """Hands the K/V of the blocks this step computed to the KV tiers' writer (write-through)."""

@@ -44,11 +44,15 @@ class ModelRunnerOutput:
         logprobs: request id -> the sampled position's logprobs, for those whose params ask.
         prompt_logprobs: request id -> the prompt logprobs of its chunk, for those whose
             ``ScheduledSeq.prompt_logprobs`` is set (see ``prefixcache.prompt_logprobs``).
+        failed: request id (a sample's own id for a fork) -> why its sampling failed (its grammar,
+            see ``runner/structured_output.py``); its sampled token is not to be used, the engine
+            finishes it with ``"error"``.
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -151,9 +155,12 @@ class ModelRunner:
         if len(sampling) > len(rows):  # forked samples reuse their parent's row
             logits = logits[torch.tensor([row for _, _, row, _ in sampling])]
         ids, params = [rid for rid, *_ in sampling], [p for _, p, _, _ in sampling]
-        logits = self.structured_output.mask_logits(logits, ids, params)  # grammar: -inf where not allowed
+        logits, failed = self.structured_output.mask_logits(logits, ids, params)  # grammar: -inf where not allowed
         out = sample_batch(logits, self._sampling_metadata(sampling, logits.shape[-1]))
-        self.structured_output.accept_tokens(ids, params, out.token_ids)
+        output.failed = self.structured_output.accept_tokens(ids, params, out.token_ids, failed)
+        if output.failed:  # the engine fails such a sample's whole group: its forks' matchers go now
+            self.structured_output.free([fork_id for s in seqs if s.forks and any(
+                i in output.failed for i in [s.request_id] + [f for f, _ in s.forks]) for fork_id, _ in s.forks])
         output.sampled_token_ids = dict(zip(ids, out.token_ids))
         output.logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None}
         return output

@@ -5,9 +5,14 @@ A request whose :class:`SamplingParams` has ``structured_outputs`` is constraine
 
 - Admission: :meth:`StructuredOutputManager.compile` turns the constraint into an llguidance
   grammar and builds a matcher for it, once per distinct constraint (an LRU cache keyed by the
-  frozen :class:`StructuredOutputsParams`, whose schema is compact JSON text). A schema or regex
-  that doesn't compile raises ``InvalidInputError("structured_outputs")`` here, before the request
-  is queued, so one bad request never fails an engine step.
+  frozen :class:`StructuredOutputsParams`, whose schema is compact JSON text), and builds its first
+  masks along the tokens it forces: a schema or regex that doesn't compile, that llguidance refuses
+  only there (its lexer past its limits: the regex ``a{1000000}`` at its first token), or that
+  allows no token at all (``[^\\s\\S]``, a schema that only refers to itself) raises
+  ``InvalidInputError("structured_outputs")`` here, before the request is queued.
+- A grammar that fails later, in a step (a lexer limit reached only after some tokens), fails only
+  its own request: :meth:`mask_logits` and :meth:`accept_tokens` report it (request id → message)
+  and the engine finishes that request with ``"error"``; the step's other requests go on.
 - Every step that samples: :meth:`mask_logits` sets to ``-inf`` the logits of every token that
   can't continue a text the grammar accepts, in each constrained row, before the sampler runs
   (greedy and sampled rows alike); EOS is allowed only where the text is complete.
@@ -52,6 +57,7 @@ from prefixcache.errors import InvalidInputError
 from prefixcache.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_CACHED_GRAMMARS = 256
+FORCED_TOKENS_CHECKED = 16  # forced first tokens followed at admission (see _check_forced_start)
 # JSON layout: json.dumps's default separators and no other whitespace (see StructuredOutputsParams).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -69,6 +75,11 @@ def grammar_for(spec: StructuredOutputsParams) -> str:
     if spec.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
     return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error message without the parser state it appends (its first line, <= 300 chars)."""
+    return (error.strip().splitlines() or [""])[0][:300]
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
@@ -139,10 +150,45 @@ class StructuredOutputManager:
         if template.is_error():
             raise InvalidInputError("structured_outputs", f"the constraint does not compile: "
                                                           f"{template.get_error()[:500]}")
+        self._check_forced_start(template)
         self._templates[spec] = template
         if len(self._templates) > self.max_cached_grammars:
             self._templates.popitem(last=False)
         return template
+
+    def _check_forced_start(self, template: llguidance.LLMatcher) -> None:
+        """Builds the constraint's first masks on a copy, following the tokens it forces (a mask with
+        one allowed token) for up to :data:`FORCED_TOKENS_CHECKED` tokens: llguidance checks some
+        limits only there (its regex lexer's state count: ``a{1000000}`` fails at its first token),
+        and a constraint that allows nothing first (``[^\\s\\S]``, a schema that only refers to itself)
+        fails its first mask.
+
+        Raises:
+            InvalidInputError: (field ``structured_outputs``) any of those.
+        """
+        matcher = template.deep_copy()
+        bitmask = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
+        for _ in range(FORCED_TOKENS_CHECKED):
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+            if matcher.is_error() or not bool(bitmask.any()):
+                break
+            allowed = torch.nonzero(bitmask[0]).flatten()
+            word = int(bitmask[0, allowed[0]]) & 0xFFFFFFFF if allowed.numel() == 1 else 0
+            if word == 0 or word & (word - 1):  # more than one token allowed: nothing forced
+                return
+            token = 32 * int(allowed[0]) + word.bit_length() - 1
+            if token in self.eos_token_ids or not matcher.consume_token(token):
+                break
+        else:
+            return
+        if matcher.is_error():
+            why = _first_line(matcher.get_error())
+            if why == "NoExtensionBias":  # llguidance's name for "no token can come next"
+                why = "it matches no text (llguidance: NoExtensionBias)"
+            raise InvalidInputError("structured_outputs", f"the constraint does not compile: {why}")
+        if not bool(bitmask.any()):
+            raise InvalidInputError("structured_outputs", "the constraint matches no text: no token, and not "
+                                                          "the end of the text, can come first")
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
         if self._ll_tokenizer is None:
@@ -155,7 +201,7 @@ class StructuredOutputManager:
         return self._ll_tokenizer
 
     def mask_logits(self, logits: torch.Tensor, request_ids: Sequence[str],
-                    params: Sequence[SamplingParams]) -> torch.Tensor:
+                    params: Sequence[SamplingParams]) -> tuple[torch.Tensor, dict[str, str]]:
         """Masks, in place, the tokens each constrained row's grammar doesn't allow next.
 
         A request's matcher is made here at its first sampled token.
@@ -165,32 +211,45 @@ class StructuredOutputManager:
                 ``request_ids[i]`` with ``params[i]``.
 
         Returns:
-            ``logits`` (unconstrained rows untouched).
+            ``logits`` (unconstrained rows untouched), and the requests whose grammar failed here
+            (request id → why: llguidance's error, or no token allowed); their rows are left
+            unmasked, their tokens are not to be used.
         """
         rows = [i for i, p in enumerate(params) if p.structured_outputs is not None]
         if not rows:
-            return logits
+            return logits, {}
         bitmask = torch.zeros(len(rows), (logits.shape[-1] + 31) // 32, dtype=torch.int32)
+        failed: dict[str, str] = {}
         for k, i in enumerate(rows):
-            matcher = self._matchers.get(request_ids[i])
+            rid = request_ids[i]
+            matcher = self._matchers.get(rid)
             if matcher is None:
-                matcher = self._matchers[request_ids[i]] = self._template(params[i].structured_outputs).deep_copy()
+                matcher = self._matchers[rid] = self._template(params[i].structured_outputs).deep_copy()
             llguidance.torch.fill_next_token_bitmask(matcher, bitmask, k)
+            if matcher.is_error() or not bool(bitmask[k].any()):
+                why = _first_line(matcher.get_error()) if matcher.is_error() else "no token is allowed next"
+                failed[rid] = f"structured output: the grammar of request {rid!r} failed ({why})"
+                bitmask[k] = -1  # every token: the row's sample is dropped
         apply_token_bitmask(logits, bitmask, rows)
-        return logits
+        return logits, failed
 
     def accept_tokens(self, request_ids: Sequence[str], params: Sequence[SamplingParams],
-                      tokens: Sequence[int]) -> None:
-        """Advances each constrained request's matcher with the token sampled for it.
+                      tokens: Sequence[int], failed: dict[str, str] | None = None) -> dict[str, str]:
+        """Advances each constrained request's matcher with the token sampled for it (requests
+        already in ``failed``, :meth:`mask_logits`'s report, skipped).
 
-        Raises:
-            RuntimeError: a matcher refused its token (only possible if a row had no allowed
-                token with a finite logit); the step fails, and with it that request.
+        Returns:
+            ``failed`` (or a new dict) with the requests whose matcher refused its token added
+            (request id → why).
         """
+        failed = {} if failed is None else failed
         for rid, p, token in zip(request_ids, params, tokens):
-            if p.structured_outputs is not None and not self._matchers[rid].consume_token(token):
-                raise RuntimeError(f"structured output: token {token} of request {rid!r} is outside its grammar "
-                                   f"({self._matchers[rid].get_error()[:200]})")
+            if p.structured_outputs is None or rid in failed:
+                continue
+            if not self._matchers[rid].consume_token(token):
+                failed[rid] = (f"structured output: token {token} of request {rid!r} is outside its grammar "
+                               f"({_first_line(self._matchers[rid].get_error())})")
+        return failed
 
     def free(self, request_ids: Sequence[str]) -> None:
         """Drops the matchers of finished or aborted requests (unknown ids are ignored)."""

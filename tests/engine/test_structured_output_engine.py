@@ -118,3 +118,49 @@ def test_abort_drops_the_matcher(llm):
     engine.abort_request("ab")
     engine.step()
     assert engine.runner.structured_output.num_matchers == 0
+
+
+@pytest.mark.parametrize("spec, reason", [
+    (StructuredOutputsParams(regex="a{1000000}"), "lexer error: too many expressions"),  # fails at its first token
+    (StructuredOutputsParams(regex="((a{100}){100}){100}"), "lexer error: too many expressions"),
+    (StructuredOutputsParams(regex="x((a{100}){100}){100}"), "lexer error: too many expressions"),  # 'x' forced first
+    (StructuredOutputsParams(regex="[^\\s\\S]"), "it matches no text"),
+    (StructuredOutputsParams(json={"$ref": "#"}), "it matches no text"),
+], ids=["huge-repeat", "nested-repeats", "after-a-forced-token", "empty-class", "self-reference"])
+def test_constraint_failing_at_its_first_tokens_is_refused_at_admission(llm, spec, reason):
+    """Found by a review (2026-12-02): llguidance compiles these, then fails (or allows nothing) at
+    the first mask or the first forced token; they used to fail the engine step with every request
+    in it, or end with "" and finish_reason "stop"."""
+    engine = llm.engine
+    with pytest.raises(InvalidInputError, match=f"the constraint does not compile: {reason}") as e:
+        engine.add_request("Hi", SamplingParams(max_tokens=5, structured_outputs=spec))
+    assert e.value.field == "structured_outputs"
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(InvalidInputError):  # refused again: the failure is not cached as a grammar
+        engine.add_request("Hi", SamplingParams(max_tokens=5, structured_outputs=spec))
+
+
+def test_grammar_failing_mid_generation_fails_only_its_own_request(llm):
+    """(x|y) then a regex whose lexer explodes: admitted (two tokens allowed first, nothing forced),
+    fails once its first token is in. That request ends with "error" and a message naming the
+    grammar; the greedy request in the same steps gets exactly its tokens alone; nothing leaks."""
+    engine = llm.engine
+    pool = engine.kv_cache_manager.block_pool
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].token_ids
+    free_before = pool.get_num_free_blocks()
+    bad = SamplingParams(temperature=0, max_tokens=5, structured_outputs=StructuredOutputsParams(
+        regex="(x|y)((a{100}){100}){100}"))
+    engine.add_request("The capital of France is", greedy, request_id="good")
+    engine.add_request("Say x or y:", bad, request_id="bad")
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["bad"].finish_reason == "error"
+    assert "structured output" in finished["bad"].error and "too many expressions" in finished["bad"].error
+    assert finished["bad"].text in ("", "x", "y")  # what its grammar allowed before it failed, nothing after
+    assert finished["good"].finish_reason == "length" and finished["good"].token_ids == alone
+    assert engine.runner.structured_output.num_matchers == 0
+    assert pool.get_num_free_blocks() == free_before  # every block of both requests back in the pool

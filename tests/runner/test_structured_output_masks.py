@@ -78,10 +78,10 @@ def test_first_step_allows_exactly_the_tokens_that_start_a_choice(manager, smoll
     assert not set(smollm2.eos_token_ids) & got  # the empty text is no choice
     # "positive" tokenized and accepted: the text is complete, EOS is the only continuation.
     ids = tok.encode("positive", add_special_tokens=False)
-    manager.accept_tokens(["r1"], [params], [ids[0]])
+    assert manager.accept_tokens(["r1"], [params], [ids[0]]) == {}
     for t in ids[1:]:
         assert t in allowed(manager, "r1", params)
-        manager.accept_tokens(["r1"], [params], [t])
+        assert manager.accept_tokens(["r1"], [params], [t]) == {}
     assert allowed(manager, "r1", params) == set(smollm2.eos_token_ids)
     assert manager.num_matchers == 1
     manager.free(["r1", "unknown"])
@@ -127,3 +127,35 @@ def test_compiled_constraints_are_cached_and_bounded(smollm2):
     assert list(small._templates) == specs[1:]
     small.compile(specs[1])  # a hit moves it to the end
     assert list(small._templates) == [specs[2], specs[1]]
+
+
+def test_a_refused_token_or_a_failed_mask_is_reported_for_its_request_only(manager, smollm2):
+    """A token the grammar refuses (a sampler bug, or a row with no finite allowed logit) and a
+    grammar that fails while building its mask are reported per request id, not raised: the engine
+    fails that request alone (tests/engine/test_structured_output_engine.py)."""
+    tok = smollm2.tokenizer
+    choice = SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    free = SamplingParams(temperature=0)
+    allowed(manager, "c", choice)
+    wrong = tok.encode(" maybe", add_special_tokens=False)[0]
+    failed = manager.accept_tokens(["c", "u"], [choice, free], [wrong, wrong])
+    assert list(failed) == ["c"] and f"token {wrong} of request 'c' is outside its grammar" in failed["c"]
+    explodes = SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(
+        regex="(x|y)((a{100}){100}){100}"))  # admitted: two tokens allowed first
+    logits = torch.zeros(2, manager.vocab_size)
+    _, failed = manager.mask_logits(logits, ["e", "u"], [explodes, free])
+    assert failed == {}
+    token = tok.encode("x", add_special_tokens=False)[0]
+    for _ in range(4):  # llguidance reports the lexer's limit at a token or at the mask after it
+        failed = manager.accept_tokens(["e", "u"], [explodes, free], [token, token])
+        if failed:
+            break
+        logits = torch.zeros(2, manager.vocab_size)
+        _, failed = manager.mask_logits(logits, ["e", "u"], [explodes, free])
+        if failed:
+            assert bool((logits[0] == 0).all())  # the failed row is left unmasked (its sample is dropped)
+            break
+        token = int(torch.nonzero(logits[0] == 0)[0])
+    assert list(failed) == ["e"] and "too many expressions" in failed["e"]
+    manager.free(["c", "e"])
+    assert manager.num_matchers == 0
