@@ -60,7 +60,8 @@ class LLM:
 
         Args:
             prompts: one prompt or a list; each is text or a list of token ids.
-            sampling_params: one for all prompts or one per prompt; default ``SamplingParams()``.
+            sampling_params: one for all prompts or one per prompt (``None`` entries: the default);
+                default ``SamplingParams()``.
             cache_salt: namespace for this batch's cache entries (see ``LLMEngine.add_request``).
             use_tqdm: show a progress bar for batches of more than one prompt.
             lora: a LoRA adapter for all prompts, or one (or None) per prompt.
@@ -89,7 +90,7 @@ class LLM:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
-            params = list(sampling_params)
+            params = [SamplingParams() if p is None else p for p in sampling_params]
             if len(params) != len(prompts):
                 raise InvalidInputError("sampling_params", f"sampling_params has {len(params)} entries but there "
                                                            f"are {len(prompts)} prompts")
@@ -152,16 +153,19 @@ class LLM:
             for prompt, params, salt, lora, tenant, priority in items:
                 ids.append(engine.add_request(prompt, params, cache_salt=salt, lora=lora, tenant=tenant,
                                               priority=priority))
-        except ValueError:
+            keys = [(req_id, i) for req_id, (_, params, *_) in zip(ids, items) for i in range(params.n)]
+        except BaseException:
             for req_id in ids:  # all or nothing: don't leave half a batch queued
                 engine.abort_request(req_id)
             raise
-        keys = [(req_id, i) for req_id, (_, params, *_) in zip(ids, items) for i in range(params.n)]
         results: dict[tuple[str, int], RequestOutput] = {}
+        wanted = set(keys)
         try:
             with tqdm(total=len(keys), desc="Generating", disable=not use_tqdm or len(keys) < 2) as bar:
                 while len(results) < len(keys):
                     for out in engine.step():
+                        if (out.request_id, out.index) not in wanted:  # not this call's (another caller's)
+                            continue
                         if out.finish_reason == "error":
                             raise RuntimeError(out.error)
                         if out.finished:

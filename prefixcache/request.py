@@ -114,6 +114,7 @@ class Request:
     # Output text bookkeeping (the output processor's): where the text ends when a stop string
     # matched, and how much of the decoded text is settled (searched for stop strings already).
     stop_text_end: int | None = field(init=False, default=None)
+    stop_token_hidden: bool = field(init=False, default=False)  # stopped by a stop token / EOS, its text left out
     num_checked_chars: int = field(init=False, default=0)
     error: str | None = field(init=False, default=None)  # why it finished with FINISHED_ERROR
     # With sampling_params.prompt_logprobs: the entries so far (set at first admission; the samples

@@ -96,7 +96,9 @@ class OutputProcessor:
 
     def check_stop(self, request: Request) -> RequestStatus | None:
         """Whether the request's last token ends it, and how; sets ``stop_reason`` and, for a
-        stop string, ``stop_text_end`` (where its text ends).
+        stop string, ``stop_text_end`` (where its text ends). A stop token (``stop_token_ids`` or
+        EOS) stays in ``token_ids`` but its text is left out of ``text`` unless
+        ``include_stop_str_in_output`` (vLLM v1's detokenizer: ``stop_terminated``).
 
         Returns:
             ``FINISHED_STOPPED`` (EOS, stop token or stop string), ``FINISHED_LENGTH``
@@ -106,6 +108,7 @@ class OutputProcessor:
         token = request.output_token_ids[-1]
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             request.stop_reason = token if token in params.stop_token_ids else None
+            request.stop_token_hidden = not params.include_stop_str_in_output
             return RequestStatus.FINISHED_STOPPED
         if params.stop and self._find_stop_string(request):
             return RequestStatus.FINISHED_STOPPED
@@ -139,7 +142,8 @@ class OutputProcessor:
 
     def make_output(self, request: Request) -> RequestOutput:
         """The request's output now: cumulative text and tokens, finish state and timings."""
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        ids = request.output_token_ids[:-1] if request.stop_token_hidden else request.output_token_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
         if request.stop_text_end is not None:
             text = text[: request.stop_text_end]
         return RequestOutput(

@@ -60,6 +60,12 @@ def test_stop_token_ids_stop_strings_eos_and_length(make_llm):
                        use_tqdm=False)[0]
     assert out.token_ids == base.token_ids[: first + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    # vLLM v1: the stop token's id stays, its text is left out unless include_stop_str_in_output
+    assert out.text == llm.tokenizer.decode(base.token_ids[:first], skip_special_tokens=True)
+    kept = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id], ignore_eos=True,
+                                               include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept.token_ids == out.token_ids
+    assert kept.text == llm.tokenizer.decode(base.token_ids[: first + 1], skip_special_tokens=True) != out.text
 
     word = base.text.split()[3]
     out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, stop=[word], ignore_eos=True),
@@ -119,6 +125,28 @@ def test_invalid_input_raises_value_error_and_leaks_nothing(make_llm):
     assert llm.get_metrics().num_blocks_in_use == 0
     out = llm.generate("The sun is", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
     assert len(out.token_ids) == 3
+
+
+def test_none_in_the_sampling_params_list_is_the_default_and_leaves_no_orphan(make_llm):
+    """Found by a review (2026-12-02): ``[None]`` was queued (the engine takes None as the default)
+    but ``generate`` then failed reading its ``n``, leaving the request queued; later calls counted
+    its output as theirs and failed with KeyError. Now None entries are the default params, and a
+    call collects only its own requests' outputs."""
+    llm = make_llm(num_blocks=64)
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    first = llm.generate(["Hello"], [None], use_tqdm=False)
+    assert len(first) == 1 and first[0].finished and 1 <= len(first[0].token_ids) <= SamplingParams().max_tokens
+    chat = llm.chat([{"role": "user", "content": "Hi"}], [None], use_tqdm=False)
+    assert len(chat) == 1 and chat[0].finished
+    capital = llm.generate(["The capital of France is"], greedy, use_tqdm=False)
+    again = llm.generate(["The capital of France is"], greedy, use_tqdm=False)
+    assert capital[0].token_ids == again[0].token_ids and capital[0].prompt == "The capital of France is"
+    # a request left in the engine by another caller: this call neither counts nor returns its output
+    llm.engine.add_request("Stray", SamplingParams(max_tokens=2), request_id="stray")
+    mine = llm.generate(["The capital of France is"], greedy, use_tqdm=False)
+    assert len(mine) == 1 and mine[0].request_id != "stray" and mine[0].token_ids == capital[0].token_ids
+    assert not llm.engine.has_unfinished_requests()  # the stray one (2 tokens) finished in those steps
+    assert llm.get_metrics().num_blocks_in_use == 0
 
 
 def test_engine_options_are_validated(make_llm):
