@@ -88,6 +88,12 @@ def test_streaming_concatenation_equals_the_whole_answer(server):
     ("completions", "structured_outputs", {"regex": "a", "choice": ["a"]},
      "structured_outputs: give exactly one of json, regex, choice or json_object, got ['regex', 'choice']"),
     ("completions", "structured_outputs", {"json": {"$ref": "#/$defs/x"}}, "structured_outputs: the constraint does not compile"),
+    # llguidance fails these only at their first mask or first forced token (a review found them failing the step)
+    ("chat/completions", "structured_outputs", {"regex": "a{1000000}"},
+     "structured_outputs: the constraint does not compile: lexer error: too many expressions"),
+    ("completions", "structured_outputs", {"regex": "[^\\s\\S]"}, "structured_outputs: the constraint does not compile: it matches no text"),
+    ("chat/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}},
+     "response_format: the constraint does not compile: it matches no text"),
 ])
 def test_a_bad_constraint_is_a_400_naming_the_field(server, endpoint, field, value, message):
     base = {"prompt": "Hi"} if endpoint == "completions" else {"messages": ASK}
@@ -118,3 +124,22 @@ def test_two_constraints_grammar_and_wrong_types_are_refused(server, client):
     r = post(server, "completions", {"prompt": "Hi", "max_tokens": 4, "temperature": 0, "response_format": {"type": "text"},
                                      "guided_choice": ["a", "b"]})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("a", "b")
+
+
+def test_a_grammar_failing_mid_generation_fails_only_its_request(server):
+    """Admitted (two tokens allowed first), then llguidance's lexer limit once a token is in: that
+    request is a 500 engine_error naming the grammar; a request running beside it is served whole."""
+    import concurrent.futures
+
+    normal = {"prompt": "The capital of France is", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    alone = post(server, "completions", normal).json()["choices"][0]["text"]
+    bad = {"prompt": "Say x or y:", "max_tokens": 5, "temperature": 0,
+           "structured_outputs": {"regex": "(x|y)((a{100}){100}){100}"}}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        good_future = pool.submit(post, server, "completions", normal)
+        r = pool.submit(post, server, "completions", bad).result()
+        good = good_future.result()
+    assert r.status_code == 500, r.text
+    assert r.json()["error"]["code"] == "engine_error" and "structured output" in r.json()["error"]["message"]
+    assert good.status_code == 200 and good.json()["choices"][0]["text"] == alone
+    assert server.wait_idle()["prefixcache:kv_blocks_in_use"] == 0
