@@ -388,7 +388,9 @@ class LLMEngine:
 
         Raises:
             ValueError: requests are still running or waiting in an engine sharing the model (finish
-                or abort them first), an unknown parameter name, or a shape mismatch.
+                or abort them first), an unknown parameter name, a value that is not a floating-point
+                tensor with data, a shape mismatch, or a NaN / infinite value (a mapping is checked
+                whole before anything is copied).
         """
         if any(engine.has_unfinished_requests() for engine in list(self.loaded.users)):
             raise ValueError("load_weights: requests are still in flight; wait for them or abort them first")

@@ -105,15 +105,23 @@ def _copy_named_tensors(model: nn.Module, weights: Mapping[str, torch.Tensor]) -
     """Copies ``weights`` into ``model``'s parameters of the same names; returns their content digest.
 
     Raises:
-        ValueError: an unknown name or a shape mismatch, before anything is copied.
+        ValueError: an unknown name, a value that is not a floating-point torch.Tensor with data
+            (a list, a numpy array, a meta tensor), a shape mismatch, or a NaN / infinite value:
+            all checked before anything is copied, so a refused load leaves every weight as it was.
     """
     params = dict(model.named_parameters())
     for name, tensor in weights.items():
         param = params.get(name)
         if param is None:
             raise ValueError(f"load_weights: unknown parameter {name!r}")
+        if not isinstance(tensor, torch.Tensor) or tensor.is_meta or not tensor.is_floating_point():
+            what = (f"a {tensor.dtype} tensor" if isinstance(tensor, torch.Tensor) and not tensor.is_meta
+                    else "a meta tensor (no data)" if isinstance(tensor, torch.Tensor) else type(tensor).__name__)
+            raise ValueError(f"load_weights: {name!r} must be a floating-point torch.Tensor, got {what}")
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"load_weights: {name!r} holds NaN or infinite values")
     digest = xxhash.xxh3_128()
     for name in sorted(weights):
         tensor = weights[name]

@@ -7,6 +7,7 @@ import random
 import shutil
 
 import pytest
+import torch
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.models.loader import load_model
@@ -61,6 +62,31 @@ def test_load_weights_refused_while_requests_run(own_model):
     llm.engine.abort_request(rid)
     with pytest.raises(ValueError, match="unknown parameter"):
         llm.load_weights({"no.such.weight": next(own_model.model.parameters()).detach()})
+
+
+def test_load_weights_refuses_bad_values_before_copying_anything(own_model):
+    """Found by a review (2026-12-02): a mapping whose second value was a numpy array (or a meta
+    tensor) raised only after the first tensor was copied, leaving zeroed embeddings behind."""
+    import numpy as np
+
+    llm = LLM(loaded=own_model, num_threads=2, num_blocks=32)
+    params = dict(own_model.model.named_parameters())
+    before_tokens = llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0].token_ids
+    before = {n: p.detach().clone() for n, p in params.items()}
+    norm = "model.layers.0.input_layernorm.weight"
+    good = {"model.embed_tokens.weight": torch.zeros_like(before["model.embed_tokens.weight"])}
+    nan = before[norm].clone()
+    nan[3] = float("nan")
+    cases = [(before[norm].numpy().copy(), "must be a floating-point torch.Tensor, got ndarray"),
+             ([1.0, 2.0], "must be a floating-point torch.Tensor, got list"),
+             (torch.empty(before[norm].shape, device="meta"), "got a meta tensor \\(no data\\)"),
+             (torch.ones(before[norm].shape, dtype=torch.int64), "got a torch.int64 tensor"),
+             (nan, "holds NaN or infinite values")]
+    for value, message in cases:
+        with pytest.raises(ValueError, match=f"load_weights: '{norm}' .*{message}"):
+            llm.load_weights({**good, norm: value})
+    assert all(torch.equal(p, before[n]) for n, p in params.items())  # nothing copied
+    assert llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0].token_ids == before_tokens
 
 
 @pytest.mark.parametrize("change", ["chat_template", "tokenizer"])
