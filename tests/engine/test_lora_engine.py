@@ -131,3 +131,96 @@ def test_bf16_base_request_same_bits_beside_an_adapter(smollm2, adapters):
     mixed = make().generate([p, p], params, lora=[rx, None], use_tqdm=False)
     assert mixed[1].token_ids == alone.token_ids and mixed[1].logprobs == alone.logprobs
     assert mixed[0].token_ids != alone.token_ids  # the adapter's request did run its deltas
+
+
+# ---------------------------------------------------------------------------- malformed adapters
+def _malformed_adapters(good, root):
+    """(LoRARequest, message fragment) for adapters made malformed from the good dir ``good``."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    def copy_with(name, config=None, tensors=None, weights_bytes=None):
+        path = root / name
+        shutil.copytree(good, path)
+        if config is not None:
+            (path / "adapter_config.json").write_text(config)
+        if tensors is not None:
+            save_file(tensors(load_file(path / "adapter_model.safetensors")), path / "adapter_model.safetensors")
+        if weights_bytes is not None:
+            (path / "adapter_model.safetensors").write_bytes(weights_bytes)
+        return LoRARequest("x", str(path))
+
+    def poison(value):
+        def transform(tensors):
+            key = sorted(k for k in tensors if "lora_B" in k)[0]
+            tensors[key] = tensors[key].clone()
+            tensors[key].view(-1)[7] = value
+            return tensors
+        return transform
+
+    config = json.loads((good / "adapter_config.json").read_text())
+    return [
+        (copy_with("null", config="null"), "adapter_config.json must hold a JSON object, got NoneType"),
+        (copy_with("list", config="[1,2]"), "adapter_config.json must hold a JSON object, got list [1, 2]"),
+        (copy_with("no-r", config='{"peft_type":"LORA","lora_alpha":8}'), "adapter_config.json has no 'r'"),
+        (copy_with("r0", config='{"r":0}'), "'r' (the LoRA rank) must be a positive integer, got 0"),
+        (copy_with("r0-rs", config='{"r":0,"use_rslora":true}'), "'r' (the LoRA rank) must be a positive integer"),
+        (copy_with("r-null", config='{"r":null}'), "'r' (the LoRA rank) must be a positive integer, got None"),
+        (copy_with("alpha-nan-str", config=json.dumps({**config, "lora_alpha": "nan"})),
+         "'lora_alpha' must be a finite number, got 'nan'"),
+        (copy_with("alpha-nan", config=json.dumps({**config, "lora_alpha": float("nan")})),
+         "'lora_alpha' must be a finite number, got nan"),
+        (copy_with("garbage", weights_bytes=b"\x00garbage\xff" * 10),
+         "adapter_model.safetensors is not a readable safetensors file"),
+        (copy_with("nan-weights", tensors=poison(float("nan"))), "holds non-finite values (NaN or inf)"),
+        (copy_with("inf-weights", tensors=poison(float("inf"))), "holds non-finite values (NaN or inf)"),
+    ]
+
+
+def test_malformed_adapters_are_invalid_input_and_leave_the_engine_as_it_was(make_llm, adapters, tmp_path):
+    """Each malformed adapter is refused by generate with InvalidInputError(field="lora") naming the
+    adapter and the fault (never AttributeError, KeyError, ZeroDivisionError, TypeError,
+    SafetensorError, nor output of token 0 from NaN deltas); the engine then generates what it did before."""
+    from prefixcache.errors import InvalidInputError
+
+    _, ad = adapters
+    good = LoRARequest("x", str(ad["x"][1]))
+    p = prompt_ids(4)
+    llm = make_llm(num_blocks=64)
+    before = [o.token_ids for o in llm.generate([p, p], GREEDY, lora=[good, None], use_tqdm=False)]
+    assert before[0] != before[1] and set(before[0]) != {0}
+    for lora, fragment in _malformed_adapters(ad["x"][1], tmp_path):
+        with pytest.raises(InvalidInputError) as e:
+            llm.generate(p, GREEDY, lora=lora, use_tqdm=False)
+        message = str(e.value)
+        assert e.value.field == "lora", message
+        assert message.startswith(f"lora: adapter 'x' at {tmp_path}/"), message
+        assert fragment in message, message
+        assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(InvalidInputError, match="lora: adapter 'x': lora_path must be a non-empty directory") as e:
+        llm.generate(p, GREEDY, lora=LoRARequest("x", None), use_tqdm=False)
+    assert e.value.field == "lora"
+    after = [o.token_ids for o in llm.generate([p, p], GREEDY, lora=[good, None], use_tqdm=False)]
+    assert after == before
+
+
+def test_adapter_made_malformed_after_use_is_refused_then_reloads(make_llm, adapters, tmp_path):
+    """An adapter whose files turn malformed after it was loaded is refused (not served from the
+    old load, not a raw error); restored, it generates its old tokens again."""
+    from prefixcache.errors import InvalidInputError
+
+    _, ad = adapters
+    live = tmp_path / "live"
+    shutil.copytree(ad["x"][1], live)
+    lora = LoRARequest("x", str(live))
+    p = prompt_ids(5)
+    llm = make_llm(num_blocks=64)
+    first = llm.generate(p, GREEDY, lora=lora, use_tqdm=False)[0].token_ids
+    good_config = (live / "adapter_config.json").read_bytes()
+    (live / "adapter_config.json").write_text('{"r": 0}')
+    with pytest.raises(InvalidInputError, match=r"'r' \(the LoRA rank\) must be a positive integer, got 0") as e:
+        llm.generate(p, GREEDY, lora=lora, use_tqdm=False)
+    assert e.value.field == "lora"
+    (live / "adapter_config.json").write_bytes(good_config)
+    assert llm.generate(p, GREEDY, lora=lora, use_tqdm=False)[0].token_ids == first

@@ -72,3 +72,70 @@ def test_parse_lora_modules():
     for bad in (["a"], ["=/x"], ["a="], ["a=/x", "a=/y"]):
         with pytest.raises(ValueError, match="--lora-modules"):
             parse_lora_modules(bad)
+
+
+# ---------------------------------------------------------------------------- malformed adapters
+MALFORMED_CONFIGS = [  # (adapter_config.json text, message fragment)
+    ("null", "adapter_config.json must hold a JSON object, got NoneType None"),
+    ('{"peft_type": "LORA", "lora_alpha": 8}', "adapter_config.json has no 'r' (the LoRA rank)"),
+    ('{"r": 0}', "'r' (the LoRA rank) must be a positive integer, got 0"),
+    ('{"r": 8, "lora_alpha": "nan"}', "'lora_alpha' must be a finite number, got 'nan'"),
+]
+
+
+def malformed_copy(adapter_dir, dst, config):
+    import shutil
+
+    shutil.copytree(adapter_dir, dst)
+    (dst / "adapter_config.json").write_text(config)
+    return dst
+
+
+@pytest.mark.parametrize("config,fragment", MALFORMED_CONFIGS, ids=["null", "no-r", "r0", "alpha-nan"])
+def test_malformed_adapter_stops_startup_with_one_line(smollm2, adapter_dir, tmp_path, monkeypatch, capsys,
+                                                      config, fragment):
+    """`prefixcache serve --lora-modules legal=DIR` with a malformed adapter_config.json exits 2 with
+    `prefixcache serve: error: LoRA adapter legal=...: lora: ...`, as a rank mismatch does (not a traceback)."""
+    from prefixcache.engine import llm_engine
+    from prefixcache.entrypoints import cli, launcher, server_log
+
+    bad = malformed_copy(adapter_dir, tmp_path / "bad-adapter", config)
+    real_engine = llm_engine.LLMEngine
+
+    def serve_http(*args, **kwargs):
+        raise AssertionError("serve started with a malformed adapter")
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", lambda config: real_engine(config, loaded=smollm2))
+    monkeypatch.setattr(launcher, "serve_http", serve_http)
+    # serve's stderr log handler would outlive this test's captured stderr (and log into it closed)
+    monkeypatch.setattr(server_log, "configure_logging", lambda level: None)
+    argv = ["serve", "--port", "0", "--num-blocks", "8", "--num-threads", "2", "--lora-modules", f"legal={bad}"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"prefixcache serve: error: LoRA adapter legal={bad}: lora: adapter 'legal' at "), err
+    assert err.endswith("\nrun 'prefixcache serve --help' for all options\n") and err.count("\n") == 2, err
+    assert fragment in err, err
+
+
+def test_adapter_malformed_after_startup_is_a_400_on_lora(smollm2, adapter_dir, tmp_path):
+    """An adapter whose config turns malformed while the server runs: 400 with param "lora" naming
+    the fault (not a 500); the base model and, once restored, the adapter answer as before."""
+    live = tmp_path / "live"
+    malformed_copy(adapter_dir, live, (adapter_dir / "adapter_config.json").read_text())
+    server = start_server(smollm2, lora_modules={"legal": str(live)}, num_blocks=64)
+    try:
+        want_lora, want_base = complete(server, "legal").json(), complete(server, MODEL).json()
+        good_config = (live / "adapter_config.json").read_bytes()
+        for config, fragment in MALFORMED_CONFIGS:
+            (live / "adapter_config.json").write_text(config)
+            r = complete(server, "legal")
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "lora" and error["message"].startswith("lora: adapter 'legal' at "), error
+            assert fragment in error["message"], error
+            assert complete(server, MODEL).json()["choices"] == want_base["choices"]
+        (live / "adapter_config.json").write_bytes(good_config)
+        again = complete(server, "legal")
+        assert again.status_code == 200 and again.json()["choices"] == want_lora["choices"]
+    finally:
+        stop_server(server)

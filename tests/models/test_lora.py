@@ -111,3 +111,155 @@ def test_bad_adapters_raise_value_error(setup, tmp_path):
     (bad / "adapter_config.json").write_text(json.dumps({**cfg, "r": 3}))
     with pytest.raises(ValueError, match="lora_A"):
         load_lora_adapter(bad, ours.model)
+
+
+# ---------------------------------------------------------------------------- malformed adapters
+def bad_copy(src, dst, config=None, tensors=None, weights_bytes=None):
+    """A copy of the adapter dir ``src`` at ``dst`` with its config replaced by the JSON text
+    ``config``, its tensors by ``tensors(tensors_of_src)``, or its weights file by raw bytes."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if config is not None:
+        (dst / "adapter_config.json").write_text(config)
+    if tensors is not None:
+        save_file(tensors(load_file(dst / "adapter_model.safetensors")), dst / "adapter_model.safetensors")
+    if weights_bytes is not None:
+        (dst / "adapter_model.safetensors").write_bytes(weights_bytes)
+    return dst
+
+
+def poisoned(value, which="lora_B"):
+    """A tensors transform that writes ``value`` into one element of the first ``which`` tensor."""
+    def transform(tensors):
+        key = sorted(k for k in tensors if which in k)[0]
+        tensors[key] = tensors[key].clone()
+        tensors[key].view(-1)[3] = value
+        return tensors
+    return transform
+
+
+CONFIG_CASES = [  # (adapter_config.json text, message fragment)
+    ("null", "adapter_config.json must hold a JSON object, got NoneType None"),
+    ("[1, 2]", "adapter_config.json must hold a JSON object, got list [1, 2]"),
+    ('"LORA"', "adapter_config.json must hold a JSON object, got str"),
+    ('{"peft_type": "LORA", "lora_alpha": 8}', "adapter_config.json has no 'r' (the LoRA rank)"),
+    ('{"r": 0}', "'r' (the LoRA rank) must be a positive integer, got 0"),
+    ('{"r": 0, "use_rslora": true}', "'r' (the LoRA rank) must be a positive integer, got 0"),
+    ('{"r": -4}', "'r' (the LoRA rank) must be a positive integer, got -4"),
+    ('{"r": null}', "'r' (the LoRA rank) must be a positive integer, got None"),
+    ('{"r": true}', "'r' (the LoRA rank) must be a positive integer, got True"),
+    ('{"r": 4.0}', "'r' (the LoRA rank) must be a positive integer, got 4.0"),
+    ('{"r": "4"}', "'r' (the LoRA rank) must be a positive integer, got '4'"),
+    ('{"r": 4, "lora_alpha": "nan"}', "'lora_alpha' must be a finite number, got 'nan'"),
+    ('{"r": 4, "lora_alpha": NaN}', "'lora_alpha' must be a finite number, got nan"),
+    ('{"r": 4, "lora_alpha": Infinity}', "'lora_alpha' must be a finite number, got inf"),
+    ('{"r": 4, "lora_alpha": -1e999}', "'lora_alpha' must be a finite number, got -inf"),
+    ('{"r": 4, "lora_alpha": 1' + "0" * 400 + "}", "'lora_alpha' must be a finite number, got 1000"),
+    ('{"r": 4, "lora_alpha": null}', "'lora_alpha' must be a finite number, got None"),
+    ('{"r": 4, "lora_alpha": false}', "'lora_alpha' must be a finite number, got False"),
+    ('{"r": 4, "use_rslora": "false"}', "'use_rslora' must be true or false, got 'false'"),
+    ('{"r": 4, "peft_type": null}', "'peft_type' must be a string, got None"),
+    ('{"r": 4, "peft_type": "PREFIX_TUNING"}', "is a PREFIX_TUNING adapter, only LORA is supported"),
+    ('{"r": 4, "lora_bias": true}', "adapter option 'lora_bias' is not supported"),
+    ("{not json", "adapter_config.json is not valid JSON"),
+    ("[" * 100_000, "adapter_config.json is not valid JSON"),
+    (b"\xff\xfe\xff".decode("latin-1"), "adapter_config.json is not valid JSON"),
+]
+
+
+@pytest.mark.parametrize("config,fragment", CONFIG_CASES, ids=[f"config{i}" for i in range(len(CONFIG_CASES))])
+def test_malformed_config_is_invalid_input(setup, tmp_path, config, fragment):
+    from prefixcache.errors import InvalidInputError
+
+    _, ours, adapters = setup
+    bad = bad_copy(adapters["x"][1], tmp_path / "bad", config=config)
+    with pytest.raises(InvalidInputError, match=r"^lora: adapter 'x' at .*/bad") as e:
+        load_lora_adapter(bad, ours.model, "x")
+    assert e.value.field == "lora" and fragment in str(e.value), str(e.value)
+
+
+WEIGHTS_CASES = [  # (bad_copy keywords, message fragment)
+    ({"weights_bytes": b"garbage bytes, not a safetensors file"},
+     "adapter_model.safetensors is not a readable safetensors file"),
+    ({"weights_bytes": b""}, "adapter_model.safetensors is not a readable safetensors file"),
+    ({"weights_bytes": b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": 1}       "},
+     "adapter_model.safetensors is not a readable safetensors file"),
+    ({"tensors": poisoned(float("nan"))}, "holds non-finite values (NaN or inf)"),
+    ({"tensors": poisoned(float("inf"), "lora_A")}, "holds non-finite values (NaN or inf)"),
+    ({"tensors": poisoned(float("-inf"))}, "holds non-finite values (NaN or inf)"),
+    ({"tensors": lambda t: {k: v.to(torch.int32) for k, v in t.items()}}, "must be floating point, got torch.int32"),
+    ({"tensors": lambda t: {}}, "adapter_model.safetensors holds no LoRA tensors"),
+    ({"tensors": lambda t: {**t, "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector":
+                            torch.ones(4)}}, "unexpected tensor"),
+    ({"tensors": lambda t: {**t, "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight":
+                            torch.ones(4, 4)}}, "are the same LoRA matrix"),
+]
+
+
+@pytest.mark.parametrize("kwargs,fragment", WEIGHTS_CASES, ids=[f"weights{i}" for i in range(len(WEIGHTS_CASES))])
+def test_malformed_weights_are_invalid_input(setup, tmp_path, kwargs, fragment):
+    from prefixcache.errors import InvalidInputError
+
+    _, ours, adapters = setup
+    bad = bad_copy(adapters["x"][1], tmp_path / "bad", **kwargs)
+    with pytest.raises(InvalidInputError, match=r"^lora: adapter 'x' at .*/bad") as e:
+        load_lora_adapter(bad, ours.model, "x")
+    assert e.value.field == "lora" and fragment in str(e.value), str(e.value)
+
+
+def test_weights_beyond_the_model_dtype_are_invalid_input(tmp_path):
+    """A finite fp32 adapter value that a float16 model can't hold (inf once converted) is refused."""
+    from safetensors.torch import save_file
+
+    from prefixcache.errors import InvalidInputError
+
+    model = torch.nn.Module()
+    model.q_proj = torch.nn.Linear(8, 8, dtype=torch.float16)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 2}))
+    a = torch.zeros(2, 8)
+    a[0, 0] = 1e6  # float16's largest is 65504
+    save_file({"base_model.model.q_proj.lora_A.weight": a, "base_model.model.q_proj.lora_B.weight": torch.zeros(8, 2)},
+              tmp_path / "adapter_model.safetensors")
+    with pytest.raises(InvalidInputError, match="beyond the range of the model's dtype torch.float16") as e:
+        load_lora_adapter(tmp_path, model, "x")
+    assert e.value.field == "lora"
+    a[0, 0] = 1.0
+    save_file({"base_model.model.q_proj.lora_A.weight": a, "base_model.model.q_proj.lora_B.weight": torch.zeros(8, 2)},
+              tmp_path / "adapter_model.safetensors")
+    assert load_lora_adapter(tmp_path, model, "x").weights["q_proj"][0].dtype == torch.float16
+
+
+@pytest.mark.parametrize("path", [None, 3, b"/tmp", "", "a\0b"])
+def test_lora_request_path_must_be_a_path(path):
+    from prefixcache import LoRARequest
+    from prefixcache.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="lora: adapter 'x': lora_path must be a non-empty directory path") as e:
+        LoRARequest("x", path)
+    assert e.value.field == "lora"
+    with pytest.raises(InvalidInputError, match="lora: lora_name must be a str, got NoneType"):
+        LoRARequest(None, "/tmp")
+
+
+def test_lora_request_accepts_path_objects(setup):
+    from pathlib import Path
+
+    from prefixcache import LoRARequest
+
+    _, _, adapters = setup
+    assert LoRARequest("x", Path(adapters["x"][1])).lora_path == Path(adapters["x"][1])
+
+
+def test_valid_adapter_loads_the_same_after_malformed_ones(setup, tmp_path):
+    """Refusing malformed adapters leaves nothing behind: the good adapter's weights, scaling and
+    digest are those it had before."""
+    _, ours, adapters = setup
+    before = load_lora_adapter(adapters["x"][1], ours.model, "x")
+    for i, (config, _) in enumerate(CONFIG_CASES[:6]):
+        with pytest.raises(ValueError):
+            load_lora_adapter(bad_copy(adapters["x"][1], tmp_path / f"bad{i}", config=config), ours.model, "x")
+    after = load_lora_adapter(adapters["x"][1], ours.model, "x")
+    assert (after.digest, after.rank, after.scaling) == (before.digest, before.rank, before.scaling)
+    assert all(torch.equal(after.weights[k][0], before.weights[k][0]) and torch.equal(after.weights[k][1],
+               before.weights[k][1]) for k in before.weights)
