@@ -188,7 +188,8 @@ def run_cluster_cli(args: argparse.Namespace, num_threads: int | None) -> None:
 def check_bench_args(args: argparse.Namespace) -> tuple[str, ...]:
     """Checks every ``bench`` flag before anything runs or loads: the engine options as ``serve``
     does, the counts, each model workload's sizes (the model-free workloads run first, so a bad
-    value found later would wait for them and the model's load).
+    value found later would wait for them and the model's load), and ``--out``: a directory it can
+    write (created here; an existing file is refused).
 
     Returns:
         The workload names (:func:`parse_workloads`).
@@ -197,9 +198,10 @@ def check_bench_args(args: argparse.Namespace) -> tuple[str, ...]:
         ValueError: the first bad flag, named.
     """
     names = parse_workloads(args.workload)
-    from prefixcache.entrypoints.cli_args import engine_config_from_args  # the HTTP server's imports: after
+    from prefixcache.entrypoints.cli_args import (  # the HTTP server's imports: after
+        check_engine_resources, check_writable_dir, engine_config_from_args)
 
-    engine_config_from_args(args, model_flag="--model", overrides=_engine_options(args))
+    config = engine_config_from_args(args, model_flag="--model", overrides=_engine_options(args))
     check_positive((("--max-tokens", args.max_tokens), ("--repeats", args.repeats),
                     ("--cold-samples", args.cold_samples), ("--cluster-replicas", args.cluster_replicas),
                     ("--cluster-prefixes", args.cluster_prefixes), ("--cluster-concurrency", args.cluster_concurrency),
@@ -207,6 +209,10 @@ def check_bench_args(args: argparse.Namespace) -> tuple[str, ...]:
     for name in names:
         if name in WORKLOAD_NAMES:
             check_workload_args(name, args.num_requests, args.num_turns, args.text_scale)
+    if set(names) - {TRACE, QUEUE}:  # a workload that loads the model: --block-size within its context
+        check_engine_resources(config, pool=False)  # (the workloads size their own pools)
+    if args.out:  # created now, as the reports would (an existing file or /proc/x fails here, not after the run)
+        check_writable_dir(args.out, "--out")
     return names
 
 

@@ -167,12 +167,13 @@ def run_command(args: argparse.Namespace, modules: dict[str, object]) -> int:
         ValueError: a bad option (found before any model loads) or a model that can't be loaded.
     """
     if args.command == "demo":
-        from prefixcache.entrypoints.cli_args import engine_config_from_args
+        from prefixcache.entrypoints.cli_args import check_engine_resources, engine_config_from_args
         from prefixcache.entrypoints.num_threads import choose_num_threads
         from prefixcache.models.model_path import check_model_arg
 
-        engine_config_from_args(args, model_flag="--model")  # every engine option before the imports and load
+        config = engine_config_from_args(args, model_flag="--model")  # every engine option before the load
         check_model_arg(args.model)
+        check_engine_resources(config)  # --block-size against the model's context and the KV pool's budget
         threads_note = choose_num_threads(args)
         if threads_note:
             print(f"prefixcache demo: {threads_note}", file=sys.stderr, flush=True)

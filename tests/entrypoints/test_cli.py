@@ -305,6 +305,10 @@ def test_a_bad_flag_prints_its_error_line_and_a_hint_not_the_usage(no_run, capsy
 
 
 # ---------------------------------------------------------------------------- engine options before the load
+BLOCK_SIZE_99999 = ("--block-size: block_size 99999 is more than the model's context of 8192 tokens (its "
+                    "max_position_embeddings): such a block never fills")  # the default model's config, not loaded
+
+
 @pytest.mark.parametrize("argv,message", [
     (["demo", "--num-threads", "0"], "--num-threads: num_threads must be an integer >= 1, got 0"),
     (["demo", "--block-size", "0"], "--block-size: block_size must be an integer >= 1, got 0"),
@@ -319,6 +323,14 @@ def test_a_bad_flag_prints_its_error_line_and_a_hint_not_the_usage(no_run, capsy
     (["bench", "--workload", "multi-turn", "--num-turns", "9"], "num_turns must be in [1, 8], got 9"),
     (["bench", "--text-scale", "0"], "text_scale must be in (0, 1], got 0.0"),
     (["serve", "--port", "0", "--num-threads", "0"], "--num-threads: num_threads must be an integer >= 1, got 0"),
+    (["serve", "--port", "0", "--device", "tpu"], "--device: must be 'cpu' or 'cuda[:N]', got 'tpu'"),  # was after
+    (["serve", "--port", "0", "--hash-seed-file", "/nonexistent"], "--hash-seed-file: cannot read '/nonexistent': "
+                                                                   "No such file or directory"),  # the load, unnamed
+    (["demo", "--block-size", "99999"], BLOCK_SIZE_99999),
+    (["bench", "--workload", "seed", "--block-size", "99999"], BLOCK_SIZE_99999),
+    pytest.param(["bench", "--workload", "queue", "--num-requests", "5", "--out", "/proc/nope"],
+                 "--out: cannot create or write the directory '/proc/nope' (No such file or directory)",
+                 marks=pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="no /proc")),  # was after the run
 ])
 def test_bad_engine_options_fail_before_anything_loads_or_runs(no_model_load, monkeypatch, capsys, argv, message):
     def not_run(*args, **kwargs):
@@ -335,6 +347,41 @@ def test_bad_engine_options_fail_before_anything_loads_or_runs(no_model_load, mo
     assert (code, out, err) == (2, "", f"prefixcache {argv[0]}: error: {message}\n"
                                        f"run 'prefixcache {argv[0]} --help' for all options\n")
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("workload", ["queue", "trace", "seed"])
+def test_bench_out_at_an_existing_file_is_refused_before_anything_runs(no_model_load, monkeypatch, tmp_path, capsys,
+                                                                       workload):
+    """FileExistsError tracebacks, after the whole run (queue: the report; trace: bench/cli.py)."""
+    from prefixcache.bench import cli as bench_cli
+    from prefixcache.bench import runner
+
+    def not_run(*args, **kwargs):
+        raise AssertionError("a workload ran before --out was checked")
+
+    for name in ("run_trace_cli", "run_queue_cli"):
+        monkeypatch.setattr(bench_cli, name, not_run)
+    monkeypatch.setattr(runner, "run_bench", not_run)
+    afile = tmp_path / "results"
+    afile.write_text("x")
+    code, out, err = run_cli(["bench", "--workload", workload, "--num-threads", "1", "--out", str(afile)], capsys)
+    assert (code, out, err) == (2, "", f"prefixcache bench: error: --out: '{afile}' is an existing file, not a "
+                                       f"directory\n{BENCH_HINT}")
+    new_dir = tmp_path / "new" / "results"
+    with pytest.raises(AssertionError, match="a workload ran"):  # a missing directory is created, then the run
+        run_cli(["bench", "--workload", workload, "--num-threads", "1", "--out", str(new_dir)], capsys)
+    assert new_dir.is_dir()
+
+
+def test_bench_out_at_a_file_exits_at_once_in_a_real_process(tmp_path):
+    afile = tmp_path / "results"
+    afile.write_text("x")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "prefixcache", "bench", "--workload", "trace", "--out", str(afile)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == f"prefixcache bench: error: --out: '{afile}' is an existing file, not a directory\n" + BENCH_HINT
+    assert time.monotonic() - start < 30  # the trace simulation did not run first
 
 
 def test_run_demo_checks_its_engine_options_before_loading(no_model_load):

@@ -21,7 +21,9 @@ import pytest
 from prefixcache.config import EngineConfig
 from prefixcache.engine import llm_engine
 from prefixcache.entrypoints import cli
-from prefixcache.entrypoints.cli_args import add_cli_args, engine_config_from_args, flag_name
+from prefixcache.entrypoints import cli_args
+from prefixcache.entrypoints.cli_args import (ModelShape, add_cli_args, check_serve_args, check_writable_dir,
+                                              engine_config_from_args, flag_name, kv_block_bytes, model_shape)
 from prefixcache.entrypoints.openai_server import build_app
 from tests.entrypoints.conftest import MODEL
 
@@ -124,6 +126,176 @@ def test_startup_errors_come_before_the_model_loads(no_model_load, busy_port, tm
         assert err.startswith(f"prefixcache serve: error: {message}") and err.count("\n") == 2, err
         assert err.endswith("\nrun 'prefixcache serve --help' for all options\n"), err
         assert time.monotonic() - start < 5
+
+
+
+# ---------------------------------------------------------------------------- what the flags name, before the load
+def default_model_fetched() -> bool:
+    from prefixcache.models import fetch
+
+    return fetch.is_complete(fetch.default_model_dir())
+
+
+@pytest.mark.parametrize("flags,line", [
+    pytest.param(["--kv-disk-dir", "/proc/nope", "--hash-seed", "1"],
+                 "--kv-disk-dir: cannot create or write the directory '/proc/nope' (No such file or directory)",
+                 marks=pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="no /proc")),
+    (["--kv-disk-dir", "{file}", "--hash-seed", "1"], "--kv-disk-dir: '{file}' is an existing file, not a directory"),
+    (["--hash-seed-file", "/nonexistent"], "--hash-seed-file: cannot read '/nonexistent': No such file or directory"),
+    (["--device", "tpu"], "--device: must be 'cpu' or 'cuda[:N]', got 'tpu'"),
+    (["--num-blocks", "99999999999"], "--num-blocks: a KV pool of 99999999999 blocks needs "),
+    pytest.param(["--block-size", "99999"], "--block-size: block_size 99999 is more than the model's context of 8192 "
+                                            "tokens (its max_position_embeddings): such a block never fills",
+                 marks=pytest.mark.skipif(not default_model_fetched(), reason="the default model's config")),
+])
+def test_flags_naming_bad_things_fail_in_a_real_process_before_the_model_loads(tmp_path, flags, line):
+    """Each failed after the model loaded (a traceback, or for --num-blocks memory growing without a
+    word); now one line naming the flag, exit status 2, before "loading model"."""
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    flags = [f.replace("{file}", str(afile)) for f in flags]
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "prefixcache", "serve", "--num-threads", "1", "--port", "0", *flags],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    took_s = time.monotonic() - start
+    assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
+    first, hint = proc.stderr.splitlines()
+    assert first.startswith("prefixcache serve: error: " + line.replace("{file}", str(afile))), proc.stderr
+    assert hint == "run 'prefixcache serve --help' for all options"
+    assert "Traceback" not in proc.stderr and "loading model" not in proc.stderr
+    assert took_s < 30  # the imports (torch, for --num-blocks: is the pool bound for CUDA?), not a load
+
+
+@pytest.fixture
+def tiny_model(tmp_path) -> Path:
+    """A model directory whose config sizes a KV block: 2 layers x 1 KV head x dim 4, context 64 tokens
+    (float32, 16-token blocks: 2 x 2 x 16 x 1 x 4 x 4 = 1024 bytes)."""
+    d = tmp_path / "tiny"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 2,
+                                               "num_key_value_heads": 1, "hidden_size": 8,
+                                               "max_position_embeddings": 64}))
+    (d / "model.safetensors").write_bytes(b"")
+    return d
+
+
+def test_kv_pool_is_sized_from_the_model_config_and_refused_beyond_memory(no_model_load, tiny_model, monkeypatch,
+                                                                        capsys):
+    monkeypatch.setattr(cli_args, "physical_memory_bytes", lambda: 1 << 20)  # 1 MiB: 1024 blocks of 1024 bytes
+    model = [str(tiny_model), "--device", "cpu"]
+    assert model_shape(str(tiny_model)) == ModelShape(num_layers=2, num_kv_heads=1, head_dim=4, context=64)
+    for ok in (["--num-blocks", "1024"], ["--num-blocks", "2048", "--dtype", "bfloat16"], ["--kv-cache-memory", "1MiB"],
+               ["--block-size", "64", "--max-model-len", "64", "--kv-cache-memory", "4096"]):
+        assert check_serve_args(parse([*model, *ok])).config.model == str(tiny_model)
+    cases = [
+        (["--num-blocks", "1025"], "--num-blocks: a KV pool of 1025 blocks needs 1049600 bytes (1.0 MiB; 1024 bytes "
+                                   "per block), more than the 1048576 bytes (1.0 MiB) of physical memory"),
+        (["--kv-cache-memory", "2MiB"], "--kv-cache-memory: a KV pool budget of 2097152 bytes is more than the "
+                                        "1048576 bytes (1.0 MiB) of physical memory"),
+        (["--block-size", "65"], "--block-size: block_size 65 is more than the model's context of 64 tokens (its "
+                                 "max_position_embeddings): such a block never fills"),
+        (["--block-size", "64", "--kv-cache-memory", "4095"], "--block-size: one KV block of 64 tokens takes 4096 "
+                                                              "bytes, more than the KV pool budget of 4095 bytes "
+                                                              "(--kv-cache-memory); lower --block-size or raise "
+                                                              "--kv-cache-memory"),
+        (["--max-model-len", "65"], "--max-model-len: max_model_len 65 is more than the model's context of 64 tokens "
+                                    "(its max_position_embeddings); positions beyond it were never trained"),
+    ]
+    for argv, line in cases:
+        assert cli.main(["serve", "--port", "0", *model, *argv]) == 2, argv
+        assert capsys.readouterr().err == (f"prefixcache serve: error: {line}\n"
+                                           "run 'prefixcache serve --help' for all options\n")
+
+
+def test_an_unreadable_model_config_still_bounds_the_pool_from_below(no_model_load, tmp_path, monkeypatch, capsys):
+    d = tmp_path / "no-shape"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"")
+    monkeypatch.setattr(cli_args, "physical_memory_bytes", lambda: 1 << 20)
+    assert model_shape(str(d)) is None and kv_block_bytes(None, 16, "float32") == 2 * 16 * 4
+    assert check_serve_args(parse([str(d), "--device", "cpu", "--num-blocks", "8192"])).config.num_blocks == 8192
+    assert cli.main(["serve", "--port", "0", str(d), "--device", "cpu", "--num-blocks", "8193"]) == 2
+    assert capsys.readouterr().err.startswith("prefixcache serve: error: --num-blocks: a KV pool of 8193 blocks needs "
+                                              "at least 1048704 bytes (1.0 MiB; at least 128 bytes per block), more "
+                                              "than the 1048576 bytes (1.0 MiB) of physical memory\n")
+
+
+@pytest.mark.skipif(not default_model_fetched(), reason="the default model's config")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bytes_per_block_read_before_the_load_are_the_engines(dtype):
+    import torch
+    from transformers import AutoConfig
+
+    from prefixcache.models import fetch
+    from prefixcache.models.config import ModelConfig
+    from prefixcache.runner.kv_pool import kv_cache_bytes_per_block
+
+    c = ModelConfig.from_hf_config(AutoConfig.from_pretrained(fetch.default_model_dir(), local_files_only=True))
+    shape = model_shape(MODEL)
+    assert shape == ModelShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.max_position_embeddings)
+    for block_size in (1, 16, 32):
+        assert kv_block_bytes(shape, block_size, dtype) == kv_cache_bytes_per_block(
+            c.num_hidden_layers, block_size, c.num_key_value_heads, c.head_dim, getattr(torch, dtype))
+
+
+def test_a_pool_bound_for_cuda_is_compared_with_the_device_memory(tiny_model, monkeypatch):
+    """(No GPU here: torch.cuda faked.) A pool larger than physical memory may fit a GPU; one larger
+    than the GPU is refused naming it; a device index the machine lacks is refused before the load."""
+    import types
+
+    import torch
+
+    monkeypatch.setattr(cli_args, "physical_memory_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=4 << 20))
+    for device in ([], ["--device", "cuda"], ["--device", "cuda:0"]):
+        assert check_serve_args(parse([str(tiny_model), *device, "--num-blocks", "4096"])).config.num_blocks == 4096
+        with pytest.raises(ValueError, match=r"^--num-blocks: a KV pool of 4097 blocks needs 4195328 bytes \(4.0 MiB; "
+                                             r"1024 bytes per block\), more than the 4194304 bytes \(4.0 MiB\) of "
+                                             r"CUDA device 0's memory$"):
+            check_serve_args(parse([str(tiny_model), *device, "--num-blocks", "4097"]))
+    with pytest.raises(ValueError, match=r"^--num-blocks: .* of physical memory$"):  # --device cpu: host memory
+        check_serve_args(parse([str(tiny_model), "--device", "cpu", "--num-blocks", "4096"]))
+    with pytest.raises(ValueError, match=r"^--device 'cuda:1': this machine has 1 CUDA device \(cuda:0\)$"):
+        check_serve_args(parse([str(tiny_model), "--device", "cuda:1"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^--device 'cuda': CUDA is not available on this machine$"):
+        check_serve_args(parse([str(tiny_model), "--device", "cuda"]))
+
+
+def test_a_gguf_model_path_takes_the_lower_bound(tmp_path):
+    """A .gguf path's shape is not parsed before the load (no config.json): the pool check uses its
+    lower bound (1 layer, 1 KV head of dimension 1)."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(20))
+    assert model_shape(str(gguf)) is None
+
+
+def test_a_writable_directory_is_created_and_a_file_refused(tmp_path):
+    nested = tmp_path / "a" / "b"
+    assert check_writable_dir(str(nested), "--kv-disk-dir") == nested and nested.is_dir()
+    assert list(nested.iterdir()) == []  # the write check leaves nothing behind
+    afile = tmp_path / "f"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match=r"^--out: '.*/f' is an existing file, not a directory$"):
+        check_writable_dir(str(afile), "--out")
+    with pytest.raises(ValueError, match=r"^--out: cannot create or write the directory '.*/f/sub' "
+                                         r"\(Not a directory\)$"):
+        check_writable_dir(str(afile / "sub"), "--out")
+
+
+def test_hash_seed_file_is_read_before_the_load(no_model_load, tmp_path, capsys):
+    short = tmp_path / "short.key"
+    short.write_text("tooshort")
+    assert cli.main(["serve", "--port", "0", "--hash-seed-file", str(short)]) == 2
+    assert capsys.readouterr().err.splitlines()[0] == (f"prefixcache serve: error: --hash-seed-file '{short}' must "
+                                                       "hold a secret of at least 16 bytes")
+    good = tmp_path / "good.key"
+    good.write_text("0123456789abcdef0123")
+    assert check_serve_args(parse(["--hash-seed-file", str(good), "--kv-disk-dir", str(tmp_path / "kv")])).config
+    assert (tmp_path / "kv").is_dir()  # created, as the disk tier would
 
 
 def test_adapter_that_does_not_fit_the_model_stops_startup(smollm2, tmp_path):
