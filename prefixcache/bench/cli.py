@@ -211,7 +211,7 @@ def check_bench_args(args: argparse.Namespace) -> tuple[str, ...]:
             check_workload_args(name, args.num_requests, args.num_turns, args.text_scale)
     if set(names) - {TRACE, QUEUE}:  # a workload that loads the model: --block-size within its context
         check_engine_resources(config, pool=False)  # (the workloads size their own pools)
-    if args.out:  # created now, as the reports would (an existing file or /proc/x fails here, not after the run)
+    if args.out:  # an existing file or /proc/x fails here, not after the run
         check_writable_dir(args.out, "--out")
     return names
 

@@ -203,8 +203,9 @@ def check_hash_seed_file(path: str | None) -> None:
 
 
 def check_writable_dir(path: str, flag: str) -> Path:
-    """Creates directory ``path`` (and its parents) if missing, as its writer would, and checks that a
-    file can be created in it.
+    """Checks that directory ``path`` can be created (with its parents, as its writer does) and a
+    file written in it; what the check created is removed again, so a flag refused later leaves
+    nothing behind.
 
     Returns:
         The directory (``~`` expanded).
@@ -215,6 +216,7 @@ def check_writable_dir(path: str, flag: str) -> Path:
     d = Path(path).expanduser()
     if d.exists() and not d.is_dir():
         raise ValueError(f"{flag}: {path!r} is an existing file, not a directory")
+    missing = [p for p in (d, *d.parents) if not p.exists()]  # deepest first
     try:
         d.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=d, prefix=".prefixcache-write-check-")
@@ -222,6 +224,12 @@ def check_writable_dir(path: str, flag: str) -> Path:
         os.unlink(probe)
     except OSError as e:
         raise ValueError(f"{flag}: cannot create or write the directory {path!r} ({e.strerror or e})") from None
+    finally:
+        for p in missing:
+            try:
+                p.rmdir()
+            except OSError:  # not created, or something else wrote into it meanwhile
+                pass
     return d
 
 
@@ -340,7 +348,7 @@ def _pool_memory_limit(device: str | None, need: int) -> tuple[int, str] | None:
 def check_engine_resources(config: EngineConfig, pool: bool = True) -> None:
     """What the engine options name, checked before the model loads (the engine would find each
     after the load, some as a traceback): ``--device``, ``--hash-seed-file``, ``--kv-disk-dir``
-    (created, as the disk tier would, and written to), and :func:`check_kv_pool` against the
+    (creatable and writable, :func:`check_writable_dir`), and :func:`check_kv_pool` against the
     model's config (read without its weights).
 
     Raises:

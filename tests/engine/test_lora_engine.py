@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from prefixcache import LoRARequest, SamplingParams
+from tests.models.model_testlib import bad_copy, poisoned
 
 peft = pytest.importorskip("peft")
 
@@ -138,26 +139,8 @@ def _malformed_adapters(good, root):
     """(LoRARequest, message fragment) for adapters made malformed from the good dir ``good``."""
     import json
 
-    from safetensors.torch import load_file, save_file
-
     def copy_with(name, config=None, tensors=None, weights_bytes=None):
-        path = root / name
-        shutil.copytree(good, path)
-        if config is not None:
-            (path / "adapter_config.json").write_text(config)
-        if tensors is not None:
-            save_file(tensors(load_file(path / "adapter_model.safetensors")), path / "adapter_model.safetensors")
-        if weights_bytes is not None:
-            (path / "adapter_model.safetensors").write_bytes(weights_bytes)
-        return LoRARequest("x", str(path))
-
-    def poison(value):
-        def transform(tensors):
-            key = sorted(k for k in tensors if "lora_B" in k)[0]
-            tensors[key] = tensors[key].clone()
-            tensors[key].view(-1)[7] = value
-            return tensors
-        return transform
+        return LoRARequest("x", str(bad_copy(good, root / name, config, tensors, weights_bytes)))
 
     config = json.loads((good / "adapter_config.json").read_text())
     return [
@@ -173,8 +156,8 @@ def _malformed_adapters(good, root):
          "'lora_alpha' must be a finite number, got nan"),
         (copy_with("garbage", weights_bytes=b"\x00garbage\xff" * 10),
          "adapter_model.safetensors is not a readable safetensors file"),
-        (copy_with("nan-weights", tensors=poison(float("nan"))), "holds non-finite values (NaN or inf)"),
-        (copy_with("inf-weights", tensors=poison(float("inf"))), "holds non-finite values (NaN or inf)"),
+        (copy_with("nan-weights", tensors=poisoned(float("nan"))), "holds non-finite values (NaN or inf)"),
+        (copy_with("inf-weights", tensors=poisoned(float("inf"))), "holds non-finite values (NaN or inf)"),
     ]
 
 

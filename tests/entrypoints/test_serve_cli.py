@@ -273,10 +273,13 @@ def test_a_gguf_model_path_takes_the_lower_bound(tmp_path):
     assert model_shape(str(gguf)) is None
 
 
-def test_a_writable_directory_is_created_and_a_file_refused(tmp_path):
+def test_a_creatable_directory_passes_without_a_trace_and_a_file_is_refused(tmp_path):
     nested = tmp_path / "a" / "b"
-    assert check_writable_dir(str(nested), "--kv-disk-dir") == nested and nested.is_dir()
-    assert list(nested.iterdir()) == []  # the write check leaves nothing behind
+    assert check_writable_dir(str(nested), "--kv-disk-dir") == nested
+    assert list(tmp_path.iterdir()) == []  # the check removes the directories it made (the writer makes them)
+    (tmp_path / "kept").mkdir()
+    assert check_writable_dir(str(tmp_path / "kept"), "--out") == tmp_path / "kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and list((tmp_path / "kept").iterdir()) == []
     afile = tmp_path / "f"
     afile.write_text("x")
     with pytest.raises(ValueError, match=r"^--out: '.*/f' is an existing file, not a directory$"):
@@ -295,7 +298,7 @@ def test_hash_seed_file_is_read_before_the_load(no_model_load, tmp_path, capsys)
     good = tmp_path / "good.key"
     good.write_text("0123456789abcdef0123")
     assert check_serve_args(parse(["--hash-seed-file", str(good), "--kv-disk-dir", str(tmp_path / "kv")])).config
-    assert (tmp_path / "kv").is_dir()  # created, as the disk tier would
+    assert not (tmp_path / "kv").exists()  # the disk tier creates it when the engine starts
 
 
 def test_adapter_that_does_not_fit_the_model_stops_startup(smollm2, tmp_path):

@@ -1,6 +1,7 @@
 """Helpers for the model tests: tiny random HF checkpoints and a small paged-pool driver."""
 
 import random
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,3 +105,29 @@ def chunked_then_decoded(loaded, ids: list[int], seed: int = 3) -> tuple[torch.T
     got = [driver.step([("a", ids[:6])])["a"], driver.step([("a", ids[6:11])])["a"]]
     got += [driver.step([("a", [t])])["a"] for t in ids[11:]]  # decode, one token per step
     return torch.cat(got), driver.block_tables["a"]
+
+
+# ---------------------------------------------------------------------------- malformed LoRA adapters
+def bad_copy(src, dst, config=None, tensors=None, weights_bytes=None):
+    """A copy of the adapter dir ``src`` at ``dst`` with its config replaced by the JSON text
+    ``config``, its tensors by ``tensors(tensors_of_src)``, or its weights file by raw bytes."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if config is not None:
+        (dst / "adapter_config.json").write_text(config)
+    if tensors is not None:
+        save_file(tensors(load_file(dst / "adapter_model.safetensors")), dst / "adapter_model.safetensors")
+    if weights_bytes is not None:
+        (dst / "adapter_model.safetensors").write_bytes(weights_bytes)
+    return dst
+
+
+def poisoned(value, which="lora_B"):
+    """A tensors transform that writes ``value`` into one element of the first ``which`` tensor."""
+    def transform(tensors):
+        key = sorted(k for k in tensors if which in k)[0]
+        tensors[key] = tensors[key].clone()
+        tensors[key].view(-1)[3] = value
+        return tensors
+    return transform

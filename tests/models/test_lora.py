@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from model_testlib import make_tiny_checkpoint
+from model_testlib import bad_copy, make_tiny_checkpoint, poisoned
 
 from prefixcache.layers.attention import build_attention_metadata
 from prefixcache.layers.lora import LoRABatch, load_lora_adapter
@@ -114,31 +114,6 @@ def test_bad_adapters_raise_value_error(setup, tmp_path):
 
 
 # ---------------------------------------------------------------------------- malformed adapters
-def bad_copy(src, dst, config=None, tensors=None, weights_bytes=None):
-    """A copy of the adapter dir ``src`` at ``dst`` with its config replaced by the JSON text
-    ``config``, its tensors by ``tensors(tensors_of_src)``, or its weights file by raw bytes."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    if config is not None:
-        (dst / "adapter_config.json").write_text(config)
-    if tensors is not None:
-        save_file(tensors(load_file(dst / "adapter_model.safetensors")), dst / "adapter_model.safetensors")
-    if weights_bytes is not None:
-        (dst / "adapter_model.safetensors").write_bytes(weights_bytes)
-    return dst
-
-
-def poisoned(value, which="lora_B"):
-    """A tensors transform that writes ``value`` into one element of the first ``which`` tensor."""
-    def transform(tensors):
-        key = sorted(k for k in tensors if which in k)[0]
-        tensors[key] = tensors[key].clone()
-        tensors[key].view(-1)[3] = value
-        return tensors
-    return transform
-
-
 CONFIG_CASES = [  # (adapter_config.json text, message fragment)
     ("null", "adapter_config.json must hold a JSON object, got NoneType None"),
     ("[1, 2]", "adapter_config.json must hold a JSON object, got list [1, 2]"),
