@@ -243,12 +243,36 @@ class ModelShape:
     context: int | None  # max_position_embeddings, tokens
 
 
+# cgroup v2's and v1's memory limit of this process's container (a v1 value near 2**63 means none)
+CGROUP_MEMORY_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
 def physical_memory_bytes() -> int | None:
     """This machine's physical memory (None where the platform can't tell)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):
         return None
+
+
+def cgroup_memory_limit_bytes() -> int | None:
+    """This container's memory limit from the first readable :data:`CGROUP_MEMORY_LIMIT_FILES`
+    (None: no limit, ``max``, or no cgroup file)."""
+    for path in CGROUP_MEMORY_LIMIT_FILES:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        return int(text) if text.isdigit() and int(text) < 1 << 62 else None
+    return None
+
+
+def host_memory_limit() -> tuple[int, str] | None:
+    """``(bytes, what)``: the smaller of physical memory and the container's limit (cgroup)."""
+    physical, limit = physical_memory_bytes(), cgroup_memory_limit_bytes()
+    if limit is not None and (physical is None or limit < physical):
+        return limit, "this container's memory limit (cgroup)"
+    return (physical, "physical memory") if physical is not None else None
 
 
 def model_shape(model: str) -> ModelShape | None:
@@ -291,12 +315,13 @@ def kv_block_bytes(shape: ModelShape | None, block_size: int, dtype: str) -> int
     return 2 * per_token * block_size * _ELEMENT_BYTES[dtype]
 
 
-def check_kv_pool(config: EngineConfig, shape: ModelShape | None, pool: bool = True) -> None:
+def check_kv_pool(config: EngineConfig, shape: ModelShape | None, pool: bool = True, replicas: int = 1) -> None:
     """The KV options against the model (``shape``, None if unknown) and the machine, as the engine
     would find them after the load: ``--block-size`` and ``--max-model-len`` within the model's
-    context; with ``pool``, a budget that holds one block and a pool (``--num-blocks`` blocks, else
-    the ``--kv-cache-memory`` budget) no larger than the memory it is allocated in
-    (:func:`kv_block_bytes`; with the shape unknown, its lower bound).
+    context; with ``pool``, a budget that holds one block and ``replicas`` pools (``--num-blocks``
+    blocks each, else the ``--kv-cache-memory`` budget) no larger than the memory they are allocated
+    in (:func:`kv_block_bytes`; with the shape unknown, its lower bound): physical memory, a
+    container's cgroup limit, or a CUDA device's.
 
     Raises:
         ValueError: naming the flag.
@@ -323,6 +348,9 @@ def check_kv_pool(config: EngineConfig, shape: ModelShape | None, pool: bool = T
         flag, need = "--num-blocks", config.num_blocks * per_block
         what = f"a KV pool of {config.num_blocks} blocks needs {at_least}{need} bytes ({_size(need)}; " \
                f"{at_least}{per_block} bytes per block),"
+    if replicas > 1:  # `cluster`: every replica allocates its own pool on this machine
+        need *= replicas
+        what = what.removesuffix(" is").removesuffix(",") + f" x {replicas} replicas = {need} bytes ({_size(need)}) is"
     limit = _pool_memory_limit(config.device, need)
     if limit is not None:
         raise ValueError(f"{flag}: {what} more than the {limit[0]} bytes ({_size(limit[0])}) of {limit[1]}")
@@ -330,10 +358,11 @@ def check_kv_pool(config: EngineConfig, shape: ModelShape | None, pool: bool = T
 
 def _pool_memory_limit(device: str | None, need: int) -> tuple[int, str] | None:
     """``(bytes, what)`` of the memory the pool would be allocated in when ``need`` bytes exceed it,
-    else None: physical memory, or a CUDA device's (only asked, with torch, when ``need`` exceeds the
-    physical memory and the pool may go to CUDA: ``--device cuda[:N]``, or no ``--device`` and CUDA present)."""
-    physical = physical_memory_bytes()
-    if physical is None or need <= physical:
+    else None: the host's (:func:`host_memory_limit`), or a CUDA device's (only asked, with torch, when
+    ``need`` exceeds the host's and the pool may go to CUDA: ``--device cuda[:N]``, or no ``--device``
+    and CUDA present)."""
+    host = host_memory_limit()
+    if host is None or need <= host[0]:
         return None
     if device is None or device.startswith("cuda"):
         import torch
@@ -342,10 +371,10 @@ def _pool_memory_limit(device: str | None, need: int) -> tuple[int, str] | None:
             index = int(device.partition(":")[2] or 0) if device else 0
             total = torch.cuda.get_device_properties(index).total_memory
             return (total, f"CUDA device {index}'s memory") if need > total else None
-    return physical, "physical memory"
+    return host
 
 
-def check_engine_resources(config: EngineConfig, pool: bool = True) -> None:
+def check_engine_resources(config: EngineConfig, pool: bool = True, replicas: int = 1) -> None:
     """What the engine options name, checked before the model loads (the engine would find each
     after the load, some as a traceback): ``--device``, ``--hash-seed-file``, ``--kv-disk-dir``
     (creatable and writable, :func:`check_writable_dir`), and :func:`check_kv_pool` against the
@@ -358,7 +387,7 @@ def check_engine_resources(config: EngineConfig, pool: bool = True) -> None:
     check_hash_seed_file(config.hash_seed_file)
     if config.kv_disk_dir is not None:
         check_writable_dir(config.kv_disk_dir, "--kv-disk-dir")
-    check_kv_pool(config, model_shape(config.model), pool=pool)
+    check_kv_pool(config, model_shape(config.model), pool=pool, replicas=replicas)
 
 
 # ---------------------------------------------------------------------------- all flags
@@ -536,8 +565,9 @@ class ServeSettings:
     http: HTTPOptions
 
 
-def check_serve_args(args: argparse.Namespace) -> ServeSettings:
-    """Checks every ``serve`` flag (nothing is loaded or bound).
+def check_serve_args(args: argparse.Namespace, replicas: int = 1) -> ServeSettings:
+    """Checks every ``serve`` flag (nothing is loaded or bound); ``replicas``: how many serve
+    processes will each allocate the KV pool on this machine (``cluster --replicas``).
 
     Raises:
         ValueError: the first bad flag, named.
@@ -548,7 +578,7 @@ def check_serve_args(args: argparse.Namespace) -> ServeSettings:
     merge_model_option(args)
     config = engine_config_from_args(args)
     check_model_arg(config.model)  # a missing directory or a Hub id fails here, not after binding
-    check_engine_resources(config)  # --device, --hash-seed-file, --kv-disk-dir, the KV pool's size
+    check_engine_resources(config, replicas=replicas)  # --device, --hash-seed-file, --kv-disk-dir, the pool
     lora_modules = parse_lora_modules(args.lora_modules)
     check_adapter_dirs(lora_modules)
     api_keys, approved_texts, approved_systems = parse_tenant_args(args)

@@ -365,7 +365,8 @@ def run_cli(args: argparse.Namespace) -> int:
     """
     from prefixcache.entrypoints.cli_args import check_serve_args
 
-    settings = check_serve_args(args)  # a bad serve flag fails here, once, not in N replicas
+    replicas = args.replicas if isinstance(args.replicas, int) and args.replicas > 1 else 1
+    settings = check_serve_args(args, replicas=replicas)  # a bad serve flag fails here, once, not in N replicas
     events = settings.config.kv_events_config
     if args.replicas > 1 and events is not None and events.enable_kv_cache_events:
         raise ValueError("--kv-events-config: every replica would bind the same endpoints; start the replicas "

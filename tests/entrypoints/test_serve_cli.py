@@ -207,6 +207,43 @@ def test_kv_pool_is_sized_from_the_model_config_and_refused_beyond_memory(no_mod
                                            "run 'prefixcache serve --help' for all options\n")
 
 
+def test_a_container_memory_limit_bounds_the_pool(no_model_load, tiny_model, tmp_path, monkeypatch, capsys):
+    """cgroup v2's memory.max (a number or "max") and v1's memory.limit_in_bytes (~2**63: none) are
+    read; the smaller of it and physical memory bounds the pool, named in the error."""
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    monkeypatch.setattr(cli_args, "CGROUP_MEMORY_LIMIT_FILES", (str(v2), str(v1)))
+    monkeypatch.setattr(cli_args, "physical_memory_bytes", lambda: 1 << 30)
+    assert cli_args.cgroup_memory_limit_bytes() is None  # neither file
+    v1.write_text("9223372036854771712\n")
+    assert cli_args.cgroup_memory_limit_bytes() is None
+    assert cli_args.host_memory_limit() == (1 << 30, "physical memory")
+    v2.write_text("max\n")
+    assert cli_args.cgroup_memory_limit_bytes() is None  # v2 read first: no limit
+    v2.write_text("1048576\n")
+    assert cli_args.host_memory_limit() == (1 << 20, "this container's memory limit (cgroup)")
+    model = [str(tiny_model), "--device", "cpu"]
+    assert check_serve_args(parse([*model, "--num-blocks", "1024"])).config.num_blocks == 1024
+    assert cli.main(["serve", "--port", "0", *model, "--num-blocks", "1025"]) == 2
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "prefixcache serve: error: --num-blocks: a KV pool of 1025 blocks needs 1049600 bytes (1.0 MiB; 1024 bytes "
+        "per block), more than the 1048576 bytes (1.0 MiB) of this container's memory limit (cgroup)")
+
+
+def test_cluster_checks_all_replicas_pools_together(no_model_load, tiny_model, monkeypatch, capsys):
+    """Each replica allocates its own pool on this machine: 3 x 512 blocks of 1024 bytes > 1 MiB."""
+    monkeypatch.setattr(cli_args, "physical_memory_bytes", lambda: 1 << 20)
+    model = [str(tiny_model), "--device", "cpu"]
+    assert cli.main(["cluster", "--replicas", "3", *model, "--num-blocks", "512"]) == 2
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "prefixcache cluster: error: --num-blocks: a KV pool of 512 blocks needs 524288 bytes (0.5 MiB; 1024 bytes "
+        "per block) x 3 replicas = 1572864 bytes (1.5 MiB) is more than the 1048576 bytes (1.0 MiB) of physical memory")
+    assert cli.main(["cluster", "--replicas", "2", *model, "--kv-cache-memory", "768KiB"]) == 2
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "prefixcache cluster: error: --kv-cache-memory: a KV pool budget of 786432 bytes x 2 replicas = 1572864 bytes "
+        "(1.5 MiB) is more than the 1048576 bytes (1.0 MiB) of physical memory")
+    assert check_serve_args(parse([*model, "--num-blocks", "512"]), replicas=2).config.num_blocks == 512
+
+
 def test_an_unreadable_model_config_still_bounds_the_pool_from_below(no_model_load, tmp_path, monkeypatch, capsys):
     d = tmp_path / "no-shape"
     d.mkdir()
