@@ -8,7 +8,6 @@ steps), or its one step that prefills the 10 prompts' own tokens over the cached
 
 import argparse
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import prefixcache.layers.attention as attention

@@ -198,8 +198,8 @@ def check_bench_args(args: argparse.Namespace) -> tuple[str, ...]:
         ValueError: the first bad flag, named.
     """
     names = parse_workloads(args.workload)
-    from prefixcache.entrypoints.cli_args import (  # the HTTP server's imports: after
-        check_engine_resources, check_writable_dir, engine_config_from_args)
+    from prefixcache.entrypoints.cli_args import engine_config_from_args  # the HTTP server's imports: after
+    from prefixcache.entrypoints.preflight import check_engine_resources, check_writable_dir
 
     config = engine_config_from_args(args, model_flag="--model", overrides=_engine_options(args))
     check_positive((("--max-tokens", args.max_tokens), ("--repeats", args.repeats),

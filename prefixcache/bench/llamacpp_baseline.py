@@ -11,6 +11,7 @@ with the next prompt: its in-context prefix reuse, which :meth:`LlamaCppEngine.r
 
 from __future__ import annotations
 
+import importlib
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ next(gen); next(gen)
 def llama_cpp_missing() -> str | None:
     """Why llama.cpp can't run here (a sentence for the report), or None when it can."""
     try:
-        import llama_cpp  # noqa: F401
+        importlib.import_module("llama_cpp")  # its shared library loads, or not
     except (ImportError, OSError, RuntimeError) as e:  # not installed, or its shared library won't load
         return f"llama-cpp-python is not importable ({e}); {INSTALL_HINT}"
     return None

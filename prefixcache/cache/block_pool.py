@@ -145,11 +145,6 @@ class BlockPool:
             block_hash, token_ids, None if parent is None else (parent,), root_key, extra_key
         )
         return matches[0] if matches else None
-        token_ids, allowed = tuple(token_ids), self.evictor.is_hit_allowed
-        for block in candidates.values():
-            if block.token_ids == token_ids and follows(block, parent, root_key, extra_key) and allowed(block):
-                return block
-        return None
 
     def find_cached_blocks(
         self,

@@ -11,7 +11,8 @@ Every parser is a :class:`CLIParser`: a flag must be spelled in full (``--num-bl
 not ``--num-blocks``), and a bad flag or value prints its one error line and a hint, not argparse's
 usage block. Each subcommand that loads a model checks every engine option first (``serve``,
 ``cluster``: :func:`~prefixcache.entrypoints.cli_args.check_serve_args`; ``demo``: below;
-``bench``: :func:`~prefixcache.bench.cli.check_bench_args`), so a bad value fails in a second.
+``bench``: :func:`~prefixcache.bench.cli.check_bench_args`), so a bad value fails in a second; what
+the flags name (device, files, the KV pool's size) is checked in ``entrypoints/preflight.py``.
 """
 
 from __future__ import annotations
@@ -167,7 +168,8 @@ def run_command(args: argparse.Namespace, modules: dict[str, object]) -> int:
         ValueError: a bad option (found before any model loads) or a model that can't be loaded.
     """
     if args.command == "demo":
-        from prefixcache.entrypoints.cli_args import check_engine_resources, engine_config_from_args
+        from prefixcache.entrypoints.cli_args import engine_config_from_args
+        from prefixcache.entrypoints.preflight import check_engine_resources
         from prefixcache.entrypoints.num_threads import choose_num_threads
         from prefixcache.models.model_path import check_model_arg
 

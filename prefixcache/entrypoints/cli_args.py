@@ -8,10 +8,7 @@ sizes (``metadata["memory"]``) parsed from ``2GiB``-style text. The model is pos
 
 Every flag is checked before the model loads (then the port is bound, then the model loaded), so
 a typo or a busy port fails in a second with one line naming the flag, not after a long load. That
-includes what a flag names (:func:`check_engine_resources`): ``--device``, the ``--hash-seed-file``'s
-secret, a writable ``--kv-disk-dir``, and a KV pool (``--num-blocks``, ``--kv-cache-memory``,
-``--block-size``) that fits the machine and the model, sized from the model's config read without
-its weights.
+includes what a flag names (:func:`~prefixcache.entrypoints.preflight.check_engine_resources`).
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ import os
 import re
 import signal
 import sys
-import tempfile
 import threading
 import types
 import typing
@@ -34,10 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixcache.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from prefixcache.config import EngineConfig
 from prefixcache.entrypoints.http_limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from prefixcache.entrypoints.launcher import HTTPOptions
 from prefixcache.entrypoints.num_threads import NUM_THREADS_HELP, choose_num_threads
+from prefixcache.entrypoints.preflight import check_engine_resources
 from prefixcache.errors import InvalidInputError
 
 _MEMORY_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -156,238 +153,6 @@ def engine_config_from_args(args: argparse.Namespace, model_flag: str = "MODEL",
     except InvalidInputError as e:
         flag = model_flag if e.field == "model" else flag_name(fields[e.field]) if e.field in fields else e.field
         raise ValueError(f"{flag}: {e.message}") from e
-
-
-# ---------------------------------------------------------------------------- what the engine flags name
-_DEVICE = re.compile(r"(cpu|cuda)(?::([0-9]+))?")  # what LLMEngine's _resolve_device accepts
-_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # config.DTYPES' element sizes (torch's element_size)
-
-
-def check_device(name: str | None) -> None:
-    """``--device`` is ``cpu`` or ``cuda[:N]`` (what the engine accepts), and a CUDA device exists
-    (torch is imported only for a ``cuda`` device).
-
-    Raises:
-        ValueError: naming ``--device``.
-    """
-    if name is None:
-        return
-    m = _DEVICE.fullmatch(name)
-    if m is None:
-        raise ValueError(f"--device: must be 'cpu' or 'cuda[:N]', got {name!r}")
-    if m.group(1) == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name!r}: CUDA is not available on this machine")
-        count = torch.cuda.device_count()
-        if int(m.group(2) or 0) >= count:
-            raise ValueError(f"--device {name!r}: this machine has {count} CUDA device{'s' if count != 1 else ''} "
-                             f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
-
-
-def check_hash_seed_file(path: str | None) -> None:
-    """``--hash-seed-file`` can be read and holds a secret of >= 16 bytes (what the engine reads).
-
-    Raises:
-        ValueError: naming ``--hash-seed-file``.
-    """
-    if path is None:
-        return
-    from prefixcache.cache.hashing import hash_seed_bytes
-
-    try:
-        hash_seed_bytes(None, path)
-    except InvalidInputError as e:  # "hash_seed_file: cannot read ..." / "hash_seed_file '...' must hold ..."
-        raise ValueError(e.message.replace("hash_seed_file", "--hash-seed-file", 1)) from None
-
-
-def check_writable_dir(path: str, flag: str) -> Path:
-    """Checks that directory ``path`` can be created (with its parents, as its writer does) and a
-    file written in it; what the check created is removed again, so a flag refused later leaves
-    nothing behind.
-
-    Returns:
-        The directory (``~`` expanded).
-
-    Raises:
-        ValueError: ``path`` is an existing file, or can't be created or written; naming ``flag``.
-    """
-    d = Path(path).expanduser()
-    if d.exists() and not d.is_dir():
-        raise ValueError(f"{flag}: {path!r} is an existing file, not a directory")
-    missing = [p for p in (d, *d.parents) if not p.exists()]  # deepest first
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=d, prefix=".prefixcache-write-check-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ValueError(f"{flag}: cannot create or write the directory {path!r} ({e.strerror or e})") from None
-    finally:
-        for p in missing:
-            try:
-                p.rmdir()
-            except OSError:  # not created, or something else wrote into it meanwhile
-                pass
-    return d
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What sizes a KV block, read from a model's config without loading its weights."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    context: int | None  # max_position_embeddings, tokens
-
-
-# cgroup v2's and v1's memory limit of this process's container (a v1 value near 2**63 means none)
-CGROUP_MEMORY_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
-
-
-def physical_memory_bytes() -> int | None:
-    """This machine's physical memory (None where the platform can't tell)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def cgroup_memory_limit_bytes() -> int | None:
-    """This container's memory limit from the first readable :data:`CGROUP_MEMORY_LIMIT_FILES`
-    (None: no limit, ``max``, or no cgroup file)."""
-    for path in CGROUP_MEMORY_LIMIT_FILES:
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
-            continue
-        return int(text) if text.isdigit() and int(text) < 1 << 62 else None
-    return None
-
-
-def host_memory_limit() -> tuple[int, str] | None:
-    """``(bytes, what)``: the smaller of physical memory and the container's limit (cgroup)."""
-    physical, limit = physical_memory_bytes(), cgroup_memory_limit_bytes()
-    if limit is not None and (physical is None or limit < physical):
-        return limit, "this container's memory limit (cgroup)"
-    return (physical, "physical memory") if physical is not None else None
-
-
-def model_shape(model: str) -> ModelShape | None:
-    """The KV shape of ``model`` from its config.json (the built-in model once fetched, a local HF
-    directory), without torch, transformers or the weights.
-
-    Returns:
-        None when it can't be read cheaply (the built-in model not fetched yet, a .gguf file, an
-        unusual config): the caller's checks then use a lower bound.
-    """
-    from prefixcache.models import fetch
-
-    path = fetch.default_model_dir() if model == fetch.DEFAULT_MODEL_NAME else Path(model).expanduser()
-    try:
-        if model == fetch.DEFAULT_MODEL_NAME and not fetch.is_complete(path):
-            return None
-        c = json.loads((path / "config.json").read_text())
-        heads = c["num_attention_heads"]
-        shape = ModelShape(c["num_hidden_layers"], c.get("num_key_value_heads") or heads,
-                           c.get("head_dim") or c["hidden_size"] // heads, c.get("max_position_embeddings"))
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
-        return None
-    return shape if _valid_shape(shape) else None
-
-
-def _valid_shape(shape: ModelShape) -> bool:
-    sizes = (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.context or 1)
-    return all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes)
-
-
-def _size(n: int) -> str:
-    return f"{n / (1 << 30):,.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):,.1f} MiB"
-
-
-def kv_block_bytes(shape: ModelShape | None, block_size: int, dtype: str) -> int:
-    """Bytes of one KV block: ``kv_cache_bytes_per_block``'s (prefixcache/runner/kv_pool.py, which
-    needs torch) 2 x layers x block_size x KV heads x head_dim x element size; with the shape
-    unknown (None), a lower bound: 1 layer, 1 KV head of dimension 1."""
-    per_token = shape.num_layers * shape.num_kv_heads * shape.head_dim if shape is not None else 1
-    return 2 * per_token * block_size * _ELEMENT_BYTES[dtype]
-
-
-def check_kv_pool(config: EngineConfig, shape: ModelShape | None, pool: bool = True, replicas: int = 1) -> None:
-    """The KV options against the model (``shape``, None if unknown) and the machine, as the engine
-    would find them after the load: ``--block-size`` and ``--max-model-len`` within the model's
-    context; with ``pool``, a budget that holds one block and ``replicas`` pools (``--num-blocks``
-    blocks each, else the ``--kv-cache-memory`` budget) no larger than the memory they are allocated
-    in (:func:`kv_block_bytes`; with the shape unknown, its lower bound): physical memory, a
-    container's cgroup limit, or a CUDA device's.
-
-    Raises:
-        ValueError: naming the flag.
-    """
-    context = shape.context if shape is not None else None
-    if context is not None and config.block_size > context:
-        raise ValueError(f"--block-size: block_size {config.block_size} is more than the model's context of "
-                         f"{context} tokens (its max_position_embeddings): such a block never fills")
-    if context is not None and config.max_model_len is not None and config.max_model_len > context:
-        raise ValueError(f"--max-model-len: max_model_len {config.max_model_len} is more than the model's context "
-                         f"of {context} tokens (its max_position_embeddings); positions beyond it were never trained")
-    if not pool:
-        return
-    per_block = kv_block_bytes(shape, config.block_size, config.dtype)
-    at_least = "" if shape is not None else "at least "
-    if config.num_blocks is None:
-        budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
-        if budget < per_block:
-            raise ValueError(f"--block-size: one KV block of {config.block_size} tokens takes {at_least}{per_block} "
-                             f"bytes, more than the KV pool budget of {budget} bytes (--kv-cache-memory); lower "
-                             "--block-size or raise --kv-cache-memory")
-        flag, need, what = "--kv-cache-memory", budget - budget % per_block, f"a KV pool budget of {budget} bytes is"
-    else:
-        flag, need = "--num-blocks", config.num_blocks * per_block
-        what = f"a KV pool of {config.num_blocks} blocks needs {at_least}{need} bytes ({_size(need)}; " \
-               f"{at_least}{per_block} bytes per block),"
-    if replicas > 1:  # `cluster`: every replica allocates its own pool on this machine
-        need *= replicas
-        what = what.removesuffix(" is").removesuffix(",") + f" x {replicas} replicas = {need} bytes ({_size(need)}) is"
-    limit = _pool_memory_limit(config.device, need)
-    if limit is not None:
-        raise ValueError(f"{flag}: {what} more than the {limit[0]} bytes ({_size(limit[0])}) of {limit[1]}")
-
-
-def _pool_memory_limit(device: str | None, need: int) -> tuple[int, str] | None:
-    """``(bytes, what)`` of the memory the pool would be allocated in when ``need`` bytes exceed it,
-    else None: the host's (:func:`host_memory_limit`), or a CUDA device's (only asked, with torch, when
-    ``need`` exceeds the host's and the pool may go to CUDA: ``--device cuda[:N]``, or no ``--device``
-    and CUDA present)."""
-    host = host_memory_limit()
-    if host is None or need <= host[0]:
-        return None
-    if device is None or device.startswith("cuda"):
-        import torch
-
-        if torch.cuda.is_available():
-            index = int(device.partition(":")[2] or 0) if device else 0
-            total = torch.cuda.get_device_properties(index).total_memory
-            return (total, f"CUDA device {index}'s memory") if need > total else None
-    return host
-
-
-def check_engine_resources(config: EngineConfig, pool: bool = True, replicas: int = 1) -> None:
-    """What the engine options name, checked before the model loads (the engine would find each
-    after the load, some as a traceback): ``--device``, ``--hash-seed-file``, ``--kv-disk-dir``
-    (creatable and writable, :func:`check_writable_dir`), and :func:`check_kv_pool` against the
-    model's config (read without its weights).
-
-    Raises:
-        ValueError: naming the flag.
-    """
-    check_device(config.device)
-    check_hash_seed_file(config.hash_seed_file)
-    if config.kv_disk_dir is not None:
-        check_writable_dir(config.kv_disk_dir, "--kv-disk-dir")
-    check_kv_pool(config, model_shape(config.model), pool=pool, replicas=replicas)
 
 
 # ---------------------------------------------------------------------------- all flags

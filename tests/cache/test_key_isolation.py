@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.cache.hashing import BlockHasher, make_root_key, tenant_extra_key
-from prefixcache.cache.kv_cache_manager import KVCacheManager
 from tests.cache.cache_test_utils import make_manager
 from prefixcache.request import Request
 from prefixcache.sampling_params import SamplingParams

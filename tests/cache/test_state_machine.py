@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from prefixcache.cache.hashing import BlockHasher, make_root_key, tenant_extra_key
-from prefixcache.cache.kv_cache_manager import KVCacheManager
 from tests.cache.cache_test_utils import make_manager
 from prefixcache.request import Request
 from prefixcache.sampling_params import SamplingParams

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.engine.tenancy import ApprovedPrefixes, validate_tenant
 from tests.cache.cache_test_utils import make_manager, admit, ids, make_request
 

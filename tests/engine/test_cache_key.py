@@ -67,8 +67,6 @@ def test_load_weights_refused_while_requests_run(own_model):
 def test_load_weights_refuses_bad_values_before_copying_anything(own_model):
     """Found by a review (2026-12-02): a mapping whose second value was a numpy array (or a meta
     tensor) raised only after the first tensor was copied, leaving zeroed embeddings behind."""
-    import numpy as np
-
     llm = LLM(loaded=own_model, num_threads=2, num_blocks=32)
     params = dict(own_model.model.named_parameters())
     before_tokens = llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0].token_ids

@@ -42,7 +42,7 @@ def write_adapter(path, seed: int) -> None:
 
 
 def random_round(llm, rng: random.Random, prefixes: list[list[int]], lora: LoRARequest | None) -> None:
-    prompts, salts = [], []
+    prompts = []
     for _ in range(rng.randrange(2, 5)):
         prompts.append(rng.choice(prefixes)[: rng.choice((BS, 2 * BS, 3 * BS))]
                        + [rng.randrange(300, 40000) for _ in range(rng.randrange(1, 2 * BS))])

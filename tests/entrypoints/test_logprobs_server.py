@@ -76,7 +76,7 @@ def test_completion_logprobs_legacy_shape_and_stop_string_hold_back(server):
     stopped = post(server, "completions", stop=[stop], cache_salt="plain", **base).json()["choices"][0]
     assert stopped["text"] == plain["text"][: plain["text"].index(stop)]
     chunks = sse(post(server, "completions", stop=[stop], stream=True, cache_salt="stream", **base))
-    text, tokens = "", []
+    text = ""
     merged = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for c in chunks:
         choice = c["choices"][0]
