@@ -105,6 +105,9 @@ class AsyncLLMEngine:
         self.num_recoveries = 0  # times the engine was reset after an unexpected error
         # The most requests seen in one step (a batching check for tests and benchmarks).
         self.max_step_num_reqs = 0
+        # Counters and queue lengths as of the engine thread's last step or call: what get_stats
+        # answers without waiting for a running step (a multi-second prefill must not stall a scrape).
+        self._stats = take_stats(engine)
 
     def _init_thread(self) -> None:
         if self.engine.device.type == "cpu":  # torch's thread count is per calling thread
@@ -173,6 +176,7 @@ class AsyncLLMEngine:
         outputs = engine.step()
         n = len(engine.scheduler.running) + sum(o.finished for o in outputs)
         self.max_step_num_reqs = max(self.max_step_num_reqs, n)
+        self._stats = take_stats(engine)
         return outputs
 
     def _recover(self, error: Exception) -> list[RequestOutput]:
@@ -182,6 +186,7 @@ class AsyncLLMEngine:
         outputs = self.engine.fail_all_requests(f"engine error: {error!r}")
         if not self.engine.reset_prefix_cache():
             raise RuntimeError(f"engine recovery failed: blocks still in use after {error!r}") from error
+        self._stats = take_stats(self.engine)
         return outputs
 
     def _dispatch(self, out: RequestOutput) -> None:
@@ -197,7 +202,7 @@ class AsyncLLMEngine:
                 self._queues.pop(out.request_id, None)
                 self._unfinished.pop(out.request_id, None)
                 if left > 0:  # a failed sample ends its request: stop the others
-                    future = self._executor.submit(self.engine.abort_request_samples, out.request_id)
+                    future = self._executor.submit(self._abort_samples, out.request_id)
                     future.add_done_callback(self._on_abort_done)
             if self.on_finish is not None:
                 self.on_finish(out, left <= 0 or failed)
@@ -206,12 +211,18 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ requests
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Runs ``fn`` on the engine thread, between steps."""
+        """Runs ``fn`` on the engine thread, between steps (then refreshes :meth:`get_stats`'s answer:
+        an add or an abort changes the queues)."""
         if self.error is not None:
             raise EngineDeadError(f"engine loop failed: {self.error!r}")
-        return await asyncio.get_running_loop().run_in_executor(
-            self._executor, lambda: fn(*args, **kwargs)
-        )
+
+        def run() -> Any:
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._stats = take_stats(self.engine)
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
 
     async def _call_input(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs ``fn`` (tokenization, templates) on the input thread, beside the steps."""
@@ -313,7 +324,7 @@ class AsyncLLMEngine:
             if not isinstance(e, Exception) and self.error is None:
                 # Cancelled while the add may be running on the engine thread: abort after it.
                 for request_id in request_ids:
-                    self._executor.submit(self.engine.abort_request_samples, request_id)
+                    self._executor.submit(self._abort_samples, request_id)
             raise
         self._wakeup.set()
         return self._stream(request_ids, queue, sampling_params.n)
@@ -372,8 +383,15 @@ class AsyncLLMEngine:
             return
         if self.error is not None or self._loop is None:
             return
-        future = self._executor.submit(self.engine.abort_request_samples, request_id)
+        future = self._executor.submit(self._abort_samples, request_id)
         future.add_done_callback(self._on_abort_done)
+
+    def _abort_samples(self, request_id: str) -> list[RequestOutput]:
+        """On the engine thread: aborts every sample of ``request_id``, then refreshes the stats."""
+        try:
+            return self.engine.abort_request_samples(request_id)
+        finally:
+            self._stats = take_stats(self.engine)
 
     def _on_abort_done(self, future: concurrent.futures.Future) -> None:
         outs = [] if future.cancelled() or future.exception() else future.result()
@@ -429,7 +447,16 @@ class AsyncLLMEngine:
         return await self._call_input(self.engine.input_processor.token_strs, token_ids, self._tokenizer)
 
     async def get_stats(self) -> EngineStats:
-        return await self._call(take_stats, self.engine)
+        """The engine's counters and queue lengths as of its last step (or add, abort, reset), taken
+        together on the engine thread; it never waits for a running step (vLLM's ``/metrics``
+        also reports per step), so a scrape answers at once while a long prefill runs.
+
+        Raises:
+            EngineDeadError: the engine loop has failed.
+        """
+        if self.error is not None:
+            raise EngineDeadError(f"engine loop failed: {self.error!r}")
+        return self._stats
 
     async def inspect(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Runs ``fn(engine)`` on the engine thread, between steps, and returns its result (a

@@ -132,13 +132,24 @@ class InputProcessor:
             raise InvalidInputError("prompt", "prompt must not be empty")
         return ProcessedPrompt(None, self.check_token_ids(prompt, "prompt"))
 
+    @property
+    def max_token_ids(self) -> int:
+        """The most token ids a prompt (or a ``/detokenize`` list) may hold before it is refused
+        without a look at its ids: twice the context, the text screen's bound (tokens)."""
+        return 2 * self.max_model_len + 1024
+
     def check_token_ids(self, token_ids: list[int], field: str) -> list[int]:
         """``token_ids`` as plain ints, each checked to be in the vocabulary.
 
         Raises:
-            InvalidInputError: naming ``field``, for an id outside ``[0, vocab_size)`` or not an
-                integer (any integer type, numpy's too, is accepted; never a bool).
+            InvalidInputError: naming ``field``, for more than :attr:`max_token_ids` ids (counted
+                before any id is looked at, so a huge list costs no per-id work), an id outside
+                ``[0, vocab_size)`` or not an integer (any integer type, numpy's too, is accepted;
+                never a bool).
         """
+        if len(token_ids) > self.max_token_ids:
+            raise InvalidInputError(field, f"{field} has {len(token_ids)} token ids, more than {self.max_token_ids} "
+                                           f"(twice max_model_len {self.max_model_len}, plus 1024)")
         for t in token_ids:
             if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.vocab_size:
                 raise InvalidInputError(field, f"{field} token ids must be integers in [0, {self.vocab_size}), "

@@ -105,8 +105,14 @@ def lone_surrogate_field(req: BaseModel) -> str | None:
                 stack.extend(value.keys())
                 stack.extend(value.values())
             elif isinstance(value, (list, tuple)):
-                stack.extend(value)
+                if not _only_numbers(value):  # a token-id list may hold millions of ints
+                    stack.extend(value)
     return None
+
+
+def _only_numbers(values: list | tuple) -> bool:
+    """Every item is an int, float or bool (checked at C speed: no Python loop per item)."""
+    return set(map(type, values)) <= {int, float, bool}
 
 
 def _changes_nothing(value: Any, noops: tuple[Any, ...]) -> bool:

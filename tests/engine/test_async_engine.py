@@ -23,7 +23,7 @@ class FakeEngine:
         self.device = types.SimpleNamespace(type="cuda")  # skip the CPU thread setup
         self.tokenizer = None
         self.requests: dict[str, bool] = {}
-        self.scheduler = types.SimpleNamespace(running={})
+        self.scheduler = types.SimpleNamespace(running={}, waiting=[])
         gate = tokenize_gate
 
         def tokenize(prompt, tokenizer=None):
@@ -38,6 +38,9 @@ class FakeEngine:
             raise InvalidInputError("request_id", f"request_id {request_id!r} is already in use")
         self.requests[request_id] = True
         return request_id
+
+    def get_metrics(self):
+        return {"requests": len(self.requests)}
 
     def has_unfinished_requests(self):
         return bool(self.requests)

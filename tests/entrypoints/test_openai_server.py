@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import httpx
 import openai
@@ -246,6 +247,22 @@ def test_metrics_counters_match_requests(server, client):
         after["prefixcache:prefix_cache_hits_total"] / after["prefixcache:prefix_cache_queries_total"])
     assert after["prefixcache:kv_blocks_in_use"] + after["prefixcache:kv_blocks_free"] == after[
         "prefixcache:kv_blocks_total"]
+
+
+def test_metrics_answer_while_the_engine_thread_is_busy(server):
+    """Found by a review (2026-12-02): /metrics (and the dashboard's sampler) waited for the running
+    engine step, 9 s behind a cold 2,000-token prefill, past a scraper's timeout. It answers from the
+    counters of the last step; here the engine thread is held as a long step would hold it."""
+    before = server.wait_idle()
+    gate = threading.Event()
+    busy = server.engine._executor.submit(gate.wait, 60)
+    try:
+        during = server.metrics()  # httpx's 5 s timeout: this raised ReadTimeout before
+    finally:
+        gate.set()
+        busy.result(10)
+    assert during == before
+    assert server.metrics()["prefixcache:kv_blocks_total"] == before["prefixcache:kv_blocks_total"] == 160
 
 
 def test_api_key(smollm2):

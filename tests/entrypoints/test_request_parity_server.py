@@ -284,6 +284,29 @@ def test_tokenize_errors_name_the_field(server, path, body, status, param):
     assert r.json()["error"]["param"] == param
 
 
+def test_token_id_lists_past_twice_the_context_are_refused_by_their_length(server):
+    """Found by a review (2026-12-02): three 5,000,000-id prompts (14 MiB, under the body limit)
+    stalled every other client for 20 s: each id was visited (the lone-surrogate walk, the vocabulary
+    check) before the prompt's length refused it, and /detokenize had no bound at all. A list is
+    now refused by its length before any id is looked at, with this message."""
+    engine = server.engine.engine
+    limit, context = engine.input_processor.max_token_ids, engine.max_model_len
+    assert limit == 2 * context + 1024
+    ids = [28] * (limit + 1)
+    why = f"has {limit + 1} token ids, more than {limit} (twice max_model_len {context}, plus 1024)"
+    for path, body, param, message in (
+        ("/v1/completions", {"prompt": ids, "max_tokens": 1}, "prompt", f"prompt {why}"),
+        ("/v1/completions", {"prompt": [[5, 6], ids], "max_tokens": 1}, "prompt", f"prompt[1]: prompt {why}"),
+        ("/tokenize", {"prompt": ids}, "prompt", f"prompt {why}"),
+        ("/detokenize", {"tokens": ids}, "tokens", f"tokens {why}"),
+    ):
+        r = post(server, path, body)
+        assert r.status_code == 400, r.text
+        assert (r.json()["error"]["param"], r.json()["error"]["message"]) == (param, message)
+    assert post(server, "/detokenize", {"tokens": [28] * limit}).status_code == 200
+    assert server.wait_idle()["prefixcache:kv_blocks_in_use"] == 0
+
+
 def test_failed_prompt_fails_the_request_and_stops_the_others(server, monkeypatch):
     """Prompt 0's first output comes back as the engine reports a failed step ("error"): the
     answer is a 500 and prompt 1, which would run 400 tokens, is aborted."""
