@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -32,6 +33,11 @@ class LLM:
     Raises:
         ValueError: unknown or invalid option, or a model that can't be loaded.
 
+    ``generate`` and ``chat`` may run from several threads at once: their requests are stepped
+    together and each call returns its own outputs. A request added through ``llm.engine``
+    directly is stepped by its caller: ``generate`` refuses to start while one is queued (its
+    outputs would otherwise be taken by this call's steps).
+
     Example::
 
         llm = LLM("smollm2-135m")
@@ -41,6 +47,9 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, loaded: LoadedModel | None = None, **engine_options: Any):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options), loaded=loaded)
+        self._lock = threading.Lock()  # guards the two below
+        self._own_ids: set[str] = set()  # requests of the generate calls in flight
+        self._finished: dict[tuple[str, int], RequestOutput] = {}  # (request id, index) -> final output
 
     @property
     def tokenizer(self):
@@ -87,6 +96,9 @@ class LLM:
         prompts = list(prompts)
         if not prompts:
             raise InvalidInputError("prompts", "prompts must contain at least one prompt")
+        if isinstance(sampling_params, Mapping):
+            raise InvalidInputError("sampling_params", "sampling_params must be a SamplingParams (or a list of them), "
+                                                       "got a dict: build one with SamplingParams(**params)")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -127,7 +139,9 @@ class LLM:
         if not isinstance(messages, (list, tuple)):
             raise InvalidInputError("messages", f"messages must be a list of {{'role', 'content'}} dicts (or a list "
                                                 f"of such lists), got {type(messages).__name__}")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not messages:
+            raise InvalidInputError("messages", "messages must not be empty")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
         return self.generate(
             prompts, sampling_params, cache_salt=cache_salt, use_tqdm=use_tqdm, lora=lora, tenant=tenant
@@ -147,35 +161,54 @@ class LLM:
 
     def _run(self, items: list[tuple[Any, SamplingParams, str | None, Any, str | None, int]],
              use_tqdm: bool) -> list[RequestOutput]:
+        """Adds the batch (all or nothing), steps the engine until every sample of it finished, and
+        returns their outputs in order. Steps run by other threads' calls may finish this call's
+        samples: finished outputs go to a shared table that every call reads its own from."""
         engine = self.engine
         ids: list[str] = []
-        try:
-            for prompt, params, salt, lora, tenant, priority in items:
-                ids.append(engine.add_request(prompt, params, cache_salt=salt, lora=lora, tenant=tenant,
-                                              priority=priority))
-            keys = [(req_id, i) for req_id, (_, params, *_) in zip(ids, items) for i in range(params.n)]
-        except BaseException:
-            for req_id in ids:  # all or nothing: don't leave half a batch queued
-                engine.abort_request(req_id)
-            raise
+        with self._lock:
+            if not self._own_ids and engine.has_unfinished_requests():
+                raise RuntimeError("generate: the engine holds requests added through llm.engine; step them with "
+                                   "llm.engine.step() (or abort them) first: this call's steps would take their outputs")
+            try:
+                for prompt, params, salt, lora, tenant, priority in items:
+                    ids.append(engine.add_request(prompt, params, cache_salt=salt, lora=lora, tenant=tenant,
+                                                  priority=priority))
+            except BaseException:
+                for req_id in ids:  # all or nothing: don't leave half a batch queued
+                    engine.abort_request(req_id)
+                raise
+            self._own_ids.update(ids)
+        keys = [(req_id, i) for req_id, (_, params, *_) in zip(ids, items) for i in range(params.n)]
         results: dict[tuple[str, int], RequestOutput] = {}
-        wanted = set(keys)
         try:
             with tqdm(total=len(keys), desc="Generating", disable=not use_tqdm or len(keys) < 2) as bar:
                 while len(results) < len(keys):
-                    for out in engine.step():
-                        if (out.request_id, out.index) not in wanted:  # not this call's (another caller's)
-                            continue
+                    self._keep_finished(engine.step())
+                    with self._lock:
+                        mine = {key: self._finished.pop(key) for key in keys if key in self._finished}
+                    for out in mine.values():
                         if out.finish_reason == "error":
                             raise RuntimeError(out.error)
-                        if out.finished:
-                            results[out.request_id, out.index] = out
-                            bar.update(1)
+                    results.update(mine)
+                    bar.update(len(mine))
         except BaseException:
             for req_id in ids:  # the engine failed only the failed step's requests; drop the batch
                 engine.abort_request(req_id)
             raise
+        finally:
+            with self._lock:
+                self._own_ids.difference_update(ids)
+                for key in keys:
+                    self._finished.pop(key, None)
         return [results[key] for key in keys]
+
+    def _keep_finished(self, outputs: list[RequestOutput]) -> None:
+        """Files a step's final (and failed) outputs of the calls in flight under their keys."""
+        with self._lock:
+            for out in outputs:
+                if out.request_id in self._own_ids and (out.finished or out.finish_reason == "error"):
+                    self._finished[out.request_id, out.index] = out
 
     def load_weights(self, weights) -> None:
         """Swaps in new weights (a model directory or ``{name: tensor}``); see ``LLMEngine.load_weights``."""

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json as jsonlib
-from dataclasses import dataclass, field
+import numbers
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from prefixcache.errors import InvalidInputError
@@ -174,10 +177,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     min_tokens: int = 0
-    logit_bias: dict[int, float] | None = None
+    logit_bias: Mapping[int, float] | None = None  # stored read-only (a mappingproxy)
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        self._plain_numbers()
         stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple("stop", self.stop)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids))
@@ -254,6 +258,18 @@ class SamplingParams:
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
 
+    def _plain_numbers(self) -> None:
+        """numpy's (or any) integer and real scalars in the number fields become int and float, as
+        vLLM takes them; a bool stays a bool (and is refused where a number is wanted)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (bool, int, float)) or not isinstance(value, numbers.Real):
+                continue
+            if isinstance(value, numbers.Integral):
+                object.__setattr__(self, f.name, int(value))
+            elif f.name not in _INT_FIELDS:  # a float where an int is wanted stays refused
+                object.__setattr__(self, f.name, float(value))
+
     @property
     def has_penalties(self) -> bool:
         """Whether a penalty reads the request's token history (prompt and output)."""
@@ -274,20 +290,24 @@ def _check_number(name: str, value: object) -> None:
         raise InvalidInputError(name, f"{name} must be finite, got {_show(value)}") from None
 
 
-def _check_logit_bias(value: object) -> dict[int, float]:
-    """A copy of ``logit_bias`` with int keys >= 0 and float values in [-100, 100]."""
-    if not isinstance(value, dict):
+_INT_FIELDS = frozenset({"top_k", "max_tokens", "seed", "n", "prompt_logprobs", "min_tokens", "logprobs"})
+
+
+def _check_logit_bias(value: object) -> Mapping[int, float]:
+    """A read-only copy of ``logit_bias`` with int keys >= 0 and float values in [-100, 100] (a
+    dict changed after the check was applied unchecked: a key of -1 biased the last token)."""
+    if not isinstance(value, Mapping):
         raise InvalidInputError("logit_bias", f"logit_bias must be a dict of token id -> bias, got {_show(value)}")
     checked = {}
     for token_id, bias in value.items():
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+        if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral) or token_id < 0:
             raise InvalidInputError("logit_bias", f"logit_bias keys must be token ids (ints >= 0), got {_show(token_id)}")
         # (NaN fails the range test; ints of any size compare exactly)
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+        if isinstance(bias, bool) or not isinstance(bias, numbers.Real) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
             raise InvalidInputError("logit_bias", f"logit_bias values must be numbers in [-100, 100], "
                                                   f"got {_show(bias)} for token {token_id}")
-        checked[token_id] = float(bias)
-    return checked
+        checked[int(token_id)] = float(bias)
+    return types.MappingProxyType(checked)
 
 
 def _check_int(name: str, value: object) -> None:
@@ -299,6 +319,8 @@ def _as_tuple(name: str, value: object) -> tuple:
     """``None`` -> ``()``; an iterable -> its tuple (entries are checked by the caller)."""
     if value is None:
         return ()
+    if isinstance(value, (bytes, bytearray, Mapping)):
+        raise InvalidInputError(name, f"{name} must be a list, got {_show(value)}")
     try:
         return tuple(value)
     except TypeError:

@@ -115,9 +115,10 @@ class InputProcessor:
         """
         if isinstance(prompt, ProcessedPrompt):
             ids = prompt.token_ids
-            if prompt.text is None or not ids or min(ids) < 0 or max(ids) >= self.vocab_size:
+            if (prompt.text is None or not isinstance(ids, list) or not ids or set(map(type, ids)) != {int}
+                    or min(ids) < 0 or max(ids) >= self.vocab_size):
                 return ProcessedPrompt(prompt.text, self.tokenize(ids).token_ids)  # checked id by id
-            return prompt  # the tokenizer's own ids, in range: not checked one by one again
+            return prompt  # the tokenizer's own ids (plain ints, in range): not checked one by one again
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidInputError("prompt", "prompt must not be empty")
@@ -271,7 +272,7 @@ class InputProcessor:
         for stop in params.stop:
             check_unicode("stop", stop)
         if params.logit_bias:
-            bad = [t for t in params.logit_bias if t >= self.vocab_size]
+            bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidInputError("logit_bias", f"logit_bias token ids must be in [0, {self.vocab_size}), "
                                                       f"got {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else ""))

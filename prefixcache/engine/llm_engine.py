@@ -19,7 +19,9 @@ step's K/V and the other requests' tokens stand.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +42,7 @@ from prefixcache.engine.output_processor import OutputProcessor
 from prefixcache.engine.parallel_sampling import SampleGroups
 from prefixcache.engine.scheduler import Scheduler
 from prefixcache.errors import InvalidInputError
+from prefixcache.host_memory import host_memory_limit
 from prefixcache.layers.lora import LoRARequest
 from prefixcache.layers.sampler import TokenLogprobs
 from prefixcache.models.loader import LoadedModel, load_model
@@ -66,8 +69,24 @@ class EngineMetrics(PrefixCacheSnapshot):
     kv_tiers: dict[str, dict] = field(default_factory=dict)
 
 
+def _serialized(method: Callable) -> Callable:
+    """Runs ``method`` holding the engine's lock: one thread at a time changes the engine's state
+    (the offline API may be called from several threads: a ``reset_prefix_cache`` from another
+    thread landed inside a step's frees and broke the pool for good; the server's engine thread
+    never waits on it)."""
+    @functools.wraps(method)
+    def run(self: LLMEngine, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV pool with automatic prefix caching.
+
+    Thread-safe: every method that changes state (adding, aborting, stepping, resetting, loading
+    weights, approving prefixes, taking metrics) holds one lock, so calls from several threads run
+    one after another, never inside each other.
 
     Args:
         config: validated engine options.
@@ -80,6 +99,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         config.validate()
         self.config = config
+        self._lock = threading.RLock()
         self.device = _resolve_device(config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.resolved_num_threads())
@@ -103,6 +123,7 @@ class LLMEngine:
             config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES, mcfg.num_hidden_layers,
             config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, self.loaded.dtype,
         )
+        self._check_pool_fits()
         self.kv_tiers = make_kv_tiers(config, kv_block_layout(
             mcfg.num_hidden_layers, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, self.loaded.dtype))
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config, bytes_per_block=self.kv_cache_bytes_per_block,
@@ -120,12 +141,37 @@ class LLMEngine:
         self.finish_hooks: list[Callable[[Request], None]] = []
         self.kv_event_recorder, self.kv_event_publisher = self._start_kv_events()
 
+    def _check_pool_fits(self) -> None:
+        """Refuses, before anything is allocated, a block larger than the model's context and a KV
+        pool larger than the memory it goes to (the command line checks the same before the load:
+        ``entrypoints/preflight.py``).
+
+        Raises:
+            InvalidInputError: ``block_size``, or ``num_blocks`` / ``kv_cache_memory``.
+        """
+        config, context = self.config, self.loaded.max_model_len
+        if config.block_size > context:
+            raise InvalidInputError("block_size", f"block_size {config.block_size} is more than the model's context "
+                                                  f"of {context} tokens (its max_position_embeddings): such a block "
+                                                  "never fills")
+        need = self.num_blocks * self.kv_cache_bytes_per_block
+        if self.device.type == "cuda":
+            limit = (torch.cuda.get_device_properties(self.device).total_memory, f"{self.device}'s memory")
+        else:
+            limit = host_memory_limit()
+        if limit is not None and need > limit[0]:
+            field = "num_blocks" if config.num_blocks else "kv_cache_memory"
+            raise InvalidInputError(field, f"{field}: a KV pool of {self.num_blocks} blocks of {config.block_size} "
+                                           f"tokens needs {need} bytes ({self.kv_cache_bytes_per_block} per block), "
+                                           f"more than the {limit[0]} bytes of {limit[1]}")
+
     @property
     def cache_fingerprint(self) -> bytes:
         """The cache key's model part (weights fingerprint and dtype)."""
         return self.input_processor.model_key
 
     # ------------------------------------------------------------------ requests
+    @_serialized
     def add_request(
         self,
         prompt: str | list[int] | ProcessedPrompt,
@@ -174,7 +220,9 @@ class LLMEngine:
         if adapter is not None and self.kv_event_recorder is not None:
             self.kv_event_recorder.note_adapter(adapter.digest, adapter.name)
         if request_id is None:
-            request_id = str(next(self._counter))
+            request_id = self._fresh_request_id(params.n)
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidInputError("request_id", f"request_id must be a non-empty string, got {request_id!r:.60}")
         for rid in self.sample_groups.sample_ids(request_id, params.n):
             if rid in self.scheduler.requests or self.sample_groups.is_reserved(rid):
                 raise InvalidInputError("request_id", f"request_id {rid!r} is already in use")
@@ -185,14 +233,24 @@ class LLMEngine:
         self.scheduler.add_request(request)
         return request_id
 
+    def _fresh_request_id(self, n: int) -> str:
+        """The counter's next value whose sample ids no request uses (a caller may have chosen "1")."""
+        while True:
+            request_id = str(next(self._counter))
+            if not any(rid in self.scheduler.requests or self.sample_groups.is_reserved(rid)
+                       for rid in self.sample_groups.sample_ids(request_id, n)):
+                return request_id
+
     def root_key(self, cache_salt: str | None = None, adapter=None) -> bytes:
         """The cache-key root of a request: model fingerprint, dtype, hash seed, cache_salt, adapter."""
         return self.input_processor.root_key(cache_salt, adapter)
 
+    @_serialized
     def add_approved_prefix(self, prompt: str | list[int]) -> int:
         """Declares a public prefix every tenant may share; returns its length in tokens."""
         return self.input_processor.add_approved_prefix(prompt)
 
+    @_serialized
     def add_approved_system_prompt(self, content: str) -> int:
         """Approves a chat system message every tenant may share; returns its length in tokens."""
         return self.input_processor.add_approved_system_prompt(content)
@@ -211,12 +269,18 @@ class LLMEngine:
         outputs = self.abort_request_samples(request_id)
         return outputs[0] if outputs else None
 
+    @_serialized
     def abort_request_samples(self, request_id: str) -> list[RequestOutput]:
         """Like :meth:`abort_request`, returning the output of every sample it stopped.
 
         ``request_id`` is the id given to :meth:`add_request`; an engine-internal sample id
         (``"id#i"``) stops that sample only, and only once it exists.
+
+        Raises:
+            InvalidInputError: ``request_id`` is not a non-empty string.
         """
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidInputError("request_id", f"request_id must be a non-empty string, got {request_id!r:.60}")
         stopped = [self.scheduler.requests.get(rid) for rid in self.sample_groups.members(request_id)]
         return self._finish([r for r in stopped if r is not None], RequestStatus.FINISHED_ABORTED)
 
@@ -224,6 +288,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------------ step
+    @_serialized
     def step(self) -> list[RequestOutput]:
         """Runs one engine step (then publishes its KV events, when on).
 
@@ -313,6 +378,7 @@ class LLMEngine:
             if batch is not None:
                 self.kv_event_publisher.publish(batch)
 
+    @_serialized
     def close(self) -> None:
         """Stores the blocks still queued for the KV tiers and closes them; publishes the last KV
         events and stops their publisher."""
@@ -346,6 +412,7 @@ class LLMEngine:
         """Fails the step's requests (see :meth:`_fail`)."""
         return self._fail([s.request_id for s in scheduler_output.seqs], f"engine step failed: {error!r}")
 
+    @_serialized
     def fail_all_requests(self, message: str) -> list[RequestOutput]:
         """Fails every request in flight (see :meth:`_fail`); after an unexpected fault, to start
         clean."""
@@ -375,6 +442,7 @@ class LLMEngine:
         return outputs
 
     # ------------------------------------------------------------------ cache control
+    @_serialized
     def load_weights(self, weights: str | Path | Mapping[str, torch.Tensor]) -> None:
         """Replaces model weights in place; no request ever reads K/V of the old weights.
 
@@ -406,12 +474,14 @@ class LLMEngine:
                 self.kv_cache_manager.invalidate_chains(lambda root_key: True)
             self._weights_fingerprint = self.loaded.fingerprint
 
+    @_serialized
     def reset_prefix_cache(self) -> bool:
         """Drops every cached block; refused (False) while any request holds blocks."""
         done = self.kv_cache_manager.reset_prefix_cache()
         self.publish_kv_events()
         return done
 
+    @_serialized
     def get_metrics(self) -> EngineMetrics:
         """The engine's counters now (expired blocks swept first, so the cache numbers are live)."""
         kv = self.kv_cache_manager

@@ -117,11 +117,14 @@ class OutputProcessor:
         return None
 
     def _find_stop_string(self, request: Request) -> bool:
-        """Searches the text the last step added (and the stop-string overlap before it)."""
+        """Searches the text the last step added (and the stop-string overlap before it), up to a
+        trailing U+FFFD: the decode of a character whose bytes are not all generated yet (vLLM's
+        detokenizer holds such text back too), so a stop string never matches half a character
+        (``"\ufffd"`` used to match the first half of an emoji)."""
         params = request.sampling_params
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True).rstrip("\ufffd")
         start = max(0, request.num_checked_chars - (max(len(s) for s in params.stop) - 1))
-        request.num_checked_chars = len(text.rstrip("\ufffd"))
+        request.num_checked_chars = len(text)
         found = [(idx, stop) for stop in params.stop if (idx := text.find(stop, start)) >= 0]
         if not found:
             return False

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from prefixcache.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from prefixcache.errors import InvalidInputError
+from prefixcache.host_memory import host_memory_limit
 
 
 _DEVICE = re.compile(r"(cpu|cuda)(?::([0-9]+))?")  # what LLMEngine's _resolve_device accepts
@@ -103,38 +104,6 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     context: int | None  # max_position_embeddings, tokens
-
-
-# cgroup v2's and v1's memory limit of this process's container (a v1 value near 2**63 means none)
-CGROUP_MEMORY_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
-
-
-def physical_memory_bytes() -> int | None:
-    """This machine's physical memory (None where the platform can't tell)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def cgroup_memory_limit_bytes() -> int | None:
-    """This container's memory limit from the first readable :data:`CGROUP_MEMORY_LIMIT_FILES`
-    (None: no limit, ``max``, or no cgroup file)."""
-    for path in CGROUP_MEMORY_LIMIT_FILES:
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
-            continue
-        return int(text) if text.isdigit() and int(text) < 1 << 62 else None
-    return None
-
-
-def host_memory_limit() -> tuple[int, str] | None:
-    """``(bytes, what)``: the smaller of physical memory and the container's limit (cgroup)."""
-    physical, limit = physical_memory_bytes(), cgroup_memory_limit_bytes()
-    if limit is not None and (physical is None or limit < physical):
-        return limit, "this container's memory limit (cgroup)"
-    return (physical, "physical memory") if physical is not None else None
 
 
 def model_shape(model: str) -> ModelShape | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from prefixcache.errors import InvalidInputError
 from prefixcache.layers.sampler import apply_top_k_top_p
 from prefixcache.sampling_params import SamplingParams
 
@@ -141,11 +142,37 @@ def test_none_in_the_sampling_params_list_is_the_default_and_leaves_no_orphan(ma
     capital = llm.generate(["The capital of France is"], greedy, use_tqdm=False)
     again = llm.generate(["The capital of France is"], greedy, use_tqdm=False)
     assert capital[0].token_ids == again[0].token_ids and capital[0].prompt == "The capital of France is"
-    # a request left in the engine by another caller: this call neither counts nor returns its output
-    llm.engine.add_request("Stray", SamplingParams(max_tokens=2), request_id="stray")
-    mine = llm.generate(["The capital of France is"], greedy, use_tqdm=False)
-    assert len(mine) == 1 and mine[0].request_id != "stray" and mine[0].token_ids == capital[0].token_ids
-    assert not llm.engine.has_unfinished_requests()  # the stray one (2 tokens) finished in those steps
+    assert llm.get_metrics().num_blocks_in_use == 0
+
+
+def test_generate_leaves_requests_added_through_the_engine_to_their_caller(make_llm):
+    """Found by a review (2026-12-02): a request queued with ``llm.engine.add_request`` was stepped
+    by the next ``generate``, which dropped its output (gone for good); and the call's own
+    automatic request id "1" collided with a caller's "1". Now generate refuses to start while
+    such a request is queued (nothing of its batch is queued then), and automatic ids skip ids in
+    use."""
+    llm = make_llm(num_blocks=64)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    alone = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].token_ids
+    llm.engine.add_request("Stray", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), request_id="stray")
+    with pytest.raises(RuntimeError, match=r"^generate: the engine holds requests added through llm.engine; step "
+                                           r"them with llm.engine.step\(\) \(or abort them\) first"):
+        llm.generate(["The capital of France is"], greedy, use_tqdm=False)
+    assert set(llm.engine.scheduler.requests) == {"stray"}
+    outs = [o for _ in range(3) for o in llm.engine.step()]
+    assert [(o.request_id, len(o.token_ids), o.finish_reason) for o in outs] == [("stray", 2, "length")]
+    auto = llm.engine.add_request("Auto", SamplingParams(max_tokens=1))
+    llm.engine.add_request("Auto", SamplingParams(max_tokens=1), request_id=str(int(auto) + 1))
+    auto2 = llm.engine.add_request("Auto", SamplingParams(max_tokens=1))
+    assert int(auto2) == int(auto) + 2  # "auto + 1" taken by a caller: skipped
+    for rid in (auto, str(int(auto) + 1), auto2):
+        assert llm.engine.abort_request(rid).finish_reason == "abort"
+    for bad in ("", 5, ["x"]):
+        with pytest.raises(InvalidInputError, match="^request_id must be a non-empty string"):
+            llm.engine.add_request("x", SamplingParams(max_tokens=1), request_id=bad)
+        with pytest.raises(InvalidInputError, match="^request_id must be a non-empty string"):
+            llm.engine.abort_request(bad)
+    assert llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].token_ids == alone
     assert llm.get_metrics().num_blocks_in_use == 0
 
 

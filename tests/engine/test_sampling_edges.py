@@ -70,3 +70,19 @@ def test_max_model_len_beyond_the_models_context_is_refused(make_llm):
     with pytest.raises(InvalidInputError, match="max_model_len 8193 is more than the model's context of 8192"):
         make_llm(max_model_len=8193)
     assert make_llm(max_model_len=8192).engine.max_model_len == 8192
+
+
+def test_a_stop_string_never_matches_half_a_character(make_llm):
+    """Found by a review (2026-12-02): stop "\\ufffd" ended this request at once with "" — it matched
+    the replacement character that decoding shows while an emoji's bytes are only partly
+    generated. Stop strings are searched in the text up to such a trailing character."""
+    llm = make_llm(num_blocks=32)
+    prompt = "Emoji list: 😀😃😄😁"
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    assert plain.finish_reason == "length" and plain.text.endswith("\ufffd") and "\ufffd" not in plain.text[:-1]
+    assert len(plain.text) > 1  # whole emoji came before the cut
+    stopped = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, stop=["\ufffd"]), use_tqdm=False)[0]
+    assert (stopped.text, stopped.token_ids, stopped.finish_reason) == (plain.text, plain.token_ids, "length")
+    first = plain.text[0]  # a whole character still stops the request where it is complete
+    cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, stop=[first]), use_tqdm=False)[0]
+    assert (cut.text, cut.finish_reason, cut.stop_reason) == ("", "stop", first)

@@ -21,7 +21,7 @@ import pytest
 from prefixcache.config import EngineConfig
 from prefixcache.engine import llm_engine
 from prefixcache.entrypoints import cli
-from prefixcache.entrypoints import preflight
+from prefixcache import host_memory
 from prefixcache.entrypoints.cli_args import add_cli_args, check_serve_args, engine_config_from_args, flag_name
 from prefixcache.entrypoints.preflight import ModelShape, check_writable_dir, kv_block_bytes, model_shape
 from prefixcache.entrypoints.openai_server import build_app
@@ -181,7 +181,7 @@ def tiny_model(tmp_path) -> Path:
 
 def test_kv_pool_is_sized_from_the_model_config_and_refused_beyond_memory(no_model_load, tiny_model, monkeypatch,
                                                                         capsys):
-    monkeypatch.setattr(preflight, "physical_memory_bytes", lambda: 1 << 20)  # 1 MiB: 1024 blocks of 1024 bytes
+    monkeypatch.setattr(host_memory, "physical_memory_bytes", lambda: 1 << 20)  # 1 MiB: 1024 blocks of 1024 bytes
     model = [str(tiny_model), "--device", "cpu"]
     assert model_shape(str(tiny_model)) == ModelShape(num_layers=2, num_kv_heads=1, head_dim=4, context=64)
     for ok in (["--num-blocks", "1024"], ["--num-blocks", "2048", "--dtype", "bfloat16"], ["--kv-cache-memory", "1MiB"],
@@ -211,16 +211,16 @@ def test_a_container_memory_limit_bounds_the_pool(no_model_load, tiny_model, tmp
     """cgroup v2's memory.max (a number or "max") and v1's memory.limit_in_bytes (~2**63: none) are
     read; the smaller of it and physical memory bounds the pool, named in the error."""
     v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
-    monkeypatch.setattr(preflight, "CGROUP_MEMORY_LIMIT_FILES", (str(v2), str(v1)))
-    monkeypatch.setattr(preflight, "physical_memory_bytes", lambda: 1 << 30)
-    assert preflight.cgroup_memory_limit_bytes() is None  # neither file
+    monkeypatch.setattr(host_memory, "CGROUP_MEMORY_LIMIT_FILES", (str(v2), str(v1)))
+    monkeypatch.setattr(host_memory, "physical_memory_bytes", lambda: 1 << 30)
+    assert host_memory.cgroup_memory_limit_bytes() is None  # neither file
     v1.write_text("9223372036854771712\n")
-    assert preflight.cgroup_memory_limit_bytes() is None
-    assert preflight.host_memory_limit() == (1 << 30, "physical memory")
+    assert host_memory.cgroup_memory_limit_bytes() is None
+    assert host_memory.host_memory_limit() == (1 << 30, "physical memory")
     v2.write_text("max\n")
-    assert preflight.cgroup_memory_limit_bytes() is None  # v2 read first: no limit
+    assert host_memory.cgroup_memory_limit_bytes() is None  # v2 read first: no limit
     v2.write_text("1048576\n")
-    assert preflight.host_memory_limit() == (1 << 20, "this container's memory limit (cgroup)")
+    assert host_memory.host_memory_limit() == (1 << 20, "this container's memory limit (cgroup)")
     model = [str(tiny_model), "--device", "cpu"]
     assert check_serve_args(parse([*model, "--num-blocks", "1024"])).config.num_blocks == 1024
     assert cli.main(["serve", "--port", "0", *model, "--num-blocks", "1025"]) == 2
@@ -231,7 +231,7 @@ def test_a_container_memory_limit_bounds_the_pool(no_model_load, tiny_model, tmp
 
 def test_cluster_checks_all_replicas_pools_together(no_model_load, tiny_model, monkeypatch, capsys):
     """Each replica allocates its own pool on this machine: 3 x 512 blocks of 1024 bytes > 1 MiB."""
-    monkeypatch.setattr(preflight, "physical_memory_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(host_memory, "physical_memory_bytes", lambda: 1 << 20)
     model = [str(tiny_model), "--device", "cpu"]
     assert cli.main(["cluster", "--replicas", "3", *model, "--num-blocks", "512"]) == 2
     assert capsys.readouterr().err.splitlines()[0] == (
@@ -249,7 +249,7 @@ def test_an_unreadable_model_config_still_bounds_the_pool_from_below(no_model_lo
     d.mkdir()
     (d / "config.json").write_text("{}")
     (d / "model.safetensors").write_bytes(b"")
-    monkeypatch.setattr(preflight, "physical_memory_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(host_memory, "physical_memory_bytes", lambda: 1 << 20)
     assert model_shape(str(d)) is None and kv_block_bytes(None, 16, "float32") == 2 * 16 * 4
     assert check_serve_args(parse([str(d), "--device", "cpu", "--num-blocks", "8192"])).config.num_blocks == 8192
     assert cli.main(["serve", "--port", "0", str(d), "--device", "cpu", "--num-blocks", "8193"]) == 2
@@ -283,7 +283,7 @@ def test_a_pool_bound_for_cuda_is_compared_with_the_device_memory(tiny_model, mo
 
     import torch
 
-    monkeypatch.setattr(preflight, "physical_memory_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(host_memory, "physical_memory_bytes", lambda: 1 << 20)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=4 << 20))
