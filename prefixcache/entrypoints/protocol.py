@@ -37,7 +37,10 @@ class _Request(BaseModel):
 
 # ---------------------------------------------------------------------------- requests
 class StreamOptions(_Request):
-    include_usage: bool | None = None  # default False
+    """OpenAI's ``stream_options`` plus vLLM's ``continuous_usage_stats``; only with ``stream: true``."""
+
+    include_usage: bool | None = None  # default False: a final chunk with the request's usage
+    continuous_usage_stats: bool | None = None  # vLLM extra, default False: usage on every chunk too
 
 
 class JsonSchemaFormat(_Request):

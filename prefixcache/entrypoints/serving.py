@@ -6,9 +6,10 @@ a request's prompt goes through.
 
 A request is checked in this order, each failure a 400 naming the field in ``param`` unless said:
 its JSON and field types (FastAPI with ``protocol.py``, before this module), lone surrogates in
-any string, fields we don't implement, the model (404), the sampling parameters, the chat
-template, then the engine's own checks when the request is added. Nothing is queued before the
-last, so a refused request never holds a KV block; a client that leaves aborts its request.
+any string, fields we don't implement, ``stream_options`` without ``stream``, the model (404), the
+sampling parameters, the chat template, then the engine's own checks when the request is added.
+Nothing is queued before the last, so a refused request never holds a KV block; a client that
+leaves aborts its request.
 
 A request that the engine finishes with ``finish_reason == "error"`` (the step that ran it
 failed) is answered with a 500 in OpenAI's error format, or in a stream with an error event
@@ -65,7 +66,7 @@ from prefixcache.entrypoints.protocol import (
     TopLogprob,
     Usage,
 )
-from prefixcache.errors import InvalidInputError
+from prefixcache.errors import InvalidInputError, counted
 from prefixcache.layers.lora import LoRARequest
 from prefixcache.outputs import RequestOutput
 from prefixcache.sampling_params import SamplingParams, StructuredOutputsParams, encodes_utf8
@@ -235,6 +236,34 @@ def check_echo(req: CompletionRequest) -> None:
     """
     if req.echo and req.logprobs is not None and req.stream:
         raise APIError(400, "echo with logprobs is not available with stream: true", "echo", "unsupported_parameter")
+
+
+def echo_only(req: CompletionRequest) -> bool:
+    """``echo: true`` with ``max_tokens: 0`` (OpenAI's legacy API and vLLM's
+    ``echo_without_generation``, used to score a prompt's logprobs): the answer is the prompt alone.
+    The engine generates at least one token, so the request runs with ``max_tokens = 1`` and
+    :func:`without_generation` drops that token. ``max_tokens: 0`` without echo stays a 400.
+
+    Raises:
+        APIError: 400 (``min_tokens``) for ``min_tokens`` > 0 with it, as for any ``max_tokens``.
+    """
+    if not (req.echo and req.max_tokens == 0):
+        return False
+    if req.min_tokens:
+        raise APIError(400, f"min_tokens must be in [0, max_tokens=0], got {req.min_tokens}", "min_tokens")
+    return True
+
+
+async def without_generation(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """The outputs of an :func:`echo_only` request with the generated token dropped: no text,
+    tokens or logprobs, finished by ``"length"`` (``max_tokens`` 0 reached; a failed or aborted
+    request keeps its reason). Closing it closes ``stream``."""
+    async with contextlib.aclosing(stream):
+        async for out in stream:
+            ended = out.finish_reason in ("stop", "length")
+            yield dataclasses.replace(out, text="", token_ids=[], logprobs=None if out.logprobs is None else [],
+                                      finish_reason="length" if ended else out.finish_reason,
+                                      stop_reason=None if ended else out.stop_reason)
 
 
 def echo_logprobs(out: RequestOutput, num_logprobs: int, decoder: TokenDecoder) -> CompletionLogprobs:
@@ -513,6 +542,8 @@ class OpenAIServing:
             APIError: 400 for a refused field, 404 for an unknown model.
         """
         check_request(req, kind)
+        if req.stream_options is not None and not req.stream:  # vLLM's and OpenAI's rule
+            raise APIError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
         if req.prompt_logprobs is not None and req.stream:  # as vLLM: they come whole, after the prompt
             raise APIError(400, "prompt_logprobs is not available with stream: true", "prompt_logprobs")
         return self.lora_for(req.model), req.model or self.served_model_name
@@ -601,18 +632,23 @@ class OpenAIServing:
                       make_response: MakeResponse) -> Response | BaseModel:
         """An SSE stream of chunks (``head`` = id, object, created, model; one choice each, from
         ``stream_choice(out, delta, lo, hi)`` (with its logprobs) plus the finish and stop
-        reasons), or ``make_response(final outputs, created)``; 499 if a non-streaming client went
-        away."""
+        reasons; with ``stream_options.continuous_usage_stats`` each carries its choice's usage so
+        far, with ``include_usage`` a final chunk the request's), or ``make_response(final outputs,
+        created)``; 499 if a non-streaming client went away."""
         if not req.stream:
             outs = await final_outputs(stream, raw_request)
             return Response(status_code=499) if outs is None else make_response(outs, head["created"])
-        with_usage = bool(req.stream_options is not None and req.stream_options.include_usage)
+        options = req.stream_options
+        with_usage = bool(options is not None and options.include_usage)
+        continuous = bool(options is not None and options.continuous_usage_stats)
 
         def chunk(out: RequestOutput, delta: str, lo: int, hi: int) -> dict:
             choice = stream_choice(out, delta, lo, hi)
             choice["finish_reason"] = out.finish_reason if out.finished else None
             if out.finished:
                 choice["stop_reason"] = out.stop_reason
+            if continuous:  # vLLM's: the chunk's choice so far (its prompt, its tokens generated yet)
+                return {**head, "choices": [choice], "usage": usage([out]).model_dump()}
             return {**head, "choices": [choice], **({"usage": None} if with_usage else {})}
 
         def usage_chunk(outs: list[RequestOutput]) -> dict:
@@ -634,13 +670,17 @@ class OpenAIServing:
         check_echo(req)
         lora, model_name = self.begin(req, "completions")
         prompts = completion_prompts(req.prompt)
-        params = self.sampling_params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt", req.logprobs)
+        prompt_only = echo_only(req)
+        params = self.sampling_params(req, 1 if prompt_only else req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
+                                      "prompt", req.logprobs)
         echo_lps = bool(req.echo) and params.logprobs is not None  # the prompt's tokens get logprobs too
         if echo_lps:
             params = dataclasses.replace(params, prompt_logprobs=max(params.logprobs, params.prompt_logprobs or 0))
         echoes = await self.prompt_texts(prompts) if req.echo else None
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await self.start(prompts, params, req, request_id, "prompt", lora, tenant)
+        if prompt_only:
+            stream = without_generation(stream)
         echoed: set[int] = set()  # choices whose prompt went out (streaming)
         offsets: dict[int, int] = {}  # per streamed choice: where its next token's text starts
 
@@ -745,6 +785,27 @@ class OpenAIServing:
         room = min(engine.max_model_len, (full + per_sample) * block_size) - num_prompt_tokens
         return max(1, min(MAX_CHAT_DEFAULT_MAX_TOKENS, room))
 
+    def default_does_not_fit(self, num_prompt_tokens: int, n: int) -> APIError:
+        """The 400 for a chat request without ``max_tokens`` that the pool can't hold even with the
+        smallest default (1 token per sample): it names ``n`` when fewer samples would fit, else
+        ``messages`` (the prompt itself is too long for the pool). The blocks are counted as the
+        engine counts them: the samples share the prompt's full blocks, each needs the rest."""
+        engine = self.engine.engine
+        block_size, num_blocks = engine.config.block_size, engine.num_blocks
+        full = num_prompt_tokens // block_size
+        per_sample = -(-(num_prompt_tokens + 1) // block_size) - full  # blocks after the shared ones
+        needed = full + n * per_sample
+        fitting = (num_blocks - full) // per_sample if num_blocks > full else 0
+        prompt = f"the prompt ({counted(num_prompt_tokens, 'token')}) plus 1 token"
+        if fitting >= 1:
+            return APIError(400, f"n={n} samples don't fit the KV pool even with the smallest default max_tokens "
+                                 f"(1): {prompt} for each of n={n} samples needs {counted(needed, 'KV block')} but "
+                                 f"the pool has {counted(num_blocks, 'block')}; lower n to at most {fitting} or "
+                                 "raise num_blocks / kv_cache_memory_bytes", "n")
+        return APIError(400, f"messages: {prompt} needs {counted(full + per_sample, 'KV block')} but the pool has "
+                             f"{counted(num_blocks, 'block')}; shorten the messages or raise num_blocks / "
+                             "kv_cache_memory_bytes", "messages")
+
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request,
                                      tenant: str | None) -> Response | BaseModel:
         """``POST /v1/chat/completions``.
@@ -765,7 +826,12 @@ class OpenAIServing:
         params = self.sampling_params(req, max_tokens, self.chat_default_max_tokens(len(prompt_ids), n), "messages",
                                       chat_num_logprobs(req), {**renames, "logprobs": "top_logprobs"})
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self.start([prompt_ids], params, req, request_id, "messages", lora, tenant, renames)
+        try:
+            stream = await self.start([prompt_ids], params, req, request_id, "messages", lora, tenant, renames)
+        except APIError as e:
+            if max_tokens is None and e.param == "max_tokens":  # the default (1 at least) doesn't fit
+                raise self.default_does_not_fit(len(prompt_ids), n) from e
+            raise
         started: set[int] = set()  # samples whose first chunk (with the role) went out
 
         def logprobs(out: RequestOutput, lo: int, hi: int) -> ChatLogprobs | None:

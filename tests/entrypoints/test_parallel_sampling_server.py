@@ -80,3 +80,50 @@ def test_chat_default_max_tokens_is_sized_for_n_samples(smollm2):
         assert s.wait_idle()["prefixcache:kv_blocks_in_use"] == 0
     finally:
         stop_server(s)
+
+
+def test_chat_n_that_the_pool_cant_hold_names_n_without_max_tokens(smollm2):
+    """Without max_tokens the refusal names n (the default shrinks to 1 token a sample, and still
+    doesn't fit); with max_tokens it names that, as before; a prompt too long for the pool names
+    messages. 24 blocks of 16 tokens."""
+    s = start_server(smollm2, num_blocks=24)
+    try:
+        def post(path, body):
+            return httpx.post(s.base_url + path, json={"model": MODEL, **body}, timeout=120)
+
+        messages = [{"role": "user", "content": "Name a good book for a long train ride."}]
+        p = post("/tokenize", {"messages": messages}).json()["count"]
+        full, per_sample = p // 16, -(-(p + 1) // 16) - p // 16  # shared prompt blocks; each sample's own
+        assert (full, per_sample) == (2, 1)
+        for n, fitting in ((64, 22), (23, 22)):
+            r = post("/v1/chat/completions", {"messages": messages, "n": n})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "n"
+            assert r.json()["error"]["message"] == (
+                f"n={n} samples don't fit the KV pool even with the smallest default max_tokens (1): the prompt "
+                f"({p} tokens) plus 1 token for each of n={n} samples needs {full + n} KV blocks but the pool has "
+                f"24 blocks; lower n to at most {fitting} or raise num_blocks / kv_cache_memory_bytes")
+        r = post("/v1/chat/completions", {"messages": messages, "n": 22, "ignore_eos": True})  # the most that fit
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 22 * ((full + 1) * 16 - p)
+
+        # max_tokens (or max_completion_tokens) sent: the error names it, as before.
+        for field in ("max_tokens", "max_completion_tokens"):
+            r = post("/v1/chat/completions", {"messages": messages, "n": 64, field: 1})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field
+            assert r.json()["error"]["message"] == (
+                f"prompt + max_tokens ({p + 1} tokens x n=64 samples) needs 66 KV blocks but the pool has 24 "
+                "blocks; lower max_tokens or raise num_blocks / kv_cache_memory_bytes")
+
+        # A prompt the pool can't hold even for one sample: no n would fit, the messages are at fault.
+        long = [{"role": "user", "content": "word " * 400}]
+        q = post("/tokenize", {"messages": long}).json()["count"]
+        for n in (1, 3):
+            r = post("/v1/chat/completions", {"messages": long, "n": n})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+            assert r.json()["error"]["message"] == (
+                f"messages: the prompt ({q} tokens) plus 1 token needs {-(-(q + 1) // 16)} KV blocks but the pool "
+                "has 24 blocks; shorten the messages or raise num_blocks / kv_cache_memory_bytes")
+        assert s.wait_idle()["prefixcache:kv_blocks_in_use"] == 0
+    finally:
+        stop_server(s)

@@ -1,5 +1,6 @@
-"""Issue 13's request parity over HTTP: a list of prompts in one completion request, ``echo``,
-``/tokenize`` and ``/detokenize`` (vLLM's shapes), against the real server and the ``openai`` client."""
+"""Issue 13's request parity over HTTP: a list of prompts in one completion request, ``echo`` (with
+``max_tokens: 0`` too), ``stream_options``, ``/tokenize`` and ``/detokenize`` (vLLM's shapes), against
+the real server and the ``openai`` client."""
 
 from __future__ import annotations
 
@@ -211,6 +212,97 @@ def test_echo_with_logprobs_covers_the_prompt_and_chat_echo_is_refused(server):
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "echo": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
     assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "echo": False}).status_code == 200
+    assert_nothing_left(server)
+
+
+def test_echo_with_max_tokens_zero_returns_the_prompt_only(server):
+    """``echo`` + ``max_tokens: 0`` (lm-eval-harness's loglikelihood request): the prompt, its
+    tokens' logprobs and nothing generated, as OpenAI's legacy API and vLLM answer it."""
+    prompt = "The capital of France is"
+    ids = server.engine.engine.tokenizer(prompt).input_ids
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (prompt, "length", None)
+    assert r.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids),
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
+    # The prompt's logprobs alone: those of an echo that generates, cut before its generated tokens.
+    with_generation = post(server, "/v1/completions", {**body, "max_tokens": 2}).json()["choices"][0]["logprobs"]
+    lps = choice["logprobs"]
+    assert lps["tokens"] == [server.engine.engine.tokenizer.decode([t]) for t in ids]
+    assert "".join(lps["tokens"]) == prompt and lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert lps[name] == with_generation[name][:len(ids)], name
+
+    # A list of prompts with n = 2, streamed: each choice one chunk, its prompt, finished by length.
+    body = {"prompt": PROMPTS[:2], "max_tokens": 0, "echo": True, "n": 2}
+    full = post(server, "/v1/completions", body).json()
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in full["choices"]] == [
+        (i, PROMPTS[i // 2], "length") for i in range(4)]
+    assert full["usage"]["completion_tokens"] == 0
+    chunks = sse_json(post(server, "/v1/completions", {**body, "stream": True,
+                                                        "stream_options": {"include_usage": True}}))
+    assert sorted((c["choices"][0]["index"], c["choices"][0]["text"], c["choices"][0]["finish_reason"])
+                  for c in chunks[:-1]) == [(i, PROMPTS[i // 2], "length") for i in range(4)]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
+
+    # Without echo max_tokens 0 stays refused, as min_tokens above it and a streamed echo with logprobs.
+    for extra, param, message in (
+        ({"echo": False}, "max_tokens", "max_tokens must be >= 1, got 0"),
+        ({"echo": True, "min_tokens": 1}, "min_tokens", "min_tokens must be in [0, max_tokens=0], got 1"),
+        ({"echo": True, "logprobs": 1, "stream": True}, "echo", "echo with logprobs is not available with "
+                                                                "stream: true"),
+    ):
+        r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0, **extra})
+        assert r.status_code == 400, r.text
+        assert (r.json()["error"]["param"], r.json()["error"]["message"]) == (param, message)
+    assert_nothing_left(server)
+
+
+# ---------------------------------------------------------------------------- stream_options
+def test_continuous_usage_stats_put_usage_on_every_chunk(server):
+    """vLLM's ``continuous_usage_stats``: each chunk carries its choice's usage so far (its prompt,
+    its tokens generated yet); ``include_usage`` still adds the final usage-only chunk."""
+    prompt = "The capital of France is"
+    num_prompt = len(server.engine.engine.tokenizer(prompt).input_ids)
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 2, "stream": True}
+    chunks = sse_json(post(server, "/v1/completions", {**body, "stream_options": {
+        "continuous_usage_stats": True, "include_usage": True}}))
+    counts: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in chunks[:-1]:
+        usage, index = chunk["usage"], chunk["choices"][0]["index"]
+        assert (usage["prompt_tokens"], usage["total_tokens"]) == (num_prompt, num_prompt + usage["completion_tokens"])
+        counts[index].append(usage["completion_tokens"])
+    assert counts == {0: [1, 2, 3, 4, 5, 6], 1: [1, 2, 3, 4, 5, 6]}  # one token a chunk, greedy English text
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+        "prompt_tokens": num_prompt, "completion_tokens": 12, "total_tokens": num_prompt + 12,
+        "prompt_tokens_details": {"cached_tokens": 0}}
+
+    # Chat, continuous usage alone: usage on every chunk, no usage-only chunk at the end.
+    messages = [{"role": "user", "content": "Name a good book for a long train ride."}]
+    num_prompt = post(server, "/tokenize", {"messages": messages}).json()["count"]
+    chunks = sse_json(post(server, "/v1/chat/completions", {
+        "messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"continuous_usage_stats": True}}))
+    assert [(c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"], c["usage"]["total_tokens"])
+            for c in chunks] == [(num_prompt, k, num_prompt + k) for k in range(1, 6)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert_nothing_left(server)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+])
+def test_stream_options_without_stream_is_400(server, path, body):
+    for stream in ({}, {"stream": False}, {"stream": None}):
+        for options in ({"include_usage": True}, {"continuous_usage_stats": True}, {}):
+            r = post(server, path, {**body, **stream, "stream_options": options})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "stream_options"
+            assert r.json()["error"]["message"] == "Stream options can only be defined when `stream=True`."
+    assert post(server, path, {**body, "stream_options": None}).status_code == 200
     assert_nothing_left(server)
 
 
