@@ -115,9 +115,9 @@ class EngineConfig(CacheConfig, SchedulerConfig):
             raise InvalidInputError("quantization", f"quantization must be one of {QUANTIZATIONS}, "
                                                     f"got {self.quantization!r}")
         if self.quantization == "int4" and self.dtype != "bfloat16":
-            raise InvalidInputError("quantization", f"quantization='int4' runs a bfloat16 model (torch's 4-bit "
-                                                    f"CPU kernel takes bf16 activations): give dtype='bfloat16' "
-                                                    f"(--dtype bfloat16), got dtype={self.dtype!r}")
+            raise InvalidInputError("quantization", f"quantization='int4' runs a bfloat16 model (prompt tokens on "
+                                                    f"its bf16 weights, generated ones on 4-bit copies): give "
+                                                    f"dtype='bfloat16' (--dtype bfloat16), got dtype={self.dtype!r}")
         if self.device is not None and (not isinstance(self.device, str) or not self.device):
             raise InvalidInputError("device", f"device must be a torch device name such as 'cpu' or 'cuda', "
                                               f"got {self.device!r}")

@@ -175,11 +175,13 @@ class Request:
 
     def block_extra_key(self, block_index: int) -> bytes:
         """The extra key of block ``block_index``: the tenant's, unless inside the shared prefix; then,
-        for a block holding a generated token, the hasher's ``output_block_key`` (int4 models),
-        the same bytes its hash was chained with."""
+        for a block holding a generated token, the hasher's ``output_key`` (int4 models: its
+        ``output_block_key`` and where generation starts), the same bytes its hash was chained with."""
         key = self.tenant_key if block_index >= self.num_shared_blocks else b""
         first_output = self.block_hasher.first_output_block(self.num_prompt_tokens)
-        return key if first_output is None or block_index < first_output else key + self.block_hasher.output_block_key
+        if first_output is None or block_index < first_output:
+            return key
+        return key + self.block_hasher.output_key(self.num_prompt_tokens)
 
     def append_output_token_ids(self, token_id: int) -> None:
         """Appends one sampled token and hashes any block it completes."""

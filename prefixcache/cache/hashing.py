@@ -133,6 +133,15 @@ class BlockHasher:
             return None
         return num_prompt_tokens // self.block_size
 
+    def output_key(self, num_prompt_tokens: int) -> bytes:
+        """The key of a request's blocks that hold a generated token: ``output_block_key`` plus the
+        slot where generation starts in the first of them (``num_prompt_tokens % block_size``,
+        uint32). From that slot on, K/V comes from the generated-token kernels, so blocks with the
+        same tokens split differently between prompt and output (``[p, g, ...]`` vs ``[p, p, ...]``)
+        are never one cached block, and a partial-block copy (which verifies this key) never takes
+        generated slots for prompt slots (both happened before: int4 cache on != cache off)."""
+        return self.output_block_key + struct.pack("<I", num_prompt_tokens % self.block_size)
+
     def root_hash(self, root_key: bytes) -> BlockHash:
         """h_{-1}: the parent hash of a request's first block."""
         return BlockHash(self._digest(b"root" + root_key))
@@ -162,7 +171,7 @@ class BlockHasher:
             num_unkeyed_blocks: leading blocks hashed without ``extra_key`` (an approved shared
                 prefix).
             num_prompt_tokens: the request's prompt length: with an ``output_block_key``, blocks
-                ending after it (holding a generated token) get that key too.
+                ending after it (holding a generated token) get :meth:`output_key` too.
         """
         bs = self.block_size
         start, num_full = len(block_hashes), len(token_ids) // bs
@@ -177,7 +186,8 @@ class BlockHasher:
         digest, append, width = self._digest, block_hashes.append, 4 * bs
         tagged = self.first_output_block(num_prompt_tokens)
         tagged = num_full if tagged is None else tagged
+        output_key = self.output_key(num_prompt_tokens) if tagged < num_full else b""
         for i, off in zip(range(start, num_full), range(0, len(data), width)):
-            key = (extra_key if i >= num_unkeyed_blocks else b"") + (self.output_block_key if i >= tagged else b"")
+            key = (extra_key if i >= num_unkeyed_blocks else b"") + (output_key if i >= tagged else b"")
             parent = digest(parent + data[off : off + width] + key)
             append(parent)

@@ -182,6 +182,13 @@ class KVCacheManager:
         num_partial = partial.num_tokens if partial is not None else 0
         num_new = min(request.num_tokens - num_hit - num_tier - num_partial, token_budget)
         new_blocks = self.allocate_slots(request, num_tier + num_new + num_lookahead_tokens, hits, num_hit, partial)
+        if new_blocks is None and partial is not None:
+            # The partial hit's source is pinned while its tokens are copied, so it is one block the
+            # allocation can't take: a prompt that needs the whole pool never fit with it (and waited
+            # forever). Without it the tokens are computed instead.
+            partial, num_partial = None, 0
+            num_new = min(request.num_tokens - num_hit - num_tier, token_budget)
+            new_blocks = self.allocate_slots(request, num_tier + num_new + num_lookahead_tokens, hits, num_hit)
         if new_blocks is None:
             return None
         if num_tier:
@@ -226,7 +233,9 @@ class KVCacheManager:
         for rid, items in by_request.items():
             first = min(i for i, _ in items)
             keys = self.tiers.entry_keys(requests[rid], first, max(i for i, _ in items) + 1)
-            out += [(block.block_id, keys[index - first]) for index, block in items]
+            # Tail first: a size-capped tier (the disk's LRU) then drops a chain's end before its start,
+            # as the pool frees a request's blocks (its start stayed useful; it used to go first).
+            out += [(block.block_id, keys[index - first]) for index, block in sorted(items, key=lambda x: -x[0])]
         return out
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

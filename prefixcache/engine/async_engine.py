@@ -50,6 +50,9 @@ from prefixcache.outputs import RequestOutput
 from prefixcache.sampling_params import SamplingParams
 
 
+IDLE_STATS_WAIT_S = 0.25  # get_stats' wait for fresh counters from an idle engine thread (seconds)
+
+
 class EngineDeadError(RuntimeError):
     """The background loop stopped on an unexpected error; the engine serves no more requests."""
 
@@ -447,15 +450,22 @@ class AsyncLLMEngine:
         return await self._call_input(self.engine.input_processor.token_strs, token_ids, self._tokenizer)
 
     async def get_stats(self) -> EngineStats:
-        """The engine's counters and queue lengths as of its last step (or add, abort, reset), taken
-        together on the engine thread; it never waits for a running step (vLLM's ``/metrics``
-        also reports per step), so a scrape answers at once while a long prefill runs.
+        """The engine's counters and queue lengths, taken together on the engine thread: with no
+        request in flight, taken now (which sweeps expired ``ttl`` blocks and publishes their KV
+        events, as a step would: an idle server used to report expired blocks forever); otherwise
+        as of the last step (or add, abort, reset). It never waits for a running step (vLLM's
+        ``/metrics`` also reports per step): a scrape answers at once while a long prefill runs.
 
         Raises:
             EngineDeadError: the engine loop has failed.
         """
         if self.error is not None:
             raise EngineDeadError(f"engine loop failed: {self.error!r}")
+        if not self._queues:  # idle: the engine thread is free (but don't wait long if it isn't)
+            fresh = asyncio.ensure_future(self._call(take_stats, self.engine))
+            done, _ = await asyncio.wait({fresh}, timeout=IDLE_STATS_WAIT_S)
+            if done:
+                return fresh.result()
         return self._stats
 
     async def inspect(self, fn: Callable[[LLMEngine], Any]) -> Any:

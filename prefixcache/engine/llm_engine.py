@@ -466,6 +466,7 @@ class LLMEngine:
             self.loaded.replace_weights(weights)
         finally:  # re-keyed even if the copy failed half-way
             self._follow_weights()
+            self.publish_kv_events()  # the dropped blocks' BlockRemoved, now (as reset_prefix_cache)
 
     def _follow_weights(self) -> None:
         """Drops this engine's cached blocks once the shared model's weights changed."""

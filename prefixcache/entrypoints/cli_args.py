@@ -345,6 +345,9 @@ def check_serve_args(args: argparse.Namespace, replicas: int = 1) -> ServeSettin
     check_model_arg(config.model)  # a missing directory or a Hub id fails here, not after binding
     check_engine_resources(config, replicas=replicas)  # --device, --hash-seed-file, --kv-disk-dir, the pool
     lora_modules = parse_lora_modules(args.lora_modules)
+    if lora_modules and config.quantization == "int4":  # every request naming one would be a 400
+        raise ValueError("--lora-modules: adapters need --quantization none or int8; int4 runs generated tokens "
+                         "in fused kernels without LoRA deltas")
     check_adapter_dirs(lora_modules)
     api_keys, approved_texts, approved_systems = parse_tenant_args(args)
     try:

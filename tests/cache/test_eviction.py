@@ -205,6 +205,26 @@ def test_partial_source_is_pinned_against_eviction():
     assert m.block_pool.blocks[1].ref_cnt == 1 and m.block_pool.blocks[1].block_hash is not None
 
 
+def test_a_prompt_that_needs_the_whole_pool_is_admitted_without_its_partial_hit():
+    """Found by a review (2026-12-02): the partial hit's pinned source is a block the allocation
+    can't take, so a prompt needing every block was refused on every step and waited forever (the
+    server stalled behind it). Admission now falls back to computing those tokens."""
+    m = make_manager(4, B)
+    run(m, "a", list(range(9)))  # blocks 0 <- 1 cached, 2 uncached; all freed
+    m.end_step()
+    b = make_request("b", list(range(6)) + [77, 78, 79, 80, 81, 82, 83], block_size=B)  # 13 tokens: 4 blocks
+    assert m.get_partial_hit(b, m.get_computed_blocks(b)[0]) == PartialHit(m.block_pool.blocks[1], 2)
+    admission = m.admit(b, token_budget=100)
+    assert (admission.num_hit_tokens, admission.num_partial_tokens, admission.num_new_tokens) == (4, 0, 9)
+    assert ids(m.req_to_blocks["b"])[0] == 0 and len(m.req_to_blocks["b"]) == 4 and m.pending_copy_ops == []
+    assert m.block_pool.get_num_free_blocks() == 0 and b.num_computed_tokens == 4 and b.num_cached_tokens == 4
+    roomy = make_manager(8, B)  # with a block to spare, the partial hit is still taken
+    run(roomy, "a", list(range(9)))
+    roomy.end_step()
+    c = make_request("c", list(range(6)) + [77, 78, 79, 80, 81, 82, 83], block_size=B)
+    assert (roomy.admit(c, token_budget=100).num_partial_tokens, c.num_cached_tokens) == (2, 6)
+
+
 # -- C3 under every policy --------------------------------------------------------------------------
 
 

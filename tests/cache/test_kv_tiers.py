@@ -20,7 +20,7 @@ from prefixcache.cache.hashing import BlockHasher, hash_seed_bytes, make_root_ke
 from prefixcache.cache.tiers.disk import DiskTier
 from prefixcache.cache.tiers.entry import EntryError, KVBlockLayout, decode_entry, encode_entry, prefix_digests
 from prefixcache.cache.tiers.redis_tier import RedisTier
-from prefixcache.cache.tiers.stack import KVTierStack, tier_namespace
+from prefixcache.cache.tiers.stack import KVTierStack, make_kv_tiers, tier_namespace
 from prefixcache.errors import InvalidInputError
 from prefixcache.request import Request
 from prefixcache.sampling_params import SamplingParams
@@ -165,6 +165,53 @@ def test_disk_cap_removes_least_recently_used_first(tmp_path):
     store_chain(stack, requests[3], 1)  # over the cap: the least recently used (request 1's) goes
     assert disk.usage() == {"entries": 3, "bytes": 3 * entry_bytes}
     assert [len(stack.load_chain(r, 0, 1).payloads) for r in requests] == [1, 0, 1, 1]
+
+
+def test_disk_cap_drops_a_chains_end_before_its_start(tmp_path):
+    """Found by a review (2026-12-02): a chain's head was stored first, so the cap evicted it first
+    and the entries left could never be hit; an entry larger than the cap was kept anyway."""
+    request = make_request(list(range(17)))  # 4 full blocks
+    keys = stack_of().entry_keys(request, 0, 4)
+    sizes = [len(encode_entry(k, LAYOUT, payload(k.depth))) for k in keys]
+    assert sizes == [572, 572, 574, 576]  # (the entry's header grows with the depth)
+    disk = DiskTier(tmp_path, "ns", max_bytes=sum(sizes[:3]))
+    stack = stack_of(disk)
+    for key in reversed(keys):  # as the engine submits a request's blocks: tail first
+        stack.submit([(key, payload(key.depth))])
+    stack.flush()
+    assert disk.usage() == {"entries": 3, "bytes": sum(sizes[:3])}
+    assert len(stack.load_chain(request, 0, 4).payloads) == 3  # blocks 0-2 kept, block 3 went
+    store_chain(stack, make_request([9] * 5, rid="other"), 1)  # a hit refreshed 2, 1, 0 in that order
+    assert len(stack.load_chain(request, 0, 4).payloads) == 2
+    tiny = DiskTier(tmp_path / "tiny", "ns", max_bytes=sizes[0] - 1)
+    tiny.store(keys[0].name, encode_entry(keys[0], LAYOUT, payload(0)))
+    assert tiny.usage() == {"entries": 0, "bytes": 0} and not list((tmp_path / "tiny").rglob("*.kv"))
+
+
+def test_disk_tier_recovers_its_directory_and_serves_read_only_files(tmp_path, monkeypatch):
+    """Found by a review (2026-12-02): ``rm -rf`` of the namespace while running stopped every
+    later store (mkdir without parents), and a read-only directory served no hit (a failed mtime
+    refresh failed the load)."""
+    import shutil
+
+    from prefixcache.cache.tiers import disk as disk_module
+
+    disk = DiskTier(tmp_path, "ns", max_bytes=1 << 20)
+    stack = stack_of(disk)
+    first, second = make_request([1] * 9, rid="a"), make_request([2] * 9, rid="b")
+    store_chain(stack, first, 2)
+    shutil.rmtree(tmp_path / "ns")
+    assert stack.load_chain(first, 0, 2).payloads == []
+    store_chain(stack, second, 2)
+    assert disk.usage()["entries"] == 2
+    assert [bytes(p) for p in stack.load_chain(second, 0, 2).payloads] == [payload(0), payload(1)]
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(disk_module.os, "utime", read_only)
+    assert [bytes(p) for p in stack.load_chain(second, 0, 2).payloads] == [payload(0), payload(1)]
+    assert stack.snapshot()["disk"]["errors"] == 0
 
 
 def test_kill_9_during_writes_leaves_only_whole_entries(tmp_path):
@@ -350,6 +397,17 @@ def test_tier_options_are_checked():
         CacheConfig(kv_disk_dir="/tmp/x", hash_seed=1, kv_disk_bytes=0).validate()
     assert e.value.field == "kv_disk_bytes"
     CacheConfig(kv_disk_dir="/tmp/x", kv_redis_url="redis://h:1/0", hash_seed=1).validate()
+
+
+def test_a_disk_dir_that_cannot_be_made_names_the_field(tmp_path):
+    """Found by a review (2026-12-02): a raw NotADirectoryError, after the model had loaded."""
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    for where in (afile, afile / "sub"):
+        with pytest.raises(InvalidInputError) as e:
+            make_kv_tiers(CacheConfig(kv_disk_dir=str(where), hash_seed=1), LAYOUT)
+        assert e.value.field == "kv_disk_dir"
+        assert str(e.value) == f"kv_disk_dir: cannot create or use the directory {str(where)!r} (Not a directory)"
 
 
 def test_hash_seed_file_is_read_and_checked(tmp_path):

@@ -54,6 +54,31 @@ def test_c2_new_weights_never_reuse_old_kv(own_model):
     assert restored.num_cached_tokens == 0 and restored.token_ids == before.token_ids
 
 
+def test_load_weights_publishes_the_dropped_blocks_at_once(own_model):
+    """Found by a review (2026-12-02): the blocks load_weights drops reached KV-event subscribers
+    only at the next step or metrics read; a router kept routing to a cache that was gone."""
+    pytest.importorskip("zmq")
+    from tests.cache.kv_events_test_utils import Follower, engine_hashes
+
+    config = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*",
+              "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"}
+    llm = LLM(loaded=own_model, num_threads=2, num_blocks=32, kv_events_config=json.dumps(config))
+    follower = Follower(llm.engine.kv_event_publisher, "kv")
+    original = dict(own_model.model.named_parameters())[LAYER].detach().clone()
+    try:
+        follower.join_live()
+        llm.generate(list(range(300, 340)), GREEDY, use_tqdm=False)
+        follower.catch_up()
+        assert len(follower.view.hashes) == 3 == len(engine_hashes(llm.engine.kv_cache_manager.block_pool))
+        llm.load_weights({LAYER: original * 1.5})
+        follower.catch_up()
+        assert follower.view.hashes == set() == engine_hashes(llm.engine.kv_cache_manager.block_pool)
+    finally:
+        llm.load_weights({LAYER: original})
+        follower.close()
+        llm.engine.close()
+
+
 def test_load_weights_refused_while_requests_run(own_model):
     llm = LLM(loaded=own_model, num_threads=2, num_blocks=64)
     rid = llm.engine.add_request("Hello there", GREEDY)

@@ -44,6 +44,28 @@ def test_int4_batched_equals_alone_and_cache_off_across_turns(smollm2_int4):
                                                  for t in turn2]
 
 
+def test_int4_prompts_holding_earlier_generated_tokens_equal_cache_off(smollm2_int4):
+    """Found by a review (2026-12-02), cache on != cache off in two ways: (R1) a prompt repeating the
+    start of an earlier answer partial-copied the slots that answer's decoder computed; (R2) a prompt
+    one generated token longer than an earlier one got, once its decode filled the block, the earlier
+    request's copy of that block, whose slot 17 came from the decoder. Blocks holding generated
+    tokens are now keyed by where generation starts in them (BlockHasher.output_key)."""
+    logprobs = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    on, off = make(smollm2_int4, num_blocks=64), make(smollm2_int4, num_blocks=64, enable_prefix_caching=False)
+    base = list(on.tokenizer.encode(SYSTEM_PROMPT))
+
+    def same(prompt, cached):
+        a, b = on.generate([prompt], logprobs, use_tqdm=False)[0], off.generate([prompt], logprobs, use_tqdm=False)[0]
+        assert a.num_cached_tokens == cached
+        assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs)
+
+    answer = list(on.generate([base[:32]], logprobs, use_tqdm=False)[0].token_ids)
+    same(base[:32] + answer[:5] + [base[40]], 32)  # R1: was 37 cached, the last 5 from the decoder
+    on.reset_prefix_cache()
+    first = list(on.generate([base[:17]], logprobs, use_tqdm=False)[0].token_ids)[0]
+    same(base[:17] + [first], 16)  # R2: logprobs differed from the 16th generated token on
+
+
 def test_int4_first_token_and_its_logprobs_equal_bf16s(smollm2_int4):
     """The first token comes from the last prompt row, which runs bf16 (same weights, same kernels as
     the bf16 engine), so its id and its top-5 logprobs equal bf16's exactly."""

@@ -265,6 +265,25 @@ def test_metrics_answer_while_the_engine_thread_is_busy(server):
     assert server.metrics()["prefixcache:kv_blocks_total"] == before["prefixcache:kv_blocks_total"] == 160
 
 
+def test_an_idle_server_reports_expired_ttl_blocks_evicted(smollm2):
+    """Found by a review (2026-12-02): with --eviction-policy ttl, nothing swept expired blocks while
+    the server was idle, so /metrics (and KV-event subscribers) showed them cached forever. A scrape
+    of an idle server now takes the counters on the engine thread, which sweeps them."""
+    import time
+
+    s = start_server(smollm2, num_blocks=32, eviction_policy="ttl", cache_ttl_s=0.5)
+    try:
+        r = httpx.post(f"{s.base_url}/v1/completions", json={"model": MODEL, "prompt": list(range(300, 340)),
+                                                                 "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200
+        assert s.wait_idle()["prefixcache:kv_blocks_cached"] == 2  # 41 tokens: 2 full blocks
+        time.sleep(1.0)
+        after = s.metrics()
+        assert (after["prefixcache:kv_blocks_cached"], after["prefixcache:kv_block_evictions_total"]) == (0, 2)
+    finally:
+        stop_server(s)
+
+
 def test_api_key(smollm2):
     s = start_server(smollm2, api_key="sekret", num_blocks=16)
     try:

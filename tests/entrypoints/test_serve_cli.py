@@ -143,6 +143,9 @@ def default_model_fetched() -> bool:
     (["--kv-disk-dir", "{file}", "--hash-seed", "1"], "--kv-disk-dir: '{file}' is an existing file, not a directory"),
     (["--hash-seed-file", "/nonexistent"], "--hash-seed-file: cannot read '/nonexistent': No such file or directory"),
     (["--device", "tpu"], "--device: must be 'cpu' or 'cuda[:N]', got 'tpu'"),
+    (["--dtype", "bfloat16", "--quantization", "int4", "--lora-modules", "legal={tmp}"],
+     "--lora-modules: adapters need --quantization none or int8; int4 runs generated tokens in fused kernels "
+     "without LoRA deltas"),  # a review (2026-12-02): started, listed the adapter, then 400 on every request
     (["--num-blocks", "99999999999"], "--num-blocks: a KV pool of 99999999999 blocks needs "),
     pytest.param(["--block-size", "99999"], "--block-size: block_size 99999 is more than the model's context of 8192 "
                                             "tokens (its max_position_embeddings): such a block never fills",
@@ -153,7 +156,7 @@ def test_flags_naming_bad_things_fail_in_a_real_process_before_the_model_loads(t
     word); now one line naming the flag, exit status 2, before "loading model"."""
     afile = tmp_path / "a-file"
     afile.write_text("x")
-    flags = [f.replace("{file}", str(afile)) for f in flags]
+    flags = [f.replace("{file}", str(afile)).replace("{tmp}", str(tmp_path)) for f in flags]
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "prefixcache", "serve", "--num-threads", "1", "--port", "0", *flags],
                           cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -146,7 +146,11 @@ def test_blocks_holding_generated_tokens_get_the_output_key():
     tagged.extend(h_gen, tokens, b"root", num_prompt_tokens=40)  # blocks 2 and 3 hold generated tokens
     assert h_prompt == h_plain
     assert h_gen[:2] == h_plain[:2] and h_gen[2] != h_plain[2] and h_gen[3] != h_plain[3]
-    assert h_gen[2] == tagged.hash_block(h_plain[1], tokens[32:48], INT4_OUTPUT_KEY)
+    assert h_gen[2] == tagged.hash_block(h_plain[1], tokens[32:48], INT4_OUTPUT_KEY + (40 % 16).to_bytes(4, "little"))
+    h_gen41 = []  # the same tokens, generation starting one slot later in block 2: another block
+    tagged.extend(h_gen41, tokens, b"root", num_prompt_tokens=41)
+    assert h_gen41[:2] == h_gen[:2] and h_gen41[2] != h_gen[2] and h_gen41[3] != h_gen[3]
+    assert tagged.output_key(41) == INT4_OUTPUT_KEY + b"\x09\x00\x00\x00" and tagged.output_key(48)[-4:] == bytes(4)
 
 
 def test_int4_needs_bfloat16():

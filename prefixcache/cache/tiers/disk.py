@@ -12,13 +12,17 @@ start once old). A file damaged by other means (a disk error, a bad copy) fails 
 and is deleted by the stack.
 
 Size cap: ``max_bytes`` over the entries this process knows (those found at start plus those it
-stored); when a store passes it, the least recently used entries are deleted first. Hits refresh
-an entry's recency (and its mtime, so the order survives a restart). Several processes may share a
-directory: each keeps its own view and a file another one deleted is simply a miss.
+stored); when a store passes it, the least recently used entries are deleted first (an entry
+larger than the cap is not stored). The engine stores a request's blocks tail first and a hit
+refreshes a chain tail first (and each file's mtime, so the order survives a restart), so a
+chain's end goes before its start. Several processes may share a directory: each keeps its own
+view and a file another one deleted is simply a miss; a namespace directory removed while running
+is made again by the next store.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -76,6 +80,7 @@ class DiskTier(KVTier):
     def lookup(self, names: Sequence[str]) -> int:
         for n, name in enumerate(names):
             if not self._path(name).is_file():
+                self._forget(name)  # deleted behind our back: its bytes no longer count
                 return n
         return len(names)
 
@@ -88,20 +93,30 @@ class DiskTier(KVTier):
                     size = os.fstat(f.fileno()).st_size
                     data = bytearray(size)
                     data = data[: f.readinto(data)]
-                os.utime(path)
             except FileNotFoundError:
                 out.append(None)
                 self._forget(name)
                 continue
             out.append(data)
+        for name, data in reversed(list(zip(names, out))):  # tail first: the chain's start is the newest
+            if data is None:
+                continue
+            with contextlib.suppress(OSError):  # a read-only directory still serves its entries
+                os.utime(self._path(name))
             with self._lock:
                 if name in self._sizes:
                     self._sizes.move_to_end(name)
         return out
 
     def store(self, name: str, blob: bytes) -> None:
+        if len(blob) > self.max_bytes:
+            return  # could never be kept under the cap
         path = self._path(name)
-        path.parent.mkdir(exist_ok=True)
+        if not self.dir.is_dir():  # removed while running: start a new index with the new directory
+            with self._lock:
+                self._sizes.clear()
+                self._total_bytes = 0
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             with open(tmp, "wb") as f:
@@ -117,7 +132,7 @@ class DiskTier(KVTier):
             self._total_bytes += len(blob) - self._sizes.pop(name, 0)
             self._sizes[name] = len(blob)
             victims = []
-            while self._total_bytes > self.max_bytes and len(self._sizes) > 1:
+            while self._total_bytes > self.max_bytes and self._sizes:
                 victim, size = self._sizes.popitem(last=False)
                 self._total_bytes -= size
                 victims.append(victim)

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prefixcache.cache.tiers.base import KVTier
+from prefixcache.errors import InvalidInputError
 from prefixcache.cache.tiers.entry import (
     FORMAT_VERSION, EntryError, EntryKey, KVBlockLayout, decode_entry, encode_entry, prefix_digests, sha256,
 )
@@ -362,14 +363,19 @@ def make_kv_tiers(config: CacheConfig, layout: KVBlockLayout) -> KVTierStack | N
     """The stack of the tiers ``config`` names (disk first, then Redis), or ``None`` for none.
 
     Raises:
-        OSError: the disk directory can't be created; ValueError: a malformed Redis URL.
+        InvalidInputError: (``kv_disk_dir``) the disk directory can't be created (a file in its
+            path, no permission); ValueError: a malformed Redis URL.
     """
     namespace = tier_namespace(config.hash_algo, layout)
     tiers: list[KVTier] = []
     if config.kv_disk_dir is not None:
         from prefixcache.cache.tiers.disk import DiskTier
 
-        tiers.append(DiskTier(config.kv_disk_dir, namespace, config.kv_disk_bytes))
+        try:
+            tiers.append(DiskTier(config.kv_disk_dir, namespace, config.kv_disk_bytes))
+        except OSError as e:
+            raise InvalidInputError("kv_disk_dir", f"kv_disk_dir: cannot create or use the directory "
+                                                   f"{config.kv_disk_dir!r} ({e.strerror or e})") from None
     if config.kv_redis_url is not None:
         from prefixcache.cache.tiers.redis_tier import RedisTier
 
