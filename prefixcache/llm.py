@@ -47,6 +47,7 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, loaded: LoadedModel | None = None, **engine_options: Any):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options), loaded=loaded)
+        self._step_lock = threading.Lock()  # a step and the filing of its outputs, as one
         self._lock = threading.Lock()  # guards the two below
         self._own_ids: set[str] = set()  # requests of the generate calls in flight
         self._finished: dict[tuple[str, int], RequestOutput] = {}  # (request id, index) -> final output
@@ -184,9 +185,14 @@ class LLM:
         try:
             with tqdm(total=len(keys), desc="Generating", disable=not use_tqdm or len(keys) < 2) as bar:
                 while len(results) < len(keys):
-                    self._keep_finished(engine.step())
+                    with self._step_lock:
+                        self._keep_finished(engine.step())
+                        lost = not engine.has_unfinished_requests()
                     with self._lock:
                         mine = {key: self._finished.pop(key) for key in keys if key in self._finished}
+                    if lost and len(results) + len(mine) < len(keys):
+                        raise RuntimeError("generate: requests of this call left the engine without an output "
+                                           "(another thread's generate was interrupted inside its step)")
                     for out in mine.values():
                         if out.finish_reason == "error":
                             raise RuntimeError(out.error)

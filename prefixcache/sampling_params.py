@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json as jsonlib
 import numbers
-import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -177,7 +176,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     min_tokens: int = 0
-    logit_bias: Mapping[int, float] | None = None  # stored read-only (a mappingproxy)
+    logit_bias: Mapping[int, float] | None = None  # stored read-only (FrozenLogitBias)
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
@@ -290,12 +289,31 @@ def _check_number(name: str, value: object) -> None:
         raise InvalidInputError(name, f"{name} must be finite, got {_show(value)}") from None
 
 
+class FrozenLogitBias(dict):
+    """A checked ``logit_bias``: a dict (it pickles, deep-copies and serializes as one) that refuses
+    changes: a key set to -1 after the check used to bias the vocabulary's last token."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("logit_bias is read-only once SamplingParams has checked it; build a new SamplingParams")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
+
+    def __reduce__(self):
+        return FrozenLogitBias, (dict(self),)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 _INT_FIELDS = frozenset({"top_k", "max_tokens", "seed", "n", "prompt_logprobs", "min_tokens", "logprobs"})
 
 
 def _check_logit_bias(value: object) -> Mapping[int, float]:
-    """A read-only copy of ``logit_bias`` with int keys >= 0 and float values in [-100, 100] (a
-    dict changed after the check was applied unchecked: a key of -1 biased the last token)."""
+    """A read-only copy (:class:`FrozenLogitBias`) of ``logit_bias`` with int keys >= 0 and float
+    values in [-100, 100]."""
     if not isinstance(value, Mapping):
         raise InvalidInputError("logit_bias", f"logit_bias must be a dict of token id -> bias, got {_show(value)}")
     checked = {}
@@ -307,7 +325,7 @@ def _check_logit_bias(value: object) -> Mapping[int, float]:
             raise InvalidInputError("logit_bias", f"logit_bias values must be numbers in [-100, 100], "
                                                   f"got {_show(bias)} for token {token_id}")
         checked[int(token_id)] = float(bias)
-    return types.MappingProxyType(checked)
+    return FrozenLogitBias(checked)
 
 
 def _check_int(name: str, value: object) -> None:

@@ -233,9 +233,7 @@ class KVCacheManager:
         for rid, items in by_request.items():
             first = min(i for i, _ in items)
             keys = self.tiers.entry_keys(requests[rid], first, max(i for i, _ in items) + 1)
-            # Tail first: a size-capped tier (the disk's LRU) then drops a chain's end before its start,
-            # as the pool frees a request's blocks (its start stayed useful; it used to go first).
-            out += [(block.block_id, keys[index - first]) for index, block in sorted(items, key=lambda x: -x[0])]
+            out += [(block.block_id, keys[index - first]) for index, block in items]
         return out
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

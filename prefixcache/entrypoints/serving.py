@@ -640,7 +640,7 @@ class OpenAIServing:
             return Response(status_code=499) if outs is None else make_response(outs, head["created"])
         options = req.stream_options
         with_usage = bool(options is not None and options.include_usage)
-        continuous = bool(options is not None and options.continuous_usage_stats)
+        continuous = with_usage and bool(options.continuous_usage_stats)  # vLLM's: only with include_usage
 
         def chunk(out: RequestOutput, delta: str, lo: int, hi: int) -> dict:
             choice = stream_choice(out, delta, lo, hi)

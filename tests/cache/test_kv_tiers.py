@@ -169,15 +169,15 @@ def test_disk_cap_removes_least_recently_used_first(tmp_path):
 
 def test_disk_cap_drops_a_chains_end_before_its_start(tmp_path):
     """Found by a review (2026-12-02): a chain's head was stored first, so the cap evicted it first
-    and the entries left could never be hit; an entry larger than the cap was kept anyway."""
+    and the entries left could never be hit; an entry larger than the cap was kept anyway. (Storing
+    tail first instead made a full writer queue drop the heads: the order stays head first.)"""
     request = make_request(list(range(17)))  # 4 full blocks
     keys = stack_of().entry_keys(request, 0, 4)
     sizes = [len(encode_entry(k, LAYOUT, payload(k.depth))) for k in keys]
     assert sizes == [572, 572, 574, 576]  # (the entry's header grows with the depth)
     disk = DiskTier(tmp_path, "ns", max_bytes=sum(sizes[:3]))
     stack = stack_of(disk)
-    for key in reversed(keys):  # as the engine submits a request's blocks: tail first
-        stack.submit([(key, payload(key.depth))])
+    stack.submit([(key, payload(key.depth)) for key in keys])  # as the engine submits them: head first
     stack.flush()
     assert disk.usage() == {"entries": 3, "bytes": sum(sizes[:3])}
     assert len(stack.load_chain(request, 0, 4).payloads) == 3  # blocks 0-2 kept, block 3 went
@@ -186,6 +186,34 @@ def test_disk_cap_drops_a_chains_end_before_its_start(tmp_path):
     tiny = DiskTier(tmp_path / "tiny", "ns", max_bytes=sizes[0] - 1)
     tiny.store(keys[0].name, encode_entry(keys[0], LAYOUT, payload(0)))
     assert tiny.usage() == {"entries": 0, "bytes": 0} and not list((tmp_path / "tiny").rglob("*.kv"))
+
+
+def test_a_full_writer_queue_drops_a_chains_end_not_its_start(tmp_path):
+    """The writer queue (``max_queued_bytes``) holds 3 blocks while the disk is busy: of an 8-block
+    chain submitted head first, the busy store's block and the next 3 are kept, the end dropped, so
+    a reload hits 4 blocks (a tail-first order tried on 2026-12-02 kept only unreachable ends)."""
+    import threading
+
+    gate = threading.Event()
+
+    class BusyDisk(DiskTier):
+        def store(self, name, blob, depth=0):
+            gate.wait(10)
+            super().store(name, blob, depth)
+
+    disk = BusyDisk(tmp_path, "ns", max_bytes=1 << 20)
+    stack = stack_of(disk, max_queued_bytes=3 * LAYOUT.payload_bytes)
+    request = make_request(list(range(33)))  # 8 full blocks
+    keys = stack.entry_keys(request, 0, 8)
+    stack.submit([(keys[0], payload(0))])
+    deadline = time.monotonic() + 10
+    while stack._queue.qsize() and time.monotonic() < deadline:  # the writer took block 0 and waits
+        time.sleep(0.01)
+    stack.submit([(key, payload(key.depth)) for key in keys[1:]])
+    gate.set()
+    stack.flush()
+    assert stack.snapshot()["disk"]["store_drops"] == 4
+    assert [bytes(p) for p in stack.load_chain(request, 0, 8).payloads] == [payload(i) for i in range(4)]
 
 
 def test_disk_tier_recovers_its_directory_and_serves_read_only_files(tmp_path, monkeypatch):

@@ -75,10 +75,21 @@ def test_generate_from_two_threads_returns_each_its_own_outputs(make_llm):
 def test_logit_bias_is_read_only_and_refused_outside_the_vocabulary(make_llm):
     """Before: ``sp.logit_bias[-1] = 100`` after construction gave token 49151 six times, and a key
     of -10**6 failed the whole step (its neighbours with it)."""
+    import copy
+    import dataclasses
+    import pickle
+
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={5: 0.0})
-    with pytest.raises(TypeError):
-        sp.logit_bias[-1] = 100.0
+    for change in (lambda b: b.__setitem__(-1, 100.0), lambda b: b.update({-1: 100.0}), lambda b: b.pop(5)):
+        with pytest.raises(TypeError, match="^logit_bias is read-only once SamplingParams has checked it"):
+            change(sp.logit_bias)
     assert dict(sp.logit_bias) == {5: 0.0}
+    # still a value like any other (a review found mappingproxy broke these): copies stay read-only
+    for twin in (copy.deepcopy(sp), pickle.loads(pickle.dumps(sp)), dataclasses.replace(sp, n=2)):
+        assert dict(twin.logit_bias) == {5: 0.0}
+        with pytest.raises(TypeError):
+            twin.logit_bias[-1] = 100.0
+    assert dataclasses.asdict(sp)["logit_bias"] == {5: 0.0}
     llm = make_llm(num_blocks=32)
     assert llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].token_ids == llm.generate(
         PROMPTS[0], GREEDY, use_tqdm=False)[0].token_ids

@@ -279,15 +279,18 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(server):
         "prompt_tokens": num_prompt, "completion_tokens": 12, "total_tokens": num_prompt + 12,
         "prompt_tokens_details": {"cached_tokens": 0}}
 
-    # Chat, continuous usage alone: usage on every chunk, no usage-only chunk at the end.
+    # Chat: as in vLLM, continuous usage needs include_usage too (alone it adds nothing).
     messages = [{"role": "user", "content": "Name a good book for a long train ride."}]
     num_prompt = post(server, "/tokenize", {"messages": messages}).json()["count"]
-    chunks = sse_json(post(server, "/v1/chat/completions", {
-        "messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
-        "stream_options": {"continuous_usage_stats": True}}))
+    chat = {"messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True}
+    alone = sse_json(post(server, "/v1/chat/completions", {**chat, "stream_options": {"continuous_usage_stats": True}}))
+    assert len(alone) == 5 and all("usage" not in c for c in alone)  # one chunk per token, no usage
+    chunks = sse_json(post(server, "/v1/chat/completions", {**chat, "stream_options": {
+        "continuous_usage_stats": True, "include_usage": True}}))
     assert [(c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"], c["usage"]["total_tokens"])
-            for c in chunks] == [(num_prompt, k, num_prompt + k) for k in range(1, 6)]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            for c in chunks[:-1]] == [(num_prompt, k, num_prompt + k) for k in range(1, 6)]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
     assert_nothing_left(server)
 
 

@@ -37,9 +37,10 @@ class KVTier(ABC):
         """The entries' bytes, ``None`` for each one missing now (lost since the lookup)."""
 
     @abstractmethod
-    def store(self, name: str, blob: bytes) -> None:
+    def store(self, name: str, blob: bytes, depth: int = 0) -> None:
         """Stores (or replaces) one entry; readers see the old entry, the new one or none, never a
-        mix of both."""
+        mix of both. ``depth``: the block's index in its chain (a size-capped tier may drop deeper
+        entries first)."""
 
     @abstractmethod
     def remove(self, name: str) -> None:

@@ -12,10 +12,11 @@ start once old). A file damaged by other means (a disk error, a bad copy) fails 
 and is deleted by the stack.
 
 Size cap: ``max_bytes`` over the entries this process knows (those found at start plus those it
-stored); when a store passes it, the least recently used entries are deleted first (an entry
-larger than the cap is not stored). The engine stores a request's blocks tail first and a hit
-refreshes a chain tail first (and each file's mtime, so the order survives a restart), so a
-chain's end goes before its start. Several processes may share a directory: each keeps its own
+stored); when a store passes it, the deepest of the :data:`EVICTION_WINDOW` least recently used
+entries goes first (a chain's blocks are stored head first, so plain LRU deleted its start first and
+kept an end no lookup can reach); an entry larger than the cap is not stored. A hit refreshes a
+chain tail first, so its start is the newest (and each file's mtime, so the order survives a
+restart, where depths are unknown and the order is plain LRU). Several processes may share a directory: each keeps its own
 view and a file another one deleted is simply a miss; a namespace directory removed while running
 is made again by the next store.
 """
@@ -23,6 +24,7 @@ is made again by the next store.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 import time
@@ -33,6 +35,7 @@ from pathlib import Path
 from prefixcache.cache.tiers.base import KVTier
 
 _STALE_TMP_S = 600.0  # a temporary file older than this at start is a dead writer's
+EVICTION_WINDOW = 64  # least recently used entries among which the deepest is deleted first
 
 
 class DiskTier(KVTier):
@@ -55,6 +58,7 @@ class DiskTier(KVTier):
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._sizes: OrderedDict[str, int] = OrderedDict()  # name -> bytes, least recently used first
+        self._depths: dict[str, int] = {}  # name -> index in its chain (stored by this process)
         self._total_bytes = 0
         self._scan()
 
@@ -108,13 +112,14 @@ class DiskTier(KVTier):
                     self._sizes.move_to_end(name)
         return out
 
-    def store(self, name: str, blob: bytes) -> None:
+    def store(self, name: str, blob: bytes, depth: int = 0) -> None:
         if len(blob) > self.max_bytes:
             return  # could never be kept under the cap
         path = self._path(name)
         if not self.dir.is_dir():  # removed while running: start a new index with the new directory
             with self._lock:
                 self._sizes.clear()
+                self._depths.clear()
                 self._total_bytes = 0
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -131,10 +136,13 @@ class DiskTier(KVTier):
         with self._lock:
             self._total_bytes += len(blob) - self._sizes.pop(name, 0)
             self._sizes[name] = len(blob)
+            self._depths[name] = depth
             victims = []
             while self._total_bytes > self.max_bytes and self._sizes:
-                victim, size = self._sizes.popitem(last=False)
-                self._total_bytes -= size
+                oldest = itertools.islice(self._sizes, EVICTION_WINDOW)
+                victim = max(oldest, key=lambda n: self._depths.get(n, 0))  # ties: the least recently used
+                self._total_bytes -= self._sizes.pop(victim)
+                self._depths.pop(victim, None)
                 victims.append(victim)
         for victim in victims:
             self._path(victim).unlink(missing_ok=True)
@@ -146,6 +154,7 @@ class DiskTier(KVTier):
     def _forget(self, name: str) -> None:
         with self._lock:
             self._total_bytes -= self._sizes.pop(name, 0)
+            self._depths.pop(name, None)
 
     def usage(self) -> dict[str, int]:
         with self._lock:

@@ -65,7 +65,7 @@ class RedisTier(KVTier):
             pipe.getex(self._key(name), ex=self.ttl_s)
         return list(pipe.execute())
 
-    def store(self, name: str, blob: bytes) -> None:
+    def store(self, name: str, blob: bytes, depth: int = 0) -> None:
         self._client.set(self._key(name), blob, ex=self.ttl_s)
 
     def remove(self, name: str) -> None:

@@ -292,7 +292,7 @@ class KVTierStack:
                 continue
             t0 = time.perf_counter()
             try:
-                tier.store(key.name, blob)
+                tier.store(key.name, blob, key.depth)
             except Exception as e:
                 self._fail(tier, "store", e)
                 continue
