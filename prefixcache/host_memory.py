@@ -1,7 +1,7 @@
 """This machine's memory as a KV pool may use it: physical memory, or a container's smaller limit.
 
 Read by the engine before it allocates its pool and by the command line's checks before a model
-loads (``entrypoints/preflight.py``); no torch.
+loads (``entrypoints/preflight.py``); torch only for a pool that may go to CUDA.
 """
 
 from __future__ import annotations
@@ -39,3 +39,21 @@ def host_memory_limit() -> tuple[int, str] | None:
     if limit is not None and (physical is None or limit < physical):
         return limit, "this container's memory limit (cgroup)"
     return (physical, "physical memory") if physical is not None else None
+
+
+def pool_memory_limit(device: str | None, need: int) -> tuple[int, str] | None:
+    """``(bytes, what)`` of the memory a KV pool of ``need`` bytes would be allocated in, when
+    ``need`` exceeds it; else None. ``device``: ``"cuda[:N]"`` compares with that CUDA device's
+    memory; ``None`` (CUDA when present) asks torch only when ``need`` exceeds the host's memory, so
+    a pool that fits the host is checked without importing torch; otherwise the host's
+    (:func:`host_memory_limit`)."""
+    host = host_memory_limit()
+    over_host = host is not None and need > host[0]
+    if (device is not None and device.startswith("cuda")) or (device is None and over_host):
+        import torch
+
+        if torch.cuda.is_available():
+            index = int(device.partition(":")[2] or 0) if device else 0
+            total = torch.cuda.get_device_properties(index).total_memory
+            return (total, f"CUDA device {index}'s memory") if need > total else None
+    return host if over_host else None

@@ -462,10 +462,10 @@ class AsyncLLMEngine:
         if self.error is not None:
             raise EngineDeadError(f"engine loop failed: {self.error!r}")
         if not self._queues:  # idle: the engine thread is free (but don't wait long if it isn't)
-            fresh = asyncio.ensure_future(self._call(take_stats, self.engine))
-            done, _ = await asyncio.wait({fresh}, timeout=IDLE_STATS_WAIT_S)
-            if done:
-                return fresh.result()
+            refresh = asyncio.ensure_future(self._call(_nothing))  # _call takes the stats after it
+            await asyncio.wait({refresh}, timeout=IDLE_STATS_WAIT_S)
+            if refresh.done():
+                refresh.result()  # its error, if any, as before
         return self._stats
 
     async def inspect(self, fn: Callable[[LLMEngine], Any]) -> Any:
@@ -476,6 +476,10 @@ class AsyncLLMEngine:
     async def reset_prefix_cache(self) -> bool:
         """Drops every cached block; False (nothing done) while any request holds blocks."""
         return await self._call(self.engine.reset_prefix_cache)
+
+
+def _nothing() -> None:
+    """A call for :meth:`AsyncLLMEngine._call` made only for the stats it takes afterwards."""
 
 
 def _in_batch(e: InvalidInputError, index: int, num_prompts: int) -> InvalidInputError:

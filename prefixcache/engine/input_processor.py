@@ -284,6 +284,13 @@ class InputProcessor:
             check_unicode("tenant", tenant)
         return params
 
+    def kv_blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
+        """KV blocks a request holds at its longest: the ``n`` samples share the prompt's full
+        blocks; each needs its own blocks after them, up to ``max_tokens`` generated tokens."""
+        num_prompt_blocks = num_prompt_tokens // self.block_size
+        per_sample = math.ceil((num_prompt_tokens + max_tokens) / self.block_size) - num_prompt_blocks
+        return num_prompt_blocks + n * per_sample
+
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Refuses a prompt the context or the KV pool can never hold with its ``max_tokens``.
 
@@ -300,9 +307,7 @@ class InputProcessor:
                                                   f"{counted(num_prompt_tokens, 'token')} exceed max_model_len "
                                                   f"{self.max_model_len}; lower max_tokens to at most "
                                                   f"{self.max_model_len - num_prompt_tokens}")
-        # The n samples share the prompt's full blocks; each needs its own blocks after them.
-        num_prompt_blocks = num_prompt_tokens // self.block_size
-        needed = num_prompt_blocks + params.n * (math.ceil(max_len / self.block_size) - num_prompt_blocks)
+        needed = self.kv_blocks_needed(num_prompt_tokens, params.max_tokens, params.n)
         if needed > self.num_blocks:
             samples = f" x n={params.n} samples" if params.n > 1 else ""
             raise InvalidInputError("max_tokens", f"prompt + max_tokens ({counted(max_len, 'token')}{samples}) needs "

@@ -42,7 +42,7 @@ from prefixcache.engine.output_processor import OutputProcessor
 from prefixcache.engine.parallel_sampling import SampleGroups
 from prefixcache.engine.scheduler import Scheduler
 from prefixcache.errors import InvalidInputError
-from prefixcache.host_memory import host_memory_limit
+from prefixcache.host_memory import pool_memory_limit
 from prefixcache.layers.lora import LoRARequest
 from prefixcache.layers.sampler import TokenLogprobs
 from prefixcache.models.loader import LoadedModel, load_model
@@ -155,11 +155,8 @@ class LLMEngine:
                                                   f"of {context} tokens (its max_position_embeddings): such a block "
                                                   "never fills")
         need = self.num_blocks * self.kv_cache_bytes_per_block
-        if self.device.type == "cuda":
-            limit = (torch.cuda.get_device_properties(self.device).total_memory, f"{self.device}'s memory")
-        else:
-            limit = host_memory_limit()
-        if limit is not None and need > limit[0]:
+        limit = pool_memory_limit(str(self.device), need)
+        if limit is not None:
             field = "num_blocks" if config.num_blocks else "kv_cache_memory"
             raise InvalidInputError(field, f"{field}: a KV pool of {self.num_blocks} blocks of {config.block_size} "
                                            f"tokens needs {need} bytes ({self.kv_cache_bytes_per_block} per block), "
@@ -221,11 +218,10 @@ class LLMEngine:
             self.kv_event_recorder.note_adapter(adapter.digest, adapter.name)
         if request_id is None:
             request_id = self._fresh_request_id(params.n)
-        elif not isinstance(request_id, str) or not request_id:
-            raise InvalidInputError("request_id", f"request_id must be a non-empty string, got {request_id!r:.60}")
-        for rid in self.sample_groups.sample_ids(request_id, params.n):
-            if rid in self.scheduler.requests or self.sample_groups.is_reserved(rid):
-                raise InvalidInputError("request_id", f"request_id {rid!r} is already in use")
+        _check_request_id(request_id)
+        used = self._sample_id_in_use(request_id, params.n)
+        if used is not None:
+            raise InvalidInputError("request_id", f"request_id {used!r} is already in use")
         self._follow_weights()
         request = self.input_processor.make_request(request_id, prompt, params, cache_salt, adapter, tenant, stream)
         request.priority = priority
@@ -233,12 +229,16 @@ class LLMEngine:
         self.scheduler.add_request(request)
         return request_id
 
+    def _sample_id_in_use(self, request_id: str, n: int) -> str | None:
+        """The first of ``request_id``'s ``n`` sample ids a request already uses, or None."""
+        return next((rid for rid in self.sample_groups.sample_ids(request_id, n)
+                     if rid in self.scheduler.requests or self.sample_groups.is_reserved(rid)), None)
+
     def _fresh_request_id(self, n: int) -> str:
         """The counter's next value whose sample ids no request uses (a caller may have chosen "1")."""
         while True:
             request_id = str(next(self._counter))
-            if not any(rid in self.scheduler.requests or self.sample_groups.is_reserved(rid)
-                       for rid in self.sample_groups.sample_ids(request_id, n)):
+            if self._sample_id_in_use(request_id, n) is None:
                 return request_id
 
     def root_key(self, cache_salt: str | None = None, adapter=None) -> bytes:
@@ -279,8 +279,7 @@ class LLMEngine:
         Raises:
             InvalidInputError: ``request_id`` is not a non-empty string.
         """
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidInputError("request_id", f"request_id must be a non-empty string, got {request_id!r:.60}")
+        _check_request_id(request_id)
         stopped = [self.scheduler.requests.get(rid) for rid in self.sample_groups.members(request_id)]
         return self._finish([r for r in stopped if r is not None], RequestStatus.FINISHED_ABORTED)
 
@@ -495,6 +494,12 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             kv_tiers=self.kv_tiers.snapshot() if self.kv_tiers is not None else {},
         )
+
+
+def _check_request_id(request_id: object) -> None:
+    """Raises InvalidInputError (``request_id``) unless ``request_id`` is a non-empty str."""
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidInputError("request_id", f"request_id must be a non-empty string, got {request_id!r:.60}")
 
 
 def _resolve_device(name: str | None) -> torch.device:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from prefixcache.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from prefixcache.errors import InvalidInputError
-from prefixcache.host_memory import host_memory_limit
+from prefixcache.host_memory import pool_memory_limit
 
 
 _DEVICE = re.compile(r"(cpu|cuda)(?::([0-9]+))?")  # what LLMEngine's _resolve_device accepts
@@ -182,27 +182,9 @@ def check_kv_pool(config: EngineConfig, shape: ModelShape | None, pool: bool = T
     if replicas > 1:  # `cluster`: every replica allocates its own pool on this machine
         need *= replicas
         what = what.removesuffix(" is").removesuffix(",") + f" x {replicas} replicas = {need} bytes ({_size(need)}) is"
-    limit = _pool_memory_limit(config.device, need)
+    limit = pool_memory_limit(config.device, need)
     if limit is not None:
         raise ValueError(f"{flag}: {what} more than the {limit[0]} bytes ({_size(limit[0])}) of {limit[1]}")
-
-
-def _pool_memory_limit(device: str | None, need: int) -> tuple[int, str] | None:
-    """``(bytes, what)`` of the memory the pool would be allocated in when ``need`` bytes exceed it,
-    else None: the host's (:func:`host_memory_limit`), or a CUDA device's (only asked, with torch, when
-    ``need`` exceeds the host's and the pool may go to CUDA: ``--device cuda[:N]``, or no ``--device``
-    and CUDA present)."""
-    host = host_memory_limit()
-    if host is None or need <= host[0]:
-        return None
-    if device is None or device.startswith("cuda"):
-        import torch
-
-        if torch.cuda.is_available():
-            index = int(device.partition(":")[2] or 0) if device else 0
-            total = torch.cuda.get_device_properties(index).total_memory
-            return (total, f"CUDA device {index}'s memory") if need > total else None
-    return host
 
 
 def check_engine_resources(config: EngineConfig, pool: bool = True, replicas: int = 1) -> None:

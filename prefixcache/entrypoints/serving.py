@@ -788,13 +788,13 @@ class OpenAIServing:
     def default_does_not_fit(self, num_prompt_tokens: int, n: int) -> APIError:
         """The 400 for a chat request without ``max_tokens`` that the pool can't hold even with the
         smallest default (1 token per sample): it names ``n`` when fewer samples would fit, else
-        ``messages`` (the prompt itself is too long for the pool). The blocks are counted as the
-        engine counts them: the samples share the prompt's full blocks, each needs the rest."""
+        ``messages`` (the prompt itself is too long for the pool). The blocks are counted by the
+        engine's own rule (``InputProcessor.kv_blocks_needed``)."""
         engine = self.engine.engine
-        block_size, num_blocks = engine.config.block_size, engine.num_blocks
-        full = num_prompt_tokens // block_size
-        per_sample = -(-(num_prompt_tokens + 1) // block_size) - full  # blocks after the shared ones
-        needed = full + n * per_sample
+        num_blocks, blocks_needed = engine.num_blocks, engine.input_processor.kv_blocks_needed
+        full = num_prompt_tokens // engine.config.block_size
+        per_sample = blocks_needed(num_prompt_tokens, 1) - full  # blocks after the shared ones
+        needed = blocks_needed(num_prompt_tokens, 1, n)
         fitting = (num_blocks - full) // per_sample if num_blocks > full else 0
         prompt = f"the prompt ({counted(num_prompt_tokens, 'token')}) plus 1 token"
         if fitting >= 1:
