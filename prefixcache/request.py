@@ -25,6 +25,7 @@ from prefixcache.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from prefixcache.cache.hashing import BlockHash, BlockHasher
+    from prefixcache.engine.detokenizer import IncrementalDetokenizer
     from prefixcache.outputs import SampleLogprobs
     from prefixcache.layers.lora import LoRAAdapter
     from prefixcache.prompt_logprobs import PromptLogprobsState
@@ -116,6 +117,8 @@ class Request:
     stop_text_end: int | None = field(init=False, default=None)
     stop_token_hidden: bool = field(init=False, default=False)  # stopped by a stop token / EOS, its text left out
     num_checked_chars: int = field(init=False, default=0)
+    # The output text so far, grown token by token (an IncrementalDetokenizer; None until needed).
+    detokenizer: IncrementalDetokenizer | None = field(init=False, default=None, repr=False, compare=False)
     error: str | None = field(init=False, default=None)  # why it finished with FINISHED_ERROR
     # With sampling_params.prompt_logprobs: the entries so far (set at first admission; the samples
     # of an n > 1 request share it, their prompt is one).
@@ -171,6 +174,7 @@ class Request:
         child.output_token_ids = list(self.output_token_ids)
         child.block_hashes = list(self.block_hashes)
         child.logprobs = list(self.logprobs)
+        child.detokenizer = None  # its own text, decoded from its own tokens when first needed
         return child
 
     def block_extra_key(self, block_index: int) -> bytes:

@@ -2,7 +2,11 @@
 ``OutputProcessor`` role). Runs on the engine thread after each step, for the requests that got a
 token.
 
-Stop strings: after each new token the output is decoded whole and searched from the first
+Text: grown by each new token's bytes (:mod:`prefixcache.engine.detokenizer`), equal to decoding the
+whole output (special tokens skipped); tokenizers whose decode is not a concatenation of bytes are
+decoded whole at each step.
+
+Stop strings: after each new token the output text is searched from the first
 character that could start a match not seen before: the settled text checked last time, less one
 character short of the longest stop string. So a match is found wherever it lies in the text the
 step added, however long the new token's text is (SmolLM2 has single tokens of 64 ``=``). A
@@ -17,6 +21,7 @@ from collections.abc import Iterable
 
 from transformers import PreTrainedTokenizerBase
 
+from prefixcache.engine.detokenizer import IncrementalDetokenizer, byte_concat_decoder
 from prefixcache.layers.sampler import TokenLogprobs
 from prefixcache.outputs import Logprob, PromptLogprobs, RequestOutput
 from prefixcache.request import Request, RequestStatus
@@ -57,6 +62,11 @@ class TokenDecoder:
         self._byte_level = _byte_level_decoder() if type(decoder).__name__ == "ByteLevel" else None
         self._memo: dict[int, tuple[str, bytes]] = {}
 
+    @property
+    def byte_level(self) -> bool:
+        """Whether the tokenizer's decoder is the byte-level one (GPT-2's alphabet)."""
+        return self._byte_level is not None
+
     def text(self, token_id: int) -> str:
         return self._lookup(token_id)[0]
 
@@ -91,6 +101,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Iterable[int], max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.token_decoder = TokenDecoder(tokenizer)
+        self._text_bytes = byte_concat_decoder(tokenizer, self.token_decoder.bytes, self.token_decoder.byte_level)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 
@@ -122,7 +133,7 @@ class OutputProcessor:
         detokenizer holds such text back too), so a stop string never matches half a character
         (``"\ufffd"`` used to match the first half of an emoji)."""
         params = request.sampling_params
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True).rstrip("\ufffd")
+        text = self.output_text(request, request.num_output_tokens).rstrip("\ufffd")
         start = max(0, request.num_checked_chars - (max(len(s) for s in params.stop) - 1))
         request.num_checked_chars = len(text)
         found = [(idx, stop) for stop in params.stop if (idx := text.find(stop, start)) >= 0]
@@ -132,6 +143,17 @@ class OutputProcessor:
         request.stop_reason = stop
         request.stop_text_end = idx + (len(stop) if params.include_stop_str_in_output else 0)
         return True
+
+    def output_text(self, request: Request, num_ids: int) -> str:
+        """The text of the request's first ``num_ids`` output tokens, special tokens skipped:
+        ``tokenizer.decode(output_token_ids[:num_ids], skip_special_tokens=True)``, grown from the
+        last call's text where the tokenizer allows (module docstring)."""
+        if self._text_bytes is None:
+            return self.tokenizer.decode(request.output_token_ids[:num_ids], skip_special_tokens=True)
+        detokenizer = request.detokenizer
+        if detokenizer is None or detokenizer.num_ids > num_ids:  # new, or asked for less (start again)
+            detokenizer = request.detokenizer = IncrementalDetokenizer(self._text_bytes)
+        return detokenizer.text(request.output_token_ids, num_ids)
 
     def append_logprobs(self, request: Request, sampled: TokenLogprobs) -> None:
         """Adds the logprobs of the request's newest token: the top-k (ranks 1..k), then the
@@ -145,8 +167,7 @@ class OutputProcessor:
 
     def make_output(self, request: Request) -> RequestOutput:
         """The request's output now: cumulative text and tokens, finish state and timings."""
-        ids = request.output_token_ids[:-1] if request.stop_token_hidden else request.output_token_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self.output_text(request, request.num_output_tokens - request.stop_token_hidden)
         if request.stop_text_end is not None:
             text = text[: request.stop_text_end]
         return RequestOutput(
