@@ -23,6 +23,15 @@ class InvalidInputError(ValueError):
         self.message = message
 
 
+def cut(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters + ``"..."`` (a value quoted in a message may be huge)."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def clip(value: object, limit: int) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters + ``"..."``."""
+    return cut(repr(value), limit)
+
 
 def counted(n: int, noun: str) -> str:
     """``n`` and ``noun`` in the number ``n`` takes, for messages: ``1 token``, ``2 tokens``, ``0 tokens``

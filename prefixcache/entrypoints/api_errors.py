@@ -15,6 +15,7 @@ from types import MappingProxyType
 from fastapi.responses import JSONResponse
 
 from prefixcache.entrypoints.protocol import ErrorInfo, ErrorResponse
+from prefixcache import errors
 from prefixcache.errors import InvalidInputError
 
 MAX_ECHO_CHARS = 100  # of one request value quoted in an error message
@@ -52,13 +53,13 @@ class APIError(Exception):
 
 
 def cut(text: str, limit: int = MAX_ECHO_CHARS) -> str:
-    """``text`` cut to ``limit`` characters + ``"..."``."""
-    return text if len(text) <= limit else text[:limit] + "..."
+    """``text`` cut to ``limit`` characters + ``"..."`` (:func:`prefixcache.errors.cut`)."""
+    return errors.cut(text, limit)
 
 
 def clip(value: object, limit: int = MAX_ECHO_CHARS) -> str:
-    """``repr(value)`` for an error message, cut to ``limit`` characters + ``"..."``."""
-    return cut(repr(value), limit)
+    """``repr(value)`` cut to ``limit`` characters + ``"..."`` (:func:`prefixcache.errors.clip`)."""
+    return errors.clip(value, limit)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

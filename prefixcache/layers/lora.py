@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from torch import nn
 
-from prefixcache.errors import InvalidInputError
+from prefixcache.errors import InvalidInputError, clip
 from prefixcache.layers.quant import (Int8Weight, int8_linear, quantize_activations,
                                      stacked_weight_and_bias)
 
@@ -91,9 +91,9 @@ class LoRABatch:
 
 
 def _short(value: object, limit: int = 60) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for messages (a config value may be huge)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    """``repr(value)`` cut to ``limit`` characters + ``"..."``, for messages (a config value may be
+    huge)."""
+    return clip(value, limit)
 
 
 def _is_number(value: object) -> bool:
