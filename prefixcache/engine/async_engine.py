@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import copy
+import functools
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable
@@ -92,6 +94,7 @@ class AsyncLLMEngine:
             max_workers=1, thread_name_prefix="prefixcache-engine", initializer=self._init_thread
         )
         self._closed = False  # shutdown closed the engine
+        self._shutting_down = False  # shutdown began: no more calls on the engine thread
         # Tokenization and chat templates: one thread with its own copy of the tokenizer (the engine
         # thread detokenizes with the model's meanwhile). Template edits after this don't reach it.
         self._input_executor = concurrent.futures.ThreadPoolExecutor(
@@ -131,7 +134,9 @@ class AsyncLLMEngine:
 
     async def shutdown(self) -> None:
         """Stops the loop, aborts what is left, closes the engine (the KV tiers' writer stores what
-        it has queued) and releases the engine thread."""
+        it has queued) and releases the engine thread. Calls after it starts raise
+        :class:`EngineDeadError` ("server is shutting down"); :meth:`get_stats` answers the last stats."""
+        self._shutting_down = True
         if self._task is not None:
             self._task.cancel()
             try:
@@ -176,20 +181,26 @@ class AsyncLLMEngine:
             # Every queued request finished or was aborted; the loop sleeps once its queues drain.
             time.sleep(0.001)  # an add is about to land; don't spin the thread
             return []
-        outputs = engine.step()
+        outputs = self._taking_stats(engine.step)
         n = len(engine.scheduler.running) + sum(o.finished for o in outputs)
         self.max_step_num_reqs = max(self.max_step_num_reqs, n)
-        self._stats = take_stats(engine)
         return outputs
+
+    def _taking_stats(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on the engine thread, then the stats :meth:`get_stats` answers
+        (also when ``fn`` raises): after every step, add, abort, reset or recovery."""
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._stats = take_stats(self.engine)
 
     def _recover(self, error: Exception) -> list[RequestOutput]:
         """After an unexpected engine error: fails every request in flight, resets the prefix
         cache; on the engine thread. Raises if the engine can't be brought back (then it is dead)."""
         self.num_recoveries += 1
-        outputs = self.engine.fail_all_requests(f"engine error: {error!r}")
-        if not self.engine.reset_prefix_cache():
+        outputs = self._taking_stats(self.engine.fail_all_requests, f"engine error: {error!r}")
+        if not self._taking_stats(self.engine.reset_prefix_cache):
             raise RuntimeError(f"engine recovery failed: blocks still in use after {error!r}") from error
-        self._stats = take_stats(self.engine)
         return outputs
 
     def _dispatch(self, out: RequestOutput) -> None:
@@ -216,21 +227,21 @@ class AsyncLLMEngine:
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Runs ``fn`` on the engine thread, between steps (then refreshes :meth:`get_stats`'s answer:
         an add or an abort changes the queues)."""
+        self._check_alive()
+        run = functools.partial(self._taking_stats, fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+
+    def _check_alive(self) -> None:
+        """Raises EngineDeadError once the loop has failed or shutdown has begun (the executors
+        then refuse work with a bare RuntimeError)."""
         if self.error is not None:
             raise EngineDeadError(f"engine loop failed: {self.error!r}")
-
-        def run() -> Any:
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._stats = take_stats(self.engine)
-
-        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+        if self._shutting_down:
+            raise EngineDeadError("server is shutting down")
 
     async def _call_input(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs ``fn`` (tokenization, templates) on the input thread, beside the steps."""
-        if self.error is not None:
-            raise EngineDeadError(f"engine loop failed: {self.error!r}")
+        self._check_alive()
         return await asyncio.get_running_loop().run_in_executor(self._input_executor, fn, *args)
 
     async def generate(
@@ -326,8 +337,9 @@ class AsyncLLMEngine:
                     self._unfinished.pop(request_id, None)
             if not isinstance(e, Exception) and self.error is None:
                 # Cancelled while the add may be running on the engine thread: abort after it.
-                for request_id in request_ids:
-                    self._executor.submit(self._abort_samples, request_id)
+                with contextlib.suppress(RuntimeError):  # the executor is gone if shutdown ended
+                    for request_id in request_ids:
+                        self._executor.submit(self._abort_samples, request_id)
             raise
         self._wakeup.set()
         return self._stream(request_ids, queue, sampling_params.n)
@@ -391,10 +403,7 @@ class AsyncLLMEngine:
 
     def _abort_samples(self, request_id: str) -> list[RequestOutput]:
         """On the engine thread: aborts every sample of ``request_id``, then refreshes the stats."""
-        try:
-            return self.engine.abort_request_samples(request_id)
-        finally:
-            self._stats = take_stats(self.engine)
+        return self._taking_stats(self.engine.abort_request_samples, request_id)
 
     def _on_abort_done(self, future: concurrent.futures.Future) -> None:
         outs = [] if future.cancelled() or future.exception() else future.result()
@@ -456,12 +465,14 @@ class AsyncLLMEngine:
         as of the last step (or add, abort, reset). It never waits for a running step (vLLM's
         ``/metrics`` also reports per step): a scrape answers at once while a long prefill runs.
 
+        Once :meth:`shutdown` has begun, the last stats taken.
+
         Raises:
             EngineDeadError: the engine loop has failed.
         """
         if self.error is not None:
             raise EngineDeadError(f"engine loop failed: {self.error!r}")
-        if not self._queues:  # idle: the engine thread is free (but don't wait long if it isn't)
+        if not self._queues and not self._shutting_down:  # idle: the engine thread is free (but don't wait long if it isn't)
             refresh = asyncio.ensure_future(self._call(_nothing))  # _call takes the stats after it
             await asyncio.wait({refresh}, timeout=IDLE_STATS_WAIT_S)
             if refresh.done():

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from prefixcache.engine.async_engine import AsyncLLMEngine
+from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from prefixcache.engine.input_processor import ProcessedPrompt
 from prefixcache.errors import InvalidInputError
 from prefixcache.outputs import RequestOutput
@@ -57,6 +57,9 @@ class FakeEngine:
     def abort_request_samples(self, rid):
         self.requests.pop(rid, None)
         return []
+
+    def reset_prefix_cache(self):
+        return True
 
     def close(self):
         self.closed = True
@@ -178,5 +181,28 @@ def test_batch_is_all_or_nothing_and_one_stream_aborts_all():
             assert {"w-0", "w-1"} <= set(aborted) and not {"w-0", "w-1"} & set(fake.requests)
         finally:
             await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_calls_after_shutdown_are_refused_as_shutting_down_and_stats_stay_readable():
+    """The executors refuse work once shut down (a bare RuntimeError, a 500 on the server); calls
+    then raise EngineDeadError (503) and get_stats answers the last stats taken."""
+    async def main():
+        fake = FakeEngine()
+        engine = AsyncLLMEngine(fake)
+        stream = await engine.generate([1, 2], SamplingParams(max_tokens=1), request_id="a")
+        outs = await asyncio.wait_for(_collect(stream), 2)
+        assert outs[-1].finished
+        fake.requests["late"] = True  # only the stats taken after this reach get_stats
+        assert (await engine.get_stats()).metrics == {"requests": 1}
+        await engine.shutdown()
+        assert fake.closed
+        assert (await engine.get_stats()).metrics == {"requests": 1}
+        for call in (engine.reset_prefix_cache(), engine.generate([1], SamplingParams(max_tokens=1)),
+                     engine.tokenize("x"), engine.inspect(lambda e: 1)):
+            with pytest.raises(EngineDeadError, match="server is shutting down"):
+                await call
+        await engine.shutdown()  # twice (a second Ctrl-C) is harmless
 
     asyncio.run(main())
