@@ -169,6 +169,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """min_tokens, logit_bias and the penalties, in vLLM's order; a new tensor when any applies.
 
+    min_tokens leaves a row whose only finite logits are stop tokens as it is: a structured-output
+    grammar that is complete allows EOS alone, and the request ends there (``"stop"``) with fewer
+    than ``min_tokens`` tokens rather than sample a token the grammar refuses (vLLM masks both and
+    leaves the row with no token).
+
     Args:
         logits: shape = [num_rows, vocab_size], float32 (not modified).
         metadata: see :class:`SamplingMetadata`.
@@ -193,6 +198,10 @@ def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) ->
     x = logits.clone()
     if mask_ids:
         x[mask_rows, mask_ids] = float("-inf")
+        rows = sorted(set(mask_rows))
+        stuck = [r for r, dead in zip(rows, torch.isneginf(x[rows]).all(-1).tolist()) if dead]
+        if stuck:  # only a stop token was allowed (a complete grammar): it wins over min_tokens
+            x[stuck] = logits[stuck]
     if biases:
         x.index_put_((torch.tensor(bias_rows), torch.tensor(bias_ids)), torch.tensor(biases, dtype=x.dtype),
                      accumulate=True)

@@ -164,3 +164,21 @@ def test_grammar_failing_mid_generation_fails_only_its_own_request(llm):
     assert finished["good"].finish_reason == "length" and finished["good"].token_ids == alone
     assert engine.runner.structured_output.num_matchers == 0
     assert pool.get_num_free_blocks() == free_before  # every block of both requests back in the pool
+
+
+def test_min_tokens_beyond_a_complete_grammar_ends_at_the_grammar(llm):
+    """min_tokens masked EOS where a complete grammar allows nothing else: the request failed with
+    "token 0 ... is outside its grammar" (HTTP 500). The grammar wins: "yes"/"no" then EOS, "stop";
+    and a grammar that still has room honours min_tokens as before."""
+    plain = chat(llm, ASK_SENTIMENT, temperature=0, max_tokens=10,
+                 structured_outputs=StructuredOutputsParams(choice=["positive", "negative"]))
+    for min_tokens in (3, 10):
+        out = chat(llm, ASK_SENTIMENT, temperature=0, max_tokens=10, min_tokens=min_tokens,
+                   structured_outputs=StructuredOutputsParams(choice=["positive", "negative"]))
+        assert out.error is None and out.finish_reason == "stop" and out.stop_reason is None
+        assert (out.text, out.token_ids) == (plain.text, plain.token_ids) and out.text in ("positive", "negative")
+        assert out.token_ids[-1] in llm.engine.loaded.eos_token_ids
+    free = chat(llm, ASK_PHONE, temperature=0, max_tokens=30, min_tokens=20,
+                structured_outputs=StructuredOutputsParams(regex=r"[0-9 ()-]{5,40}"))
+    assert free.error is None and len(free.token_ids) >= 20 and re.fullmatch(r"[0-9 ()-]{5,40}", free.text)
+    assert not llm.engine.has_unfinished_requests()

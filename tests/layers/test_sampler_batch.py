@@ -180,11 +180,20 @@ def test_min_p_keeps_tokens_with_at_least_min_p_times_the_top_probability():
     assert batch_sampling_probs(torch.tensor([[2.0, 2.0, 1.0]]), [1.0], [0], [1.0], [1.0])[0].tolist() == [0.5, 0.5, 0.0]
 
 
-def test_every_token_masked_still_resolves_to_a_token():
-    logits = torch.tensor([[1.0, 2.0]])
-    params = [SamplingParams(temperature=0.7, min_tokens=1, stop_token_ids=[0], seed=1)]
-    token = sample_batch(logits, metadata(params, [0], eos=[1], vocab=2)).token_ids
-    assert token[0] in (0, 1)  # both -inf: they tie at the max and share the mass
+def test_min_tokens_yields_when_only_stop_tokens_are_allowed():
+    """A complete grammar leaves EOS alone (every other logit -inf): min_tokens masking EOS too
+    left no token, and token 0 was sampled, which the grammar refused (an HTTP 500). Such a row
+    keeps its logits: greedy takes EOS, and a seeded row draws as it would without min_tokens."""
+    grammar_done = torch.tensor([[-INF, -INF, 0.5, -INF], [-INF, 1.0, 0.5, -INF]])
+    params = [SamplingParams(temperature=0, min_tokens=3)] * 2
+    assert sample_batch(grammar_done, metadata(params, [0, 0], eos=[2], vocab=4)).token_ids == [2, 1]
+    assert apply_logits_processors(grammar_done, metadata(params, [0, 0], eos=[2], vocab=4)).tolist() == [
+        [-INF, -INF, 0.5, -INF], [-INF, 1.0, -INF, -INF]]
+    logits = torch.tensor([[1.0, 2.0]])  # every token is a stop token
+    seeded = [SamplingParams(temperature=0.7, min_tokens=1, stop_token_ids=[0], seed=1)]
+    unmasked = [SamplingParams(temperature=0.7, stop_token_ids=[0], seed=1)]
+    draws = [sample_batch(logits, metadata(p, [0], eos=[1], vocab=2)).token_ids for p in (seeded, unmasked)]
+    assert draws[0] == draws[1]
 
 
 # ------------------------------------------------------------------ logprobs
