@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -79,6 +80,16 @@ class BlockUsage:
         return use.hits, use.last_use_s
 
 
+_SALT_DIGEST_KEY = os.urandom(16)  # per process: a shown digest can't be matched against guessed salts
+
+
+def salt_digest(salt: str) -> str:
+    """8 hex digits naming a cache_salt on the dashboard: a keyed digest (BLAKE2b, a random key per
+    process), stable within the process, so a viewer can group chains by salt but can't test
+    guesses of a low-entropy salt offline (an unkeyed sha256 could be)."""
+    return hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), key=_SALT_DIGEST_KEY, digest_size=4).hexdigest()
+
+
 def namespace_of(root_key: bytes, extra_key: bytes) -> dict:
     """The namespace of a chain, fit to show: the tenant (or ``None``), and digests of the
     cache_salt and adapter (a salt is a secret: only its digest is shown)."""
@@ -87,7 +98,7 @@ def namespace_of(root_key: bytes, extra_key: bytes) -> dict:
     except (ValueError, TypeError):
         salt, adapter = None, ""
     tenant = extra_key[len(TENANT_PREFIX):].decode("utf-8", "replace") if extra_key.startswith(TENANT_PREFIX) else None
-    return {"tenant": tenant, "salt": None if salt is None else hashlib.sha256(salt.encode()).hexdigest()[:8],
+    return {"tenant": tenant, "salt": None if salt is None else salt_digest(salt),
             "adapter": adapter[:8] or None}
 
 

@@ -325,9 +325,13 @@ class InputProcessor:
         tenant: str | None = None,
         stream: bool = False,
     ) -> Request:
-        """A request keyed by its model, salt, adapter and tenant, its block hashes computed."""
+        """A request keyed by its model, salt, adapter and tenant, its block hashes computed.
+
+        Under tenant isolation the blocks inside an approved prefix are keyed without the tenant,
+        unless the request has a ``cache_salt``: then every block is its tenant's, so no other
+        tenant can confirm a guessed salt by a hit (the salt is in the chain's root)."""
         num_shared_blocks = 0
-        if tenant is not None:
+        if tenant is not None and cache_salt is None:  # a salt shares nothing across tenants, not even these
             num_shared_blocks = self.approved_prefixes.shared_length(prompt.token_ids) // self.block_size
         return Request(
             request_id, prompt.token_ids, params, self.block_hasher, self.root_key(cache_salt, adapter),

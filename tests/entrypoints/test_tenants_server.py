@@ -67,6 +67,37 @@ def test_tenants_share_the_approved_system_prompt_only(tenant_server, smollm2):
     assert chat(acme2, private, "Summarise the discount rules.")[1] > 0
 
 
+def test_a_salted_request_shares_nothing_across_tenants(tenant_server):
+    """A cache_salt is the requester's secret. Its approved blocks were keyed with the salt but not
+    the tenant, so another tenant sending the approved prompt with a guessed salt got 16 cached tokens
+    exactly when the guess was right, and saw the salt's unkeyed sha256 on /v1/cache/stats. Now a
+    salted request's every block is its tenant's, and the digest shown is keyed per process."""
+    import hashlib
+
+    s = tenant_server
+    acme, acme2, globex = (client_for(s, k) for k in KEYS)
+
+    def salted(client, salt, user):
+        r = client.chat.completions.create(
+            model=MODEL, max_tokens=2, temperature=0, extra_body={"cache_salt": salt},
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}])
+        return r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
+
+    user = "Which platform does the 07:12 to York leave from on Sundays?"
+    n, cached = salted(acme, "user-1234", user)
+    assert cached == 0
+    assert salted(globex, "user-1234", user + " Thanks.") == (n + 2, 0)  # the same salt: no hit
+    assert salted(acme2, "user-1234", user + " Thanks.")[1] == (n - 1) // 16 * 16  # its own tenant: a hit
+
+    def salted_namespaces(key):
+        doc = httpx.get(s.base_url + "/v1/cache/stats", headers={"Authorization": f"Bearer {key}"}).json()
+        return [(p["namespace"]["tenant"], p["namespace"]["salt"]) for p in doc["prefixes"] if p["namespace"]["salt"]]
+
+    ((tenant, digest),) = salted_namespaces("key-acme-1")
+    assert tenant == "acme" and len(digest) == 8 and digest != hashlib.sha256(b"user-1234").hexdigest()[:8]
+    assert salted_namespaces("key-globex") == [("globex", digest)]  # its own chain only
+
+
 def test_tenant_server_auth_and_reset(tenant_server):
     url = tenant_server.base_url
     r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
