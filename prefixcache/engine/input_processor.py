@@ -280,8 +280,6 @@ class InputProcessor:
             validate_tenant(tenant)
         except ValueError as e:
             raise InvalidInputError("tenant", str(e)) from e
-        if tenant is not None:
-            check_unicode("tenant", tenant)
         return params
 
     def kv_blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:

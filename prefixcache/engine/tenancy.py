@@ -26,9 +26,16 @@ MAX_TENANT_CHARS = 256
 
 
 def validate_tenant(tenant: str | None) -> str | None:
-    """Returns ``tenant``; raises ValueError naming ``tenant`` unless None or 1..256 characters."""
+    """Returns ``tenant``; raises ValueError naming ``tenant`` unless None or 1..256 characters of
+    valid Unicode (a lone surrogate, which a JSON keys file can carry, fails the tenant's hash key)."""
     if tenant is not None and (not isinstance(tenant, str) or not tenant or len(tenant) > MAX_TENANT_CHARS):
         raise ValueError(f"tenant must be a non-empty string of at most {MAX_TENANT_CHARS} characters")
+    if tenant is not None:
+        try:
+            tenant.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"tenant contains a lone surrogate (U+{ord(e.object[e.start]):04X} at character "
+                             f"{e.start}), which is not valid Unicode") from None
     return tenant
 
 

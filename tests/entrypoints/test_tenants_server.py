@@ -115,6 +115,10 @@ def test_tenant_isolation_needs_keys(smollm2):
         build_app(engine, MODEL, tenant_isolation=True)
     with pytest.raises(ValueError, match="tenant must be"):
         build_app(engine, MODEL, api_keys={"k": ""})
+    # A JSON keys file can name a tenant "\ud800": it was accepted, then every request of that key
+    # was a 400 naming "tenant" and /v1/cache/stats a 500.
+    with pytest.raises(ValueError, match=r"tenant '\\ud800': tenant contains a lone surrogate \(U\+D800 at character 0\)"):
+        build_app(engine, MODEL, api_keys={"k": "\ud800"})
     for key in ("clé", " k", "k ", "", "a\tb"):  # no client could send these in a header
         with pytest.raises(ValueError, match="printable ASCII"):
             build_app(engine, MODEL, api_keys={key: "acme"})
