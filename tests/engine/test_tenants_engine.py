@@ -61,6 +61,10 @@ def test_bad_tenant_is_a_value_error(make_llm):
     llm = make_llm()
     with pytest.raises(ValueError, match="tenant must be"):
         llm.generate("hello", GREEDY, tenant="")
+    with pytest.raises(ValueError, match="tenant contains a lone surrogate") as e:
+        llm.generate("hello", GREEDY, tenant="acme\udfff")
+    assert e.value.field == "tenant"
+    assert llm.generate("hello", GREEDY, tenant="acme")[0].finish_reason == "length"
     with pytest.raises(ValueError, match="approved system prompt"):
         llm.add_approved_system_prompt("")
     with pytest.raises(ValueError, match="prompt must not be empty"):
