@@ -338,6 +338,7 @@ def check_serve_args(args: argparse.Namespace, replicas: int = 1) -> ServeSettin
         ValueError: the first bad flag, named.
     """
     from prefixcache.entrypoints.auth import tenants_by_key
+    from prefixcache.entrypoints.serving import check_lora_module_names
     from prefixcache.models.model_path import check_model_arg
 
     merge_model_option(args)
@@ -345,6 +346,7 @@ def check_serve_args(args: argparse.Namespace, replicas: int = 1) -> ServeSettin
     check_model_arg(config.model)  # a missing directory or a Hub id fails here, not after binding
     check_engine_resources(config, replicas=replicas)  # --device, --hash-seed-file, --kv-disk-dir, the pool
     lora_modules = parse_lora_modules(args.lora_modules)
+    check_lora_module_names(args.served_model_name or args.model, lora_modules)
     if lora_modules and config.quantization == "int4":  # every request naming one would be a 400
         raise ValueError("--lora-modules: adapters need --quantization none or int8; int4 runs generated tokens "
                          "in fused kernels without LoRA deltas")

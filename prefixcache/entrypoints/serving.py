@@ -518,6 +518,18 @@ def logit_bias_ids(logit_bias: dict[str, float] | None) -> dict[int, float] | No
 
 
 # ---------------------------------------------------------------------------- the endpoints
+def check_lora_module_names(served_model_name: str, lora_modules: Mapping[str, str]) -> None:
+    """An adapter may not take the served model's name: requests naming it run the base model, so
+    the adapter could never be reached (and ``/v1/models`` would list the name twice).
+
+    Raises:
+        ValueError: naming ``--lora-modules`` and the name.
+    """
+    if served_model_name in lora_modules:
+        raise ValueError(f"--lora-modules: the adapter name {served_model_name!r} is the served model's name "
+                         "(--served-model-name, else the model argument); give the adapter another name")
+
+
 class OpenAIServing:
     """Runs OpenAI requests on one engine.
 
@@ -529,6 +541,7 @@ class OpenAIServing:
 
     def __init__(self, async_engine: AsyncLLMEngine, served_model_name: str,
                  lora_modules: dict[str, str] | None = None) -> None:
+        check_lora_module_names(served_model_name, lora_modules or {})
         self.engine = async_engine
         self.served_model_name = served_model_name
         self.lora_modules = dict(lora_modules or {})

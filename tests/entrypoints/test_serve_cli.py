@@ -113,6 +113,8 @@ def test_startup_errors_come_before_the_model_loads(no_model_load, busy_port, tm
                                                               "read the adapter directory (No such file or directory)"),
         (["--lora-modules", f"legal={not_adapter}"], f"--lora-modules legal={not_adapter}: not a PEFT LoRA adapter "
                                                      "directory (no adapter_config.json, adapter_model.safetensors)"),
+        (["--served-model-name", "m", "--lora-modules", "m=/x"], "--lora-modules: the adapter name 'm' is the "
+                                                                  "served model's name"),  # unreachable: 'm' ran the base
         (["--block-size", "0"], "--block-size: block_size must be an integer >= 1, got 0"),
         (["--cache-ttl-s", "-1"], "--cache-ttl-s: cache_ttl_s must be a finite number > 0, got -1.0"),
         (["--tenant-isolation"], "--tenant-isolation needs API keys"),
