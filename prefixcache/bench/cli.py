@@ -199,7 +199,8 @@ def check_bench_args(args: argparse.Namespace) -> tuple[str, ...]:
     """
     names = parse_workloads(args.workload)
     from prefixcache.entrypoints.cli_args import engine_config_from_args  # the HTTP server's imports: after
-    from prefixcache.entrypoints.preflight import check_engine_resources, check_writable_dir
+    from prefixcache.bench.cluster import ClusterBenchOptions
+    from prefixcache.entrypoints.preflight import check_engine_resources, check_kv_pool, check_writable_dir, model_shape
 
     config = engine_config_from_args(args, model_flag="--model", overrides=_engine_options(args))
     check_positive((("--max-tokens", args.max_tokens), ("--repeats", args.repeats),
@@ -211,6 +212,13 @@ def check_bench_args(args: argparse.Namespace) -> tuple[str, ...]:
             check_workload_args(name, args.num_requests, args.num_turns, args.text_scale)
     if set(names) - {TRACE, QUEUE}:  # a workload that loads the model: --block-size within its context
         check_engine_resources(config, pool=False)  # (the workloads size their own pools)
+    if CLUSTER in names:  # its replicas' pools and weights, all on this machine (100,000 were started)
+        replica = dataclasses.replace(config, num_blocks=ClusterBenchOptions.num_blocks, kv_cache_memory_bytes=None,
+                                      dtype="float32")  # the replicas' serve flags (bench/cluster.py)
+        try:
+            check_kv_pool(replica, model_shape(config.model), replicas=args.cluster_replicas)
+        except ValueError as e:  # it names --num-blocks, which the replicas get from the bench
+            raise ValueError("--cluster-replicas: " + str(e).partition(": ")[2]) from None
     if args.out:  # an existing file or /proc/x fails here, not after the run
         check_writable_dir(args.out, "--out")
     return names

@@ -96,6 +96,11 @@ def check_writable_dir(path: str, flag: str) -> Path:
     return d
 
 
+# What a replica's process holds besides its pool and weights (Python, torch, tokenizer, server): a
+# `serve` of SmolLM2 with a 442 MB pool had 1.47 GB resident (2026-12-02), weights 0.54 GB.
+REPLICA_PROCESS_BYTES = 512 << 20
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What sizes a KV block, read from a model's config without loading its weights."""
@@ -104,6 +109,7 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     context: int | None  # max_position_embeddings, tokens
+    weights_bytes: int = 0  # the checkpoint's *.safetensors files, bytes (what each replica loads)
 
 
 def model_shape(model: str) -> ModelShape | None:
@@ -123,7 +129,8 @@ def model_shape(model: str) -> ModelShape | None:
         c = json.loads((path / "config.json").read_text())
         heads = c["num_attention_heads"]
         shape = ModelShape(c["num_hidden_layers"], c.get("num_key_value_heads") or heads,
-                           c.get("head_dim") or c["hidden_size"] // heads, c.get("max_position_embeddings"))
+                           c.get("head_dim") or c["hidden_size"] // heads, c.get("max_position_embeddings"),
+                           sum(f.stat().st_size for f in path.glob("*.safetensors")))
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None
     return shape if _valid_shape(shape) else None
@@ -150,9 +157,10 @@ def check_kv_pool(config: EngineConfig, shape: ModelShape | None, pool: bool = T
     """The KV options against the model (``shape``, None if unknown) and the machine, as the engine
     would find them after the load: ``--block-size`` and ``--max-model-len`` within the model's
     context; with ``pool``, a budget that holds one block and ``replicas`` pools (``--num-blocks``
-    blocks each, else the ``--kv-cache-memory`` budget) no larger than the memory they are allocated
-    in (:func:`kv_block_bytes`; with the shape unknown, its lower bound): physical memory, a
-    container's cgroup limit, or a CUDA device's.
+    blocks each, else the ``--kv-cache-memory`` budget; with ``replicas`` > 1 each also loads the
+    weights, counted by their files' size) no larger than the memory they are allocated in
+    (:func:`kv_block_bytes`; with the shape unknown, its lower bound): physical memory, a container's
+    cgroup limit, or a CUDA device's.
 
     Raises:
         ValueError: naming the flag.
@@ -179,9 +187,12 @@ def check_kv_pool(config: EngineConfig, shape: ModelShape | None, pool: bool = T
         flag, need = "--num-blocks", config.num_blocks * per_block
         what = f"a KV pool of {config.num_blocks} blocks needs {at_least}{need} bytes ({_size(need)}; " \
                f"{at_least}{per_block} bytes per block),"
-    if replicas > 1:  # `cluster`: every replica allocates its own pool on this machine
-        need *= replicas
-        what = what.removesuffix(" is").removesuffix(",") + f" x {replicas} replicas = {need} bytes ({_size(need)}) is"
+    if replicas > 1:  # `cluster`: every replica allocates its own pool and loads the weights on this machine
+        weights = shape.weights_bytes if shape is not None else 0
+        need = (need + weights + REPLICA_PROCESS_BYTES) * replicas
+        plus = (f" plus the {weights} bytes of weights ({_size(weights)})" if weights else "") + \
+            f" plus {_size(REPLICA_PROCESS_BYTES)} for the process"
+        what = what.removesuffix(" is").removesuffix(",") + f"{plus} x {replicas} replicas = {need} bytes ({_size(need)}) is"
     limit = pool_memory_limit(config.device, need)
     if limit is not None:
         raise ValueError(f"{flag}: {what} more than the {limit[0]} bytes ({_size(limit[0])}) of {limit[1]}")

@@ -235,18 +235,41 @@ def test_a_container_memory_limit_bounds_the_pool(no_model_load, tiny_model, tmp
 
 
 def test_cluster_checks_all_replicas_pools_together(no_model_load, tiny_model, monkeypatch, capsys):
-    """Each replica allocates its own pool on this machine: 3 x 512 blocks of 1024 bytes > 1 MiB."""
-    monkeypatch.setattr(host_memory, "physical_memory_bytes", lambda: 1 << 20)
+    """Each replica allocates its own pool, loads the weights and runs a process on this machine:
+    4 x (512 blocks of 1024 bytes + the weights + 512 MiB) > 2 GiB; 3 fit."""
+    monkeypatch.setattr(host_memory, "physical_memory_bytes", lambda: 2 << 30)
+    (tiny_model / "model.safetensors").write_bytes(bytes(1000))  # only its size is read
+    weights = 1000
     model = [str(tiny_model), "--device", "cpu"]
-    assert cli.main(["cluster", "--replicas", "3", *model, "--num-blocks", "512"]) == 2
+    assert cli.main(["cluster", "--replicas", "4", *model, "--num-blocks", "512"]) == 2
+    need = 4 * (524288 + weights + (512 << 20))
     assert capsys.readouterr().err.splitlines()[0] == (
         "prefixcache cluster: error: --num-blocks: a KV pool of 512 blocks needs 524288 bytes (0.5 MiB; 1024 bytes "
-        "per block) x 3 replicas = 1572864 bytes (1.5 MiB) is more than the 1048576 bytes (1.0 MiB) of physical memory")
-    assert cli.main(["cluster", "--replicas", "2", *model, "--kv-cache-memory", "768KiB"]) == 2
-    assert capsys.readouterr().err.splitlines()[0] == (
-        "prefixcache cluster: error: --kv-cache-memory: a KV pool budget of 786432 bytes x 2 replicas = 1572864 bytes "
-        "(1.5 MiB) is more than the 1048576 bytes (1.0 MiB) of physical memory")
-    assert check_serve_args(parse([*model, "--num-blocks", "512"]), replicas=2).config.num_blocks == 512
+        f"per block) plus the {weights} bytes of weights ({weights / (1 << 20):,.1f} MiB) plus 512.0 MiB for the "
+        f"process x 4 replicas = {need} bytes ({need / (1 << 30):,.1f} GiB) is more than the 2147483648 bytes "
+        "(2.0 GiB) of physical memory")
+    assert cli.main(["cluster", "--replicas", "4", *model, "--kv-cache-memory", "768KiB"]) == 2
+    assert capsys.readouterr().err.splitlines()[0].startswith(
+        "prefixcache cluster: error: --kv-cache-memory: a KV pool budget of 786432 bytes plus the ")
+    assert check_serve_args(parse([*model, "--num-blocks", "512"]), replicas=3).config.num_blocks == 512
+
+
+def test_bench_cluster_checks_its_replicas_before_starting_any(capsys):
+    """`bench --workload cluster --cluster-replicas 100000` started replicas one after another
+    (192 processes, load average 194) until stopped; now refused before anything starts."""
+    from prefixcache.entrypoints.preflight import model_shape
+
+    shape = model_shape("smollm2-135m")
+    if shape is None:
+        pytest.skip("the default model is not fetched")
+    assert cli.main(["bench", "--workload", "cluster", "--cluster-replicas", "100000", "--skip-hf",
+                     "--out", ""]) == 2
+    pool = 256 * 737280  # the bench's 256 blocks per replica, float32 K/V of SmolLM2
+    need = 100000 * (pool + shape.weights_bytes + (512 << 20))
+    line = capsys.readouterr().err.splitlines()[0]
+    assert line.startswith(f"prefixcache bench: error: --cluster-replicas: a KV pool of 256 blocks needs {pool} bytes "
+                           f"(180.0 MiB; 737280 bytes per block) plus the {shape.weights_bytes} bytes of weights"), line
+    assert f"x 100000 replicas = {need} bytes" in line and line.endswith("of physical memory")
 
 
 def test_an_unreadable_model_config_still_bounds_the_pool_from_below(no_model_load, tmp_path, monkeypatch, capsys):
@@ -275,7 +298,9 @@ def test_bytes_per_block_read_before_the_load_are_the_engines(dtype):
 
     c = ModelConfig.from_hf_config(AutoConfig.from_pretrained(fetch.default_model_dir(), local_files_only=True))
     shape = model_shape(MODEL)
-    assert shape == ModelShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.max_position_embeddings)
+    weights = (fetch.default_model_dir() / "model.safetensors").stat().st_size
+    assert shape == ModelShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.max_position_embeddings,
+                               weights)
     for block_size in (1, 16, 32):
         assert kv_block_bytes(shape, block_size, dtype) == kv_cache_bytes_per_block(
             c.num_hidden_layers, block_size, c.num_key_value_heads, c.head_dim, getattr(torch, dtype))
