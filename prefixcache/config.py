@@ -37,6 +37,9 @@ SCHEDULING_POLICIES = ("fcfs", "lpm")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB when neither num_blocks nor a budget is given
 
 
+MAX_NUM_THREADS = 4096  # torch CPU threads; far past any machine's cores (2**31 overflowed torch)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Options of the continuous-batching scheduler."""
@@ -121,9 +124,14 @@ class EngineConfig(CacheConfig, SchedulerConfig):
         if self.device is not None and (not isinstance(self.device, str) or not self.device):
             raise InvalidInputError("device", f"device must be a torch device name such as 'cpu' or 'cuda', "
                                               f"got {self.device!r}")
-        for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads"):
+        for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
+        if self.num_threads is not None:  # torch.set_num_threads overflows at 2**31, after the load
+            check_int("num_threads", self.num_threads, 1)
+            if self.num_threads > MAX_NUM_THREADS:
+                raise InvalidInputError("num_threads", f"num_threads must be at most {MAX_NUM_THREADS} (torch CPU "
+                                                       f"threads), got {self.num_threads}")
         check_int("seed", self.seed, -(2**63), 2**64 - 1)
         CacheConfig.validate(self)
         if isinstance(self.eviction_policy, str) and self.eviction_policy not in EVICTION_POLICIES:

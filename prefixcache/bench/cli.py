@@ -8,6 +8,7 @@ workload's module is imported when it runs (the model workloads: :mod:`prefixcac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -116,6 +117,14 @@ def run_restart_cli(args: argparse.Namespace, num_threads: int) -> None:
             print(f"wrote {path}", file=sys.stderr)
 
 
+def queue_config(args: argparse.Namespace) -> QueueConfig:
+    """The queue workload's sizes from the ``--queue-*`` and ``--num-requests`` flags."""
+    config = dataclasses.replace(QueueConfig(), rate_rps=args.queue_rate_rps, num_blocks=args.queue_num_blocks)
+    if args.num_requests is not None:
+        config = dataclasses.replace(config, num_requests=args.num_requests)
+    return config
+
+
 def run_queue_cli(args: argparse.Namespace) -> None:
     """``--workload queue``: the scheduling policies on the queue workload (scheduler replay, no
     model); ``queue.json``, ``queue.md`` and ``queue.png`` into ``--out``.
@@ -125,10 +134,7 @@ def run_queue_cli(args: argparse.Namespace) -> None:
     """
     from prefixcache.bench.queue import queue_markdown, run_queue_benchmark, write_queue_outputs
 
-    config = dataclasses.replace(QueueConfig(), rate_rps=args.queue_rate_rps, num_blocks=args.queue_num_blocks)
-    if args.num_requests is not None:
-        config = dataclasses.replace(config, num_requests=args.num_requests)
-    result = run_queue_benchmark(config)
+    result = run_queue_benchmark(queue_config(args))
     print(queue_markdown(result))
     if args.out:
         for path in write_queue_outputs(result, args.out, not args.no_plots):
@@ -185,6 +191,19 @@ def run_cluster_cli(args: argparse.Namespace, num_threads: int | None) -> None:
     print(markdown(result))
 
 
+@contextlib.contextmanager
+def _naming_flags(flags: dict[str, str]):
+    """Re-raises a ValueError whose message starts with one of ``flags``' field names with that
+    field's flag in front (``num_turns must be ...`` -> ``--num-turns: num_turns must be ...``)."""
+    try:
+        yield
+    except ValueError as e:
+        field = next((f for f in flags if str(e).startswith(f + " ")), None)
+        if field is None:
+            raise
+        raise ValueError(f"{flags[field]}: {e}") from None
+
+
 def check_bench_args(args: argparse.Namespace) -> tuple[str, ...]:
     """Checks every ``bench`` flag before anything runs or loads: the engine options as ``serve``
     does, the counts, each model workload's sizes (the model-free workloads run first, so a bad
@@ -209,7 +228,12 @@ def check_bench_args(args: argparse.Namespace) -> tuple[str, ...]:
                     *((("--num-requests", args.num_requests),) if args.num_requests is not None else ())))
     for name in names:
         if name in WORKLOAD_NAMES:
-            check_workload_args(name, args.num_requests, args.num_turns, args.text_scale)
+            with _naming_flags({"num_requests": "--num-requests", "num_turns": "--num-turns", "text_scale": "--text-scale"}):
+                check_workload_args(name, args.num_requests, args.num_turns, args.text_scale)
+    if QUEUE in names:
+        with _naming_flags({"num_requests": "--num-requests", "rate_rps": "--queue-rate-rps",
+                            "num_blocks": "--queue-num-blocks"}):
+            queue_config(args).validate()
     if set(names) - {TRACE, QUEUE}:  # a workload that loads the model: --block-size within its context
         check_engine_resources(config, pool=False)  # (the workloads size their own pools)
     if CLUSTER in names:  # its replicas' pools and weights, all on this machine (100,000 were started)

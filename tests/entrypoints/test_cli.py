@@ -126,7 +126,7 @@ def test_bench_queue_flags_set_the_replay_and_bad_values_name_the_field(capsys):
     assert fcfs_row[1:-1] == lpm_row[1:-1] and fcfs_row[8] == "0"  # all but µs/step; 0 evictions
     code, out, err = run_cli(["bench", "--workload", "queue", "--queue-rate-rps", "0"], capsys)
     assert (code, out) == (2, "")
-    assert err == "prefixcache bench: error: rate_rps must be a finite number > 0, got 0.0\n" + BENCH_HINT
+    assert err == "prefixcache bench: error: --queue-rate-rps: rate_rps must be a finite number > 0, got 0.0\n" + BENCH_HINT
 
 
 def test_bench_unknown_workload_lists_every_workload(capsys):
@@ -320,8 +320,14 @@ BLOCK_SIZE_99999 = ("--block-size: block_size 99999 is more than the model's con
                                                                "got 0"),  # was silently 1
     (["bench", "--workload", "queue,seed", "--max-tokens", "0"], "--max-tokens must be a positive integer, got 0"),
     (["bench", "--workload", "cluster", "--num-requests", "0"], "--num-requests must be a positive integer, got 0"),
-    (["bench", "--workload", "multi-turn", "--num-turns", "9"], "num_turns must be in [1, 8], got 9"),
-    (["bench", "--text-scale", "0"], "text_scale must be in (0, 1], got 0.0"),
+    (["bench", "--workload", "multi-turn", "--num-turns", "9"], "--num-turns: num_turns must be in [1, 8], got 9"),
+    (["bench", "--text-scale", "0"], "--text-scale: text_scale must be in (0, 1], got 0.0"),
+    (["bench", "--workload", "queue", "--queue-rate-rps", "nan"], "--queue-rate-rps: rate_rps must be a finite "
+                                                                  "number > 0, got nan"),  # named the field only
+    (["bench", "--workload", "queue", "--queue-num-blocks", "0"], "--queue-num-blocks: num_blocks must be an "
+                                                                  "integer >= 1, got 0"),
+    (["serve", "--port", "0", "--num-threads", "2147483648"], "--num-threads: num_threads must be at most 4096 "
+                                                              "(torch CPU threads), got 2147483648"),  # after the load
     (["serve", "--port", "0", "--num-threads", "0"], "--num-threads: num_threads must be an integer >= 1, got 0"),
     (["serve", "--port", "0", "--device", "tpu"], "--device: must be 'cpu' or 'cuda[:N]', got 'tpu'"),  # was after
     (["serve", "--port", "0", "--hash-seed-file", "/nonexistent"], "--hash-seed-file: cannot read '/nonexistent': "
