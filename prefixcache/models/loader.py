@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import xxhash
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -136,7 +136,8 @@ def resolve_model_dir(model: str, home: Path | None = None) -> Path:
     """Maps a model argument to a complete local HF directory (fetching or converting when needed).
 
     Raises:
-        ModelLoadError: Nothing usable at `model`, or the fetch/conversion failed.
+        ModelLoadError: Nothing usable at `model`, or the fetch/conversion failed (a truncated or corrupt
+            .gguf included: :func:`~prefixcache.models.fetch.convert_gguf` leaves nothing half-written then).
     """
     if model == fetch.DEFAULT_MODEL_NAME:
         target = fetch.default_model_dir(home)
@@ -165,12 +166,13 @@ def load_weights(model: nn.Module, model_dir: Path, tie_word_embeddings: bool) -
     """Copies every safetensors tensor into the parameter of the same name (casting dtype, moving device).
 
     Raises:
-        ModelLoadError: A checkpoint tensor has no parameter, a shape differs, or a parameter is missing.
+        ModelLoadError: A weights file can't be opened or is not a whole safetensors file (truncated,
+            corrupt), a checkpoint tensor has no parameter, a shape differs, or a parameter is missing.
     """
     params = dict(model.named_parameters())  # tied lm_head.weight is deduplicated away
     loaded = set()
     for file in _safetensors_files(model_dir):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _open_safetensors(file) as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_CHECKPOINT_SUFFIXES) or (tie_word_embeddings and name == "lm_head.weight"):
                     continue
@@ -188,6 +190,24 @@ def load_weights(model: nn.Module, model_dir: Path, tie_word_embeddings: bool) -
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelLoadError(f"{model_dir}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
+
+
+def _open_safetensors(file: Path):
+    """``safe_open(file)`` on the CPU; safetensors checks the header and that the data covers it.
+
+    Raises:
+        ModelLoadError: naming ``file``: unreadable, or a truncated or corrupt safetensors file
+            (safetensors' ``SafetensorError``: "incomplete metadata", "header too large", ...).
+    """
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise ModelLoadError(
+            f"cannot read the weights file {file}: {e}; it is truncated or not a safetensors file "
+            "(download or convert the model again)"
+        ) from e
+    except OSError as e:
+        raise ModelLoadError(f"cannot read the weights file {file}: {e.strerror or e}") from e
 
 
 def compute_fingerprint(model_dir: Path) -> bytes:
