@@ -92,6 +92,13 @@ class CacheConfig:
         if self.kv_redis_url is not None and not self.kv_redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise InvalidInputError("kv_redis_url", f"kv_redis_url must start with redis://, rediss:// or unix://, "
                                                     f"got {self.kv_redis_url!r}")
+        if self.kv_redis_url is not None:
+            from redis.connection import parse_url  # redis-py's own reading of the URL (a light import)
+
+            try:
+                parse_url(self.kv_redis_url)
+            except ValueError as e:  # e.g. a port that is not a number: found at the first connect, after the load
+                raise InvalidInputError("kv_redis_url", f"kv_redis_url {self.kv_redis_url!r}: {e}") from None
         tiered = self.kv_disk_dir is not None or self.kv_redis_url is not None
         if tiered and self.hash_seed is None and self.hash_seed_file is None:
             raise InvalidInputError("hash_seed", "KV tiers (kv_disk_dir, kv_redis_url) need hash_seed or "

@@ -155,6 +155,11 @@ def _main(argv: list[str] | None) -> int:
     if not requested:  # bare `prefixcache`: the overview, as pip does (exit 0; git exits 1)
         parser.print_help()
         return 0
+    if requested[0].startswith("-") and requested[0] not in ("-h", "--help", "--version"):
+        # argparse would say "the following arguments are required: command"
+        message = f"unrecognized arguments: {requested[0]} (options go after the command: prefixcache COMMAND [options])"
+        print(error_text("prefixcache", message), end="", file=sys.stderr)
+        return 2
     args, extras = parser.parse_known_args(argv)
     if extras:  # argparse leaves a subcommand's unknown arguments to the top parser: name the subcommand
         parsers[args.command].unrecognized(extras)

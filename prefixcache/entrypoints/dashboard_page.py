@@ -82,7 +82,7 @@ def _node(n: dict) -> str:
     ago = "never" if n["last_use_s_ago"] is None else f"{n['last_use_s_ago']:.1f} s ago"
     line = (f"[{n['start']}, {n['end']}) {n['tokens']} tokens · hits {n['hits']} · served {n['served_tokens']} · "
             f"last use {ago}")
-    preview = f'<code class="preview">{html.escape(json.dumps(n["preview"]))}</code>' if "preview" in n else ""
+    preview = f'<code class="preview">{html.escape(json.dumps(n["preview"], ensure_ascii=False))}</code>' if "preview" in n else ""
     kids = "".join(_node(k) for k in n["children"])
     return f'<li><span class="node">{html.escape(line)}</span>{preview}{f"<ul>{kids}</ul>" if kids else ""}</li>'
 

@@ -11,6 +11,7 @@ does the same at once.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import socket
@@ -52,6 +53,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     Raises:
         ValueError: the address can't be bound, naming ``--host`` / ``--port``.
     """
+    if not host:  # the OS reads "" as every interface: not what an empty value means
+        raise ValueError("--host must not be empty (give 0.0.0.0 to listen on every interface)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -62,8 +65,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise ValueError(f"--host {host!r}: not a usable address ({e.strerror})") from e
     except OSError as e:
         sock.close()
-        raise ValueError(f"--host {host} --port {port}: cannot bind ({e.strerror}); "
-                         "is another server using this port?") from e
+        hint = "is another server using this port?" if e.errno == errno.EADDRINUSE else "is it an address of this machine?"
+        raise ValueError(f"--host {host} --port {port}: cannot bind ({e.strerror}); {hint}") from e
     return sock
 
 

@@ -296,6 +296,8 @@ def test_a_misspelt_flag_gets_the_closest_one_and_a_wrong_one_none(no_run, capsy
     (["fetch", "extra"], "prefixcache fetch: error: unrecognized arguments: extra"),
     (["serv"], "prefixcache: error: argument command: invalid choice: 'serv' (choose from 'demo', 'fetch', 'serve', "
                "'cluster', 'bench', 'analyze')"),
+    (["--bogus", "serve"], "prefixcache: error: unrecognized arguments: --bogus (options go after the command: "
+                           "prefixcache COMMAND [options])"),  # was "the following arguments are required: command"
 ])
 def test_a_bad_flag_prints_its_error_line_and_a_hint_not_the_usage(no_run, capsys, argv, line):
     code, out, err = run_cli(argv, capsys)
@@ -329,6 +331,8 @@ BLOCK_SIZE_99999 = ("--block-size: block_size 99999 is more than the model's con
     (["serve", "--port", "0", "--num-threads", "2147483648"], "--num-threads: num_threads must be at most 4096 "
                                                               "(torch CPU threads), got 2147483648"),  # after the load
     (["serve", "--port", "0", "--num-threads", "0"], "--num-threads: num_threads must be an integer >= 1, got 0"),
+    (["serve", "--port", "0", "--hash-seed", "1", "--kv-redis-url", "redis://127.0.0.1:abc/0"],
+     "--kv-redis-url: kv_redis_url 'redis://127.0.0.1:abc/0': Port could not be cast to integer value as 'abc'"),
     (["serve", "--port", "0", "--device", "tpu"], "--device: must be 'cpu' or 'cuda[:N]', got 'tpu'"),  # was after
     (["serve", "--port", "0", "--hash-seed-file", "/nonexistent"], "--hash-seed-file: cannot read '/nonexistent': "
                                                                    "No such file or directory"),  # the load, unnamed

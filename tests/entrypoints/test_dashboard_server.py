@@ -237,3 +237,14 @@ def test_tier_numbers_equal_metrics(smollm2, tmp_path):
         assert disk[key] == float(line.rsplit(" ", 1)[1]), key
     assert disk["stores"] > 0 and "load_latency" not in disk
     assert f"<td>disk</td><td>{disk['queries']}</td><td>{disk['hits']}</td>" in page
+
+
+def test_a_preview_renders_its_characters_escaped_for_html_not_as_json_escapes():
+    """The first render showed "\\ud83d\\ude00" for an emoji (json.dumps' ASCII escapes) until the
+    page's first poll redrew it; markup stays escaped."""
+    from prefixcache.entrypoints.dashboard_page import _node
+
+    node = {"start": 0, "end": 16, "tokens": 16, "hits": 1, "served_tokens": 16, "last_use_s_ago": 0.5,
+            "preview": 'Hi 😀 <script>alert("x")</script>', "children": []}
+    html_text = _node(node)
+    assert '<code class="preview">&quot;Hi 😀 &lt;script&gt;alert(\\&quot;x\\&quot;)&lt;/script&gt;&quot;</code>' in html_text

@@ -109,6 +109,9 @@ def test_startup_errors_come_before_the_model_loads(no_model_load, busy_port, tm
     cases = [
         (["--port", str(busy_port)], f"--host 127.0.0.1 --port {busy_port}: cannot bind (Address already in use)"),
         (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid': not a usable address"),
+        (["--host", ""], "--host must not be empty (give 0.0.0.0 to listen on every interface)"),  # was 0.0.0.0
+        (["--host", "192.0.2.1"], "--host 192.0.2.1 --port 0: cannot bind (Cannot assign requested address); is it an "
+                                  "address of this machine?"),
         (["--lora-modules", f"legal={tmp_path / 'missing'}"], f"--lora-modules legal={tmp_path / 'missing'}: cannot "
                                                               "read the adapter directory (No such file or directory)"),
         (["--lora-modules", f"legal={not_adapter}"], f"--lora-modules legal={not_adapter}: not a PEFT LoRA adapter "
