@@ -76,7 +76,7 @@ class LLM:
             use_tqdm: show a progress bar for batches of more than one prompt.
             lora: a LoRA adapter for all prompts, or one (or None) per prompt.
             tenant: the batch's tenant namespace; only approved prefixes are shared across
-                tenants (see :meth:`add_approved_prefix`).
+                tenants (see :meth:`add_approved_prefix`), and not with a ``cache_salt``.
             priority: scheduling priority for all prompts, or one per prompt: lower = earlier
                 (vLLM's ``priority``; the outer key of ``scheduling_policy``'s order).
 

@@ -192,7 +192,8 @@ class LLMEngine:
             lora: a LoRA adapter to apply (loaded on first use, reloaded when its files change).
             tenant: the request's tenant namespace: its blocks are shared only within the tenant,
                 except full blocks inside an approved shared prefix (:meth:`add_approved_prefix`),
-                which every tenant shares. ``None``: no namespace.
+                which every tenant shares unless the request has a ``cache_salt``. ``None``: no
+                namespace.
             priority: scheduling priority, an int, lower = earlier (vLLM's ``priority``): the
                 outer key of the waiting queue's order, whatever ``scheduling_policy``.
 

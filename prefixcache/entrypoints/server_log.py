@@ -29,12 +29,17 @@ _HANDLER_NAME = "prefixcache-serve"
 
 def configure_logging(level: str) -> None:
     """The ``prefixcache`` logger writes to stderr at ``level`` (``info``, ``debug``...), formatted as
-    uvicorn's own lines. Calling it again only changes the level."""
+    uvicorn's own lines. Calling it again only changes the level and writes to the ``sys.stderr`` of
+    that moment."""
     from uvicorn.logging import DefaultFormatter
 
     root = logging.getLogger("prefixcache")
     root.setLevel(level.upper())
-    if not any(h.get_name() == _HANDLER_NAME for h in root.handlers):
+    ours = [h for h in root.handlers if h.get_name() == _HANDLER_NAME]
+    for handler in ours:  # stderr may have been replaced since (a second server in one process, a test's capture)
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(sys.stderr)
+    if not ours:
         handler = logging.StreamHandler(sys.stderr)
         handler.set_name(_HANDLER_NAME)
         handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s", use_colors=None))

@@ -174,7 +174,11 @@ def _read_gguf(gguf_path: Path):
             delattr(config, "quantization_config")
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(quantized.state_dict())
-    except (OSError, ValueError, MemoryError):
+    except ValueError as e:
+        if str(e).startswith("cannot reshape array"):  # gguf's reader maps a tensor past the file's end
+            raise ValueError(f"it is truncated or corrupt ({e})") from e
+        raise
+    except (OSError, MemoryError):
         raise
     except Exception as e:  # the reader walks the file's own offsets and counts: a cut file fails anywhere
         kind = type(e).__qualname__  # struct.error is "error": name its module too

@@ -91,19 +91,20 @@ def test_another_hash_seed_or_model_key_never_hits(make_llm, cold_ids, tmp_path)
 
 def test_c16_namespaces_survive_the_disk_tier(make_llm, cold_ids, tmp_path):
     """Process A caches P with salt s1 (and under tenant t1); process B (a new engine on the same
-    directory) gets no hit without the salt, with another salt or under another tenant."""
+    directory) gets no hit without the salt, with another salt or under another tenant (a salted
+    request shares no block across tenants, not even an approved prefix's)."""
     a = tiered(make_llm, kv_disk_dir=str(tmp_path))
-    a.engine.add_approved_prefix(P[: 2 * B])  # two blocks every tenant may share
+    a.engine.add_approved_prefix(P[: 2 * B])  # two blocks every tenant may share, unsalted
     assert run(a, P, cache_salt="s1").num_cached_tokens == 0
-    assert run(a, P, cache_salt="s1", tenant="t1").num_cached_tokens == 2 * B  # the approved blocks
+    assert run(a, P, cache_salt="s1", tenant="t1").num_cached_tokens == 0  # salted: its tenant's blocks
     flush(a)
 
     b = tiered(make_llm, kv_disk_dir=str(tmp_path))
     b.engine.add_approved_prefix(P[: 2 * B])
     want = cold_ids[tuple(P)]
     for kwargs, cached in [
-        ({}, 0), ({"cache_salt": "s2"}, 0),
-        ({"cache_salt": "s1", "tenant": "t2"}, 2 * B),  # only the approved prefix's blocks
+        ({}, 0), ({"tenant": "t2"}, 2 * B),  # unsalted: the approved prefix's blocks of the run before
+        ({"cache_salt": "s2"}, 0), ({"cache_salt": "s1", "tenant": "t2"}, 0),
         ({"cache_salt": "s1"}, 3 * B), ({"cache_salt": "s1", "tenant": "t1"}, 3 * B),
     ]:
         out = run(b, P, **kwargs)
