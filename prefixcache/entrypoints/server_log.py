@@ -37,8 +37,9 @@ def configure_logging(level: str) -> None:
     root.setLevel(level.upper())
     ours = [h for h in root.handlers if h.get_name() == _HANDLER_NAME]
     for handler in ours:  # stderr may have been replaced since (a second server in one process, a test's capture)
-        if isinstance(handler, logging.StreamHandler):
-            handler.setStream(sys.stderr)
+        if isinstance(handler, logging.StreamHandler):  # not setStream: it flushes the old stream, maybe closed
+            with handler.lock:
+                handler.stream = sys.stderr
     if not ours:
         handler = logging.StreamHandler(sys.stderr)
         handler.set_name(_HANDLER_NAME)

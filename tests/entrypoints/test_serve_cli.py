@@ -521,3 +521,27 @@ def test_serve_logs_what_it_serves_then_the_url_then_each_request():
     assert all(p >= 0 for p in positions) and positions == sorted(positions), log
     assert "Traceback" not in log
     assert s.health_attempts == 1  # the URL is logged once the server accepts, not before
+
+
+def test_the_server_logger_follows_the_stderr_of_its_latest_configure(monkeypatch):
+    """A second configure (a second server in one process, or the next test) used to keep writing
+    to the first stderr; once that was closed, each log line printed a "Logging error" traceback,
+    and re-pointing it with setStream raised ValueError (it flushes the closed stream)."""
+    import io
+    import logging
+
+    from prefixcache.entrypoints.server_log import configure_logging, logger
+
+    root = logging.getLogger("prefixcache")
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    monkeypatch.setattr(root, "propagate", root.propagate)
+    monkeypatch.setattr(root, "level", root.level)
+    first, second = io.TextIOWrapper(io.BytesIO()), io.StringIO()  # a closed TextIOWrapper's flush raises
+    monkeypatch.setattr(sys, "stderr", first)
+    configure_logging("info")
+    logger.info("one")
+    first.close()
+    monkeypatch.setattr(sys, "stderr", second)
+    configure_logging("info")
+    logger.info("two")
+    assert second.getvalue() == "INFO:     two\n"
