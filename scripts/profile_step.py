@@ -1,7 +1,7 @@
 """Where a forward pass spends its time: torch.profiler over one cold prefill, a short decode, or the
 speed bench's 10 prompts x 32 tokens with every prompt already cached (``--speed-batch``: its decode
 steps), or its one step that prefills the 10 prompts' own tokens over the cached system prompt
-(``--speed-suffixes``).
+(``--speed-suffixes``), or one such suffix alone, as the speed bench's warm TTFT has it (``--warm-suffix``).
 
     .venv/bin/python scripts/profile_step.py [--quantization int8 | --dtype bfloat16] [--prefill-tokens 2000 | --decode-tokens 16 | --speed-batch | --speed-suffixes]
 """
@@ -27,6 +27,8 @@ p.add_argument("--decode-tokens", type=int, default=0, help="profile this many d
 p.add_argument("--speed-batch", action="store_true", help="profile the speed bench's 10 x 32 run, prompts cached")
 p.add_argument("--speed-suffixes", action="store_true",
                help="profile the 10 x 32 run's step that prefills the 10 prompts' suffixes, the system prompt cached")
+p.add_argument("--warm-suffix", action="store_true",
+               help="profile one prompt's suffix over the cached system prompt (the warm TTFT's prefill)")
 args = p.parse_args()
 
 
@@ -58,6 +60,10 @@ elif args.speed_suffixes:
     prompts = build_speed_prompts(llm.engine.tokenizer, 10).shared
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # the prefix cached
     prompts, params = prompts[1:], SamplingParams(temperature=0, max_tokens=1)  # nine suffixes in one step
+elif args.warm_suffix:
+    prompts = build_speed_prompts(llm.engine.tokenizer, 10).shared
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # the prefix cached
+    prompts, params = prompts[1:2], SamplingParams(temperature=0, max_tokens=1)
 elif args.decode_tokens:
     prompts, params = ["The capital of France is"], SamplingParams(temperature=0, max_tokens=args.decode_tokens,
                                                                    ignore_eos=True)

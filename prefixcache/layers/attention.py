@@ -69,7 +69,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.layers.generated_attention import GeneratedRows, build_generated_rows
-from prefixcache.layers.prefill_attention import PagedRows, build_paged_rows, paged_prefill_attention
+from prefixcache.layers.prefill_attention import (PagedRows, build_paged_rows, paged_prefill_attention,
+                                                   prefill_amx_supported)
 
 KV_SPLIT = 512  # keys per block of torch's CPU flash-attention kernel (batch-invariant calls pad to a multiple)
 MIN_Q_ROWS = 4  # a call of 1 to 3 query rows takes another GEMM path (other rounding)
@@ -84,10 +85,17 @@ KV_NUMERICS = "attention-rows:4-16-x16|gemm-rows:2+"
 PAGED_KV_NUMERICS = "paged-bf16-attention:keys32-exp2|gemm-rows:2+|prompt-ops:1"
 
 
+# added where our kernel runs its products on AMX tiles (prefill_attention.prefill_amx_supported)
+PAGED_AMX_NUMERICS = "|prompt-products:amx-tiles"
+
+
 def kv_numerics(paged_kernel: bool) -> str:
     """The cache key's name for the rules that decide the bits of the pool's K/V: our paged kernel
-    (:mod:`prefixcache.layers.prefill_attention`) or torch's padded flash calls."""
-    return PAGED_KV_NUMERICS if paged_kernel else KV_NUMERICS
+    (:mod:`prefixcache.layers.prefill_attention`), in its AMX or AVX-512 form, or torch's padded
+    flash calls."""
+    if not paged_kernel:
+        return KV_NUMERICS
+    return PAGED_KV_NUMERICS + (PAGED_AMX_NUMERICS if prefill_amx_supported() else "")
 
 
 def common_run_length(ids: torch.Tensor) -> int:

@@ -2,7 +2,8 @@
 int8-activation products with grouped 4- and 8-bit weights), ``paged_decode_attention``
 (paged_attention.cpp: generated tokens' attention straight from the KV pool),
 ``paged_prefill_attention`` (prefill_attention.cpp: prompt rows' causal attention from the pool; its
-functions alone are compiled for AVX512-BF16 and run only where the CPU has it, see
+functions alone are compiled for AVX512-BF16, and its AMX form for AMX-BF16, and run only where the CPU
+has them, see
 :func:`prefixcache.layers.prefill_attention.prefill_kernel_supported`) and ``GeneratedDecoder``
 (generated_decoder.cpp: generated tokens' decoder layers around those kernels), and ``add_rms_norm``,
 ``rope_write_kv``, ``silu_mul`` (prompt_ops.cpp: a bf16 model's prompt rows' element-wise ops, fused). The formulas and why

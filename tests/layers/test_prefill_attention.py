@@ -1,6 +1,7 @@
-"""Our paged prompt-attention kernel (layers/prefill_attention.py, csrc/prefill_attention.cpp): right
-values against float64 attention, and a row's exact bits whatever its batch, chunking, cached prefix,
-or decode; the metadata that routes every row to it; the shapes it refuses."""
+"""Our paged prompt-attention kernel (layers/prefill_attention.py, csrc/prefill_attention.cpp), in both
+its forms (AVX-512 dot products; AMX tiles, where the CPU has them): right values against float64
+attention, and a row's exact bits whatever its batch, chunking, cached prefix, or decode; the metadata
+that routes every row to it; the shapes it refuses."""
 
 import math
 import random
@@ -8,18 +9,23 @@ import random
 import pytest
 import torch
 
-from prefixcache.layers.attention import PAGED_KV_NUMERICS, Attention, build_attention_metadata, kv_numerics
-from prefixcache.layers.prefill_attention import build_paged_rows, paged_prefill_attention, prefill_kernel_supported
+from prefixcache.layers.attention import (PAGED_AMX_NUMERICS, PAGED_KV_NUMERICS, Attention, build_attention_metadata,
+                                          kv_numerics)
+from prefixcache.layers.prefill_attention import (build_paged_rows, paged_prefill_attention, prefill_amx_supported,
+                                                  prefill_kernel_supported)
 
 pytestmark = pytest.mark.skipif(not prefill_kernel_supported(9, 3, 64),
                                 reason="our paged attention kernel needs AVX512-BF16 and AVX512-VNNI")
 BLOCK, NUM_BLOCKS = 16, 300
+needs_amx = pytest.mark.skipif(not prefill_amx_supported(), reason="the AMX form needs AMX-BF16 tiles")
+FORMS = [False, pytest.param(True, marks=needs_amx)]  # amx: the kernel's two forms
 
 
 class Pool:
     """A bf16 pool holding three 700-token sequences' K/V in scattered blocks, and their queries."""
 
-    def __init__(self, heads, kv_heads, head_dim, seed=0):
+    def __init__(self, heads, kv_heads, head_dim, seed=0, amx=False, block=BLOCK):
+        self.amx, self.block = amx, block
         gen = torch.Generator().manual_seed(seed)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.pool = torch.randn(2, NUM_BLOCKS, BLOCK, kv_heads, head_dim, generator=gen).bfloat16()
@@ -33,7 +39,7 @@ class Pool:
                                          batch_invariant=True, dtype=torch.bfloat16, num_pool_blocks=NUM_BLOCKS,
                                          paged_kernel=True)
         q = torch.cat([self.q[i][c : c + n] for i, c, n in batch])
-        return paged_prefill_attention(q, self.pool, md.paged, self.head_dim**-0.5)
+        return paged_prefill_attention(q, self.pool, md.paged, self.head_dim**-0.5, amx=self.amx)
 
     def reference(self, i, pos):
         """Token ``pos`` of sequence i over keys 0..pos, float64: [heads, head_dim]."""
@@ -45,11 +51,12 @@ class Pool:
         return torch.einsum("hk,khd->hd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("amx", FORMS)
 @pytest.mark.parametrize("shape", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (16, 1, 64)])
-def test_rows_match_float64_attention(shape):
+def test_rows_match_float64_attention(shape, amx):
     """Every row of a batch (a cold prefill, a chunk after a cached prefix, decodes) is float64
     attention to bf16 accuracy: the error of bf16 p in the second product, at most 0.02 here."""
-    pool = Pool(*shape)
+    pool = Pool(*shape, amx=amx)
     batch = [(0, 0, 130), (1, 517, 1), (2, 300, 77), (0, 40, 1)]
     out = pool.run(batch)
     start = 0
@@ -60,10 +67,11 @@ def test_rows_match_float64_attention(shape):
         start += n
 
 
-def test_a_row_has_the_same_bits_in_any_batch_chunking_or_decode():
+@pytest.mark.parametrize("amx", FORMS)
+def test_a_row_has_the_same_bits_in_any_batch_chunking_or_decode(amx):
     """Sequence 2's tokens 300..499: one 200-token chunk, 37 + 163 after a cache hit, beside other
     sequences, and each token alone as a decode: identical bits (the property cache on == off rests on)."""
-    pool = Pool(9, 3, 64)
+    pool = Pool(9, 3, 64, amx=amx)
     whole = pool.run([(2, 300, 200)])
     split = torch.cat([pool.run([(2, 300, 37)]), pool.run([(0, 5, 90), (2, 337, 163), (1, 10, 1)])[90:253]])
     assert torch.equal(whole, split)
@@ -113,13 +121,15 @@ def test_refuses_what_it_cannot_run():
     rows = build_paged_rows([0], [4], torch.tensor([[NUM_BLOCKS]]))  # a block outside the pool
     with pytest.raises(RuntimeError, match="outside the pool"):
         paged_prefill_attention(pool.q[0][:4], pool.pool, rows, 0.125)
-    assert kv_numerics(True) == PAGED_KV_NUMERICS != kv_numerics(False)
+    amx_key = PAGED_AMX_NUMERICS if prefill_amx_supported() else ""
+    assert kv_numerics(True) == PAGED_KV_NUMERICS + amx_key != kv_numerics(False)
 
 
-def test_a_nan_score_makes_its_rows_nan_in_every_tiling():
+@pytest.mark.parametrize("amx", FORMS)
+def test_a_nan_score_makes_its_rows_nan_in_every_tiling(amx):
     """A NaN key at position 35: rows that see it are NaN (as float attention gives), chunked or as
     decodes; the rows before it, in the same work item, are finite and keep their bits."""
-    pool = Pool(9, 3, 64)
+    pool = Pool(9, 3, 64, amx=amx)
     clean = pool.run([(0, 0, 40)])
     slot = pool.tables[0][35 // BLOCK] * BLOCK + 35 % BLOCK
     pool.pool[0].view(-1, 3, 64)[slot, 1] = float("nan")  # kv head 1: query heads 3-5
@@ -128,3 +138,37 @@ def test_a_nan_score_makes_its_rows_nan_in_every_tiling():
     for out in (chunk, decodes):
         assert torch.equal(out[:35], clean[:35])
         assert out[35:, 3:6].isnan().all() and torch.equal(out[35:, :3], clean[35:, :3])
+
+
+@needs_amx
+def test_the_amx_form_agrees_with_the_avx512_form_to_rounding_and_is_keyed_apart():
+    """The two forms sum in different orders: values within bf16 rounding of each other, bits not all
+    equal, so the cache key names the AMX form (K/V from one is never read as the other's)."""
+    pool = Pool(9, 3, 64)
+    batch = [(0, 0, 300), (1, 517, 1), (2, 300, 77)]
+    avx512 = pool.run(batch).float()
+    pool.amx = True
+    amx = pool.run(batch).float()
+    assert (avx512 - amx).abs().max() < 0.02
+    assert not torch.equal(avx512, amx)
+    assert kv_numerics(True).endswith(PAGED_AMX_NUMERICS)
+
+
+@pytest.mark.parametrize("amx", FORMS)
+@pytest.mark.parametrize("block_size", [8, 32, 1])
+def test_block_sizes_other_than_16(block_size, amx):
+    """Pool blocks of 8 or 1 tokens (the AMX form copies a tile's 16 K rows together) and of 32: a row
+    has the same bits as with 16-token blocks holding the same K/V, chunked or as decodes."""
+    pool = Pool(9, 3, 64, amx=amx)
+    slots = [[t * BLOCK + o for t in table for o in range(BLOCK)] for table in pool.tables]  # token -> slot
+    reblocked = torch.zeros(2, NUM_BLOCKS * BLOCK // block_size, block_size, 3, 64, dtype=torch.bfloat16)
+    flat_old, flat_new = pool.pool.view(2, -1, 3, 64), reblocked.view(2, -1, 3, 64)
+    perm = random.Random(7).sample(range(NUM_BLOCKS * BLOCK // block_size), len(slots[0]) // block_size)
+    new_slots = [b * block_size + o for b in perm for o in range(block_size)]
+    flat_new[:, new_slots] = flat_old[:, slots[0]]
+    batch = [(0, 0, 230), (0, 600, 1), (0, 231, 5)]
+    md, _ = build_attention_metadata([(c, n, perm) for _, c, n in batch], block_size, "cpu", batch_invariant=True,
+                                     dtype=torch.bfloat16, num_pool_blocks=reblocked.shape[1], paged_kernel=True)
+    q = torch.cat([pool.q[0][c : c + n] for _, c, n in batch])
+    out = paged_prefill_attention(q, reblocked, md.paged, 0.125, amx=amx)
+    assert torch.equal(out, pool.run(batch))

@@ -13,7 +13,8 @@ at::Tensor paged_decode_attention_float32(const at::Tensor& q, const at::Tensor&
                                           int64_t block_size, double scale);
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_slots, const at::Tensor& v_slots,
                                    const at::Tensor& block_table, const at::Tensor& query_start,
-                                   const at::Tensor& num_computed, int64_t block_size, double scale);
+                                   const at::Tensor& num_computed, int64_t block_size, double scale, bool amx);
+bool amx_bf16_ready();
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const std::vector<at::Tensor>& x_tiles,
                                                 const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
@@ -34,7 +35,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged_decode_attention's float32 form, also where the CPU has AVX512-BF16 (paged_attention.cpp)");
   m.def("paged_prefill_attention", &paged_prefill_attention, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "causal q [T, H, D] of each sequence's new tokens over its context in the paged pool -> [T, H, D] "
-        "(prefill_attention.cpp; needs AVX512-BF16)");
+        "(prefill_attention.cpp; needs AVX512-BF16; amx: the products on AMX tiles)");
+  m.def("amx_bf16_ready", &amx_bf16_ready,
+        "whether AMX-BF16 tiles run here: the CPU has them and Linux gave this process the tile state");
   m.def("add_rms_norm", &add_rms_norm, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "row tiles x [T, n] (+ residual) -> (rms_norm(h) * w, h = residual + x), bf16 (prompt_ops.cpp)");
   m.def("rope_write_kv", &rope_write_kv, pybind11::call_guard<pybind11::gil_scoped_release>(),

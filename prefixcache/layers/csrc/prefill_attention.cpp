@@ -29,6 +29,10 @@
 
 #include "avx512.h"
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -271,11 +275,209 @@ void attend_item(const Args& a, const Work& w, Buffers& buf) {
 
 #pragma GCC pop_options
 
+// ---- The same attention on AMX tiles (Intel Sapphire Rapids and later) ----------------------------------
+// Per key block and 16-row vector, the two products run as tile products (TDPBF16PS: C[16 x 16] fp32 +=
+// A[16 x 32] bf16 . B[32 x 16] bf16 in pairs):
+//   scores, transposed:  s^T[key][row] = K[key][:] . q[row][:]   A = 16 K rows straight from the pool
+//                        (or copied, where 16 keys are not one pool block), B = the q pairs (qp)
+//   output, transposed:  o^T[dim][row] = alpha o^T + V^T[dim][keys] . p^T[keys][row]   A = V^T (the v pairs
+//                        transposed), B = the bf16 p pairs (pp)
+// The softmax between them is the AVX-512 form's code above, on the same layouts. A tile product's element
+// depends only on its A row, its B column and its C value (the instruction's own sum order, fixed), so a
+// row's bits depend only on its query, keys and values, as above; they differ from the AVX-512 form's (a
+// different sum order), so the cache key names the form (attention.kv_numerics).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512bf16,fma,amx-tile,amx-bf16")
+
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-5, each 16 rows x 64 bytes: 0 scores (C), 1 K (A), 2 q pairs (B), 3 output (C), 4 V^T (A), 5 p pairs (B).
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 6; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+struct AmxBuffers {
+  alignas(64) uint32_t vt[kMaxDim][kKeys / 2];  // V^T: dword i of row d = (v_{2i}[d], v_{2i+1}[d])
+  alignas(64) at::BFloat16 kc[kLanes][kMaxDim];  // 16 K rows copied, where they are not one pool block's
+};
+
+// rows[0..15] (16 dwords each) transposed in place: rows[n][i] = old rows[i][n]
+inline void transpose_16x16(__m512i* r) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i)
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]), a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) {  // b[4i + c], 128-bit lane L: column 4L + c of rows 4i .. 4i + 3
+    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]), b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // a 4 x 4 transpose of 128-bit lanes
+    const __m512i s0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44), s1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xEE);
+    const __m512i s2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44), s3 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(s0, s2, 0x88), r[4 + c] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(s1, s3, 0x88), r[12 + c] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+  }
+}
+
+// attend_item's loop with the products on tiles (the tile configuration is loaded by the caller's thread).
+void attend_item_amx(const Args& a, const Work& w, Buffers& buf, AmxBuffers& ab) {
+  const int64_t D = a.D, G = a.G, P = D / 2, num_rows = (w.end - w.begin) * G;
+  const int RV = static_cast<int>((num_rows + kLanes - 1) / kLanes);
+  const int64_t first_pos = a.num_computed[w.seq] + (w.begin - a.query_start[w.seq]);
+  const int64_t num_keys = first_pos + (w.end - w.begin);
+  alignas(64) int32_t pos_rows[kMaxVecs * kLanes];
+  for (int64_t r = 0; r < RV * kLanes; ++r) {
+    const int64_t rr = std::min(r, num_rows - 1);
+    pos_rows[r] = static_cast<int32_t>(first_pos + rr / G);
+    const uint32_t* qrow = reinterpret_cast<const uint32_t*>(a.q + ((w.begin + rr / G) * a.H + w.kh * G + rr % G) * D);
+    for (int64_t p = 0; p < P; ++p) buf.qp[p][r] = qrow[p];
+  }
+  __m512i pos[kMaxVecs];
+  __m512 m[kMaxVecs], l[kMaxVecs], alpha[kMaxVecs];
+  __mmask16 bad[kMaxVecs] = {};
+  for (int v = 0; v < RV; ++v) {
+    pos[v] = _mm512_load_si512(pos_rows + v * kLanes);
+    m[v] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    l[v] = _mm512_setzero_ps();
+  }
+  for (int64_t d = 0; d < D; ++d)
+    for (int v = 0; v < RV; ++v) _mm512_store_ps(&buf.o[d][v * kLanes], _mm512_setzero_ps());
+  const __m512 scale = _mm512_set1_ps(a.scale * 1.44269504088896341f);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t row_stride = a.KVH * D, row_bytes = row_stride * static_cast<int64_t>(sizeof(at::BFloat16));
+  constexpr int64_t kRowsBytes = kMaxVecs * kLanes * 4;  // one (key or pair or dim) row of s, qp, pp, o
+  const bool whole_halves = a.block_size % kLanes == 0;  // 16 keys at 16 i are one pool block's rows
+  const int32_t* table = a.table + w.seq * a.max_blocks;
+  alignas(64) int16_t lo_idx[32], hi_idx[32], p_idx[32];
+  for (int i = 0; i < 16; ++i) lo_idx[2 * i] = i, lo_idx[2 * i + 1] = 32 + i, hi_idx[2 * i] = 16 + i, hi_idx[2 * i + 1] = 48 + i;
+  for (int i = 0; i < 16; ++i) p_idx[2 * i] = i, p_idx[2 * i + 1] = 16 + i;
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx), pair_idx = _mm512_load_si512(p_idx);
+
+  for (int64_t k0 = 0; k0 < num_keys; k0 += kKeys) {
+    const int64_t nk = std::min<int64_t>(kKeys, num_keys - k0);
+    int v0 = 0;
+    while (v0 < RV && pos_rows[v0 * kLanes + kLanes - 1] < k0) ++v0;
+    const at::BFloat16* krow[kKeys];
+    const at::BFloat16* vrow[kKeys];
+    for (int64_t j = 0, block = k0 / a.block_size, offset = k0 % a.block_size; j < kKeys; ++j) {
+      if (j < nk) {
+        const int64_t slot = static_cast<int64_t>(table[block]) * a.block_size + offset;
+        krow[j] = a.k + slot * row_stride + w.kh * D;
+        vrow[j] = a.v + slot * row_stride + w.kh * D;
+        if (++offset == a.block_size) offset = 0, ++block;
+      } else {
+        krow[j] = krow[nk - 1], vrow[j] = vrow[nk - 1];
+      }
+    }
+    prefetch_kv_rows(a.k, a.v, table, a.block_size, row_stride, w.kh * D, 2 * D, k0 + kKeys,
+                     std::min<int64_t>(k0 + 2 * kKeys, num_keys));
+    // s^T for the keys' halves that hold a key; a half past num_keys is masked below whatever s holds
+    for (int64_t h = 0; h < kKeys; h += kLanes) {
+      if (h >= nk) break;
+      const at::BFloat16* kbase = krow[h];
+      int64_t kstride = row_bytes;
+      if (!whole_halves) {  // the half's rows copied together (keys past nk: the last one again, masked)
+        for (int64_t j = 0; j < kLanes; ++j) std::memcpy(ab.kc[j], krow[h + j], D * sizeof(at::BFloat16));
+        kbase = ab.kc[0], kstride = kMaxDim * sizeof(at::BFloat16);
+      }
+      for (int v = v0; v < RV; ++v) {
+        _tile_zero(0);
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {
+          _tile_loadd(1, kbase + d0, kstride);
+          _tile_loadd(2, &buf.qp[d0 / 2][v * kLanes], kRowsBytes);
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, &buf.s[h][v * kLanes], kRowsBytes);
+      }
+    }
+    for (int64_t j = 0; j < kKeys; ++j) {  // s = (q . k) * scale, -inf after the row's position
+      const __m512i key = _mm512_set1_epi32(static_cast<int>(k0 + j));
+      for (int v = v0; v < RV; ++v) {
+        float* sj = &buf.s[j][v * kLanes];
+        const __m512 x = j < nk ? _mm512_mul_ps(_mm512_load_ps(sj), scale) : neg_inf;
+        _mm512_store_ps(sj, _mm512_mask_mov_ps(neg_inf, _mm512_cmpge_epi32_mask(pos[v], key), x));
+      }
+    }
+    for (int v = v0; v < RV; ++v) alpha[v] = softmax_block(buf, v * kLanes, nk, m[v], l[v], bad[v], pair_idx);
+    // V^T: the v pairs of 16 dims (rows: key pairs), transposed to rows of dims
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      __m512i x_lo[16], x_hi[16];
+      for (int64_t i = 0; i < kKeys / 2; ++i) {
+        const __m512i x = _mm512_loadu_si512(vrow[2 * i] + d0);
+        const __m512i y = 2 * i + 1 < nk ? _mm512_loadu_si512(vrow[2 * i + 1] + d0) : _mm512_setzero_si512();
+        x_lo[i] = _mm512_permutex2var_epi16(x, lo, y), x_hi[i] = _mm512_permutex2var_epi16(x, hi, y);
+      }
+      transpose_16x16(x_lo), transpose_16x16(x_hi);
+      for (int n = 0; n < 16; ++n) {
+        _mm512_store_si512(ab.vt[d0 + n], x_lo[n]);
+        _mm512_store_si512(ab.vt[d0 + 16 + n], x_hi[n]);
+      }
+    }
+    for (int v = v0; v < RV; ++v) {
+      if (_mm512_cmp_ps_mask(alpha[v], _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0)  // o * 1 = o: skipped
+        for (int64_t d = 0; d < D; ++d)
+          _mm512_store_ps(&buf.o[d][v * kLanes], _mm512_mul_ps(_mm512_load_ps(&buf.o[d][v * kLanes]), alpha[v]));
+      _tile_loadd(5, &buf.pp[0][v * kLanes], kRowsBytes);
+      for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
+        _tile_loadd(3, &buf.o[d0][v * kLanes], kRowsBytes);
+        _tile_loadd(4, ab.vt[d0], kKeys / 2 * 4);
+        _tile_dpbf16ps(3, 4, 5);
+        _tile_stored(3, &buf.o[d0][v * kLanes], kRowsBytes);
+      }
+    }
+  }
+  alignas(64) float inv_l[kMaxVecs * kLanes], row[kMaxDim];
+  for (int v = 0; v < RV; ++v)
+    _mm512_store_ps(inv_l + v * kLanes, _mm512_mask_mov_ps(_mm512_div_ps(_mm512_set1_ps(1.f), l[v]), bad[v],
+                                                           _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN())));
+  for (int64_t r = 0; r < num_rows; ++r) {
+    for (int64_t d = 0; d < D; ++d) row[d] = buf.o[d][r];
+    at::BFloat16* orow = a.out + ((w.begin + r / G) * a.H + w.kh * G + r % G) * D;
+    const __m512 inv = _mm512_set1_ps(inv_l[r]);
+    for (int64_t d = 0; d < D; d += 16) store_bf16(orow + d, _mm512_mul_ps(_mm512_load_ps(row + d), inv));
+  }
+}
+
+void run_items_amx(const Args& a, const Work* work, std::atomic<int64_t>& next, int64_t num_items) {
+  configure_tiles();
+  auto buf = std::make_unique<Buffers>();
+  auto ab = std::make_unique<AmxBuffers>();
+  for (int64_t i = next++; i < num_items; i = next++) attend_item_amx(a, work[i], *buf, *ab);
+  _tile_release();
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+// Whether this CPU and kernel run AMX-BF16 tiles: CPUID leaf 7's AMX-TILE and AMX-BF16 bits, and Linux's
+// permission for the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once per process; Linux 5.16+).
+bool amx_bf16_ready() {
+  static const bool ready = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool amx_tile = (edx >> 24) & 1, amx_bf16 = (edx >> 22) & 1;
+    if (!amx_tile || !amx_bf16 || !__builtin_cpu_supports("avx512bf16")) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
 // Checked and launched without the avx512bf16 target (the CPU is checked first).
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_slots, const at::Tensor& v_slots,
                                    const at::Tensor& block_table, const at::Tensor& query_start,
-                                   const at::Tensor& num_computed, int64_t block_size, double scale) {
+                                   const at::Tensor& num_computed, int64_t block_size, double scale, bool amx) {
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "paged_prefill_attention needs a CPU with AVX512-BF16");
+  TORCH_CHECK(!amx || amx_bf16_ready(), "paged_prefill_attention(amx=True) needs AMX-BF16 tiles (amx_bf16_ready())");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "q must be contiguous bf16 [T, H, D]");
   TORCH_CHECK(k_slots.dim() == 3 && k_slots.scalar_type() == at::kBFloat16 && k_slots.is_contiguous() &&
               v_slots.sizes() == k_slots.sizes() && v_slots.scalar_type() == at::kBFloat16 && v_slots.is_contiguous(),
@@ -324,6 +526,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_slot
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(work.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
+    if (amx) return run_items_amx(a, work.data(), next, num_items);
     auto buf = std::make_unique<Buffers>();
     for (int64_t i = next++; i < num_items; i = next++) {
       attend_item(a, work[i], *buf);
