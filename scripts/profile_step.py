@@ -11,6 +11,7 @@ import argparse
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import prefixcache.layers.attention as attention
+import prefixcache.layers.lora as lora
 import prefixcache.models.llama as llama
 
 from prefixcache import LLM, SamplingParams
@@ -46,6 +47,7 @@ def recorded(module, name: str) -> None:
 
 recorded(GeneratedDecoder, "run")  # int4: generated rows' layers (C++: products, attention, norms in one call)
 recorded(llama, "group_int8_linear")
+recorded(lora, "amx_linear")  # bf16 linear layers on our AMX kernel (C++), where the CPU has AMX-BF16
 recorded(attention, "paged_prefill_attention")  # bf16 prompt rows' attention (C++, one call per layer) ...
 recorded(llama, "paged_prefill_attention")  # ... from the fused layers too
 for fused_op in ("add_rms_norm", "rope_write_kv", "silu_mul"):  # bf16 prompt rows' element-wise ops (C++)

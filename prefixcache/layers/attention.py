@@ -68,6 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prefixcache.layers.amx_gemm import amx_gemm_supported
 from prefixcache.layers.generated_attention import GeneratedRows, build_generated_rows
 from prefixcache.layers.prefill_attention import (PagedRows, build_paged_rows, paged_prefill_attention,
                                                    prefill_amx_supported)
@@ -87,15 +88,19 @@ PAGED_KV_NUMERICS = "paged-bf16-attention:keys32-exp2|gemm-rows:2+|prompt-ops:1"
 
 # added where our kernel runs its products on AMX tiles (prefill_attention.prefill_amx_supported)
 PAGED_AMX_NUMERICS = "|prompt-products:amx-tiles"
+# added where a bf16 model's prepacked linear layers run on our AMX kernel (amx_gemm.amx_gemm_supported)
+AMX_GEMM_NUMERICS = "|gemm:amx-tiles-k32"
 
 
 def kv_numerics(paged_kernel: bool) -> str:
     """The cache key's name for the rules that decide the bits of the pool's K/V: our paged kernel
     (:mod:`prefixcache.layers.prefill_attention`), in its AMX or AVX-512 form, or torch's padded
-    flash calls."""
+    flash calls; and whose GEMMs a bf16 model runs (our AMX kernel or oneDNN's in row tiles)."""
     if not paged_kernel:
-        return KV_NUMERICS
-    return PAGED_KV_NUMERICS + (PAGED_AMX_NUMERICS if prefill_amx_supported() else "")
+        key = KV_NUMERICS
+    else:
+        key = PAGED_KV_NUMERICS + (PAGED_AMX_NUMERICS if prefill_amx_supported() else "")
+    return key + (AMX_GEMM_NUMERICS if amx_gemm_supported() else "")
 
 
 def common_run_length(ids: torch.Tensor) -> int:

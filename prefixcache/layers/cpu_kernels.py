@@ -29,7 +29,7 @@ import torch
 __all__ = ["CpuKernelsUnavailable", "load_cpu_kernels"]
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("qgemm.cpp", "paged_attention.cpp", "prefill_attention.cpp", "generated_decoder.cpp",
-                                      "prompt_ops.cpp", "bindings.cpp")]
+                                      "prompt_ops.cpp", "amx_gemm.cpp", "bindings.cpp")]
 # -fopenmp: ATen's parallel_for is inline OpenMP; the process's libgomp is torch's (same soname), one thread pool
 _FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma"]
 _LOADED: list[ModuleType] = []

@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from prefixcache.errors import InvalidInputError, clip
+from prefixcache.layers.amx_gemm import amx_gemm_supported, amx_linear, amx_packable, pack_weight
 from prefixcache.layers.quant import (Int8Weight, int8_linear, quantize_activations,
                                      stacked_weight_and_bias)
 
@@ -272,6 +273,9 @@ class PrepackedWeight:
         self._key: tuple | None = None  # (data_ptr, _version) of every weight and bias packed
         self._packed: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
+        # our AMX kernel instead of oneDNN where it runs (a row's bits then independent of the call's rows)
+        self.amx = amx_gemm_supported() and all(amx_packable(m.weight) for m in modules)
+        self.out_features = sum(m.weight.shape[0] for m in modules)
 
     def pack(self) -> torch.Tensor:
         """The packed copy, made now unless the one held is of the modules' current bits."""
@@ -279,13 +283,15 @@ class PrepackedWeight:
         key = tuple((p.data_ptr(), p._version) for p in params)
         if key != self._key:  # first use, or a weight was replaced or written in place
             weight, self._bias = stacked_weight_and_bias(self.modules)  # [sum(out), in], [sum(out)] | None
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            self._packed = pack_weight(weight) if self.amx else torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             self._key = key
         return self._packed
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """The stacked product of a bfloat16 ``x`` [rows, in]: [rows, sum(out_features)]."""
         packed = self.pack()
+        if self.amx:
+            return amx_linear(x, packed, self._bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, packed, self._bias, "none", [], "")
 
 
@@ -306,6 +312,8 @@ def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.T
     takes another kernel whose sums differ for the 1536-input down_proj (~1 row in 10 with SiLU-like
     activations: found 2026-12-01 when a bf16 decode alone and in a batch of six diverged), so a
     single row runs as two (itself twice) and a last tile of one row is taken with the row before it.
+    Where a prepacked weight runs on our AMX kernel (:mod:`prefixcache.layers.amx_gemm`: a row's bits
+    never depend on the call's rows), all rows go in one call.
 
     Args:
         x: shape = [num_tokens, in_features].
@@ -324,6 +332,8 @@ def row_tiles(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
               packed: PrepackedWeight | None = None) -> list[torch.Tensor]:
     """:func:`row_tiled_linear`'s calls' outputs, not concatenated: row tiles of [num_tokens,
     out_features] in order (:mod:`prefixcache.layers.prompt_ops` reads them in place)."""
+    if packed is not None and packed.amx:  # any number of rows in one call (amx_gemm.py)
+        return [packed.linear(x)]
     if packed is None:
         linear, tile = (lambda rows: F.linear(rows, weight, bias)), ROW_TILE
     else:

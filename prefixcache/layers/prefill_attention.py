@@ -86,9 +86,9 @@ def prefill_amx_supported() -> bool:
     """Whether the kernel runs its products on AMX tiles here (Intel Sapphire Rapids and later: AMX-TILE
     and AMX-BF16, and Linux's grant of the tile state to this process), which it then always does:
     the AMX form rounds differently from the AVX-512 form, so a machine keeps one form and the cache
-    key names it (:func:`prefixcache.layers.attention.kv_numerics`). ``PREFIXCACHE_PREFILL_AMX=0``
-    keeps the AVX-512 form (A/B measurements)."""
-    if os.environ.get("PREFIXCACHE_PREFILL_AMX", "1") == "0":
+    key names it (:func:`prefixcache.layers.attention.kv_numerics`). ``PREFIXCACHE_AMX=0`` keeps the
+    AVX-512 form (and oneDNN's GEMMs: every AMX form off, for A/B measurements)."""
+    if os.environ.get("PREFIXCACHE_AMX", "1") == "0":
         return False
     try:
         return bool(load_cpu_kernels().amx_bf16_ready())

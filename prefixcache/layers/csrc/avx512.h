@@ -62,3 +62,22 @@ inline void prefetch_kv_rows(const at::BFloat16* k, const at::BFloat16* v, const
     if (++offset == block_size) offset = 0, ++block;
   }
 }
+
+// Loads an AMX tile configuration (palette 1) of tiles 0 .. num_tiles - 1, each 16 rows x 64 bytes, for the
+// calling thread. By inline asm whose "m" operand is the whole struct: with the _tile_loadconfig intrinsic,
+// GCC 12 dropped the stores that fill the struct as dead (it saw no read of them), and the tiles stayed
+// unconfigured (SIGILL at the first tile instruction). Run only where amx_bf16_ready() (prefill_attention.cpp).
+struct alignas(64) TileConfig16x64 {
+  uint8_t palette_id, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+inline void load_tile_config_16x64(int num_tiles) {
+  TileConfig16x64 cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < num_tiles; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  asm volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
+}
+
+inline void release_tile_config() { asm volatile("tilerelease" : : : "memory"); }

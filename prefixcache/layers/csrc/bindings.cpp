@@ -15,6 +15,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_slot
                                    const at::Tensor& block_table, const at::Tensor& query_start,
                                    const at::Tensor& num_computed, int64_t block_size, double scale, bool amx);
 bool amx_bf16_ready();
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t N);
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const std::vector<at::Tensor>& x_tiles,
                                                 const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
@@ -38,6 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(prefill_attention.cpp; needs AVX512-BF16; amx: the products on AMX tiles)");
   m.def("amx_bf16_ready", &amx_bf16_ready,
         "whether AMX-BF16 tiles run here: the CPU has them and Linux gave this process the tile state");
+  m.def("amx_linear", &amx_linear, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "bf16 x [M, K] @ packed W^T (+ bias) -> [M, N] bf16 on AMX tiles, a row's bits whatever M (amx_gemm.cpp)");
   m.def("add_rms_norm", &add_rms_norm, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "row tiles x [T, n] (+ residual) -> (rms_norm(h) * w, h = residual + x), bf16 (prompt_ops.cpp)");
   m.def("rope_write_kv", &rope_write_kv, pybind11::call_guard<pybind11::gil_scoped_release>(),

@@ -287,23 +287,12 @@ void attend_item(const Args& a, const Work& w, Buffers& buf) {
 // row's bits depend only on its query, keys and values, as above; they differ from the AVX-512 form's (a
 // different sum order), so the cache key names the form (attention.kv_numerics).
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512bf16,fma,amx-tile,amx-bf16")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512bf16,fma,amx-tile,amx-bf16")
 
 namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-5, each 16 rows x 64 bytes: 0 scores (C), 1 K (A), 2 q pairs (B), 3 output (C), 4 V^T (A), 5 p pairs (B).
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 6; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  _tile_loadconfig(&cfg);
-}
-
+// Tiles 0-7, each 16 rows x 64 bytes (load_tile_config_16x64): 0, 6, 7 scores (C), 1 K (A), 2 q pairs (B),
+// 3 output (C), 4 V^T (A), 5 p pairs (B).
 struct AmxBuffers {
   alignas(64) uint32_t vt[kMaxDim][kKeys / 2];  // V^T: dword i of row d = (v_{2i}[d], v_{2i+1}[d])
   alignas(64) at::BFloat16 kc[kLanes][kMaxDim];  // 16 K rows copied, where they are not one pool block's
@@ -325,6 +314,44 @@ inline void transpose_16x16(__m512i* r) {
     r[c] = _mm512_shuffle_i32x4(s0, s2, 0x88), r[4 + c] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
     r[8 + c] = _mm512_shuffle_i32x4(s1, s3, 0x88), r[12 + c] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
   }
+}
+
+// softmax_block on the tile products' raw sums q . k: scaled, masked after each row's position (only in a
+// block that reaches past some row's position: elsewhere the mask keeps every lane), checked and maxed in one
+// pass, the same values and bits as softmax_block on score_keys' scores. Keys past nk are -inf, p = 0.
+inline __m512 softmax_block_amx(Buffers& buf, int64_t base, int64_t nk, __m512& m, __m512& l, __mmask16& bad,
+                                __m512i pair_idx, __m512 scale, __m512i pos, int64_t key0) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const bool masked = nk < kKeys || _mm512_cmplt_epi32_mask(pos, _mm512_set1_epi32(static_cast<int>(key0 + nk - 1))) != 0;
+  __m512 mb = neg_inf;
+  for (int64_t j = 0; j < nk; ++j) {
+    __m512 sj = _mm512_mul_ps(_mm512_load_ps(&buf.s[j][base]), scale);
+    if (masked)
+      sj = _mm512_mask_mov_ps(neg_inf, _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int>(key0 + j))), sj);
+    bad |= _mm512_fpclass_ps_mask(sj, 0x01 | 0x08 | 0x80);  // QNaN, +inf, SNaN
+    mb = _mm512_max_ps(mb, sj);
+    _mm512_store_ps(&buf.s[j][base], sj);
+  }
+  const __m512 m_new = _mm512_max_ps(m, mb);
+  const __m512 alpha = exp2_512(_mm512_sub_ps(m, m_new));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < kKeys; j += 2) {
+    __m512 pj[2];
+    for (int t = 0; t < 2; ++t) {
+      if (j + t < nk) {
+        const __m512 sj = _mm512_load_ps(&buf.s[j + t][base]);
+        pj[t] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sj, neg_inf, _CMP_NEQ_OQ), exp2_512(_mm512_sub_ps(sj, m_new)));
+        sum = _mm512_add_ps(sum, pj[t]);
+      } else {
+        pj[t] = _mm512_setzero_ps();
+      }
+    }
+    __m512bh both = _mm512_cvtne2ps_pbh(pj[1], pj[0]);
+    _mm512_store_si512(&buf.pp[j / 2][base], _mm512_permutexvar_epi16(pair_idx, reinterpret_cast<__m512i&>(both)));
+  }
+  l = _mm512_add_ps(_mm512_mul_ps(l, alpha), sum);
+  m = m_new;
+  return alpha;
 }
 
 // attend_item's loop with the products on tiles (the tile configuration is loaded by the caller's thread).
@@ -388,25 +415,30 @@ void attend_item_amx(const Args& a, const Work& w, Buffers& buf, AmxBuffers& ab)
         for (int64_t j = 0; j < kLanes; ++j) std::memcpy(ab.kc[j], krow[h + j], D * sizeof(at::BFloat16));
         kbase = ab.kc[0], kstride = kMaxDim * sizeof(at::BFloat16);
       }
-      for (int v = v0; v < RV; ++v) {
-        _tile_zero(0);
-        for (int64_t d0 = 0; d0 < D; d0 += 32) {
-          _tile_loadd(1, kbase + d0, kstride);
-          _tile_loadd(2, &buf.qp[d0 / 2][v * kLanes], kRowsBytes);
-          _tile_dpbf16ps(0, 1, 2);
+      // one K tile per 32 dims for every row vector: their scores in tiles 0, 6, 7
+      const int nv = RV - v0;
+      _tile_zero(0);
+      if (nv > 1) _tile_zero(6);
+      if (nv > 2) _tile_zero(7);
+      for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        _tile_loadd(1, kbase + d0, kstride);
+        _tile_loadd(2, &buf.qp[d0 / 2][v0 * kLanes], kRowsBytes);
+        _tile_dpbf16ps(0, 1, 2);
+        if (nv > 1) {
+          _tile_loadd(2, &buf.qp[d0 / 2][(v0 + 1) * kLanes], kRowsBytes);
+          _tile_dpbf16ps(6, 1, 2);
         }
-        _tile_stored(0, &buf.s[h][v * kLanes], kRowsBytes);
+        if (nv > 2) {
+          _tile_loadd(2, &buf.qp[d0 / 2][(v0 + 2) * kLanes], kRowsBytes);
+          _tile_dpbf16ps(7, 1, 2);
+        }
       }
+      _tile_stored(0, &buf.s[h][v0 * kLanes], kRowsBytes);
+      if (nv > 1) _tile_stored(6, &buf.s[h][(v0 + 1) * kLanes], kRowsBytes);
+      if (nv > 2) _tile_stored(7, &buf.s[h][(v0 + 2) * kLanes], kRowsBytes);
     }
-    for (int64_t j = 0; j < kKeys; ++j) {  // s = (q . k) * scale, -inf after the row's position
-      const __m512i key = _mm512_set1_epi32(static_cast<int>(k0 + j));
-      for (int v = v0; v < RV; ++v) {
-        float* sj = &buf.s[j][v * kLanes];
-        const __m512 x = j < nk ? _mm512_mul_ps(_mm512_load_ps(sj), scale) : neg_inf;
-        _mm512_store_ps(sj, _mm512_mask_mov_ps(neg_inf, _mm512_cmpge_epi32_mask(pos[v], key), x));
-      }
-    }
-    for (int v = v0; v < RV; ++v) alpha[v] = softmax_block(buf, v * kLanes, nk, m[v], l[v], bad[v], pair_idx);
+    for (int v = v0; v < RV; ++v)
+      alpha[v] = softmax_block_amx(buf, v * kLanes, nk, m[v], l[v], bad[v], pair_idx, scale, pos[v], k0);
     // V^T: the v pairs of 16 dims (rows: key pairs), transposed to rows of dims
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
       __m512i x_lo[16], x_hi[16];
@@ -447,11 +479,11 @@ void attend_item_amx(const Args& a, const Work& w, Buffers& buf, AmxBuffers& ab)
 }
 
 void run_items_amx(const Args& a, const Work* work, std::atomic<int64_t>& next, int64_t num_items) {
-  configure_tiles();
+  load_tile_config_16x64(8);
   auto buf = std::make_unique<Buffers>();
   auto ab = std::make_unique<AmxBuffers>();
   for (int64_t i = next++; i < num_items; i = next++) attend_item_amx(a, work[i], *buf, *ab);
-  _tile_release();
+  release_tile_config();
 }
 
 }  // namespace

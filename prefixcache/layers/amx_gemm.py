@@ -1,0 +1,58 @@
+"""A bfloat16 model's linear layers on AMX tiles (``csrc/amx_gemm.cpp``), where the CPU has AMX-BF16.
+
+A row's output bits depend only on that row and the weight (the kernel sums each element over the input
+features in blocks of 32, in order, one ``TDPBF16PS`` tile product per block), so unlike oneDNN's bf16
+GEMM, which :func:`prefixcache.layers.lora.row_tiles` must call in tiles of 2 to 128 rows to get the same,
+any number of rows runs as one call and the weight is read once per call. Measured on SmolLM2's 30
+layers' products (2 threads, an Intel Xeon with AMX, 2026-12-02, ``scripts/probe_amx_gemm.py``): 1 row
+9.5 ms vs 13.9 ms for oneDNN's prepacked product in row tiles, 150 rows 27.6 vs 38.8 ms, 2,048 rows
+233 vs 306 ms (1.3-1.5x). Its sum order differs from oneDNN's, so the cache key names it
+(:func:`prefixcache.layers.attention.kv_numerics`).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+from prefixcache.layers.cpu_kernels import CpuKernelsUnavailable, load_cpu_kernels
+
+
+@cache
+def amx_gemm_supported() -> bool:
+    """Whether bf16 linear layers run on AMX tiles here (the CPU has AMX-BF16 and Linux granted the tile
+    state; ``PREFIXCACHE_AMX=0`` turns every AMX form off, for A/B measurements). The cache key names
+    the choice (:func:`prefixcache.layers.attention.kv_numerics`)."""
+    if os.environ.get("PREFIXCACHE_AMX", "1") == "0":
+        return False
+    try:
+        return bool(load_cpu_kernels().amx_bf16_ready())
+    except CpuKernelsUnavailable:
+        return False
+
+
+def amx_packable(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` [out_features, in_features] takes the AMX layout: bf16, in_features a multiple of 32."""
+    return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 32 == 0
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] bf16 in the kernel's layout: int32 [ceil(N / 16), K / 32, 16, 16], where tile
+    (b, c) row i, column n holds the bf16 pair (weight[16 b + n, 32 c + 2 i], weight[16 b + n, 32 c + 2 i + 1])
+    (``TDPBF16PS``'s B operand; output columns past N are zero)."""
+    n, k = weight.shape
+    pairs = F.pad(weight.contiguous().view(torch.int32), (0, 0, 0, -n % 16))  # [N16, K / 2]
+    return pairs.view(-1, 16, k // 32, 16).permute(0, 2, 3, 1).contiguous()
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x`` [num_tokens, in_features] bf16 times the packed weight (+ ``bias`` [out_features]):
+    [num_tokens, out_features] bf16.
+
+    Raises:
+        RuntimeError: shapes or dtypes the kernel doesn't take, or no AMX here.
+    """
+    return load_cpu_kernels().amx_linear(x, packed, bias, out_features)

@@ -1,0 +1,139 @@
+// A bfloat16 model's linear layers on AMX tiles: out[M, N] = bf16(x[M, K] . W[N, K]^T + bias), float32 sums.
+//
+// The weight is packed once (layers/amx_gemm.py) into the tile layout TDPBF16PS reads as its B operand: for
+// each block of 16 output columns and each 32 input features, a 16 x 16 tile of dwords whose row i, column n
+// holds (W[n][2i], W[n][2i + 1]). A work item is up to 256 rows and 128 columns; in it, 32 rows x 32
+// columns at a time run as four 16 x 16 float32 tiles, each summed over the input features in blocks of 32
+// in order (C += A . B, one TDPBF16PS per block), then the bias is added in float32 and the sum rounded to
+// bf16 (to nearest even, torch's rule).
+//
+// Batch invariance: an output element is its row of x times its column of W, summed in an order fixed by K
+// alone; a tile product's element depends only on its own A row and B column, so a row gets the same bits in
+// a call of any number of rows, in any work item, on any thread. (oneDNN's bf16 GEMM does not promise that:
+// its kernel and blocking follow M, hence layers/lora.py's row tiles where this kernel does not run.)
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include "avx512.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+bool amx_bf16_ready();  // prefill_attention.cpp
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")
+
+namespace {
+
+constexpr int64_t kItemRows = 256, kItemBlocks = 8;  // a work item: rows x (16-column blocks)
+
+struct GemmArgs {
+  const at::BFloat16* x;   // [M, K]
+  const uint32_t* w;       // [NB, K / 32, 16, 16] packed pairs
+  const float* bias;       // [N] float32 or nullptr
+  at::BFloat16* out;       // [M, N]
+  int64_t M, K, N, NB;
+};
+
+struct Scratch {
+  std::vector<at::BFloat16> pad;  // [32, K]: a tail of fewer than 32 rows, zero below
+  alignas(64) float c[32][32];
+};
+
+// Rows [m0, m1) x column blocks [b0, b1) (tiles: 0-3 sums, 4-5 x rows, 6-7 weight blocks).
+void gemm_item(const GemmArgs& g, int64_t m0, int64_t m1, int64_t b0, int64_t b1, Scratch& sc) {
+  const int64_t KC = g.K / 32, x_stride = g.K * 2;
+  for (int64_t mb = m0; mb < m1; mb += 32) {
+    const int64_t rows = std::min<int64_t>(32, m1 - mb);
+    const at::BFloat16* a = g.x + mb * g.K;
+    if (rows < 32) {  // a tile reads 16 whole rows: the tail copied, zero rows after it
+      std::memset(sc.pad.data(), 0, sc.pad.size() * sizeof(at::BFloat16));
+      std::memcpy(sc.pad.data(), a, rows * g.K * sizeof(at::BFloat16));
+      a = sc.pad.data();
+    }
+    const bool two_rows = rows > 16;
+    for (int64_t nb = b0; nb < b1; nb += 2) {
+      const bool two_cols = nb + 1 < b1;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const uint32_t* w0 = g.w + nb * KC * 256;
+      const uint32_t* w1 = w0 + KC * 256;
+      for (int64_t kc = 0; kc < KC; ++kc) {
+        _tile_loadd(4, a + kc * 32, x_stride);
+        _tile_loadd(6, w0 + kc * 256, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_cols) {
+          _tile_loadd(7, w1 + kc * 256, 64);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (two_rows) {
+          _tile_loadd(5, a + 16 * g.K + kc * 32, x_stride);
+          _tile_dpbf16ps(2, 5, 6);
+          if (two_cols) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, &sc.c[0][0], 128);
+      _tile_stored(1, &sc.c[0][16], 128);
+      _tile_stored(2, &sc.c[16][0], 128);
+      _tile_stored(3, &sc.c[16][16], 128);
+      for (int64_t h = 0; h < (two_cols ? 2 : 1); ++h) {
+        const int64_t n0 = (nb + h) * 16, valid = std::min<int64_t>(16, g.N - n0);
+        if (valid <= 0) break;
+        const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+        const __m512 bias = g.bias ? _mm512_maskz_loadu_ps(keep, g.bias + n0) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512 y = g.bias ? _mm512_add_ps(_mm512_load_ps(&sc.c[r][h * 16]), bias) : _mm512_load_ps(&sc.c[r][h * 16]);
+          const __m256i b16 = _mm512_cvtepi32_epi16(_mm512_srli_epi32(to_bf16_bits(y), 16));
+          _mm256_mask_storeu_epi16(g.out + (mb + r) * g.N + n0, keep, b16);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(amx_bf16_ready(), "amx_linear needs AMX-BF16 tiles (amx_bf16_ready())");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_cpu(), "x must be bf16 [M, K] on the CPU");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.size(2) == 16 &&
+              packed.size(3) == 16, "packed must be contiguous int32 [N / 16, K / 32, 16, 16] (amx_gemm.pack_weight)");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), NB = packed.size(0);
+  TORCH_CHECK(K % 32 == 0 && packed.size(1) == K / 32, "x's K must be a multiple of 32 and match packed");
+  TORCH_CHECK(N >= 1 && N <= NB * 16 && N > (NB - 1) * 16, "N must fit packed's column blocks");
+  at::Tensor bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->numel() == N, "bias must be [N]");
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({M, N}, xc.options());
+  if (M == 0) return out;
+  const GemmArgs g{xc.data_ptr<at::BFloat16>(), reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
+                   bias.has_value() ? bias32.data_ptr<float>() : nullptr, out.data_ptr<at::BFloat16>(), M, K, N, NB};
+  const int64_t row_items = (M + kItemRows - 1) / kItemRows, col_items = (NB + kItemBlocks - 1) / kItemBlocks;
+  const int64_t num_items = row_items * col_items;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
+    load_tile_config_16x64(8);
+    auto sc = std::make_unique<Scratch>();
+    Scratch& scr = *sc;
+    scr.pad.resize(32 * K);
+    for (int64_t i = next++; i < num_items; i = next++) {  // column items of one row chunk first: its x stays in cache
+      const int64_t mi = i / col_items, ci = i % col_items;
+      gemm_item(g, mi * kItemRows, std::min(M, (mi + 1) * kItemRows), ci * kItemBlocks,
+                std::min(NB, (ci + 1) * kItemBlocks), scr);
+    }
+    release_tile_config();
+  });
+  return out;
+}

@@ -1,0 +1,84 @@
+"""Our AMX GEMM for a bf16 model's linear layers (layers/amx_gemm.py, csrc/amx_gemm.cpp): right values
+against float64, a row's exact bits in a call of any number of rows (the property that lets it run
+without oneDNN's row tiles), the prepacked weights that route to it, and the inputs it refuses."""
+
+import pytest
+import torch
+from torch import nn
+
+from prefixcache.layers.amx_gemm import amx_gemm_supported, amx_linear, amx_packable, pack_weight
+from prefixcache.layers.lora import PrepackedWeight, row_tiles
+
+pytestmark = pytest.mark.skipif(not amx_gemm_supported(), reason="needs a CPU with AMX-BF16 tiles")
+
+
+def operands(m, k, n, bias=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("m,k,n,bias", [(1, 576, 960, False), (17, 96, 49, True), (33, 1536, 576, False),
+                                        (300, 64, 20, True), (257, 576, 3072, False)])
+def test_values_are_float64_products_rounded_to_bf16(m, k, n, bias):
+    """Row and column tails (17, 33, 257 rows; 49 and 20 columns), biases: within one bf16 rounding
+    (2^-8 relative) of the float64 product, float32 sums being far finer."""
+    x, w, b = operands(m, k, n, bias)
+    y = amx_linear(x, pack_weight(w), b, n)
+    ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    assert ((y.double() - ref).abs() / (ref.abs() + 1e-2)).max() < 2**-8
+
+
+def test_a_row_has_the_same_bits_in_a_call_of_any_number_of_rows():
+    """300 rows in one call (two 256-row work items), split 137 + 163, and each row alone: identical bits."""
+    x, w, b = operands(300, 576, 960)
+    packed = pack_weight(w)
+    whole = amx_linear(x, packed, b, 960)
+    assert torch.equal(torch.cat([amx_linear(x[:137], packed, b, 960), amx_linear(x[137:], packed, b, 960)]), whole)
+    for i in (0, 15, 16, 31, 32, 255, 256, 299):
+        assert torch.equal(amx_linear(x[i : i + 1], packed, b, 960), whole[i : i + 1]), i
+
+
+def test_one_thread_and_two_give_the_same_bits():
+    x, w, b = operands(100, 576, 1536)
+    packed = pack_weight(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = amx_linear(x, packed, b, 1536)
+        torch.set_num_threads(2)
+        assert torch.equal(amx_linear(x, packed, b, 1536), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_prepacked_weights_run_it_in_one_call_for_any_rows():
+    """q, k, v stacked (with biases, as Qwen2's): one tile of all 300 rows, the bits of amx_linear on the
+    stacked weight and of each row alone."""
+    torch.manual_seed(0)
+    mods = [nn.Linear(64, 64).bfloat16(), nn.Linear(64, 32).bfloat16(), nn.Linear(64, 32).bfloat16()]
+    packed = PrepackedWeight(mods)
+    assert packed.amx
+    x = torch.randn(300, 64).bfloat16()
+    tiles = row_tiles(x, None, packed=packed)
+    assert len(tiles) == 1 and tiles[0].shape == (300, 128)
+    w = torch.cat([m.weight for m in mods]).detach()
+    b = torch.cat([m.bias for m in mods]).detach()
+    assert torch.equal(tiles[0], amx_linear(x, pack_weight(w), b, 128))
+    assert torch.equal(row_tiles(x[7:8], None, packed=packed)[0], tiles[0][7:8])
+
+
+def test_refuses_what_it_cannot_run():
+    assert not amx_packable(torch.zeros(16, 48, dtype=torch.bfloat16))  # in_features not a multiple of 32
+    assert not amx_packable(torch.zeros(16, 64))  # float32
+    assert not PrepackedWeight([nn.Linear(48, 16).bfloat16()]).amx  # takes oneDNN's row tiles instead
+    x, w, _ = operands(4, 64, 16, bias=False)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        amx_linear(torch.zeros(4, 48, dtype=torch.bfloat16), pack_weight(w), None, 16)
+    with pytest.raises(RuntimeError, match="fit packed"):
+        amx_linear(x, pack_weight(w), None, 17)
+    with pytest.raises(RuntimeError, match="bf16"):
+        amx_linear(x.float(), pack_weight(w), None, 16)
