@@ -28,11 +28,12 @@ def main() -> None:
     torch.set_num_threads(args.num_threads)
     torch.manual_seed(0)
     mods = {name: [nn.Linear(k, n, bias=False).bfloat16() for _ in range(LAYERS)] for name, (k, n) in SHAPES.items()}
-    onednn = {name: [PrepackedWeight([m]) for m in ms] for name, ms in mods.items()}
+    # oneDNN's reorder and product, as where the CPU has no AMX kernel
+    onednn = {name: [PrepackedWeight([m], allow_amx=False) for m in ms] for name, ms in mods.items()}
     for packs in onednn.values():
         for p in packs:
-            p.amx = False  # oneDNN's reorder and product, as where the CPU has no AMX kernel
             p.pack()
+            assert not p.amx
     amx = {name: [pack_weight(m.weight.data) for m in ms] for name, ms in mods.items()}
     print(f"{'rows':>6}{'oneDNN row tiles (ms)':>24}{'AMX kernel (ms)':>18}{'ratio':>8}")
     for rows in (1, 10, 150, 2048):

@@ -249,7 +249,9 @@ PREPACKED_ROW_TILE = 128  # rows per call with a PrepackedWeight (see PrepackedW
 
 class PrepackedWeight:
     """oneDNN's reordered copy of one or more bfloat16 weights stacked by output rows (q, k, v →
-    qkv), made once and re-made when one of them changes.
+    qkv), made once and re-made when one of them changes; where the CPU has AMX-BF16, our AMX kernel's
+    packed copy instead (``amx``: :mod:`prefixcache.layers.amx_gemm`, whose rows never depend on the
+    call's other rows, so :func:`row_tiles` makes one call).
 
     torch's plain bf16 ``F.linear`` on the CPU reorders the weight into oneDNN's blocked layout on
     every call, and a row-tiled prefill makes one call per tile. The prepacked product
@@ -266,15 +268,17 @@ class PrepackedWeight:
 
     Args:
         modules: the linear layers whose weights (and biases) are stacked, in output order.
+        allow_amx: False keeps oneDNN's product also where our AMX kernel runs (A/B measurements).
     """
 
-    def __init__(self, modules: list[nn.Linear]) -> None:
-        self.modules = modules
+    def __init__(self, modules: list[nn.Linear], allow_amx: bool = True) -> None:
+        self.modules, self.allow_amx = modules, allow_amx  # allow_amx=False: oneDNN's (A/B probes)
         self._key: tuple | None = None  # (data_ptr, _version) of every weight and bias packed
         self._packed: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
-        # our AMX kernel instead of oneDNN where it runs (a row's bits then independent of the call's rows)
-        self.amx = amx_gemm_supported() and all(amx_packable(m.weight) for m in modules)
+        # our AMX kernel instead of oneDNN where it runs (a row's bits then independent of the call's rows);
+        # decided again by each pack, from the weights packed
+        self.amx = allow_amx and amx_gemm_supported() and all(amx_packable(m.weight) for m in modules)
         self.out_features = sum(m.weight.shape[0] for m in modules)
 
     def pack(self) -> torch.Tensor:
@@ -283,6 +287,8 @@ class PrepackedWeight:
         key = tuple((p.data_ptr(), p._version) for p in params)
         if key != self._key:  # first use, or a weight was replaced or written in place
             weight, self._bias = stacked_weight_and_bias(self.modules)  # [sum(out), in], [sum(out)] | None
+            self.amx = self.allow_amx and amx_gemm_supported() and amx_packable(weight)
+            self.out_features = weight.shape[0]
             self._packed = pack_weight(weight) if self.amx else torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             self._key = key
         return self._packed
@@ -361,7 +367,7 @@ class LoRALinear(nn.Linear):
     module_name: str = ""
     int8: Int8Weight | None = None
     row_tiled: bool = False  # float products in calls of <= ROW_TILE rows (a batch-invariant bf16 model)
-    packed: PrepackedWeight | None = None  # the row-tiled product's prepacked weight (bf16, oneDNN)
+    packed: PrepackedWeight | None = None  # the row-tiled product's prepacked weight (bf16: oneDNN's or AMX)
 
     def tiles(self, x: torch.Tensor, lora: LoRABatch | None = None) -> list[torch.Tensor]:
         """:meth:`forward` as row tiles (:func:`row_tiles`; one tile unless prepacked and LoRA-free)."""

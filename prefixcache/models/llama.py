@@ -449,7 +449,8 @@ class LlamaForCausalLM(nn.Module):
     def batch_invariant(self) -> bool:
         """Whether a token's result has the same bits in any batch: the int8 format (exact integer
         GEMMs) and bfloat16 (its GEMMs run in calls of <= ROW_TILE rows, see
-        :func:`~prefixcache.layers.lora.row_tiled_linear`); the attention metadata then pads as
+        :func:`~prefixcache.layers.lora.row_tiled_linear`, or on our AMX kernel, whose rows are
+        independent by construction); the attention metadata then pads as
         ``prefixcache.layers.attention`` says. float32's GEMMs round by batch size (MKL), so it
         keeps the cheaper untiled calls and agrees with a batch only to float rounding."""
         return self.quantization == "int8" or self.lm_head.weight.dtype == torch.bfloat16  # int4 is bf16

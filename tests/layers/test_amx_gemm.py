@@ -82,3 +82,16 @@ def test_refuses_what_it_cannot_run():
         amx_linear(x, pack_weight(w), None, 17)
     with pytest.raises(RuntimeError, match="bf16"):
         amx_linear(x.float(), pack_weight(w), None, 16)
+
+
+def test_a_replaced_weight_of_another_shape_is_packed_for_its_shape():
+    """pack() re-decides the layout from the weights it packs: a weight swapped for one with fewer
+    outputs gives that many columns (not the old count with zeros)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 50, bias=False).bfloat16()
+    packed = PrepackedWeight([lin])
+    x = torch.randn(3, 64).bfloat16()
+    assert packed.linear(x).shape == (3, 50)
+    lin.weight = nn.Parameter(torch.randn(49, 64).bfloat16())
+    y = packed.linear(x)
+    assert y.shape == (3, 49) and torch.equal(y, amx_linear(x, pack_weight(lin.weight.data), None, 49))

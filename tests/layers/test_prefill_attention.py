@@ -174,3 +174,17 @@ def test_block_sizes_other_than_16(block_size, amx):
     q = torch.cat([pool.q[0][c : c + n] for _, c, n in batch])
     out = paged_prefill_attention(q, reblocked, md.paged, 0.125, amx=amx)
     assert torch.equal(out, pool.run(batch))
+
+
+@pytest.mark.parametrize("amx", FORMS)
+def test_an_infinite_value_at_a_rows_last_key_gives_the_same_bits_in_every_tiling(amx):
+    """V of token 20 is +inf in dim 0: token 20 sees it (its output there is +inf, as float attention
+    gives), alone as a decode and as the first row of a chunk; the AMX form multiplies whole 32-key
+    blocks, so the keys past a context must be zeros there, not copies of its last V (0 * inf = NaN)."""
+    pool = Pool(9, 3, 64, amx=amx)
+    slot = pool.tables[0][20 // BLOCK] * BLOCK + 20 % BLOCK
+    pool.pool[1].view(-1, 3, 64)[slot, 0, 0] = float("inf")  # kv head 0: query heads 0-2
+    decode = pool.run([(0, 20, 1)])[0]
+    chunk = pool.run([(0, 20, 6)])[0]
+    assert torch.equal(decode, chunk)
+    assert decode[:3, 0].isposinf().all() and decode[3:].isfinite().all()

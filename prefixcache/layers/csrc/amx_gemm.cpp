@@ -26,7 +26,7 @@
 bool amx_bf16_ready();  // prefill_attention.cpp
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")
 
 namespace {
 
@@ -59,30 +59,37 @@ void gemm_item(const GemmArgs& g, int64_t m0, int64_t m1, int64_t b0, int64_t b1
     const bool two_rows = rows > 16;
     for (int64_t nb = b0; nb < b1; nb += 2) {
       const bool two_cols = nb + 1 < b1;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      AMX_TILE_ZERO(0);
+      AMX_TILE_ZERO(1);
+      AMX_TILE_ZERO(2);
+      AMX_TILE_ZERO(3);
       const uint32_t* w0 = g.w + nb * KC * 256;
       const uint32_t* w1 = w0 + KC * 256;
+      const char* next_pair = reinterpret_cast<const char*>(w0 + 2 * KC * 256);  // the next pair's weights
+      const bool prefetch = mb == m0 && nb + 2 < b1;
       for (int64_t kc = 0; kc < KC; ++kc) {
-        _tile_loadd(4, a + kc * 32, x_stride);
-        _tile_loadd(6, w0 + kc * 256, 64);
-        _tile_dpbf16ps(0, 4, 6);
+        if (prefetch)  // while this pair's first rows run: the next pair's tiles at this kc, from memory to L2
+          for (int64_t line = 0; line < 2048; line += 64) {
+            const int64_t off = (line < 1024 ? 0 : KC * 1024 - 1024) + kc * 1024 + line;
+            _mm_prefetch(next_pair + off, _MM_HINT_T1);
+          }
+        AMX_TILE_LOAD(4, a + kc * 32, x_stride);
+        AMX_TILE_LOAD(6, w0 + kc * 256, 64);
+        AMX_TILE_DPBF16PS(0, 4, 6);
         if (two_cols) {
-          _tile_loadd(7, w1 + kc * 256, 64);
-          _tile_dpbf16ps(1, 4, 7);
+          AMX_TILE_LOAD(7, w1 + kc * 256, 64);
+          AMX_TILE_DPBF16PS(1, 4, 7);
         }
         if (two_rows) {
-          _tile_loadd(5, a + 16 * g.K + kc * 32, x_stride);
-          _tile_dpbf16ps(2, 5, 6);
-          if (two_cols) _tile_dpbf16ps(3, 5, 7);
+          AMX_TILE_LOAD(5, a + 16 * g.K + kc * 32, x_stride);
+          AMX_TILE_DPBF16PS(2, 5, 6);
+          if (two_cols) AMX_TILE_DPBF16PS(3, 5, 7);
         }
       }
-      _tile_stored(0, &sc.c[0][0], 128);
-      _tile_stored(1, &sc.c[0][16], 128);
-      _tile_stored(2, &sc.c[16][0], 128);
-      _tile_stored(3, &sc.c[16][16], 128);
+      AMX_TILE_STORE(0, &sc.c[0][0], 128);
+      AMX_TILE_STORE(1, &sc.c[0][16], 128);
+      AMX_TILE_STORE(2, &sc.c[16][0], 128);
+      AMX_TILE_STORE(3, &sc.c[16][16], 128);
       for (int64_t h = 0; h < (two_cols ? 2 : 1); ++h) {
         const int64_t n0 = (nb + h) * 16, valid = std::min<int64_t>(16, g.N - n0);
         if (valid <= 0) break;

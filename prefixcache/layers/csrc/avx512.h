@@ -1,5 +1,6 @@
-// bfloat16 <-> float32, e^x for 16 lanes and the K/V row prefetch, shared by the CPU kernels (qgemm.cpp,
-// paged_attention.cpp, prefill_attention.cpp, generated_decoder.cpp, prompt_ops.cpp).
+// bfloat16 <-> float32, e^x for 16 lanes, the K/V row prefetch and AMX tile instructions, shared by the CPU
+// kernels (qgemm.cpp, paged_attention.cpp, prefill_attention.cpp, generated_decoder.cpp, prompt_ops.cpp,
+// amx_gemm.cpp).
 #pragma once
 #include <ATen/ATen.h>
 #include <immintrin.h>
@@ -63,16 +64,19 @@ inline void prefetch_kv_rows(const at::BFloat16* k, const at::BFloat16* v, const
   }
 }
 
-// Loads an AMX tile configuration (palette 1) of tiles 0 .. num_tiles - 1, each 16 rows x 64 bytes, for the
-// calling thread. By inline asm whose "m" operand is the whole struct: with the _tile_loadconfig intrinsic,
-// GCC 12 dropped the stores that fill the struct as dead (it saw no read of them), and the tiles stayed
-// unconfigured (SIGILL at the first tile instruction). Run only where amx_bf16_ready() (prefill_attention.cpp).
+// AMX tiles by inline asm rather than GCC's intrinsics, so that (1) the compiler sees each instruction's
+// memory: GCC 12's _tile_loadconfig names only 8 bytes of its 64-byte operand (it dropped the stores that
+// fill the struct as dead: tiles left unconfigured, SIGILL at the first tile instruction) and _tile_loadd
+// names no memory input at all (stores to the buffer it reads may legally move after it); here a tile load
+// and store are full compiler memory barriers; and (2) no "amx-tile" target is needed, which GCC learned only
+// in version 11: the assembler (binutils 2.36+) is all these need. Run only where amx_bf16_ready().
 struct alignas(64) TileConfig16x64 {
   uint8_t palette_id, start_row, reserved[14];
   uint16_t colsb[16];
   uint8_t rows[16];
 };
 
+// Loads palette 1 with tiles 0 .. num_tiles - 1 of 16 rows x 64 bytes, for the calling thread.
 inline void load_tile_config_16x64(int num_tiles) {
   TileConfig16x64 cfg{};
   cfg.palette_id = 1;
@@ -81,3 +85,12 @@ inline void load_tile_config_16x64(int num_tiles) {
 }
 
 inline void release_tile_config() { asm volatile("tilerelease" : : : "memory"); }
+
+// tile t = 16 rows of 64 bytes from base, rows stride bytes apart; and back
+#define AMX_TILE_LOAD(t, base, stride) \
+  asm volatile("tileloadd (%0,%1,1), %%tmm" #t : : "r"(static_cast<const void*>(base)), "r"(static_cast<long>(stride)) : "memory")
+#define AMX_TILE_STORE(t, base, stride) \
+  asm volatile("tilestored %%tmm" #t ", (%0,%1,1)" : : "r"(static_cast<void*>(base)), "r"(static_cast<long>(stride)) : "memory")
+#define AMX_TILE_ZERO(t) asm volatile("tilezero %%tmm" #t : :)
+// tile c (16 x 16 float32) += tile a (16 x 32 bf16) . tile b (16 rows of 16 bf16 pairs): TDPBF16PS c, a, b
+#define AMX_TILE_DPBF16PS(c, a, b) asm volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c : :)

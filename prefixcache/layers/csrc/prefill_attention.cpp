@@ -282,12 +282,13 @@ void attend_item(const Args& a, const Work& w, Buffers& buf) {
 //                        (or copied, where 16 keys are not one pool block), B = the q pairs (qp)
 //   output, transposed:  o^T[dim][row] = alpha o^T + V^T[dim][keys] . p^T[keys][row]   A = V^T (the v pairs
 //                        transposed), B = the bf16 p pairs (pp)
-// The softmax between them is the AVX-512 form's code above, on the same layouts. A tile product's element
+// Between them the softmax is softmax_block_amx: softmax_block's arithmetic (the same values, bits and NaN
+// rules as the AVX-512 form's softmax) with the scale and mask folded into its first pass. A tile product's element
 // depends only on its A row, its B column and its C value (the instruction's own sum order, fixed), so a
 // row's bits depend only on its query, keys and values, as above; they differ from the AVX-512 form's (a
 // different sum order), so the cache key names the form (attention.kv_numerics).
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512bf16,fma,amx-tile,amx-bf16")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512bf16,fma")
 
 namespace {
 
@@ -318,7 +319,8 @@ inline void transpose_16x16(__m512i* r) {
 
 // softmax_block on the tile products' raw sums q . k: scaled, masked after each row's position (only in a
 // block that reaches past some row's position: elsewhere the mask keeps every lane), checked and maxed in one
-// pass, the same values and bits as softmax_block on score_keys' scores. Keys past nk are -inf, p = 0.
+// pass, the same values and bits as softmax_block on score_keys' scores. Keys past nk are skipped, their p
+// set to 0.
 inline __m512 softmax_block_amx(Buffers& buf, int64_t base, int64_t nk, __m512& m, __m512& l, __mmask16& bad,
                                 __m512i pair_idx, __m512 scale, __m512i pos, int64_t key0) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -417,25 +419,25 @@ void attend_item_amx(const Args& a, const Work& w, Buffers& buf, AmxBuffers& ab)
       }
       // one K tile per 32 dims for every row vector: their scores in tiles 0, 6, 7
       const int nv = RV - v0;
-      _tile_zero(0);
-      if (nv > 1) _tile_zero(6);
-      if (nv > 2) _tile_zero(7);
+      AMX_TILE_ZERO(0);
+      if (nv > 1) AMX_TILE_ZERO(6);
+      if (nv > 2) AMX_TILE_ZERO(7);
       for (int64_t d0 = 0; d0 < D; d0 += 32) {
-        _tile_loadd(1, kbase + d0, kstride);
-        _tile_loadd(2, &buf.qp[d0 / 2][v0 * kLanes], kRowsBytes);
-        _tile_dpbf16ps(0, 1, 2);
+        AMX_TILE_LOAD(1, kbase + d0, kstride);
+        AMX_TILE_LOAD(2, &buf.qp[d0 / 2][v0 * kLanes], kRowsBytes);
+        AMX_TILE_DPBF16PS(0, 1, 2);
         if (nv > 1) {
-          _tile_loadd(2, &buf.qp[d0 / 2][(v0 + 1) * kLanes], kRowsBytes);
-          _tile_dpbf16ps(6, 1, 2);
+          AMX_TILE_LOAD(2, &buf.qp[d0 / 2][(v0 + 1) * kLanes], kRowsBytes);
+          AMX_TILE_DPBF16PS(6, 1, 2);
         }
         if (nv > 2) {
-          _tile_loadd(2, &buf.qp[d0 / 2][(v0 + 2) * kLanes], kRowsBytes);
-          _tile_dpbf16ps(7, 1, 2);
+          AMX_TILE_LOAD(2, &buf.qp[d0 / 2][(v0 + 2) * kLanes], kRowsBytes);
+          AMX_TILE_DPBF16PS(7, 1, 2);
         }
       }
-      _tile_stored(0, &buf.s[h][v0 * kLanes], kRowsBytes);
-      if (nv > 1) _tile_stored(6, &buf.s[h][(v0 + 1) * kLanes], kRowsBytes);
-      if (nv > 2) _tile_stored(7, &buf.s[h][(v0 + 2) * kLanes], kRowsBytes);
+      AMX_TILE_STORE(0, &buf.s[h][v0 * kLanes], kRowsBytes);
+      if (nv > 1) AMX_TILE_STORE(6, &buf.s[h][(v0 + 1) * kLanes], kRowsBytes);
+      if (nv > 2) AMX_TILE_STORE(7, &buf.s[h][(v0 + 2) * kLanes], kRowsBytes);
     }
     for (int v = v0; v < RV; ++v)
       alpha[v] = softmax_block_amx(buf, v * kLanes, nk, m[v], l[v], bad[v], pair_idx, scale, pos[v], k0);
@@ -443,7 +445,8 @@ void attend_item_amx(const Args& a, const Work& w, Buffers& buf, AmxBuffers& ab)
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
       __m512i x_lo[16], x_hi[16];
       for (int64_t i = 0; i < kKeys / 2; ++i) {
-        const __m512i x = _mm512_loadu_si512(vrow[2 * i] + d0);
+        // keys past nk: zero V (the tile product multiplies every key; p = 0 times a copied inf would be NaN)
+        const __m512i x = 2 * i < nk ? _mm512_loadu_si512(vrow[2 * i] + d0) : _mm512_setzero_si512();
         const __m512i y = 2 * i + 1 < nk ? _mm512_loadu_si512(vrow[2 * i + 1] + d0) : _mm512_setzero_si512();
         x_lo[i] = _mm512_permutex2var_epi16(x, lo, y), x_hi[i] = _mm512_permutex2var_epi16(x, hi, y);
       }
@@ -457,12 +460,12 @@ void attend_item_amx(const Args& a, const Work& w, Buffers& buf, AmxBuffers& ab)
       if (_mm512_cmp_ps_mask(alpha[v], _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0)  // o * 1 = o: skipped
         for (int64_t d = 0; d < D; ++d)
           _mm512_store_ps(&buf.o[d][v * kLanes], _mm512_mul_ps(_mm512_load_ps(&buf.o[d][v * kLanes]), alpha[v]));
-      _tile_loadd(5, &buf.pp[0][v * kLanes], kRowsBytes);
+      AMX_TILE_LOAD(5, &buf.pp[0][v * kLanes], kRowsBytes);
       for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
-        _tile_loadd(3, &buf.o[d0][v * kLanes], kRowsBytes);
-        _tile_loadd(4, ab.vt[d0], kKeys / 2 * 4);
-        _tile_dpbf16ps(3, 4, 5);
-        _tile_stored(3, &buf.o[d0][v * kLanes], kRowsBytes);
+        AMX_TILE_LOAD(3, &buf.o[d0][v * kLanes], kRowsBytes);
+        AMX_TILE_LOAD(4, ab.vt[d0], kKeys / 2 * 4);
+        AMX_TILE_DPBF16PS(3, 4, 5);
+        AMX_TILE_STORE(3, &buf.o[d0][v * kLanes], kRowsBytes);
       }
     }
   }
