@@ -151,6 +151,9 @@ class InputProcessor:
         if len(token_ids) > self.max_token_ids:
             raise InvalidInputError(field, f"{field} has {len(token_ids)} token ids, more than {self.max_token_ids} "
                                            f"(twice max_model_len {self.max_model_len}, plus 1024)")
+        if token_ids and set(map(type, token_ids)) == {int}:  # the usual list of plain ints: C loops only
+            if min(token_ids) >= 0 and max(token_ids) < self.vocab_size:
+                return list(token_ids)
         for t in token_ids:
             if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.vocab_size:
                 raise InvalidInputError(field, f"{field} token ids must be integers in [0, {self.vocab_size}), "

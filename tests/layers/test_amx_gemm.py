@@ -95,3 +95,17 @@ def test_a_replaced_weight_of_another_shape_is_packed_for_its_shape():
     lin.weight = nn.Parameter(torch.randn(49, 64).bfloat16())
     y = packed.linear(x)
     assert y.shape == (3, 49) and torch.equal(y, amx_linear(x, pack_weight(lin.weight.data), None, 49))
+
+
+def test_a_weight_written_in_place_is_packed_again():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32).bfloat16()
+    packed = PrepackedWeight([lin])
+    x = torch.randn(5, 64).bfloat16()
+    before = packed.linear(x)
+    with torch.no_grad():
+        lin.weight.mul_(2)
+        lin.bias.zero_()
+    after = packed.linear(x)
+    assert torch.equal(after, amx_linear(x, pack_weight(lin.weight.detach()), lin.bias.detach(), 32))
+    assert not torch.equal(after, before)
