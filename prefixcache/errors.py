@@ -37,3 +37,13 @@ def counted(n: int, noun: str) -> str:
     """``n`` and ``noun`` in the number ``n`` takes, for messages: ``1 token``, ``2 tokens``, ``0 tokens``
     (``noun`` is the singular; its plural adds an ``s``)."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def lone_surrogate(text: str) -> str | None:
+    """Why ``text`` is not valid Unicode (a lone surrogate such as ``"\\ud800"``, which JSON can carry
+    but UTF-8 can't), as the one sentence every field's error uses; None for valid text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"contains a lone surrogate (U+{ord(e.object[e.start]):04X} at character {e.start}), which is not valid Unicode"
+    return None

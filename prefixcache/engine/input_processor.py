@@ -26,7 +26,7 @@ from typing import NamedTuple
 from prefixcache.cache.hashing import BlockHasher, hash_seed_bytes, make_root_key, tenant_extra_key
 from prefixcache.config import EngineConfig
 from prefixcache.engine.tenancy import ApprovedPrefixes, validate_tenant
-from prefixcache.errors import InvalidInputError, counted
+from prefixcache.errors import InvalidInputError, counted, lone_surrogate
 from prefixcache.layers.lora import LoRAAdapter
 from prefixcache.layers.attention import kv_numerics
 from prefixcache.layers.quant import INT4_OUTPUT_KEY
@@ -348,8 +348,5 @@ def check_unicode(field: str, text: str) -> None:
     Raises:
         InvalidInputError: naming ``field``.
     """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidInputError(field, f"{field} contains a lone surrogate (U+{ord(e.object[e.start]):04X} at "
-                                       f"character {e.start}), which is not valid Unicode") from None
+    if (why := lone_surrogate(text)) is not None:
+        raise InvalidInputError(field, f"{field} {why}")

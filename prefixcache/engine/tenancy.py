@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from prefixcache.cache.block import common_prefix_length
+from prefixcache.errors import lone_surrogate
 
 MAX_TENANT_CHARS = 256
 
@@ -30,12 +31,8 @@ def validate_tenant(tenant: str | None) -> str | None:
     valid Unicode (a lone surrogate, which a JSON keys file can carry, fails the tenant's hash key)."""
     if tenant is not None and (not isinstance(tenant, str) or not tenant or len(tenant) > MAX_TENANT_CHARS):
         raise ValueError(f"tenant must be a non-empty string of at most {MAX_TENANT_CHARS} characters")
-    if tenant is not None:
-        try:
-            tenant.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"tenant contains a lone surrogate (U+{ord(e.object[e.start]):04X} at character "
-                             f"{e.start}), which is not valid Unicode") from None
+    if tenant is not None and (why := lone_surrogate(tenant)) is not None:
+        raise ValueError(f"tenant {why}")
     return tenant
 
 
