@@ -239,10 +239,7 @@ def check_bench_args(args: argparse.Namespace) -> tuple[str, ...]:
     if CLUSTER in names:  # its replicas' pools and weights, all on this machine (100,000 were started)
         replica = dataclasses.replace(config, num_blocks=ClusterBenchOptions.num_blocks, kv_cache_memory_bytes=None,
                                       dtype="float32")  # the replicas' serve flags (bench/cluster.py)
-        try:
-            check_kv_pool(replica, model_shape(config.model), replicas=args.cluster_replicas)
-        except ValueError as e:  # it names --num-blocks, which the replicas get from the bench
-            raise ValueError("--cluster-replicas: " + str(e).partition(": ")[2]) from None
+        check_kv_pool(replica, model_shape(config.model), replicas=args.cluster_replicas, flag="--cluster-replicas")
     if args.out:  # an existing file or /proc/x fails here, not after the run
         check_writable_dir(args.out, "--out")
     return names

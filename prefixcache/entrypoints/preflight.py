@@ -153,7 +153,8 @@ def kv_block_bytes(shape: ModelShape | None, block_size: int, dtype: str) -> int
     return 2 * per_token * block_size * _ELEMENT_BYTES[dtype]
 
 
-def check_kv_pool(config: EngineConfig, shape: ModelShape | None, pool: bool = True, replicas: int = 1) -> None:
+def check_kv_pool(config: EngineConfig, shape: ModelShape | None, pool: bool = True, replicas: int = 1,
+                  flag: str | None = None) -> None:
     """The KV options against the model (``shape``, None if unknown) and the machine, as the engine
     would find them after the load: ``--block-size`` and ``--max-model-len`` within the model's
     context; with ``pool``, a budget that holds one block and ``replicas`` pools (``--num-blocks``
@@ -161,6 +162,10 @@ def check_kv_pool(config: EngineConfig, shape: ModelShape | None, pool: bool = T
     weights, counted by their files' size) no larger than the memory they are allocated in
     (:func:`kv_block_bytes`; with the shape unknown, its lower bound): physical memory, a container's
     cgroup limit, or a CUDA device's.
+
+    ``flag`` names the flag a pool that doesn't fit is laid to (default: ``--num-blocks`` or
+    ``--kv-cache-memory``, whichever sized it; the bench's cluster sizes its replicas itself and says
+    ``--cluster-replicas``).
 
     Raises:
         ValueError: naming the flag.
@@ -182,9 +187,9 @@ def check_kv_pool(config: EngineConfig, shape: ModelShape | None, pool: bool = T
             raise ValueError(f"--block-size: one KV block of {config.block_size} tokens takes {at_least}{per_block} "
                              f"bytes, more than the KV pool budget of {budget} bytes (--kv-cache-memory); lower "
                              "--block-size or raise --kv-cache-memory")
-        flag, need, what = "--kv-cache-memory", budget - budget % per_block, f"a KV pool budget of {budget} bytes is"
+        pool_flag, need, what = "--kv-cache-memory", budget - budget % per_block, f"a KV pool budget of {budget} bytes is"
     else:
-        flag, need = "--num-blocks", config.num_blocks * per_block
+        pool_flag, need = "--num-blocks", config.num_blocks * per_block
         what = f"a KV pool of {config.num_blocks} blocks needs {at_least}{need} bytes ({_size(need)}; " \
                f"{at_least}{per_block} bytes per block),"
     if replicas > 1:  # `cluster`: every replica allocates its own pool and loads the weights on this machine
@@ -195,7 +200,7 @@ def check_kv_pool(config: EngineConfig, shape: ModelShape | None, pool: bool = T
         what = what.removesuffix(" is").removesuffix(",") + f"{plus} x {replicas} replicas = {need} bytes ({_size(need)}) is"
     limit = pool_memory_limit(config.device, need)
     if limit is not None:
-        raise ValueError(f"{flag}: {what} more than the {limit[0]} bytes ({_size(limit[0])}) of {limit[1]}")
+        raise ValueError(f"{flag or pool_flag}: {what} more than the {limit[0]} bytes ({_size(limit[0])}) of {limit[1]}")
 
 
 def check_engine_resources(config: EngineConfig, pool: bool = True, replicas: int = 1) -> None:
