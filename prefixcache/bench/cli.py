@@ -20,6 +20,7 @@ from prefixcache.bench.queue import QueueConfig
 from prefixcache.bench.workloads import WORKLOAD_NAMES, check_workload_args
 from prefixcache.bench.worth import MIN_CONFIRMING_REPEATS
 from prefixcache.config import EngineConfig
+from prefixcache.errors import InvalidInputError
 from prefixcache.entrypoints.num_threads import NUM_THREADS_HELP, choose_num_threads
 
 
@@ -193,15 +194,14 @@ def run_cluster_cli(args: argparse.Namespace, num_threads: int | None) -> None:
 
 @contextlib.contextmanager
 def _naming_flags(flags: dict[str, str]):
-    """Re-raises a ValueError whose message starts with one of ``flags``' field names with that
-    field's flag in front (``num_turns must be ...`` -> ``--num-turns: num_turns must be ...``)."""
+    """Re-raises an :class:`InvalidInputError` whose field is one of ``flags``' with that field's flag
+    in front (``num_turns must be ...`` -> ``--num-turns: num_turns must be ...``)."""
     try:
         yield
-    except ValueError as e:
-        field = next((f for f in flags if str(e).startswith(f + " ")), None)
-        if field is None:
+    except InvalidInputError as e:
+        if e.field not in flags:
             raise
-        raise ValueError(f"{flags[field]}: {e}") from None
+        raise ValueError(f"{flags[e.field]}: {e}") from None
 
 
 def check_bench_args(args: argparse.Namespace) -> tuple[str, ...]:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from prefixcache.bench import texts
 from prefixcache.bench.accounting import common_prefix_len
+from prefixcache.errors import InvalidInputError
 from prefixcache.sample_texts import QUESTIONS as SEED_QUESTIONS
 from prefixcache.sample_texts import SYSTEM_PROMPT as SEED_SYSTEM_PROMPT
 
@@ -142,17 +143,18 @@ def check_workload_args(name: str, num_requests: int | None, num_turns: int, tex
     number of requests per round.
 
     Raises:
-        ValueError: unknown name, ``num_requests < 1``, ``num_turns`` or ``text_scale`` out of range.
+        InvalidInputError: naming the field (``workload``, ``num_requests``, ``num_turns``,
+            ``text_scale``): unknown name, ``num_requests < 1``, ``num_turns`` or ``text_scale`` out of range.
     """
     if name not in WORKLOAD_NAMES:
-        raise ValueError(f"workload must be one of {WORKLOAD_NAMES} or 'all', got {name!r}")
+        raise InvalidInputError("workload", f"workload must be one of {WORKLOAD_NAMES} or 'all', got {name!r}")
     n = DEFAULT_NUM_REQUESTS[name] if num_requests is None else num_requests
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"num_requests must be a positive integer, got {n!r}")
+        raise InvalidInputError("num_requests", f"num_requests must be a positive integer, got {n!r}")
     if not 1 <= num_turns <= MAX_NUM_TURNS:
-        raise ValueError(f"num_turns must be in [1, {MAX_NUM_TURNS}], got {num_turns}")
+        raise InvalidInputError("num_turns", f"num_turns must be in [1, {MAX_NUM_TURNS}], got {num_turns}")
     if not 0 < text_scale <= 1:
-        raise ValueError(f"text_scale must be in (0, 1], got {text_scale}")
+        raise InvalidInputError("text_scale", f"text_scale must be in (0, 1], got {text_scale}")
     return n
 
 
