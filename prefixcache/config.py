@@ -91,7 +91,7 @@ class EngineConfig(CacheConfig, SchedulerConfig):
     num_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks; overrides --kv-cache-memory"})
     kv_cache_memory_bytes: int | None = field(default=None, metadata={
-        "help": "KV pool budget in bytes, e.g. 2GiB (default 1GiB)", "flag": "--kv-cache-memory", "memory": True})
+        "help": "KV pool budget in bytes, e.g. 2GiB (binary; 2GB is 2*10^9) (default 1GiB)", "flag": "--kv-cache-memory", "memory": True})
     max_model_len: int | None = field(default=None, metadata={"help": "context limit in tokens (default: the model's)"})
     num_threads: int | None = field(default=None, metadata={"help": "torch CPU threads (default: the available cores)"})
     seed: int = field(default=0, metadata={"help": "RNG seed of requests that give no seed of their own"})

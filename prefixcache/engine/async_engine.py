@@ -198,8 +198,11 @@ class AsyncLLMEngine:
         """After an unexpected engine error: fails every request in flight, resets the prefix
         cache; on the engine thread. Raises if the engine can't be brought back (then it is dead)."""
         self.num_recoveries += 1
-        outputs = self._taking_stats(self.engine.fail_all_requests, f"engine error: {error!r}")
-        if not self._taking_stats(self.engine.reset_prefix_cache):
+        return self._taking_stats(self._fail_and_reset, error)  # stats taken once, after both
+
+    def _fail_and_reset(self, error: Exception) -> list[RequestOutput]:
+        outputs = self.engine.fail_all_requests(f"engine error: {error!r}")
+        if not self.engine.reset_prefix_cache():
             raise RuntimeError(f"engine recovery failed: blocks still in use after {error!r}") from error
         return outputs
 

@@ -20,19 +20,22 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase
 
+if TYPE_CHECKING:  # output_processor imports this module
+    from prefixcache.engine.output_processor import TokenDecoder
 
-def byte_concat_decoder(tokenizer: PreTrainedTokenizerBase, token_bytes: Callable[[int], bytes],
-                        byte_level: bool) -> Callable[[int], bytes] | None:
+
+def byte_concat_decoder(tokenizer: PreTrainedTokenizerBase, decoder: TokenDecoder) -> Callable[[int], bytes] | None:
     """The bytes each token adds to ``tokenizer.decode(ids, skip_special_tokens=True)``, when that
     decode is the UTF-8 decode of their concatenation; else None.
 
     Args:
         tokenizer: the model's tokenizer.
-        token_bytes: a token's exact bytes (:class:`TokenDecoder.bytes`).
-        byte_level: whether the tokenizer's decoder is the byte-level one (GPT-2's alphabet).
+        decoder: its :class:`~prefixcache.engine.output_processor.TokenDecoder` (a token's exact
+            bytes, and whether the tokenizer's decoder is the byte-level one, GPT-2's alphabet).
 
     Returns:
         ``id -> bytes`` (empty for a special token, which the decode skips), or None when the
@@ -42,7 +45,8 @@ def byte_concat_decoder(tokenizer: PreTrainedTokenizerBase, token_bytes: Callabl
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # transformers < 5: no exact rule known here
         return None
-    if not byte_level or type(tokenizer)._decode is not TokenizersBackend._decode:
+    token_bytes = decoder.bytes
+    if not decoder.byte_level or type(tokenizer)._decode is not TokenizersBackend._decode:
         return None
     if tokenizer.clean_up_tokenization_spaces and (
         type(tokenizer.backend_tokenizer.model).__name__ != "BPE"

@@ -101,7 +101,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Iterable[int], max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.token_decoder = TokenDecoder(tokenizer)
-        self._text_bytes = byte_concat_decoder(tokenizer, self.token_decoder.bytes, self.token_decoder.byte_level)
+        self._text_bytes = byte_concat_decoder(tokenizer, self.token_decoder)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 

@@ -37,21 +37,26 @@ from prefixcache.entrypoints.num_threads import NUM_THREADS_HELP, choose_num_thr
 from prefixcache.entrypoints.preflight import check_engine_resources
 from prefixcache.errors import InvalidInputError
 
-_MEMORY_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+# binary for KiB, MiB, ... and the bare K, M, G, T; decimal for kB, KB, MB, GB, TB (SI: "2GB" is 2 * 10^9
+# bytes, as vLLM's sizes read it)
+_MEMORY_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
+                 "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40, "Ki": 1 << 10, "Mi": 1 << 20,
+                 "Gi": 1 << 30, "Ti": 1 << 40, "kB": 10**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
 
 # ---------------------------------------------------------------------------- argparse types
 def memory_bytes(text: str) -> int:
-    """``"2GiB"``, ``"512MiB"``, ``"16M"``, ``"1e9"`` or ``"1073741824"`` → bytes (>= 1).
+    """``"2GiB"``, ``"512MiB"``, ``"16M"`` (binary), ``"2GB"`` (decimal: 2 * 10^9), ``"1e9"`` or
+    ``"1073741824"`` → bytes (>= 1).
 
     Raises:
         argparse.ArgumentTypeError: anything else.
     """
-    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]i?B?|B)?\s*", text)
+    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]i?B?|kB|B)?\s*", text)
     value = None
     if m is not None:
         try:
-            value = float(m.group(1)) * _MEMORY_UNITS[(m.group(2) or "").rstrip("B").rstrip("i")]
+            value = float(m.group(1)) * _MEMORY_UNITS[m.group(2) or ""]
         except ValueError:
             value = None
     if value is None or not 1 <= value < math.inf:

@@ -34,7 +34,7 @@ def test_every_token_adds_the_bytes_its_own_decode_has(tok):
     """Each id's bytes (empty for the 17 special tokens, which the decode skips) decode to what
     the tokenizer gives for that id alone; 313 tokens are a piece of a multi-byte character."""
     decoder = TokenDecoder(tok)
-    text_bytes = byte_concat_decoder(tok, decoder.bytes, decoder.byte_level)
+    text_bytes = byte_concat_decoder(tok, decoder)
     assert text_bytes is not None
     assert [i for i in range(len(tok)) if text_bytes(i) == b""] == list(range(17))
     assert all(text_bytes(i).decode("utf-8", errors="replace") == _decode(tok, [i]) for i in range(len(tok)))
@@ -48,7 +48,7 @@ def test_the_text_at_every_length_equals_the_whole_decode(tok):
     and ids past the vocabulary (a padded lm_head's rows: decoded as nothing), fed one token at a
     time and in uneven runs: the text after each equals the tokenizer's decode of the ids so far."""
     decoder = TokenDecoder(tok)
-    text_bytes = byte_concat_decoder(tok, decoder.bytes, decoder.byte_level)
+    text_bytes = byte_concat_decoder(tok, decoder)
     vocab = len(tok)
     partial = [i for i in range(vocab) if "\ufffd" in _decode(tok, [i])]
     rng = random.Random(0)
@@ -75,7 +75,7 @@ def test_an_emoji_split_over_tokens_reads_as_one_replacement_until_complete(tok)
     once its last byte arrives the text is the character."""
     ids = tok.encode(" ok 🦙!", add_special_tokens=False)
     decoder = TokenDecoder(tok)
-    detok = IncrementalDetokenizer(byte_concat_decoder(tok, decoder.bytes, decoder.byte_level))
+    detok = IncrementalDetokenizer(byte_concat_decoder(tok, decoder))
     texts = [detok.text(ids, n) for n in range(1, len(ids) + 1)]
     assert texts == [_decode(tok, ids[:n]) for n in range(1, len(ids) + 1)]
     assert texts[-1] == " ok 🦙!"

@@ -63,6 +63,9 @@ def test_existing_flag_names_still_work():
         dtype="bfloat16", device="cpu", num_threads=1, seed=3, hash_seed=7, eviction_policy="ttl", cache_ttl_s=5.5,
         enable_partial_block_reuse=False, cost_half_life_s=9.0, cost_attention_tokens=100.0)
     assert parse(["--kv-cache-memory", "512MiB"]).kv_cache_memory_bytes == 512 << 20
+    sizes = {"2GB": 2 * 10**9, "2G": 2 << 30, "2Gi": 2 << 30, "1.5MB": 1_500_000, "3kB": 3000, "4KiB": 4096, "7B": 7}
+    for text, expected in sizes.items():  # SI's decimal GB, binary GiB and bare G
+        assert parse(["--kv-cache-memory", text]).kv_cache_memory_bytes == expected, text
     assert parse(["--max-request-body-bytes", "1e6"]).max_request_body_bytes == 1_000_000
 
 
