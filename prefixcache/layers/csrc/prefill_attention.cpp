@@ -356,6 +356,92 @@ inline __m512 softmax_block_amx(Buffers& buf, int64_t base, int64_t nk, __m512& 
   return alpha;
 }
 
+// s^T of the block's keys (krow: their K rows) for row vectors v0 .. RV - 1 into buf.s, by halves of 16 keys
+// that hold a key (a half past nk is masked by the softmax whatever s holds): one K tile per 32 dims for every
+// row vector, the scores in tiles 0, 6, 7.
+void scores_amx(Buffers& buf, AmxBuffers& ab, const at::BFloat16* const* krow, int64_t nk, int64_t D, int v0, int RV,
+                int64_t row_bytes, bool whole_halves) {
+  constexpr int64_t kRowsBytes = kMaxVecs * kLanes * 4;  // one (key or pair or dim) row of s, qp, pp, o
+  const int nv = RV - v0;
+  for (int64_t h = 0; h < kKeys && h < nk; h += kLanes) {
+    const at::BFloat16* kbase = krow[h];
+    int64_t kstride = row_bytes;
+    if (!whole_halves) {  // the half's rows copied together (keys past nk: the last one again, masked)
+      for (int64_t j = 0; j < kLanes; ++j) std::memcpy(ab.kc[j], krow[h + j], D * sizeof(at::BFloat16));
+      kbase = ab.kc[0], kstride = kMaxDim * sizeof(at::BFloat16);
+    }
+    AMX_TILE_ZERO(0);
+    if (nv > 1) AMX_TILE_ZERO(6);
+    if (nv > 2) AMX_TILE_ZERO(7);
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      AMX_TILE_LOAD(1, kbase + d0, kstride);
+      AMX_TILE_LOAD(2, &buf.qp[d0 / 2][v0 * kLanes], kRowsBytes);
+      AMX_TILE_DPBF16PS(0, 1, 2);
+      if (nv > 1) {
+        AMX_TILE_LOAD(2, &buf.qp[d0 / 2][(v0 + 1) * kLanes], kRowsBytes);
+        AMX_TILE_DPBF16PS(6, 1, 2);
+      }
+      if (nv > 2) {
+        AMX_TILE_LOAD(2, &buf.qp[d0 / 2][(v0 + 2) * kLanes], kRowsBytes);
+        AMX_TILE_DPBF16PS(7, 1, 2);
+      }
+    }
+    AMX_TILE_STORE(0, &buf.s[h][v0 * kLanes], kRowsBytes);
+    if (nv > 1) AMX_TILE_STORE(6, &buf.s[h][(v0 + 1) * kLanes], kRowsBytes);
+    if (nv > 2) AMX_TILE_STORE(7, &buf.s[h][(v0 + 2) * kLanes], kRowsBytes);
+  }
+}
+
+// V^T of the block (vrow: its keys' V rows) into ab.vt: dword i of row d = (v_{2i}[d], v_{2i+1}[d]); keys from
+// nk on read as zero V (the tile product multiplies every key: p = 0 times a copied inf would be NaN).
+void transposed_values(AmxBuffers& ab, const at::BFloat16* const* vrow, int64_t nk, int64_t D, __m512i lo, __m512i hi) {
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    __m512i x_lo[16], x_hi[16];
+    for (int64_t i = 0; i < kKeys / 2; ++i) {
+      const __m512i x = 2 * i < nk ? _mm512_loadu_si512(vrow[2 * i] + d0) : _mm512_setzero_si512();
+      const __m512i y = 2 * i + 1 < nk ? _mm512_loadu_si512(vrow[2 * i + 1] + d0) : _mm512_setzero_si512();
+      x_lo[i] = _mm512_permutex2var_epi16(x, lo, y), x_hi[i] = _mm512_permutex2var_epi16(x, hi, y);
+    }
+    transpose_16x16(x_lo), transpose_16x16(x_hi);  // rows of key pairs -> rows of dims
+    for (int n = 0; n < 16; ++n) {
+      _mm512_store_si512(ab.vt[d0 + n], x_lo[n]);
+      _mm512_store_si512(ab.vt[d0 + 16 + n], x_hi[n]);
+    }
+  }
+}
+
+// o^T = alpha o^T + V^T . p^T for row vectors v0 .. RV - 1 (tiles 3: o, 4: V^T, 5: p pairs).
+void add_values_amx(Buffers& buf, const AmxBuffers& ab, int v0, int RV, int64_t D, const __m512* alpha) {
+  constexpr int64_t kRowsBytes = kMaxVecs * kLanes * 4;
+  for (int v = v0; v < RV; ++v) {
+    if (_mm512_cmp_ps_mask(alpha[v], _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0)  // o * 1 = o: skipped
+      for (int64_t d = 0; d < D; ++d)
+        _mm512_store_ps(&buf.o[d][v * kLanes], _mm512_mul_ps(_mm512_load_ps(&buf.o[d][v * kLanes]), alpha[v]));
+    AMX_TILE_LOAD(5, &buf.pp[0][v * kLanes], kRowsBytes);
+    for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
+      AMX_TILE_LOAD(3, &buf.o[d0][v * kLanes], kRowsBytes);
+      AMX_TILE_LOAD(4, ab.vt[d0], kKeys / 2 * 4);
+      AMX_TILE_DPBF16PS(3, 4, 5);
+      AMX_TILE_STORE(3, &buf.o[d0][v * kLanes], kRowsBytes);
+    }
+  }
+}
+
+// out = bf16(o / l) for the item's rows (NaN for the rows in `bad`), as attend_item ends.
+void store_rows(const Args& a, const Work& w, const Buffers& buf, int RV, const __m512* l, const __mmask16* bad) {
+  const int64_t D = a.D, G = a.G, num_rows = (w.end - w.begin) * G;
+  alignas(64) float inv_l[kMaxVecs * kLanes], row[kMaxDim];
+  for (int v = 0; v < RV; ++v)
+    _mm512_store_ps(inv_l + v * kLanes, _mm512_mask_mov_ps(_mm512_div_ps(_mm512_set1_ps(1.f), l[v]), bad[v],
+                                                           _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN())));
+  for (int64_t r = 0; r < num_rows; ++r) {
+    for (int64_t d = 0; d < D; ++d) row[d] = buf.o[d][r];
+    at::BFloat16* orow = a.out + ((w.begin + r / G) * a.H + w.kh * G + r % G) * D;
+    const __m512 inv = _mm512_set1_ps(inv_l[r]);
+    for (int64_t d = 0; d < D; d += 16) store_bf16(orow + d, _mm512_mul_ps(_mm512_load_ps(row + d), inv));
+  }
+}
+
 // attend_item's loop with the products on tiles (the tile configuration is loaded by the caller's thread).
 void attend_item_amx(const Args& a, const Work& w, Buffers& buf, AmxBuffers& ab) {
   const int64_t D = a.D, G = a.G, P = D / 2, num_rows = (w.end - w.begin) * G;
@@ -363,7 +449,7 @@ void attend_item_amx(const Args& a, const Work& w, Buffers& buf, AmxBuffers& ab)
   const int64_t first_pos = a.num_computed[w.seq] + (w.begin - a.query_start[w.seq]);
   const int64_t num_keys = first_pos + (w.end - w.begin);
   alignas(64) int32_t pos_rows[kMaxVecs * kLanes];
-  for (int64_t r = 0; r < RV * kLanes; ++r) {
+  for (int64_t r = 0; r < RV * kLanes; ++r) {  // rows padded with copies of the last one
     const int64_t rr = std::min(r, num_rows - 1);
     pos_rows[r] = static_cast<int32_t>(first_pos + rr / G);
     const uint32_t* qrow = reinterpret_cast<const uint32_t*>(a.q + ((w.begin + rr / G) * a.H + w.kh * G + rr % G) * D);
@@ -380,9 +466,7 @@ void attend_item_amx(const Args& a, const Work& w, Buffers& buf, AmxBuffers& ab)
   for (int64_t d = 0; d < D; ++d)
     for (int v = 0; v < RV; ++v) _mm512_store_ps(&buf.o[d][v * kLanes], _mm512_setzero_ps());
   const __m512 scale = _mm512_set1_ps(a.scale * 1.44269504088896341f);
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t row_stride = a.KVH * D, row_bytes = row_stride * static_cast<int64_t>(sizeof(at::BFloat16));
-  constexpr int64_t kRowsBytes = kMaxVecs * kLanes * 4;  // one (key or pair or dim) row of s, qp, pp, o
   const bool whole_halves = a.block_size % kLanes == 0;  // 16 keys at 16 i are one pool block's rows
   const int32_t* table = a.table + w.seq * a.max_blocks;
   alignas(64) int16_t lo_idx[32], hi_idx[32], p_idx[32];
@@ -392,7 +476,7 @@ void attend_item_amx(const Args& a, const Work& w, Buffers& buf, AmxBuffers& ab)
 
   for (int64_t k0 = 0; k0 < num_keys; k0 += kKeys) {
     const int64_t nk = std::min<int64_t>(kKeys, num_keys - k0);
-    int v0 = 0;
+    int v0 = 0;  // vectors whose rows all sit before this block skip it
     while (v0 < RV && pos_rows[v0 * kLanes + kLanes - 1] < k0) ++v0;
     const at::BFloat16* krow[kKeys];
     const at::BFloat16* vrow[kKeys];
@@ -408,77 +492,13 @@ void attend_item_amx(const Args& a, const Work& w, Buffers& buf, AmxBuffers& ab)
     }
     prefetch_kv_rows(a.k, a.v, table, a.block_size, row_stride, w.kh * D, 2 * D, k0 + kKeys,
                      std::min<int64_t>(k0 + 2 * kKeys, num_keys));
-    // s^T for the keys' halves that hold a key; a half past num_keys is masked below whatever s holds
-    for (int64_t h = 0; h < kKeys; h += kLanes) {
-      if (h >= nk) break;
-      const at::BFloat16* kbase = krow[h];
-      int64_t kstride = row_bytes;
-      if (!whole_halves) {  // the half's rows copied together (keys past nk: the last one again, masked)
-        for (int64_t j = 0; j < kLanes; ++j) std::memcpy(ab.kc[j], krow[h + j], D * sizeof(at::BFloat16));
-        kbase = ab.kc[0], kstride = kMaxDim * sizeof(at::BFloat16);
-      }
-      // one K tile per 32 dims for every row vector: their scores in tiles 0, 6, 7
-      const int nv = RV - v0;
-      AMX_TILE_ZERO(0);
-      if (nv > 1) AMX_TILE_ZERO(6);
-      if (nv > 2) AMX_TILE_ZERO(7);
-      for (int64_t d0 = 0; d0 < D; d0 += 32) {
-        AMX_TILE_LOAD(1, kbase + d0, kstride);
-        AMX_TILE_LOAD(2, &buf.qp[d0 / 2][v0 * kLanes], kRowsBytes);
-        AMX_TILE_DPBF16PS(0, 1, 2);
-        if (nv > 1) {
-          AMX_TILE_LOAD(2, &buf.qp[d0 / 2][(v0 + 1) * kLanes], kRowsBytes);
-          AMX_TILE_DPBF16PS(6, 1, 2);
-        }
-        if (nv > 2) {
-          AMX_TILE_LOAD(2, &buf.qp[d0 / 2][(v0 + 2) * kLanes], kRowsBytes);
-          AMX_TILE_DPBF16PS(7, 1, 2);
-        }
-      }
-      AMX_TILE_STORE(0, &buf.s[h][v0 * kLanes], kRowsBytes);
-      if (nv > 1) AMX_TILE_STORE(6, &buf.s[h][(v0 + 1) * kLanes], kRowsBytes);
-      if (nv > 2) AMX_TILE_STORE(7, &buf.s[h][(v0 + 2) * kLanes], kRowsBytes);
-    }
+    scores_amx(buf, ab, krow, nk, D, v0, RV, row_bytes, whole_halves);
     for (int v = v0; v < RV; ++v)
       alpha[v] = softmax_block_amx(buf, v * kLanes, nk, m[v], l[v], bad[v], pair_idx, scale, pos[v], k0);
-    // V^T: the v pairs of 16 dims (rows: key pairs), transposed to rows of dims
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {
-      __m512i x_lo[16], x_hi[16];
-      for (int64_t i = 0; i < kKeys / 2; ++i) {
-        // keys past nk: zero V (the tile product multiplies every key; p = 0 times a copied inf would be NaN)
-        const __m512i x = 2 * i < nk ? _mm512_loadu_si512(vrow[2 * i] + d0) : _mm512_setzero_si512();
-        const __m512i y = 2 * i + 1 < nk ? _mm512_loadu_si512(vrow[2 * i + 1] + d0) : _mm512_setzero_si512();
-        x_lo[i] = _mm512_permutex2var_epi16(x, lo, y), x_hi[i] = _mm512_permutex2var_epi16(x, hi, y);
-      }
-      transpose_16x16(x_lo), transpose_16x16(x_hi);
-      for (int n = 0; n < 16; ++n) {
-        _mm512_store_si512(ab.vt[d0 + n], x_lo[n]);
-        _mm512_store_si512(ab.vt[d0 + 16 + n], x_hi[n]);
-      }
-    }
-    for (int v = v0; v < RV; ++v) {
-      if (_mm512_cmp_ps_mask(alpha[v], _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0)  // o * 1 = o: skipped
-        for (int64_t d = 0; d < D; ++d)
-          _mm512_store_ps(&buf.o[d][v * kLanes], _mm512_mul_ps(_mm512_load_ps(&buf.o[d][v * kLanes]), alpha[v]));
-      AMX_TILE_LOAD(5, &buf.pp[0][v * kLanes], kRowsBytes);
-      for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
-        AMX_TILE_LOAD(3, &buf.o[d0][v * kLanes], kRowsBytes);
-        AMX_TILE_LOAD(4, ab.vt[d0], kKeys / 2 * 4);
-        AMX_TILE_DPBF16PS(3, 4, 5);
-        AMX_TILE_STORE(3, &buf.o[d0][v * kLanes], kRowsBytes);
-      }
-    }
+    transposed_values(ab, vrow, nk, D, lo, hi);
+    add_values_amx(buf, ab, v0, RV, D, alpha);
   }
-  alignas(64) float inv_l[kMaxVecs * kLanes], row[kMaxDim];
-  for (int v = 0; v < RV; ++v)
-    _mm512_store_ps(inv_l + v * kLanes, _mm512_mask_mov_ps(_mm512_div_ps(_mm512_set1_ps(1.f), l[v]), bad[v],
-                                                           _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN())));
-  for (int64_t r = 0; r < num_rows; ++r) {
-    for (int64_t d = 0; d < D; ++d) row[d] = buf.o[d][r];
-    at::BFloat16* orow = a.out + ((w.begin + r / G) * a.H + w.kh * G + r % G) * D;
-    const __m512 inv = _mm512_set1_ps(inv_l[r]);
-    for (int64_t d = 0; d < D; d += 16) store_bf16(orow + d, _mm512_mul_ps(_mm512_load_ps(row + d), inv));
-  }
+  store_rows(a, w, buf, RV, l, bad);
 }
 
 void run_items_amx(const Args& a, const Work* work, std::atomic<int64_t>& next, int64_t num_items) {
