@@ -42,6 +42,19 @@ def amx_packable(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 32 == 0
 
 
+GATE_UP = 1  # amx_linear's modes (csrc/amx_gemm.cpp OutMode): a gate|up weight packed with interleave_gate_up,
+SILU_MUL = 2  # written as [gate | up], or as silu(gate) * up (prompt_ops.silu_mul's bits)
+
+
+def interleave_gate_up(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``weight`` [2 I, K] = [gate; up] (and ``bias`` [2 I]) with its 16-row blocks reordered gate 0, up 0,
+    gate 1, up 1, ...: the layout :data:`GATE_UP` and :data:`SILU_MUL` read (I a multiple of 16)."""
+    two_i, k = weight.shape
+    w = weight.view(2, two_i // 32, 16, k).transpose(0, 1).reshape(two_i, k)
+    b = None if bias is None else bias.view(2, two_i // 32, 16).transpose(0, 1).reshape(two_i)
+    return w, b
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [N, K] bf16 in the kernel's layout: int32 [ceil(N / 16), K / 32, 16, 16], where tile
     (b, c) row i, column n holds the bf16 pair (weight[16 b + n, 32 c + 2 i], weight[16 b + n, 32 c + 2 i + 1])
@@ -51,11 +64,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return pairs.view(-1, 16, k // 32, 16).permute(0, 2, 3, 1).contiguous()
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """``x`` [num_tokens, in_features] bf16 times the packed weight (+ ``bias`` [out_features]):
-    [num_tokens, out_features] bf16.
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+               mode: int = 0) -> torch.Tensor:
+    """``x`` [num_tokens, in_features] bf16 times the packed weight (+ ``bias`` [out_features], in the
+    packed order): [num_tokens, out_features] bf16; with :data:`SILU_MUL`, [num_tokens, out_features / 2].
 
     Raises:
         RuntimeError: shapes or dtypes the kernel doesn't take, or no AMX here.
     """
-    return load_cpu_kernels().amx_linear(x, packed, bias, out_features)
+    return load_cpu_kernels().amx_linear(x, packed, bias, out_features, mode)

@@ -28,7 +28,8 @@ from safetensors import SafetensorError
 from torch import nn
 
 from prefixcache.errors import InvalidInputError, clip
-from prefixcache.layers.amx_gemm import amx_gemm_supported, amx_linear, amx_packable, pack_weight
+from prefixcache.layers.amx_gemm import (GATE_UP, SILU_MUL, amx_gemm_supported, amx_linear, amx_packable,
+                                         interleave_gate_up, pack_weight)
 from prefixcache.layers.quant import (Int8Weight, int8_linear, quantize_activations,
                                      stacked_weight_and_bias)
 
@@ -271,8 +272,10 @@ class PrepackedWeight:
         allow_amx: False keeps oneDNN's product also where our AMX kernel runs (A/B measurements).
     """
 
-    def __init__(self, modules: list[nn.Linear], allow_amx: bool = True) -> None:
+    def __init__(self, modules: list[nn.Linear], allow_amx: bool = True, gate_up: bool = False) -> None:
         self.modules, self.allow_amx = modules, allow_amx  # allow_amx=False: oneDNN's (A/B probes)
+        self.gate_up = gate_up  # [gate; up]: on AMX, packed interleaved so silu_linear can fuse silu(gate) * up
+        self.interleaved = False
         self._key: tuple | None = None  # (data_ptr, _version) of every weight and bias packed
         self._packed: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
@@ -291,6 +294,9 @@ class PrepackedWeight:
             weight, self._bias = stacked_weight_and_bias(self.modules)  # [sum(out), in], [sum(out)] | None
             self.amx = self.allow_amx and amx_gemm_supported() and amx_packable(weight)
             self.out_features = weight.shape[0]
+            self.interleaved = self.amx and self.gate_up and self.out_features % 32 == 0
+            if self.interleaved:
+                weight, self._bias = interleave_gate_up(weight, self._bias)
             self._packed = pack_weight(weight) if self.amx else torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             self._key = key
         return self._packed
@@ -299,8 +305,17 @@ class PrepackedWeight:
         """The stacked product of a bfloat16 ``x`` [rows, in]: [rows, sum(out_features)]."""
         packed = self.pack()
         if self.amx:
-            return amx_linear(x, packed, self._bias, self.out_features)
+            return amx_linear(x, packed, self._bias, self.out_features, GATE_UP if self.interleaved else 0)
         return torch.ops.mkldnn._linear_pointwise(x, packed, self._bias, "none", [], "")
+
+    def silu_linear(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of a gate|up weight's product, fused into the AMX kernel's store: [rows, out / 2]
+        bf16, the bits of ``prompt_ops.silu_mul`` on :meth:`linear`'s output; None where it doesn't run
+        (oneDNN, or a width that doesn't interleave)."""
+        packed = self.pack()
+        if not self.interleaved:
+            return None
+        return amx_linear(x, packed, self._bias, self.out_features, SILU_MUL)
 
 
 def prepacked_linear_supported() -> bool:

@@ -195,6 +195,9 @@ class LlamaMLP(nn.Module):
         """:meth:`forward` with :func:`~prefixcache.layers.prompt_ops.silu_mul` over gate|up's row
         tiles. Returns down_proj's row tiles, [num_tokens, hidden_size] in all."""
         if self.gate_up_packed is not None and lora is None:
+            act = self.gate_up_packed.silu_linear(x)  # AMX: silu(gate) * up in the product's store, same bits
+            if act is not None:
+                return self.down_proj.tiles(act, lora)
             gate_up = row_tiles(x, None, packed=self.gate_up_packed)
         elif self.gate_up_int8 is None and self.gate_up_packed is None:
             gate_up = [torch.cat([self.gate_proj(x, lora), self.up_proj(x, lora)], dim=-1)]
@@ -479,7 +482,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_packed = PrepackedWeight([attn.q_proj, attn.k_proj, attn.v_proj]) if pack else None
-            mlp.gate_up_packed = PrepackedWeight([mlp.gate_proj, mlp.up_proj]) if pack else None
+            mlp.gate_up_packed = PrepackedWeight([mlp.gate_proj, mlp.up_proj], gate_up=True) if pack else None
             if pack:
                 attn.o_proj.packed, mlp.down_proj.packed = PrepackedWeight([attn.o_proj]), PrepackedWeight([mlp.down_proj])
                 packs += [attn.qkv_packed, mlp.gate_up_packed, attn.o_proj.packed, mlp.down_proj.packed]

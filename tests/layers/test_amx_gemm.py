@@ -109,3 +109,25 @@ def test_a_weight_written_in_place_is_packed_again():
     after = packed.linear(x)
     assert torch.equal(after, amx_linear(x, pack_weight(lin.weight.detach()), lin.bias.detach(), 32))
     assert not torch.equal(after, before)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_gate_up_interleaved_gives_the_plain_products_and_silu_mul_fused_gives_silu_mul(bias):
+    """A gate|up weight packed interleaved (blocks gate 0, up 0, gate 1, ...): its [gate | up] output has the
+    bits of the plain layout's, and the fused silu(gate) * up store has the bits of prompt_ops.silu_mul on
+    that output, for 1, 17 and 300 rows (each row also alone)."""
+    from prefixcache.layers.prompt_ops import silu_mul
+
+    torch.manual_seed(0)
+    gate, up = nn.Linear(64, 96, bias=bias).bfloat16(), nn.Linear(64, 96, bias=bias).bfloat16()
+    packed = PrepackedWeight([gate, up], gate_up=True)
+    plain = PrepackedWeight([gate, up])
+    for rows in (1, 17, 300):
+        x = torch.randn(rows, 64).bfloat16() * 3
+        gate_up = packed.linear(x)
+        assert packed.interleaved and gate_up.shape == (rows, 192)
+        assert torch.equal(gate_up, plain.linear(x))
+        fused = packed.silu_linear(x)
+        assert fused.shape == (rows, 96) and torch.equal(fused, silu_mul([gate_up]))
+        assert torch.equal(packed.silu_linear(x[-1:]), fused[-1:])
+    assert plain.silu_linear(x) is None  # not a gate|up weight: no fused form

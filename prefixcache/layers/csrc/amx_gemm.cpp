@@ -32,18 +32,40 @@ namespace {
 
 constexpr int64_t kItemRows = 256, kItemBlocks = 8;  // a work item: rows x (16-column blocks), at most
 
+// Output modes. kPlain: column block b is out's columns 16 b ... kGateUp: blocks alternate gate block j,
+// up block j (pack_weight(interleave=...)), written to out [M, 2 I] at 16 j and I + 16 j. kSiluMul: the same
+// pairs, out [M, I] = bf16(bf16(silu(bf16 gate)) * bf16 up), prompt_ops.cpp's silu_mul on the bf16 values the
+// kGateUp mode writes: the same bits as that mode followed by silu_mul.
+enum OutMode : int64_t { kPlain = 0, kGateUp = 1, kSiluMul = 2 };
+
 struct GemmArgs {
   const at::BFloat16* x;   // [M, K]
   const uint32_t* w;       // [NB, K / 32, 16, 16] packed pairs
-  const float* bias;       // [N] float32 or nullptr
-  at::BFloat16* out;       // [M, N]
+  const float* bias;       // [NB * 16] float32 in the packed column order, or nullptr
+  at::BFloat16* out;       // [M, N], N per the mode
   int64_t M, K, N, NB;
+  int64_t mode;            // OutMode
 };
 
 struct Scratch {
   std::vector<at::BFloat16> pad;  // [32, K]: a tail of fewer than 32 rows, zero below
   alignas(64) float c[32][32];
 };
+
+// kSiluMul's store of a gate/up block pair (nb even: gate block nb / 2 in sc.c's columns 0-15, up in 16-31).
+void store_silu_mul(const GemmArgs& g, const Scratch& sc, int64_t mb, int64_t rows, int64_t nb) {
+  for (int64_t r = 0; r < rows; ++r) {  // no bias: no add (-0 + 0 would be +0, another bit)
+    __m512 gate = _mm512_load_ps(&sc.c[r][0]), up = _mm512_load_ps(&sc.c[r][16]);
+    if (g.bias) {
+      gate = _mm512_add_ps(gate, _mm512_loadu_ps(g.bias + nb * 16));
+      up = _mm512_add_ps(up, _mm512_loadu_ps(g.bias + nb * 16 + 16));
+    }
+    gate = round_bf16(gate), up = round_bf16(up);
+    const __m512 silu = round_bf16(
+        _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate)))));
+    store_bf16(g.out + (mb + r) * g.N + nb / 2 * 16, _mm512_mul_ps(silu, up));
+  }
+}
 
 // Rows [m0, m1) x column blocks [b0, b1) (tiles: 0-3 sums, 4-5 x rows, 6-7 weight blocks).
 void gemm_item(const GemmArgs& g, int64_t m0, int64_t m1, int64_t b0, int64_t b1, Scratch& sc) {
@@ -90,15 +112,20 @@ void gemm_item(const GemmArgs& g, int64_t m0, int64_t m1, int64_t b0, int64_t b1
       AMX_TILE_STORE(1, &sc.c[0][16], 128);
       AMX_TILE_STORE(2, &sc.c[16][0], 128);
       AMX_TILE_STORE(3, &sc.c[16][16], 128);
+      if (g.mode == kSiluMul) {
+        store_silu_mul(g, sc, mb, rows, nb);
+        continue;
+      }
       for (int64_t h = 0; h < (two_cols ? 2 : 1); ++h) {
-        const int64_t n0 = (nb + h) * 16, valid = std::min<int64_t>(16, g.N - n0);
+        const int64_t n0 = (nb + h) * 16, valid = g.mode == kGateUp ? 16 : std::min<int64_t>(16, g.N - n0);
         if (valid <= 0) break;
+        const int64_t col = g.mode == kGateUp ? (nb + h) % 2 * (g.N / 2) + (nb + h) / 2 * 16 : n0;
         const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
         const __m512 bias = g.bias ? _mm512_maskz_loadu_ps(keep, g.bias + n0) : _mm512_setzero_ps();
         for (int64_t r = 0; r < rows; ++r) {
           const __m512 y = g.bias ? _mm512_add_ps(_mm512_load_ps(&sc.c[r][h * 16]), bias) : _mm512_load_ps(&sc.c[r][h * 16]);
           const __m256i b16 = _mm512_cvtepi32_epi16(_mm512_srli_epi32(to_bf16_bits(y), 16));
-          _mm256_mask_storeu_epi16(g.out + (mb + r) * g.N + n0, keep, b16);
+          _mm256_mask_storeu_epi16(g.out + (mb + r) * g.N + col, keep, b16);
         }
       }
     }
@@ -109,7 +136,8 @@ void gemm_item(const GemmArgs& g, int64_t m0, int64_t m1, int64_t b0, int64_t b1
 
 #pragma GCC pop_options
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t N) {
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t N,
+                      int64_t mode) {
   TORCH_CHECK(amx_bf16_ready(), "amx_linear needs AMX-BF16 tiles (amx_bf16_ready())");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_cpu(), "x must be bf16 [M, K] on the CPU");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.size(2) == 16 &&
@@ -117,16 +145,20 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), NB = packed.size(0);
   TORCH_CHECK(K % 32 == 0 && packed.size(1) == K / 32, "x's K must be a multiple of 32 and match packed");
+  TORCH_CHECK(mode == kPlain || mode == kGateUp || mode == kSiluMul, "mode must be 0, 1 or 2");
+  TORCH_CHECK(mode == kPlain || (NB % 2 == 0 && N == NB * 16), "gate/up modes need whole gate and up block pairs");
   TORCH_CHECK(N >= 1 && N <= NB * 16 && N > (NB - 1) * 16, "N must fit packed's column blocks");
   at::Tensor bias32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->numel() == N, "bias must be [N]");
     bias32 = bias->to(at::kFloat).contiguous();
   }
-  at::Tensor out = at::empty({M, N}, xc.options());
+  const int64_t out_cols = mode == kSiluMul ? N / 2 : N;
+  at::Tensor out = at::empty({M, out_cols}, xc.options());
   if (M == 0) return out;
   const GemmArgs g{xc.data_ptr<at::BFloat16>(), reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
-                   bias.has_value() ? bias32.data_ptr<float>() : nullptr, out.data_ptr<at::BFloat16>(), M, K, N, NB};
+                   bias.has_value() ? bias32.data_ptr<float>() : nullptr, out.data_ptr<at::BFloat16>(), M, K,
+                   out_cols, NB, mode};
   // column items: a multiple of the threads (a 576-column product in 5 items of 8 blocks left one thread
   // idle a fifth of the time), each an even number of blocks (pairs run together); rows do not depend on it
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());

@@ -15,7 +15,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_slot
                                    const at::Tensor& block_table, const at::Tensor& query_start,
                                    const at::Tensor& num_computed, int64_t block_size, double scale, bool amx);
 bool amx_bf16_ready();
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t N);
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t N,
+                      int64_t mode);
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const std::vector<at::Tensor>& x_tiles,
                                                 const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
