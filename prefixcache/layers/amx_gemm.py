@@ -15,13 +15,12 @@ inputs as zero.
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import torch
 import torch.nn.functional as F
 
-from prefixcache.layers.cpu_kernels import CpuKernelsUnavailable, load_cpu_kernels
+from prefixcache.layers.cpu_kernels import amx_ready, load_cpu_kernels
 
 
 @cache
@@ -29,12 +28,7 @@ def amx_gemm_supported() -> bool:
     """Whether bf16 linear layers run on AMX tiles here (the CPU has AMX-BF16 and Linux granted the tile
     state; ``PREFIXCACHE_AMX=0`` turns every AMX form off, for A/B measurements). The cache key names
     the choice (:func:`prefixcache.layers.attention.kv_numerics`)."""
-    if os.environ.get("PREFIXCACHE_AMX", "1") == "0":
-        return False
-    try:
-        return bool(load_cpu_kernels().amx_bf16_ready())
-    except CpuKernelsUnavailable:
-        return False
+    return amx_ready()
 
 
 def amx_packable(weight: torch.Tensor) -> bool:

@@ -21,12 +21,13 @@ import hashlib
 import os
 import shutil
 import sys
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-__all__ = ["CpuKernelsUnavailable", "load_cpu_kernels"]
+__all__ = ["CpuKernelsUnavailable", "amx_ready", "load_cpu_kernels"]
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("qgemm.cpp", "paged_attention.cpp", "prefill_attention.cpp", "generated_decoder.cpp",
                                       "prompt_ops.cpp", "amx_gemm.cpp", "bindings.cpp")]
@@ -61,6 +62,19 @@ def load_cpu_kernels() -> ModuleType:
         raise CpuKernelsUnavailable(f"building the CPU kernels (prefixcache/layers/csrc) failed: {e}") from e
     _LOADED.append(module)
     return module
+
+
+@cache
+def amx_ready() -> bool:
+    """Whether our kernels run AMX-BF16 tiles here: the CPU has them, Linux granted this process the tile
+    state (``amx_bf16_ready`` in csrc/prefill_attention.cpp) and ``PREFIXCACHE_AMX`` is not ``0`` (every
+    AMX form off, for A/B measurements). False where the kernels don't build."""
+    if os.environ.get("PREFIXCACHE_AMX", "1") == "0":
+        return False
+    try:
+        return bool(load_cpu_kernels().amx_bf16_ready())
+    except CpuKernelsUnavailable:
+        return False
 
 
 def _extension_name() -> str:

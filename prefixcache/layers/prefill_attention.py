@@ -33,13 +33,12 @@ the K/V (:func:`prefixcache.layers.attention.kv_numerics`).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cache
 
 import torch
 
-from prefixcache.layers.cpu_kernels import CpuKernelsUnavailable, load_cpu_kernels
+from prefixcache.layers.cpu_kernels import CpuKernelsUnavailable, amx_ready, load_cpu_kernels
 
 MAX_HEADS_PER_KV_HEAD = 48  # rows of one work item
 MAX_HEAD_DIM = 256
@@ -88,12 +87,7 @@ def prefill_amx_supported() -> bool:
     the AMX form rounds differently from the AVX-512 form, so a machine keeps one form and the cache
     key names it (:func:`prefixcache.layers.attention.kv_numerics`). ``PREFIXCACHE_AMX=0`` keeps the
     AVX-512 form (and oneDNN's GEMMs: every AMX form off, for A/B measurements)."""
-    if os.environ.get("PREFIXCACHE_AMX", "1") == "0":
-        return False
-    try:
-        return bool(load_cpu_kernels().amx_bf16_ready())
-    except CpuKernelsUnavailable:
-        return False
+    return amx_ready()
 
 
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, rows: PagedRows, scale: float,

@@ -184,20 +184,53 @@ inline __m512 softmax_block(Buffers& buf, int64_t base, int64_t nk, __m512& m, _
   return alpha;
 }
 
+struct ItemRows {
+  int RV;                 // row vectors of 16
+  int64_t num_keys;       // the last row's position + 1
+  alignas(64) int32_t pos_rows[kMaxVecs * kLanes];  // each row's position
+};
+
 // Rows of item w: tokens w.begin .. w.end - 1, each with G query heads (row = token * G + g), padded to
-// RV vectors of 16 with copies of the last row.
-void attend_item(const Args& a, const Work& w, Buffers& buf) {
+// RV vectors of 16 with copies of the last row: their positions, q pairs into buf.qp, o zeroed.
+ItemRows item_rows(const Args& a, const Work& w, Buffers& buf) {
   const int64_t D = a.D, G = a.G, P = D / 2, num_rows = (w.end - w.begin) * G;
-  const int RV = static_cast<int>((num_rows + kLanes - 1) / kLanes);
+  ItemRows rows;
+  rows.RV = static_cast<int>((num_rows + kLanes - 1) / kLanes);
   const int64_t first_pos = a.num_computed[w.seq] + (w.begin - a.query_start[w.seq]);
-  const int64_t num_keys = first_pos + (w.end - w.begin);  // the last row's position + 1
-  alignas(64) int32_t pos_rows[kMaxVecs * kLanes];
-  for (int64_t r = 0; r < RV * kLanes; ++r) {
+  rows.num_keys = first_pos + (w.end - w.begin);
+  for (int64_t r = 0; r < rows.RV * kLanes; ++r) {
     const int64_t rr = std::min(r, num_rows - 1);
-    pos_rows[r] = static_cast<int32_t>(first_pos + rr / G);
+    rows.pos_rows[r] = static_cast<int32_t>(first_pos + rr / G);
     const uint32_t* qrow = reinterpret_cast<const uint32_t*>(a.q + ((w.begin + rr / G) * a.H + w.kh * G + rr % G) * D);
     for (int64_t p = 0; p < P; ++p) buf.qp[p][r] = qrow[p];
   }
+  for (int64_t d = 0; d < D; ++d)
+    for (int v = 0; v < rows.RV; ++v) _mm512_store_ps(&buf.o[d][v * kLanes], _mm512_setzero_ps());
+  return rows;
+}
+
+// out = bf16(o / l) for the item's rows (NaN for the rows in `bad`).
+void store_rows(const Args& a, const Work& w, const Buffers& buf, int RV, const __m512* l, const __mmask16* bad) {
+  const int64_t D = a.D, G = a.G, num_rows = (w.end - w.begin) * G;
+  alignas(64) float inv_l[kMaxVecs * kLanes], row[kMaxDim];
+  for (int v = 0; v < RV; ++v)
+    _mm512_store_ps(inv_l + v * kLanes, _mm512_mask_mov_ps(_mm512_div_ps(_mm512_set1_ps(1.f), l[v]), bad[v],
+                                                           _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN())));
+  for (int64_t r = 0; r < num_rows; ++r) {
+    for (int64_t d = 0; d < D; ++d) row[d] = buf.o[d][r];
+    at::BFloat16* orow = a.out + ((w.begin + r / G) * a.H + w.kh * G + r % G) * D;
+    const __m512 inv = _mm512_set1_ps(inv_l[r]);
+    for (int64_t d = 0; d < D; d += 16) store_bf16(orow + d, _mm512_mul_ps(_mm512_load_ps(row + d), inv));
+  }
+}
+
+// Attention of item w's rows (item_rows) over their keys, on AVX512-BF16 dot products.
+void attend_item(const Args& a, const Work& w, Buffers& buf) {
+  const int64_t D = a.D, P = D / 2;
+  const ItemRows rows = item_rows(a, w, buf);
+  const int RV = rows.RV;
+  const int64_t num_keys = rows.num_keys;  // the last row's position + 1
+  const int32_t* pos_rows = rows.pos_rows;
   __m512i pos[kMaxVecs];
   __m512 m[kMaxVecs], l[kMaxVecs], alpha[kMaxVecs];
   __mmask16 bad[kMaxVecs] = {};
@@ -206,8 +239,6 @@ void attend_item(const Args& a, const Work& w, Buffers& buf) {
     m[v] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     l[v] = _mm512_setzero_ps();
   }
-  for (int64_t d = 0; d < D; ++d)
-    for (int v = 0; v < RV; ++v) _mm512_store_ps(&buf.o[d][v * kLanes], _mm512_setzero_ps());
   const __m512 scale = _mm512_set1_ps(a.scale * 1.44269504088896341f);  // scores in base 2: * log2(e)
   const int64_t row_stride = a.KVH * D;
   const int32_t* table = a.table + w.seq * a.max_blocks;
@@ -258,17 +289,7 @@ void attend_item(const Args& a, const Work& w, Buffers& buf) {
     else if (RV - v0 == 2) add_values<2>(buf, v0 * kLanes, D, num_pairs, alpha + v0);
     else add_values<1>(buf, v0 * kLanes, D, num_pairs, alpha + v0);
   }
-  // out = bf16(o / l)
-  alignas(64) float inv_l[kMaxVecs * kLanes], row[kMaxDim];
-  for (int v = 0; v < RV; ++v)
-    _mm512_store_ps(inv_l + v * kLanes, _mm512_mask_mov_ps(_mm512_div_ps(_mm512_set1_ps(1.f), l[v]), bad[v],
-                                                           _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN())));
-  for (int64_t r = 0; r < num_rows; ++r) {
-    for (int64_t d = 0; d < D; ++d) row[d] = buf.o[d][r];
-    at::BFloat16* orow = a.out + ((w.begin + r / G) * a.H + w.kh * G + r % G) * D;
-    const __m512 inv = _mm512_set1_ps(inv_l[r]);
-    for (int64_t d = 0; d < D; d += 16) store_bf16(orow + d, _mm512_mul_ps(_mm512_load_ps(row + d), inv));
-  }
+  store_rows(a, w, buf, RV, l, bad);
 }
 
 }  // namespace
@@ -427,34 +448,13 @@ void add_values_amx(Buffers& buf, const AmxBuffers& ab, int v0, int RV, int64_t 
   }
 }
 
-// out = bf16(o / l) for the item's rows (NaN for the rows in `bad`), as attend_item ends.
-void store_rows(const Args& a, const Work& w, const Buffers& buf, int RV, const __m512* l, const __mmask16* bad) {
-  const int64_t D = a.D, G = a.G, num_rows = (w.end - w.begin) * G;
-  alignas(64) float inv_l[kMaxVecs * kLanes], row[kMaxDim];
-  for (int v = 0; v < RV; ++v)
-    _mm512_store_ps(inv_l + v * kLanes, _mm512_mask_mov_ps(_mm512_div_ps(_mm512_set1_ps(1.f), l[v]), bad[v],
-                                                           _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN())));
-  for (int64_t r = 0; r < num_rows; ++r) {
-    for (int64_t d = 0; d < D; ++d) row[d] = buf.o[d][r];
-    at::BFloat16* orow = a.out + ((w.begin + r / G) * a.H + w.kh * G + r % G) * D;
-    const __m512 inv = _mm512_set1_ps(inv_l[r]);
-    for (int64_t d = 0; d < D; d += 16) store_bf16(orow + d, _mm512_mul_ps(_mm512_load_ps(row + d), inv));
-  }
-}
-
 // attend_item's loop with the products on tiles (the tile configuration is loaded by the caller's thread).
 void attend_item_amx(const Args& a, const Work& w, Buffers& buf, AmxBuffers& ab) {
-  const int64_t D = a.D, G = a.G, P = D / 2, num_rows = (w.end - w.begin) * G;
-  const int RV = static_cast<int>((num_rows + kLanes - 1) / kLanes);
-  const int64_t first_pos = a.num_computed[w.seq] + (w.begin - a.query_start[w.seq]);
-  const int64_t num_keys = first_pos + (w.end - w.begin);
-  alignas(64) int32_t pos_rows[kMaxVecs * kLanes];
-  for (int64_t r = 0; r < RV * kLanes; ++r) {  // rows padded with copies of the last one
-    const int64_t rr = std::min(r, num_rows - 1);
-    pos_rows[r] = static_cast<int32_t>(first_pos + rr / G);
-    const uint32_t* qrow = reinterpret_cast<const uint32_t*>(a.q + ((w.begin + rr / G) * a.H + w.kh * G + rr % G) * D);
-    for (int64_t p = 0; p < P; ++p) buf.qp[p][r] = qrow[p];
-  }
+  const int64_t D = a.D, P = D / 2;
+  const ItemRows rows = item_rows(a, w, buf);
+  const int RV = rows.RV;
+  const int64_t num_keys = rows.num_keys;  // the last row's position + 1
+  const int32_t* pos_rows = rows.pos_rows;
   __m512i pos[kMaxVecs];
   __m512 m[kMaxVecs], l[kMaxVecs], alpha[kMaxVecs];
   __mmask16 bad[kMaxVecs] = {};
@@ -463,8 +463,6 @@ void attend_item_amx(const Args& a, const Work& w, Buffers& buf, AmxBuffers& ab)
     m[v] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     l[v] = _mm512_setzero_ps();
   }
-  for (int64_t d = 0; d < D; ++d)
-    for (int v = 0; v < RV; ++v) _mm512_store_ps(&buf.o[d][v * kLanes], _mm512_setzero_ps());
   const __m512 scale = _mm512_set1_ps(a.scale * 1.44269504088896341f);
   const int64_t row_stride = a.KVH * D, row_bytes = row_stride * static_cast<int64_t>(sizeof(at::BFloat16));
   const bool whole_halves = a.block_size % kLanes == 0;  // 16 keys at 16 i are one pool block's rows
