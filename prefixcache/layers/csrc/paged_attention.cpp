@@ -51,6 +51,7 @@ constexpr int kMaxVec = 16;    // head_dim <= 256 (16 registers of 16 floats)
 constexpr int kMaxGroup = 16;  // query heads per kv head
 constexpr int kPiece = 16;     // keys per softmax piece
 constexpr int64_t kSegment = 1024;  // keys per work item: a row's context is split at multiples of it
+constexpr int64_t kAhead = 32;      // the float32 form asks for a piece's K/V rows this many keys before it reads them
 // Rows with a longer context take the float32 form also where the bf16 form runs: a lone long context gains
 // nothing from sharing prepared blocks and streams its K/V faster through the float32 form (8,100 keys, 30
 // layers out of cache: 23.1 vs 32.2 ms, scripts/probe_decode_attention.py --layers 30). By the row's own
@@ -105,9 +106,13 @@ void attend_segment(const Args& a, int64_t r, int64_t kh, int64_t k_begin, int64
   }
   const int64_t row_stride = a.KVH * a.D;
   const __m512 scale = _mm512_set1_ps(a.scale);
+  const int32_t* table_row = a.table + r * a.max_blocks;
+  prefetch_kv_rows(a.k, a.v, table_row, a.block_size, row_stride, kh * a.D, a.D * 2, k_begin, std::min(k_begin + kAhead, k_end));
   for (int64_t start = k_begin, n = 0; start < k_end; start += n) {  // pieces of <= 16 keys inside one pool block
     const int64_t block = start / a.block_size, offset = start % a.block_size;
     n = std::min<int64_t>({kPiece, k_end - start, a.block_size - offset});
+    prefetch_kv_rows(a.k, a.v, table_row, a.block_size, row_stride, kh * a.D, a.D * 2, std::min(start + kAhead, k_end),
+                     std::min(start + n + kAhead, k_end));
     const int64_t slot = static_cast<int64_t>(a.table[r * a.max_blocks + block]) * a.block_size + offset;
     const at::BFloat16* kp = a.k + slot * row_stride + kh * a.D;
     const at::BFloat16* vp = a.v + slot * row_stride + kh * a.D;
