@@ -32,14 +32,18 @@ def test_values_are_float64_products_rounded_to_bf16(m, k, n, bias):
     assert ((y.double() - ref).abs() / (ref.abs() + 1e-2)).max() < 2**-8
 
 
-def test_a_row_has_the_same_bits_in_a_call_of_any_number_of_rows():
-    """300 rows in one call (two 256-row work items), split 137 + 163, and each row alone: identical bits."""
-    x, w, b = operands(300, 576, 960)
+@pytest.mark.parametrize("k,n", [(576, 960), (224, 48), (1536, 64)])
+def test_a_row_has_the_same_bits_in_a_call_of_any_number_of_rows(k, n):
+    """300 rows in one call (two 256-row work items), split 137 + 163, and each row alone: identical bits.
+    A call of more than 32 rows sums 6 feature blocks at a time over its row chunks, the sums resting in
+    memory between (18 blocks of 32 features = 3 x 6, 7 = 6 + 1, 48 = 8 x 6); a row alone sums all in
+    one pass: the same bits."""
+    x, w, b = operands(300, k, n)
     packed = pack_weight(w)
-    whole = amx_linear(x, packed, b, 960)
-    assert torch.equal(torch.cat([amx_linear(x[:137], packed, b, 960), amx_linear(x[137:], packed, b, 960)]), whole)
+    whole = amx_linear(x, packed, b, n)
+    assert torch.equal(torch.cat([amx_linear(x[:137], packed, b, n), amx_linear(x[137:], packed, b, n)]), whole)
     for i in (0, 15, 16, 31, 32, 255, 256, 299):
-        assert torch.equal(amx_linear(x[i : i + 1], packed, b, 960), whole[i : i + 1]), i
+        assert torch.equal(amx_linear(x[i : i + 1], packed, b, n), whole[i : i + 1]), i
 
 
 def test_one_thread_and_two_give_the_same_bits():
