@@ -88,8 +88,9 @@ KV_NUMERICS = "attention-rows:4-16-x16|gemm-rows:2+"
 PAGED_KV_NUMERICS = "paged-bf16-attention:keys32-exp2|gemm-rows:2+|prompt-ops:1"
 
 
-# added where our kernel runs its products on AMX tiles (prefill_attention.prefill_amx_supported)
-PAGED_AMX_NUMERICS = "|prompt-products:amx-tiles"
+# added where our kernel runs its products on AMX tiles (prefill_attention.prefill_amx_supported); its softmax
+# since 2026-12-02: p = 2^fma(s, scale, -m) by a floor-reduced polynomial, a -inf score making its row NaN
+PAGED_AMX_NUMERICS = "|prompt-products:amx-tiles|softmax:exp2-floor-fma"
 # added where a bf16 model's prepacked linear layers run on our AMX kernel (amx_gemm.amx_gemm_supported)
 AMX_GEMM_NUMERICS = "|gemm:amx-tiles-k32"
 

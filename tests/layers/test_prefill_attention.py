@@ -142,6 +142,29 @@ def test_a_nan_score_makes_its_rows_nan_in_every_tiling(amx):
         assert out[35:, 3:6].isnan().all() and torch.equal(out[35:, :3], clean[35:, :3])
 
 
+@pytest.mark.parametrize("amx", FORMS)
+def test_an_infinite_key_gives_nan_rows_by_each_forms_rule(amx):
+    """Key 35's head-1 K is -inf in dim 0 only: a row whose q has dim 0 > 0 scores it -inf, < 0 +inf.
+    +inf makes a row NaN in both forms. -inf: the AVX-512 form gives the key p = 0 (as if masked); the AMX
+    form makes the row NaN (its softmax checks every non-finite score in one test). Rows before the key,
+    and other heads, keep their bits; chunked and decoded rows agree."""
+    pool = Pool(9, 3, 64, amx=amx)
+    clean = pool.run([(0, 0, 40)])
+    slot = pool.tables[0][35 // BLOCK] * BLOCK + 35 % BLOCK
+    pool.pool[0].view(-1, 3, 64)[slot, 1] = 0.0
+    pool.pool[0].view(-1, 3, 64)[slot, 1, 0] = float("-inf")
+    chunk = pool.run([(0, 0, 40)])
+    decodes = torch.cat([pool.run([(0, pos, 1)]) for pos in range(40)])
+    q0 = pool.q[0][35:40, 3:6, 0].float()  # [rows, heads 3-5]: the sign of each row's score
+    assert (q0 > 0).any() and (q0 < 0).any()
+    for out in (chunk, decodes):
+        assert torch.equal(out[:35], clean[:35]) and torch.equal(out[35:, :3], clean[35:, :3])
+        nan = out[35:, 3:6].isnan().all(-1)
+        assert torch.equal(nan, torch.ones_like(nan) if amx else q0 < 0)
+        assert not out[35:, 3:6][~nan].isnan().any()
+    assert torch.equal(chunk.isnan(), decodes.isnan()) and torch.equal(chunk.nan_to_num(), decodes.nan_to_num())
+
+
 @needs_amx
 def test_the_amx_form_agrees_with_the_avx512_form_to_rounding_and_is_keyed_apart():
     """The two forms sum in different orders: values within bf16 rounding of each other, bits not all

@@ -15,7 +15,7 @@
 // for the second product as torch's CPU flash-attention kernel does), and out = bf16(o / l).
 // Keys after a row's own position are masked to p = 0 (their product adds exact zeros while V is
 // finite); a block past every key of a row leaves it unchanged (alpha = e^0 = 1), so it may be skipped
-// or not. A NaN or +inf score at a visible key makes the row NaN. (An Inf/NaN in V after a row's
+// or not. A NaN or +inf score at a visible key makes the row NaN (in the AMX form below, -inf as well). (An Inf/NaN in V after a row's
 // position can still reach it as 0 * inf when another row of its work item sees that key: a model
 // whose K/V overflow has already failed; torch's flash kernel does the same.)
 //
@@ -303,11 +303,12 @@ void attend_item(const Args& a, const Work& w, Buffers& buf) {
 //                        (or copied, where 16 keys are not one pool block), B = the q pairs (qp)
 //   output, transposed:  o^T[dim][row] = alpha o^T + V^T[dim][keys] . p^T[keys][row]   A = V^T (the v pairs
 //                        transposed), B = the bf16 p pairs (pp)
-// Between them the softmax is softmax_block_amx: softmax_block's arithmetic (the same values, bits and NaN
-// rules as the AVX-512 form's softmax) with the scale and mask folded into its first pass. A tile product's element
-// depends only on its A row, its B column and its C value (the instruction's own sum order, fixed), so a
-// row's bits depend only on its query, keys and values, as above; they differ from the AVX-512 form's (a
-// different sum order), so the cache key names the form (attention.kv_numerics).
+// Between them the softmax is softmax_block_amx: the same online softmax in base 2 with fewer instructions
+// (the max taken on the raw sums, p = 2^fma(s, scale, -m) by exp2_floor_512; a -inf score at a visible key
+// makes its row NaN too, like NaN and +inf). A tile product's element depends only on its A row, its B
+// column and its C value (the instruction's own sum order, fixed), so a row's bits depend only on its
+// query, keys and values, as above; they differ from the AVX-512 form's (a different sum order and 2^x),
+// so the cache key names the form (attention.kv_numerics).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512bf16,fma")
 
@@ -338,32 +339,55 @@ inline void transpose_16x16(__m512i* r) {
   }
 }
 
-// softmax_block on the tile products' raw sums q . k: scaled, masked after each row's position (only in a
-// block that reaches past some row's position: elsewhere the mask keeps every lane), checked and maxed in one
-// pass, the same values and bits as softmax_block on score_keys' scores. Keys past nk are skipped, their p
-// set to 0.
+// 2^x for the AMX form's p (x <= ~0, finite): f = x - floor(x) in [0, 1) (vreduceps, exact), 2^f by a
+// degree-4 polynomial fitted to the relative error on [0, 1] (< 3e-6, as exp2_512's), scaled by 2^floor(x)
+// (vscalefps floors its exponent operand itself). Six instructions where exp2_512 takes nine; x = -inf or
+// NaN gives NaN (the softmax below makes such a row NaN anyway, or masks the lane).
+inline __m512 exp2_floor_512(__m512 x) {
+  const __m512 f = _mm512_reduce_ps(x, 0x09);  // rounding down, precision exception suppressed
+  __m512 p = _mm512_set1_ps(1.3426804915e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.2242279053e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4128030241e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9304484129e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, x);
+}
+
+// The AMX form's softmax of one block for one row vector, on the tile products' raw sums q . k (buf.s):
+//   m' = max(m, scale * max_j visible s_j)   (scale > 0: the max of the scaled scores, bit for bit)
+//   p_j = 2^fma(s_j, scale, -m') (exp2_floor_512), 0 at masked keys; l = alpha l + sum_j p_j (key order)
+// A first pass reads s for the max and the checks only (no store): a NaN or infinite score at a visible key
+// marks its row bad (its output NaN, in every tiling). Masked keys (after a row's position, or past nk) are
+// left out of the max by mask and set to p = 0, only in a block that reaches past some row's position.
 inline __m512 softmax_block_amx(Buffers& buf, int64_t base, int64_t nk, __m512& m, __m512& l, __mmask16& bad,
                                 __m512i pair_idx, __m512 scale, __m512i pos, int64_t key0) {
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const bool masked = nk < kKeys || _mm512_cmplt_epi32_mask(pos, _mm512_set1_epi32(static_cast<int>(key0 + nk - 1))) != 0;
-  __m512 mb = neg_inf;
-  for (int64_t j = 0; j < nk; ++j) {
-    __m512 sj = _mm512_mul_ps(_mm512_load_ps(&buf.s[j][base]), scale);
-    if (masked)
-      sj = _mm512_mask_mov_ps(neg_inf, _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int>(key0 + j))), sj);
-    bad |= _mm512_fpclass_ps_mask(sj, 0x01 | 0x08 | 0x80);  // QNaN, +inf, SNaN
-    mb = _mm512_max_ps(mb, sj);
-    _mm512_store_ps(&buf.s[j][base], sj);
+  const auto visible = [&](int64_t j) { return _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int>(key0 + j))); };
+  __m512 mb = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  if (masked) {
+    for (int64_t j = 0; j < nk; ++j) {
+      const __m512 sj = _mm512_load_ps(&buf.s[j][base]);
+      const __mmask16 vis = visible(j);
+      bad |= _mm512_mask_fpclass_ps_mask(vis, sj, 0x99);  // QNaN, +inf, -inf, SNaN
+      mb = _mm512_mask_max_ps(mb, vis, mb, sj);
+    }
+  } else {
+    for (int64_t j = 0; j < kKeys; ++j) {
+      const __m512 sj = _mm512_load_ps(&buf.s[j][base]);
+      bad |= _mm512_fpclass_ps_mask(sj, 0x99);
+      mb = _mm512_max_ps(mb, sj);
+    }
   }
-  const __m512 m_new = _mm512_max_ps(m, mb);
-  const __m512 alpha = exp2_512(_mm512_sub_ps(m, m_new));
+  const __m512 m_new = _mm512_max_ps(m, _mm512_mul_ps(mb, scale));
+  const __m512 alpha = exp2_512(_mm512_sub_ps(m, m_new));  // m = -inf (first block): 2^-126, times o = l = 0
+  const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m_new);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < kKeys; j += 2) {
     __m512 pj[2];
     for (int t = 0; t < 2; ++t) {
       if (j + t < nk) {
-        const __m512 sj = _mm512_load_ps(&buf.s[j + t][base]);
-        pj[t] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sj, neg_inf, _CMP_NEQ_OQ), exp2_512(_mm512_sub_ps(sj, m_new)));
+        pj[t] = exp2_floor_512(_mm512_fmadd_ps(_mm512_load_ps(&buf.s[j + t][base]), scale, neg_m));
+        if (masked) pj[t] = _mm512_maskz_mov_ps(visible(j + t), pj[t]);
         sum = _mm512_add_ps(sum, pj[t]);
       } else {
         pj[t] = _mm512_setzero_ps();
