@@ -23,6 +23,8 @@ import math
 import numbers
 from typing import NamedTuple
 
+import torch
+
 from prefixcache.cache.hashing import BlockHasher, hash_seed_bytes, make_root_key, tenant_extra_key
 from prefixcache.config import EngineConfig
 from prefixcache.engine.tenancy import ApprovedPrefixes, validate_tenant
@@ -88,7 +90,8 @@ class InputProcessor:
         paged = self.loaded.model.paged_attention
         memo = self.loaded.fingerprint + self.loaded.quantization.encode() + bytes([paged])
         if self._model_key is None or self._model_key[0] != memo:
-            weights_format = f"{self.loaded.dtype}|quantization={self.loaded.quantization}|{kv_numerics(paged)}"
+            numerics = kv_numerics(paged, bf16_gemms=self.loaded.dtype == torch.bfloat16)
+            weights_format = f"{self.loaded.dtype}|quantization={self.loaded.quantization}|{numerics}"
             key = hashlib.sha256(self.loaded.fingerprint + weights_format.encode()).digest()
             self._model_key = (memo, key)
         return self._model_key[1]

@@ -15,7 +15,6 @@ inputs as zero.
 
 from __future__ import annotations
 
-from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +22,6 @@ import torch.nn.functional as F
 from prefixcache.layers.cpu_kernels import amx_ready, load_cpu_kernels
 
 
-@cache
 def amx_gemm_supported() -> bool:
     """Whether bf16 linear layers run on AMX tiles here (the CPU has AMX-BF16 and Linux granted the tile
     state; ``PREFIXCACHE_AMX=0`` turns every AMX form off, for A/B measurements). The cache key names

@@ -95,15 +95,16 @@ PAGED_AMX_NUMERICS = "|prompt-products:amx-tiles|softmax:exp2-floor-fma"
 AMX_GEMM_NUMERICS = "|gemm:amx-tiles-k32"
 
 
-def kv_numerics(paged_kernel: bool) -> str:
+def kv_numerics(paged_kernel: bool, bf16_gemms: bool) -> str:
     """The cache key's name for the rules that decide the bits of the pool's K/V: our paged kernel
     (:mod:`prefixcache.layers.prefill_attention`), in its AMX or AVX-512 form, or torch's padded
-    flash calls; and whose GEMMs a bf16 model runs (our AMX kernel or oneDNN's in row tiles)."""
+    flash calls; and, for a model whose linear layers run in bf16 (``bf16_gemms``), whose GEMMs
+    those are (our AMX kernel or oneDNN's in row tiles; a float32 or int8 model's never run on it)."""
     if not paged_kernel:
         key = KV_NUMERICS
     else:
         key = PAGED_KV_NUMERICS + (PAGED_AMX_NUMERICS if prefill_amx_supported() else "")
-    return key + (AMX_GEMM_NUMERICS if amx_gemm_supported() else "")
+    return key + (AMX_GEMM_NUMERICS if bf16_gemms and amx_gemm_supported() else "")
 
 
 def common_run_length(ids: torch.Tensor) -> int:

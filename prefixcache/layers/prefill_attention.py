@@ -80,7 +80,6 @@ def prefill_kernel_supported(num_heads: int, num_kv_heads: int, head_dim: int) -
     return True
 
 
-@cache
 def prefill_amx_supported() -> bool:
     """Whether the kernel runs its products on AMX tiles here (Intel Sapphire Rapids and later: AMX-TILE
     and AMX-BF16, and Linux's grant of the tile state to this process), which it then always does:

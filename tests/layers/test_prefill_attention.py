@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from prefixcache.layers.amx_gemm import amx_gemm_supported
-from prefixcache.layers.attention import (AMX_GEMM_NUMERICS, PAGED_AMX_NUMERICS, PAGED_KV_NUMERICS, Attention, build_attention_metadata,
-                                          kv_numerics)
+from prefixcache.layers.attention import (AMX_GEMM_NUMERICS, KV_NUMERICS, PAGED_AMX_NUMERICS, PAGED_KV_NUMERICS, Attention,
+                                          build_attention_metadata, kv_numerics)
 from prefixcache.layers.prefill_attention import (build_paged_rows, paged_prefill_attention, prefill_amx_supported,
                                                   prefill_kernel_supported)
 
@@ -124,7 +124,8 @@ def test_refuses_what_it_cannot_run():
         paged_prefill_attention(pool.q[0][:4], pool.pool, rows, 0.125)
     amx_key = PAGED_AMX_NUMERICS if prefill_amx_supported() else ""
     gemm_key = AMX_GEMM_NUMERICS if amx_gemm_supported() else ""
-    assert kv_numerics(True) == PAGED_KV_NUMERICS + amx_key + gemm_key != kv_numerics(False)
+    assert kv_numerics(True, True) == PAGED_KV_NUMERICS + amx_key + gemm_key != kv_numerics(False, True)
+    assert kv_numerics(False, False) == KV_NUMERICS  # a float32 model: no bf16 GEMMs to name
 
 
 @pytest.mark.parametrize("amx", FORMS)
@@ -176,7 +177,7 @@ def test_the_amx_form_agrees_with_the_avx512_form_to_rounding_and_is_keyed_apart
     amx = pool.run(batch).float()
     assert (avx512 - amx).abs().max() < 0.02
     assert not torch.equal(avx512, amx)
-    assert PAGED_AMX_NUMERICS in kv_numerics(True)
+    assert PAGED_AMX_NUMERICS in kv_numerics(True, True)
 
 
 @pytest.mark.parametrize("amx", FORMS)
