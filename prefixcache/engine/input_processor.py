@@ -90,7 +90,9 @@ class InputProcessor:
         paged = self.loaded.model.paged_attention
         memo = self.loaded.fingerprint + self.loaded.quantization.encode() + bytes([paged])
         if self._model_key is None or self._model_key[0] != memo:
-            numerics = kv_numerics(paged, bf16_gemms=self.loaded.dtype == torch.bfloat16)
+            quantization = self.loaded.quantization  # int8: W8A8 products, no bf16 GEMM at all
+            numerics = kv_numerics(paged, bf16_gemms=self.loaded.dtype == torch.bfloat16 and quantization != "int8",
+                                   int4=quantization == "int4")
             weights_format = f"{self.loaded.dtype}|quantization={self.loaded.quantization}|{numerics}"
             key = hashlib.sha256(self.loaded.fingerprint + weights_format.encode()).digest()
             self._model_key = (memo, key)

@@ -71,6 +71,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.layers.amx_gemm import amx_gemm_supported
+from prefixcache.layers.cpu_kernels import kernels_compiler
 from prefixcache.layers.generated_attention import GeneratedRows, build_generated_rows
 from prefixcache.layers.prefill_attention import (PagedRows, build_paged_rows, paged_prefill_attention,
                                                    prefill_amx_supported)
@@ -89,22 +90,26 @@ PAGED_KV_NUMERICS = "paged-bf16-attention:keys32-exp2|gemm-rows:2+|prompt-ops:1"
 
 
 # added where our kernel runs its products on AMX tiles (prefill_attention.prefill_amx_supported); its softmax
-# since 2026-12-02: p = 2^fma(s, scale, -m) by a floor-reduced polynomial, a -inf score making its row NaN
-PAGED_AMX_NUMERICS = "|prompt-products:amx-tiles|softmax:exp2-floor-fma"
+# since 2026-12-02: p = 2^(s * scale - m) by a floor-reduced polynomial, a -inf score making its row NaN
+PAGED_AMX_NUMERICS = "|prompt-products:amx-tiles|softmax:exp2-floor"
 # added where a bf16 model's prepacked linear layers run on our AMX kernel (amx_gemm.amx_gemm_supported)
 AMX_GEMM_NUMERICS = "|gemm:amx-tiles-k32"
 
 
-def kv_numerics(paged_kernel: bool, bf16_gemms: bool) -> str:
+def kv_numerics(paged_kernel: bool, bf16_gemms: bool, int4: bool = False) -> str:
     """The cache key's name for the rules that decide the bits of the pool's K/V: our paged kernel
     (:mod:`prefixcache.layers.prefill_attention`), in its AMX or AVX-512 form, or torch's padded
-    flash calls; and, for a model whose linear layers run in bf16 (``bf16_gemms``), whose GEMMs
-    those are (our AMX kernel or oneDNN's in row tiles; a float32 or int8 model's never run on it)."""
+    flash calls; for a model whose linear layers run in bf16 (``bf16_gemms``), whose GEMMs those are
+    (our AMX kernel or oneDNN's in row tiles; a float32 or int8 model's never run on it); and, wherever
+    our C++ kernels compute K/V (the paged kernel, the AMX GEMM, ``int4``'s generated rows), the
+    compiler that built them (:func:`prefixcache.layers.cpu_kernels.kernels_compiler`)."""
     if not paged_kernel:
         key = KV_NUMERICS
     else:
         key = PAGED_KV_NUMERICS + (PAGED_AMX_NUMERICS if prefill_amx_supported() else "")
-    return key + (AMX_GEMM_NUMERICS if bf16_gemms and amx_gemm_supported() else "")
+    amx_gemm = bf16_gemms and amx_gemm_supported()
+    key += AMX_GEMM_NUMERICS if amx_gemm else ""
+    return key + (f"|cc:{kernels_compiler()}" if paged_kernel or amx_gemm or int4 else "")
 
 
 def common_run_length(ids: torch.Tensor) -> int:

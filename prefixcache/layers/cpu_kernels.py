@@ -27,7 +27,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["CpuKernelsUnavailable", "amx_ready", "load_cpu_kernels"]
+__all__ = ["CpuKernelsUnavailable", "amx_ready", "kernels_compiler", "load_cpu_kernels"]
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("qgemm.cpp", "paged_attention.cpp", "prefill_attention.cpp", "generated_decoder.cpp",
                                       "prompt_ops.cpp", "amx_gemm.cpp", "bindings.cpp")]
@@ -75,6 +75,19 @@ def amx_ready() -> bool:
         return bool(load_cpu_kernels().amx_bf16_ready())
     except CpuKernelsUnavailable:
         return False
+
+
+@cache
+def kernels_compiler() -> str:
+    """The compiler that built the kernels (``__VERSION__``, e.g. ``"12.2.0"``), or ``""`` where they don't
+    build. Part of the cache key wherever they compute K/V (:func:`prefixcache.layers.attention.kv_numerics`):
+    the same sources can round differently under another compiler (GCC fuses a product and a sum written as
+    two intrinsics into one fma, ``-ffp-contract=fast``, and its choices vary by version), so replicas
+    sharing a KV tier reuse each other's blocks only when built alike."""
+    try:
+        return str(load_cpu_kernels().compiler())
+    except CpuKernelsUnavailable:
+        return ""
 
 
 def _extension_name() -> str:

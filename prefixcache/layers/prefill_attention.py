@@ -18,9 +18,10 @@ ten 150-token suffixes over 2,032 cached keys 27.4-27.8 ms (105-107 ms), one suc
 
 Where the CPU has AMX-BF16 tiles (Intel Sapphire Rapids and later), the kernel runs both products as
 tile products instead (``TDPBF16PS``, scores as K . q^T with K's rows read straight from the pool, the
-output as V^T . p^T) around the same softmax arithmetic; a tile product's element depends only on its own
-row and column, so the batch invariance above holds, but its sum order differs from the AVX-512 form's,
-so the cache key names the form. Measured on SmolLM2's head shape (2 threads, an Intel Xeon with AMX,
+output as V^T . p^T) around an online softmax of the same order with fewer instructions (since
+2026-12-02: the max on the raw sums, ``p = 2^(s * scale - m)``, a -inf score making its row NaN like
+NaN and +inf); a tile product's element depends only on its own row and column, so the batch invariance
+above holds, but its sums and 2^x differ from the AVX-512 form's, so the cache key names the form. Measured on SmolLM2's head shape (2 threads, an Intel Xeon with AMX,
 2026-12-02, same script, per layer): a 2,178-token prefill 7.9 ms (AVX-512 form 28.7 ms, torch's padded
 flash path 12.7 ms), ten 150-token suffixes 10.0 ms (38.0, 18.6), one suffix 1.0 ms (3.8, 1.9), an
 8,000-token prefill's last 2,048-token chunk 53.5 ms (179.7, 65.5).

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from prefixcache.layers.amx_gemm import amx_gemm_supported
+from prefixcache.layers.cpu_kernels import kernels_compiler
 from prefixcache.layers.attention import (AMX_GEMM_NUMERICS, KV_NUMERICS, PAGED_AMX_NUMERICS, PAGED_KV_NUMERICS, Attention,
                                           build_attention_metadata, kv_numerics)
 from prefixcache.layers.prefill_attention import (build_paged_rows, paged_prefill_attention, prefill_amx_supported,
@@ -124,8 +125,11 @@ def test_refuses_what_it_cannot_run():
         paged_prefill_attention(pool.q[0][:4], pool.pool, rows, 0.125)
     amx_key = PAGED_AMX_NUMERICS if prefill_amx_supported() else ""
     gemm_key = AMX_GEMM_NUMERICS if amx_gemm_supported() else ""
-    assert kv_numerics(True, True) == PAGED_KV_NUMERICS + amx_key + gemm_key != kv_numerics(False, True)
-    assert kv_numerics(False, False) == KV_NUMERICS  # a float32 model: no bf16 GEMMs to name
+    cc = "|cc:" + kernels_compiler()
+    assert kernels_compiler()  # e.g. "12.2.0"
+    assert kv_numerics(True, True) == PAGED_KV_NUMERICS + amx_key + gemm_key + cc != kv_numerics(False, True)
+    assert kv_numerics(False, False) == KV_NUMERICS  # a float32 model: none of our kernels, nothing more to name
+    assert kv_numerics(False, False, int4=True) == KV_NUMERICS + cc  # int4's generated rows run our decoder
 
 
 @pytest.mark.parametrize("amx", FORMS)
@@ -164,6 +168,23 @@ def test_an_infinite_key_gives_nan_rows_by_each_forms_rule(amx):
         assert torch.equal(nan, torch.ones_like(nan) if amx else q0 < 0)
         assert not out[35:, 3:6][~nan].isnan().any()
     assert torch.equal(chunk.isnan(), decodes.isnan()) and torch.equal(chunk.nan_to_num(), decodes.nan_to_num())
+
+
+@pytest.mark.parametrize("amx", FORMS)
+def test_huge_finite_scores_give_the_exact_softmax(amx):
+    """Row 0 sees one key (score S), row 1 keys S and S/2 with V 1.0 and 2.0: outputs exactly 1.0 for S
+    from 2^20 to 2^39 (a fresh reviewer found the AMX form's first softmax, p = 2^fma(s, scale, -m), NaN
+    from S ~ 4e10 and 0.996 from ~4e7: m rounded, the fma's product not)."""
+    md, _ = build_attention_metadata([(0, 2, [0])], BLOCK, "cpu", batch_invariant=True, dtype=torch.bfloat16,
+                                     num_pool_blocks=1, paged_kernel=True)
+    q = torch.zeros(2, 1, 64, dtype=torch.bfloat16)
+    q[:, 0, 0] = 64.0
+    for e in range(20, 40):
+        pool = torch.zeros(2, 1, BLOCK, 1, 64, dtype=torch.bfloat16)
+        pool[0, 0, 0, 0, 0], pool[0, 0, 1, 0, 0] = 1.3 * 2.0**e / 64, 1.3 * 2.0**e / 128
+        pool[1, 0, 0], pool[1, 0, 1] = 1.0, 2.0
+        out = paged_prefill_attention(q, pool, md.paged, 64**-0.5, amx=amx)
+        assert out[:, 0, 0].tolist() == [1.0, 1.0], e
 
 
 @needs_amx

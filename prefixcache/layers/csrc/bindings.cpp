@@ -48,5 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "row tiles [T, (H + 2 KVH) D] -> q [T, H, D] rotated; k rotated and v written to the pool (prompt_ops.cpp)");
   m.def("silu_mul", &silu_mul, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "row tiles [T, 2 I] -> silu(gate) * up [T, I], bf16 (prompt_ops.cpp)");
+  m.def("compiler", [] { return std::string(__VERSION__); },
+        "the compiler that built these kernels (its choices, such as which products it fuses into an fma, "
+        "decide bits: the cache key names it)");
   bind_generated_decoder(m);  // generated tokens' decoder layers (generated_decoder.cpp)
 }

@@ -304,7 +304,7 @@ void attend_item(const Args& a, const Work& w, Buffers& buf) {
 //   output, transposed:  o^T[dim][row] = alpha o^T + V^T[dim][keys] . p^T[keys][row]   A = V^T (the v pairs
 //                        transposed), B = the bf16 p pairs (pp)
 // Between them the softmax is softmax_block_amx: the same online softmax in base 2 with fewer instructions
-// (the max taken on the raw sums, p = 2^fma(s, scale, -m) by exp2_floor_512; a -inf score at a visible key
+// (the max taken on the raw sums, p = 2^(s scale - m) by exp2_floor_512; a -inf score at a visible key
 // makes its row NaN too, like NaN and +inf). A tile product's element depends only on its A row, its B
 // column and its C value (the instruction's own sum order, fixed), so a row's bits depend only on its
 // query, keys and values, as above; they differ from the AVX-512 form's (a different sum order and 2^x),
@@ -339,7 +339,7 @@ inline void transpose_16x16(__m512i* r) {
   }
 }
 
-// 2^x for the AMX form's p (x <= ~0, finite): f = x - floor(x) in [0, 1) (vreduceps, exact), 2^f by a
+// 2^x for the AMX form's p (x <= 0, finite): f = x - floor(x) in [0, 1) (vreduceps, exact), 2^f by a
 // degree-4 polynomial fitted to the relative error on [0, 1] (< 3e-6, as exp2_512's), scaled by 2^floor(x)
 // (vscalefps floors its exponent operand itself). Six instructions where exp2_512 takes nine; x = -inf or
 // NaN gives NaN (the softmax below makes such a row NaN anyway, or masks the lane).
@@ -355,7 +355,8 @@ inline __m512 exp2_floor_512(__m512 x) {
 
 // The AMX form's softmax of one block for one row vector, on the tile products' raw sums q . k (buf.s):
 //   m' = max(m, scale * max_j visible s_j)   (scale > 0: the max of the scaled scores, bit for bit)
-//   p_j = 2^fma(s_j, scale, -m') (exp2_floor_512), 0 at masked keys; l = alpha l + sum_j p_j (key order)
+//   p_j = 2^(s_j * scale - m') (exp2_floor_512; s_j * scale rounded to float32 first, so the exponent is
+//   <= 0 and exactly 0 at the max whatever the scores' size), 0 at masked keys; l = alpha l + sum_j p_j
 // A first pass reads s for the max and the checks only (no store): a NaN or infinite score at a visible key
 // marks its row bad (its output NaN, in every tiling). Masked keys (after a row's position, or past nk) are
 // left out of the max by mask and set to p = 0, only in a block that reaches past some row's position.
@@ -380,13 +381,16 @@ inline __m512 softmax_block_amx(Buffers& buf, int64_t base, int64_t nk, __m512& 
   }
   const __m512 m_new = _mm512_max_ps(m, _mm512_mul_ps(mb, scale));
   const __m512 alpha = exp2_512(_mm512_sub_ps(m, m_new));  // m = -inf (first block): 2^-126, times o = l = 0
-  const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m_new);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < kKeys; j += 2) {
     __m512 pj[2];
     for (int t = 0; t < 2; ++t) {
       if (j + t < nk) {
-        pj[t] = exp2_floor_512(_mm512_fmadd_ps(_mm512_load_ps(&buf.s[j + t][base]), scale, neg_m));
+        // the product by vmulps with its rounding spelled out: GCC contracts a plain _mm512_mul_ps feeding
+        // a subtraction into one fma (-ffp-contract=fast), whose unrounded product broke p = 1 at the max
+        const __m512 sj = _mm512_mul_round_ps(_mm512_load_ps(&buf.s[j + t][base]), scale,
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        pj[t] = exp2_floor_512(_mm512_sub_ps(sj, m_new));
         if (masked) pj[t] = _mm512_maskz_mov_ps(visible(j + t), pj[t]);
         sum = _mm512_add_ps(sum, pj[t]);
       } else {
