@@ -93,7 +93,7 @@ class InputProcessor:
             quantization = self.loaded.quantization  # int8: W8A8 products, no bf16 GEMM at all
             numerics = kv_numerics(paged, bf16_gemms=self.loaded.dtype == torch.bfloat16 and quantization != "int8",
                                    int4=quantization == "int4")
-            weights_format = f"{self.loaded.dtype}|quantization={self.loaded.quantization}|{numerics}"
+            weights_format = f"{self.loaded.dtype}|quantization={quantization}|{numerics}"
             key = hashlib.sha256(self.loaded.fingerprint + weights_format.encode()).digest()
             self._model_key = (memo, key)
         return self._model_key[1]

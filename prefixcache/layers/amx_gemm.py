@@ -16,7 +16,6 @@ inputs as zero.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 

@@ -33,7 +33,7 @@ constexpr int64_t kItemRows = 256, kItemBlocks = 8;  // a work item: rows x (16-
 constexpr int64_t kKcBlock = 6;  // feature blocks of 32 per pass over a work item's row chunks
 
 // Output modes. kPlain: column block b is out's columns 16 b ... kGateUp: blocks alternate gate block j,
-// up block j (pack_weight(interleave=...)), written to out [M, 2 I] at 16 j and I + 16 j. kSiluMul: the same
+// up block j (layers/amx_gemm.py's interleave_gate_up), written to out [M, 2 I] at 16 j and I + 16 j. kSiluMul: the same
 // pairs, out [M, I] = bf16(bf16(silu(bf16 gate)) * bf16 up), prompt_ops.cpp's silu_mul on the bf16 values the
 // kGateUp mode writes: the same bits as that mode followed by silu_mul.
 enum OutMode : int64_t { kPlain = 0, kGateUp = 1, kSiluMul = 2 };

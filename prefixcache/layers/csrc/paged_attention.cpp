@@ -72,6 +72,11 @@ struct Args {
   bool runs(int64_t r) const { return skip == nullptr || skip[r] == 0; }
 };
 
+// K/V rows of keys [begin, end) of one row (its block table row), kv head kh, asked for ahead (avx512.h); both forms.
+void prefetch_keys(const Args& a, const int32_t* table_row, int64_t kh, int64_t begin, int64_t end) {
+  prefetch_kv_rows(a.k, a.v, table_row, a.block_size, a.KVH * a.D, kh * a.D, a.D * 2, begin, end);
+}
+
 // 16 vectors -> their 16 horizontal sums, in order. Every vector's lanes are added in the same
 // pattern whatever its position: ((l0 + l2) + (l1 + l3)) within each 128-bit quarter, then the
 // quarters (q0 + q1) + (q2 + q3).
@@ -107,13 +112,12 @@ void attend_segment(const Args& a, int64_t r, int64_t kh, int64_t k_begin, int64
   const int64_t row_stride = a.KVH * a.D;
   const __m512 scale = _mm512_set1_ps(a.scale);
   const int32_t* table_row = a.table + r * a.max_blocks;
-  prefetch_kv_rows(a.k, a.v, table_row, a.block_size, row_stride, kh * a.D, a.D * 2, k_begin, std::min(k_begin + kAhead, k_end));
+  prefetch_keys(a, table_row, kh, k_begin, std::min(k_begin + kAhead, k_end));
   for (int64_t start = k_begin, n = 0; start < k_end; start += n) {  // pieces of <= 16 keys inside one pool block
     const int64_t block = start / a.block_size, offset = start % a.block_size;
     n = std::min<int64_t>({kPiece, k_end - start, a.block_size - offset});
-    prefetch_kv_rows(a.k, a.v, table_row, a.block_size, row_stride, kh * a.D, a.D * 2, std::min(start + kAhead, k_end),
-                     std::min(start + n + kAhead, k_end));
-    const int64_t slot = static_cast<int64_t>(a.table[r * a.max_blocks + block]) * a.block_size + offset;
+    prefetch_keys(a, table_row, kh, std::min(start + kAhead, k_end), std::min(start + n + kAhead, k_end));
+    const int64_t slot = static_cast<int64_t>(table_row[block]) * a.block_size + offset;
     const at::BFloat16* kp = a.k + slot * row_stride + kh * a.D;
     const at::BFloat16* vp = a.v + slot * row_stride + kh * a.D;
     __m512 dots[kGN][kPiece];  // per head and key: the 16 lane partial sums of q . k
@@ -280,11 +284,6 @@ void prepare(const Args& a, const int32_t* table_row, int64_t kh, const KeyBlock
       _mm512_store_si512(vp + i * D + d0 + 16, _mm512_unpackhi_epi16(x, y));
     }
   }
-}
-
-// K/V rows of keys [begin, end) of one row (its block table row), kv head kh, asked for ahead (avx512.h).
-void prefetch_keys(const Args& a, const int32_t* table_row, int64_t kh, int64_t begin, int64_t end) {
-  prefetch_kv_rows(a.k, a.v, table_row, a.block_size, a.KVH * a.D, kh * a.D, a.D * 2, begin, end);
 }
 
 // Which dim of its 32-dim block the output accumulator's dword j holds: V pairs are interleaved within
