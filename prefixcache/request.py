@@ -104,6 +104,9 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(init=False, default_factory=list)
     block_hashes: list[BlockHash] = field(init=False, default_factory=list)
+    # The tokens of its full blocks as pack_token_ids bytes (4 bytes per token, ``len(block_hashes)
+    # * block_size`` tokens): what a cache hit's stored tokens are compared with.
+    token_bytes: bytearray = field(init=False, default_factory=bytearray, repr=False)
     num_computed_tokens: int = field(init=False, default=0)
     # Tokens served from the prefix cache at first admission; None until admitted.
     num_cached_tokens: int | None = field(init=False, default=None)
@@ -136,7 +139,7 @@ class Request:
         ]
         if self.arrival_s is None:
             self.arrival_s = time.monotonic()
-        self.block_hasher.extend(
+        self.token_bytes += self.block_hasher.extend(
             self.block_hashes, self.all_token_ids, self.root_key, self.tenant_key, self.num_shared_blocks,
             self.num_prompt_tokens,
         )
@@ -173,6 +176,7 @@ class Request:
         child.all_token_ids = list(self.all_token_ids)
         child.output_token_ids = list(self.output_token_ids)
         child.block_hashes = list(self.block_hashes)
+        child.token_bytes = bytearray(self.token_bytes)
         child.logprobs = list(self.logprobs)
         child.detokenizer = None  # its own text, decoded from its own tokens when first needed
         return child
@@ -191,7 +195,7 @@ class Request:
         """Appends one sampled token and hashes any block it completes."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        self.block_hasher.extend(
+        self.token_bytes += self.block_hasher.extend(
             self.block_hashes, self.all_token_ids, self.root_key, self.tenant_key, self.num_shared_blocks,
             self.num_prompt_tokens,
         )

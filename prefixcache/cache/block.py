@@ -29,6 +29,8 @@ class KVCacheBlock:
         ref_cnt: number of running requests whose block table holds this block.
         block_hash: the chained hash of the block; set iff the block is full and cached.
         token_ids: the block's ``block_size`` tokens, stored when cached (verified on a hit).
+        token_bytes: ``token_ids`` as :func:`~prefixcache.cache.hashing.pack_token_ids` bytes,
+            what a full hit compares (with ``Request.token_bytes``).
         parent: the previous block of the chain when cached; ``None`` for a first block.
         parent_generation: ``parent.generation`` at caching time.
         root_key: for a chain's first block, the caching request's root key; else ``None``.
@@ -46,6 +48,7 @@ class KVCacheBlock:
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] | None = None
+    token_bytes: bytes | None = None
     parent: KVCacheBlock | None = None
     parent_generation: int = 0
     root_key: bytes | None = None
@@ -116,6 +119,19 @@ def verified_chain_length(
             return n
         parent = block
     return len(blocks)
+
+
+def matching_token_blocks(blocks: Sequence[KVCacheBlock], token_bytes: bytes | bytearray, block_size: int) -> int:
+    """How many of ``blocks``, from the first, store the tokens of ``token_bytes`` (a request's
+    ``Request.token_bytes``) at their positions: one bytes compare for all when every block matches.
+    """
+    width = 4 * block_size
+    if b"".join([block.token_bytes for block in blocks]) == token_bytes[: len(blocks) * width]:
+        return len(blocks)
+    for n, (block, off) in enumerate(zip(blocks, range(0, len(token_bytes), width))):
+        if block.token_bytes != token_bytes[off : off + width]:
+            return n
+    return min(len(blocks), len(token_bytes) // width)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 from prefixcache.cache.block import KVCacheBlock, common_prefix_length, follows
 from prefixcache.cache.config import CacheConfig
 from prefixcache.cache.eviction import EvictionPolicy, make_eviction_policy
-from prefixcache.cache.hashing import BlockHash
+from prefixcache.cache.hashing import BlockHash, pack_token_ids
 from prefixcache.cache.metrics import EvictionStats
 
 if TYPE_CHECKING:
@@ -98,6 +98,10 @@ class BlockPool:
         # block hash -> {block_id: block}; several blocks may share a hash (two requests that
         # computed the same prefix in one step, or a hash collision).
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+        # block hash -> its cached block, for the hashes with exactly one cached copy: a lookup's
+        # fast path takes a block with one dict get (vLLM v1's BlockHashToBlockMap keeps a lone
+        # block out of a dict for the same reason).
+        self.sole_cached_block: dict[BlockHash, KVCacheBlock] = {}
         # (parent block id, or root key for a first block; first token) -> {block_id: block}:
         # the cached children of a block, for partial-block reuse.
         self.cached_children: dict[tuple[int | bytes, int], dict[int, KVCacheBlock]] = {}
@@ -319,6 +323,7 @@ class BlockPool:
         if same is not None:
             return same
         block.block_hash, block.token_ids, block.extra_key = block_hash, token_ids, extra_key
+        block.token_bytes = pack_token_ids(token_ids)
         block.cached_s = self.clock()
         if parent is None:
             block.parent, block.parent_generation, block.root_key, block.depth = None, 0, root_key, 0
@@ -332,6 +337,7 @@ class BlockPool:
         if not same_hash and self.kv_events is not None:
             self.kv_events.block_stored(block, parent, root_key)
         same_hash[block.block_id] = block
+        self._index_sole_copy(block_hash, same_hash)
         self.cached_children.setdefault((key, token_ids[0]), {})[block.block_id] = block
         self.num_cached_blocks += 1
         if self.changed_hashes is not None:
@@ -418,12 +424,20 @@ class BlockPool:
         for block in self.blocks:
             self._clear(block, notify=False, record=False)
         self.cached_block_hash_to_block.clear()
+        self.sole_cached_block.clear()
         self.cached_children.clear()
         if self.kv_events is not None:
             self.kv_events.all_blocks_cleared()
         # A fresh policy over the same blocks, in the order they would have been taken.
         self.evictor = self._make_evictor(order)
         return True
+
+    def _index_sole_copy(self, block_hash: BlockHash, same_hash: dict[int, KVCacheBlock]) -> None:
+        """Keeps ``sole_cached_block[block_hash]`` right after ``block_hash``'s copies changed."""
+        if len(same_hash) == 1:
+            (self.sole_cached_block[block_hash],) = same_hash.values()
+        else:
+            self.sole_cached_block.pop(block_hash, None)
 
     def _evict(self, block: KVCacheBlock, reason: str, notify: bool = True) -> None:
         """Evicts a block leaving the cache for reuse, counting it (by reason and age) if cached."""
@@ -446,6 +460,7 @@ class BlockPool:
             self.changed_hashes.add(block.block_hash)
         same_hash = self.cached_block_hash_to_block[block.block_hash]
         del same_hash[block.block_id]
+        self._index_sole_copy(block.block_hash, same_hash)
         if not same_hash:
             del self.cached_block_hash_to_block[block.block_hash]
             if record and self.kv_events is not None:
@@ -464,7 +479,7 @@ class BlockPool:
         block.num_cached_children = 0
         block.depth = 0
         block.block_hash = None
-        block.token_ids = None
+        block.token_ids = block.token_bytes = None
         block.parent = None
         block.parent_generation = 0
         block.root_key = None

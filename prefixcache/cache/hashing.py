@@ -49,6 +49,16 @@ _UINT32 = next(code for code in "IL" if array(code).itemsize == 4)
 _PROCESS_HASH_SEED = os.urandom(16)
 
 
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes (4 bytes per token): the form block hashes are
+    computed from and hits are verified with (one ``bytes`` compare per chain instead of an int
+    compare per token)."""
+    packed = array(_UINT32, token_ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
 def hash_seed_bytes(hash_seed: int | None, hash_seed_file: str | None = None) -> bytes:
     """The seed mixed into every root key: ``hash_seed`` as 8 bytes, the sha256 of the secret in
     ``hash_seed_file`` (a deployment's key file, shared by the processes that share KV tiers), or
@@ -160,7 +170,7 @@ class BlockHasher:
         extra_key: bytes = b"",
         num_unkeyed_blocks: int = 0,
         num_prompt_tokens: int | None = None,
-    ) -> None:
+    ) -> bytes:
         """Appends the hashes of blocks that became full since the last call.
 
         Args:
@@ -172,22 +182,29 @@ class BlockHasher:
                 prefix).
             num_prompt_tokens: the request's prompt length: with an ``output_block_key``, blocks
                 ending after it (holding a generated token) get :meth:`output_key` too.
+
+        Returns:
+            The new full blocks' tokens, :func:`pack_token_ids` of them (``b""`` when none filled):
+            the bytes the hashes were computed from, kept by the request to verify hits.
         """
         bs = self.block_size
         start, num_full = len(block_hashes), len(token_ids) // bs
         if num_full <= start:
-            return
+            return b""
         parent = block_hashes[-1] if block_hashes else self.root_hash(root_key)
         # Same bytes as hash_block, packed once for all new blocks (the hot path of admission).
-        packed = array(_UINT32, token_ids[start * bs : num_full * bs])
-        if sys.byteorder == "big":
-            packed.byteswap()
-        data = packed.tobytes()
+        data = pack_token_ids(token_ids[start * bs : num_full * bs])
         digest, append, width = self._digest, block_hashes.append, 4 * bs
         tagged = self.first_output_block(num_prompt_tokens)
         tagged = num_full if tagged is None else tagged
+        if not extra_key and tagged >= num_full:  # the usual case: no key on any new block
+            for off in range(0, len(data), width):
+                parent = digest(parent + data[off : off + width])
+                append(parent)
+            return data
         output_key = self.output_key(num_prompt_tokens) if tagged < num_full else b""
         for i, off in zip(range(start, num_full), range(0, len(data), width)):
             key = (extra_key if i >= num_unkeyed_blocks else b"") + (output_key if i >= tagged else b"")
             parent = digest(parent + data[off : off + width] + key)
             append(parent)
+        return data

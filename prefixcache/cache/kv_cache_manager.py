@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prefixcache.cache.block import KVCacheBlock, verified_chain_length
+from prefixcache.cache.block import KVCacheBlock, matching_token_blocks, verified_chain_length
 from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.config import CacheConfig
 from prefixcache.cache.metrics import PrefixCacheSnapshot, PrefixCacheStats
@@ -254,22 +254,23 @@ class KVCacheManager:
             return [], 0
         bs = self.block_size
         max_blocks = min((request.num_tokens - 1) // bs, len(request.block_hashes))
-        tokens = tuple(request.all_token_ids[: max_blocks * bs])
-        table, evictor = self.block_pool.cached_block_hash_to_block, self.block_pool.evictor
-        allowed = evictor.is_hit_allowed if evictor.refuses_hits else None
-        # Fast path, the usual case: one cached copy per hash. Collect the blocks whose stored tokens
-        # match, then verify their chain in one call.
+        # Fast path, the usual case: one cached copy per hash. Collect those blocks, then verify
+        # their tokens (one bytes compare), the eviction policy's veto and their chain.
+        pool = self.block_pool
         blocks: list[KVCacheBlock] = []
-        several = False  # stopped at a hash with several cached copies
-        for block_hash, start in zip(request.block_hashes[:max_blocks], range(0, max_blocks * bs, bs)):
-            candidates = table.get(block_hash)
-            if candidates is None or len(candidates) != 1:
-                several = bool(candidates)
+        append = blocks.append
+        for block in map(pool.sole_cached_block.get, request.block_hashes[:max_blocks]):
+            if block is None:
                 break
-            (block,) = candidates.values()
-            if block.token_ids != tokens[start : start + bs] or (allowed is not None and not allowed(block)):
-                break  # the only copy doesn't verify: a miss
-            blocks.append(block)
+            append(block)
+        # Stopped at a hash with several cached copies, not at a miss or the end.
+        several = len(blocks) < max_blocks and request.block_hashes[len(blocks)] in pool.cached_block_hash_to_block
+        n = matching_token_blocks(blocks, request.token_bytes, bs)
+        if pool.evictor.refuses_hits:
+            n = next((i for i, block in enumerate(blocks[:n]) if not pool.evictor.is_hit_allowed(block)), n)
+        if n < len(blocks):  # the only copy of block n doesn't verify: a miss there
+            del blocks[n:]
+            several = False
         n = verified_chain_length(blocks, None, request.root_key, request.tenant_key, request.num_shared_blocks)
         if n < len(blocks) or not several:
             return blocks[:n], n * bs

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import struct
 import subprocess
 import sys
 
 import pytest
 import xxhash
 
-from prefixcache.cache.hashing import BlockHasher, hash_seed_bytes, make_root_key
+from prefixcache.cache.hashing import BlockHasher, hash_seed_bytes, make_root_key, pack_token_ids
 
 ROOT = make_root_key(b"model", None, hash_seed_bytes(7))
 
@@ -29,15 +30,15 @@ def test_extend_hashes_full_blocks_once_and_equal_prefixes_share():
     h._digest = lambda data: calls.append(data) or real(data)
     hashes: list = []
     tokens = list(range(10))
-    h.extend(hashes, tokens, ROOT)
+    assert h.extend(hashes, tokens, ROOT) == pack_token_ids(range(8)) == struct.pack("<8I", *range(8))
     assert len(hashes) == 2 and len(calls) == 3  # the root, then blocks 0 and 1 (not the partial 2)
     root = h.root_hash(ROOT)
     assert hashes == [h.hash_block(root, [0, 1, 2, 3]), h.hash_block(hashes[0], [4, 5, 6, 7])]
     calls.clear()
-    h.extend(hashes, tokens + [10], ROOT)  # still no full block 2: nothing hashed
+    assert h.extend(hashes, tokens + [10], ROOT) == b""  # still no full block 2: nothing hashed
     assert calls == []
     tokens += [10, 11]
-    h.extend(hashes, tokens, ROOT)
+    assert h.extend(hashes, tokens, ROOT) == struct.pack("<4I", 8, 9, 10, 11)
     assert len(calls) == 1 and hashes[2] == h.hash_block(hashes[1], [8, 9, 10, 11])
     keyed: list = []
     h.extend(keyed, tokens, ROOT, b"tenant", num_unkeyed_blocks=1)

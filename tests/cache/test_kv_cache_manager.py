@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import xxhash
 from cache_test_utils import admit, ids, make_manager, make_request
 
+from prefixcache.cache import hashing
 from prefixcache.cache.kv_cache_manager import CopyOp, KVCacheManager
 from prefixcache.cache.metrics import PrefixCacheSnapshot, PrefixCacheStats
 
@@ -227,7 +229,9 @@ def test_decode_tokens_filling_a_block_get_cached():
     assert m.req_to_num_cached_blocks["a"] == 2
     block1 = m.block_pool.blocks[1]
     assert block1.block_hash == a.block_hashes[1] and block1.token_ids == (4, 5, 6, 7)
+    assert block1.token_bytes == a.token_bytes[16:] == hashing.pack_token_ids([4, 5, 6, 7])
     a.append_output_token_ids(8)  # starts block 2
+    assert a.token_bytes == hashing.pack_token_ids(range(8))  # full blocks only
     assert ids(m.allocate_slots(a, 1)) == [2]
     a.num_computed_tokens += 1
     assert m.req_to_num_cached_blocks["a"] == 2
@@ -347,6 +351,28 @@ def test_c4_parent_check_picks_the_right_candidate(constant_hash):
     assert m.get_block_ids("px") == [0, 1] and m.get_block_ids("qx") == [2, 3]
     hits, num_hit_tokens = m.get_computed_blocks(make_request("r", [2] * B + x + [5], block_size=B))
     assert ids(hits) == [2, 3] and num_hit_tokens == 2 * B
+
+
+def test_c4_a_sole_cached_copy_with_other_tokens_ends_the_hit(monkeypatch):
+    """Hashes that depend only on the position (the digest ignores tokens): every hash has one
+    cached copy, so the lookup's fast path takes them; the first block whose stored tokens differ
+    ends the hit, and nothing after it is served."""
+    for algo in hashing.HASH_ALGOS:
+        monkeypatch.setitem(hashing._DIGESTS, algo, lambda data: xxhash.xxh64_digest(data[:8]))
+    m = make_manager(20, B)
+    cached = [[1] * B, [2] * B, [3] * B, [4] * B]
+    a = make_request("a", [t for block in cached for t in block] + [0], block_size=B)
+    admit(m, a)
+    assert m.get_block_ids("a") == [0, 1, 2, 3, 4]
+    for differs_at in range(4):
+        blocks = [list(b) for b in cached]
+        blocks[differs_at][B - 1] = 99  # one token of one block
+        probe = make_request(f"p{differs_at}", [t for block in blocks for t in block] + [0], block_size=B)
+        assert probe.block_hashes == a.block_hashes  # collides with a at every block
+        hits, num_hit_tokens = m.get_computed_blocks(probe)
+        assert ids(hits) == [0, 1, 2, 3][:differs_at] and num_hit_tokens == differs_at * B
+        assert_exact_hits(probe, hits)
+    assert m.block_pool.sole_cached_block == {h: m.block_pool.blocks[i] for i, h in enumerate(a.block_hashes)}
 
 
 def test_c4_root_key_checked_under_collision(constant_hash):

@@ -15,7 +15,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from prefixcache.cache.hashing import BlockHasher, make_root_key, tenant_extra_key
+from prefixcache.cache.hashing import BlockHasher, make_root_key, pack_token_ids, tenant_extra_key
 from tests.cache.cache_test_utils import make_manager
 from prefixcache.request import Request
 from prefixcache.sampling_params import SamplingParams
@@ -304,10 +304,14 @@ class KVCacheMachine(RuleBasedStateMachine):
         mapped = [(h, b) for h, same in pool.cached_block_hash_to_block.items() for b in same.values()]
         assert all(same for same in pool.cached_block_hash_to_block.values())
         assert len(mapped) == pool.num_cached_blocks
+        # the lookup's fast-path index: exactly the hashes with one copy, mapped to that copy
+        assert pool.sole_cached_block == {h: next(iter(same.values()))
+                                          for h, same in pool.cached_block_hash_to_block.items() if len(same) == 1}
         assert {b.block_id for _, b in mapped} == {b.block_id for b in pool.blocks if b.block_hash is not None}
         for key, block in mapped:
             assert block.block_hash == key
             assert block.token_ids is not None and len(block.token_ids) == B
+            assert block.token_bytes == pack_token_ids(block.token_ids)
             chain = [block]
             while chain[-1].parent is not None:
                 chain.append(chain[-1].parent)
