@@ -73,7 +73,7 @@ class LLM:
             sampling_params: one for all prompts or one per prompt (``None`` entries: the default);
                 default ``SamplingParams()``.
             cache_salt: namespace for this batch's cache entries (see ``LLMEngine.add_request``).
-            use_tqdm: show a progress bar for batches of more than one prompt.
+            use_tqdm: show a progress bar (on stderr, where it is a terminal) for batches of more than one prompt.
             lora: a LoRA adapter for all prompts, or one (or None) per prompt.
             tenant: the batch's tenant namespace; only approved prefixes are shared across
                 tenants (see :meth:`add_approved_prefix`), and not with a ``cache_salt``.
@@ -183,7 +183,9 @@ class LLM:
         keys = [(req_id, i) for req_id, (_, params, *_) in zip(ids, items) for i in range(params.n)]
         results: dict[tuple[str, int], RequestOutput] = {}
         try:
-            with tqdm(total=len(keys), desc="Generating", disable=not use_tqdm or len(keys) < 2) as bar:
+            # disable=None: tqdm's own rule, no bar where stderr is not a terminal (a log, a pipe)
+            hidden = True if not use_tqdm or len(keys) < 2 else None
+            with tqdm(total=len(keys), desc="Generating", disable=hidden) as bar:
                 while len(results) < len(keys):
                     with self._step_lock:
                         self._keep_finished(engine.step())

@@ -31,3 +31,24 @@ def test_demo_progress_path_generates_what_generate_does(smollm2):
     assert [o.text for o in ours] == [o.text for o in reference]
     assert [o.num_prompt_tokens for o in ours] == [len(p) for p in prompts]
     assert all(o.finished for o in ours)
+
+
+def test_generate_draws_its_bar_only_on_a_terminal(smollm2, monkeypatch):
+    """``use_tqdm`` shows the bar where stderr is a terminal; into a log or pipe (CI) it writes nothing."""
+    import io
+    import sys
+
+    from prefixcache.llm import LLM
+    from prefixcache.sampling_params import SamplingParams
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    llm = LLM("smollm2-135m", loaded=smollm2, num_threads=2)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    for stream, shown in ((io.StringIO(), False), (Terminal(), True)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        outputs = llm.generate(["Hi", "Hello there"], params)
+        assert [len(o.token_ids) for o in outputs] == [2, 2]
+        assert ("Generating" in stream.getvalue()) is shown
