@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import os
 import random
 import shlex
@@ -52,7 +53,7 @@ from prefixcache.outputs import RequestOutput
 from prefixcache.sampling_params import SamplingParams
 
 SHARING_GOAL_WORKLOADS = ("system-prompt", "few-shot")
-SPEED_ON_OFF_PAIRS = 5  # pairs of no-sharing runs (caching on, then off) behind the speed table's on / off row
+SPEED_ON_OFF_PAIRS = 9  # pairs of no-sharing runs (caching on, then off) behind the speed table's on / off row
 
 
 @dataclass
@@ -427,11 +428,17 @@ def hash_lookup_throughput(block_size: int, num_tokens: int = 4096, seconds: flo
     manager.allocate_slots(first, num_tokens)
     manager.free(first)  # blocks stay cached, hit-able
 
-    def rate(fn) -> float:
-        n, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < seconds or n < 3:
-            fn()
-            n += 1
+    def rate(fn) -> float:  # the garbage collector paused while timing, as timeit does
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            n, start = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - start) < seconds or n < 3:
+                fn()
+                n += 1
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         return n * num_tokens / elapsed
 
     req = Request("probe", tokens, params, hasher, root)
@@ -459,6 +466,10 @@ def run_bench(opts: BenchOptions, loaded: LoadedModel | None = None, log=print) 
     started = datetime.datetime.now().astimezone()
     load_start = os.getloadavg()
     engine_config = EngineConfig.from_kwargs(**opts.engine_options)
+    micro = []
+    if opts.micro:  # first: pure-Python bookkeeping, timed before any model or engine thread runs here
+        log("[micro] hash + verify + lookup ...")
+        micro = [hash_lookup_throughput(bs, seconds=opts.micro_seconds) for bs in opts.micro_block_sizes]
     loaded = loaded or load_model(opts.model, dtype=engine_config.torch_dtype, quantization=engine_config.quantization)
     torch.set_num_threads(opts.num_threads)
     hf = None
@@ -468,10 +479,6 @@ def run_bench(opts: BenchOptions, loaded: LoadedModel | None = None, log=print) 
         hf = HFBaselines(load_hf_model(loaded.model_dir), loaded.eos_token_ids[0], opts.num_threads)
     workloads = [bench_workload(loaded, name, opts, hf, log) for name in opts.workloads if name != SPEED]
     speed = _bench_speed(loaded, opts, hf, workloads, log) if SPEED in opts.workloads else None
-    micro = []
-    if opts.micro:
-        log("[micro] hash + verify + lookup ...")
-        micro = [hash_lookup_throughput(bs, seconds=opts.micro_seconds) for bs in opts.micro_block_sizes]
     goals = [dict(g, workload=w["name"]) for w in (*workloads, *([speed] if speed else [])) for g in w["goals"]]
     for m in micro:
         if m["block_size"] == DEFAULT_BLOCK_SIZE:

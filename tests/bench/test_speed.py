@@ -237,7 +237,7 @@ def test_tiny_speed_run(smollm2, tmp_path, monkeypatch):
     opts = BenchOptions(workloads=("speed",), speed=TINY_SPEED, num_requests=2, max_tokens=2, num_threads=2,
                         cold_samples=1, micro=False, out=str(tmp_path))
     result = run_bench(opts, loaded=smollm2, log=lambda s: None)
-    assert modes == ["on", "off", "off", "on", "on", "off", "off", "on", "on", "off"]  # 5 pairs, order alternating
+    assert modes == ["on", "off"] + ["off", "on", "on", "off"] * 4  # 9 pairs, order alternating
     s = result["speed"]
     if LLAMA_CPP in s["engines"]:  # importable, and its probe ran
         assert list(s["engines"]) == [OURS, HF, LLAMA_CPP] and s["skipped"] == {}
@@ -259,7 +259,7 @@ def test_tiny_speed_run(smollm2, tmp_path, monkeypatch):
     assert s["engines"][OURS]["label"] == "prefixcache float32"
     assert s["engines"][HF]["batch_same_tokens_as_ours"] == 1.0  # fp32, same weights, greedy
     assert s["engines"][OURS]["on_over_off"] > 0 and "measured for this table" in s["on_over_off_source"]
-    assert "median of 5 back-to-back pairs of runs" in s["on_over_off_source"]  # on and off, 5 times
+    assert "median of 9 back-to-back pairs of runs" in s["on_over_off_source"]  # on and off, 9 times
     assert len(s["table"]) == 7 and len(s["goals"]) == 12
     assert {g["workload"] for g in result["goals"]} == {"speed"}
     md = (tmp_path / "bench.md").read_text()
