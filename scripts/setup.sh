@@ -33,7 +33,7 @@ python3 -m venv .venv
 . .venv/bin/activate
 step "installing torch 2.13.0 (the largest part, about 750 MB installed) ..."
 python -m pip install --quiet "torch==2.13.0"
-step "installing prefixcache and its test extras ..."
+step "installing prefixcache (building its C block hasher, setup.py) and its test extras ..."
 python -m pip install --quiet -e ".[test]"
 if [ "${PREFIXCACHE_LLAMACPP:-0}" = "1" ]; then
     # Built for this CPU but without llama.cpp's AMX kernels: on VMs that report AMX they can die with

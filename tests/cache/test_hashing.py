@@ -8,7 +8,10 @@ import sys
 
 import pytest
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from prefixcache.cache import hashing
 from prefixcache.cache.hashing import BlockHasher, hash_seed_bytes, make_root_key, pack_token_ids
 
 ROOT = make_root_key(b"model", None, hash_seed_bytes(7))
@@ -46,6 +49,67 @@ def test_extend_hashes_full_blocks_once_and_equal_prefixes_share():
     other: list = []
     BlockHasher(4).extend(other, list(range(8)) + [99, 99, 99, 99], ROOT)
     assert other[:2] == hashes[:2] and other[2] != hashes[2]
+
+
+def test_native_chain_is_built():
+    # setup.sh's `pip install -e` builds it (setup.py); a machine without a C compiler falls back to
+    # the Python loop with the same bytes, but CI must test the form users get.
+    assert hashing.NATIVE_CHAIN is not None, "prefixcache/cache/chain_hash.c was not built: pip install -e ."
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_native_xxh64_is_xxhash_byte_for_byte(data):
+    from prefixcache.cache._chain_hash import xxh64_digest
+
+    assert xxh64_digest(data) == xxhash.xxh64_digest(data)
+
+
+def _extend_both_ways(monkeypatch, hasher, steps, **kwargs):
+    """Extends one hash list per way (C, Python loop) through the token lists in ``steps`` (a request
+    growing by decode); returns both ways' (hashes, packed bytes)."""
+    results = []
+    for native in (hashing.NATIVE_CHAIN, None):
+        monkeypatch.setattr(hashing, "NATIVE_CHAIN", native)
+        hashes: list = []
+        packed = b"".join(hasher.extend(hashes, tokens, ROOT, **kwargs) for tokens in steps)
+        results.append((hashes, packed))
+    return results
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    block_size=st.integers(1, 33),
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=200),
+    cuts=st.lists(st.integers(0, 200), max_size=4),
+    extra_key=st.sampled_from([b"", b"tenant\0a", b"k" * 70]),
+    num_unkeyed=st.integers(0, 8),
+    output_key=st.sampled_from([b"", b"int4-out"]),
+    num_prompt=st.integers(0, 200),
+)
+def test_native_chain_equals_python_loop(block_size, tokens, cuts, extra_key, num_unkeyed, output_key, num_prompt):
+    """Every key layout (tenant key from a block on, int4's output key from the first generated token's
+    block on) and every split into extend calls: the same hashes and packed bytes both ways."""
+    assert hashing.NATIVE_CHAIN is not None
+    hasher = BlockHasher(block_size, output_block_key=output_key)
+    steps = [tokens[:c] for c in sorted(cuts)] + [tokens]
+    with pytest.MonkeyPatch.context() as mp:
+        (native, native_bytes), (python, python_bytes) = _extend_both_ways(
+            mp, hasher, steps, extra_key=extra_key, num_unkeyed_blocks=num_unkeyed,
+            num_prompt_tokens=min(num_prompt, len(tokens)))
+    assert len(native) == len(tokens) // block_size
+    assert native == python and native_bytes == python_bytes == pack_token_ids(tokens[: len(native) * block_size])
+
+
+@pytest.mark.parametrize("bad,error", [([-1], OverflowError), ([2**32], OverflowError), ([1.5], TypeError)])
+def test_native_chain_rejects_what_the_python_loop_rejects(monkeypatch, bad, error):
+    hasher = BlockHasher(2)
+    for native in (hashing.NATIVE_CHAIN, None):
+        monkeypatch.setattr(hashing, "NATIVE_CHAIN", native)
+        hashes: list = []
+        with pytest.raises(error):
+            hasher.extend(hashes, [1, 2, 3] + bad, ROOT)
+        assert hashes == []
 
 
 @pytest.mark.parametrize("algo,size", [("xxh64", 8), ("sha256", 32)])
