@@ -87,6 +87,8 @@ def verified_chain_length(
     root_key: bytes,
     tenant_key: bytes,
     num_unkeyed: int,
+    first_output: int | None = None,
+    output_key: bytes = b"",
 ) -> int:
     """How many of ``blocks``, from the first, form a verified chain continuing ``parent``.
 
@@ -105,6 +107,9 @@ def verified_chain_length(
         tenant_key: the request's tenant namespace (``b""`` for none).
         num_unkeyed: blocks of ``blocks`` keyed without ``tenant_key`` (those inside an approved
             shared prefix), counted from ``blocks[0]``.
+        first_output: the first of ``blocks``, counted from ``blocks[0]``, whose key ends with
+            ``output_key`` (an int4 request's blocks holding a generated token,
+            ``BlockHasher.output_key``); ``None`` for none.
 
     Returns:
         The length of the longest verified head of ``blocks``.
@@ -115,7 +120,10 @@ def verified_chain_length(
                 return n
         elif block.parent is not parent or block.parent_generation != parent.generation:
             return n
-        if block.extra_key != (tenant_key if n >= num_unkeyed else b""):
+        key = tenant_key if n >= num_unkeyed else b""
+        if first_output is not None and n >= first_output:
+            key += output_key
+        if block.extra_key != key:
             return n
         parent = block
     return len(blocks)

@@ -271,7 +271,12 @@ class KVCacheManager:
         if n < len(blocks):  # the only copy of block n doesn't verify: a miss there
             del blocks[n:]
             several = False
-        n = verified_chain_length(blocks, None, request.root_key, request.tenant_key, request.num_shared_blocks)
+        # int4: blocks holding a generated token carry the output key too (a re-admitted request's own)
+        hasher = request.block_hasher
+        first_output = hasher.first_output_block(request.num_prompt_tokens)
+        output_key = b"" if first_output is None else hasher.output_key(request.num_prompt_tokens)
+        n = verified_chain_length(blocks, None, request.root_key, request.tenant_key, request.num_shared_blocks,
+                                  first_output, output_key)
         if n < len(blocks) or not several:
             return blocks[:n], n * bs
         return self._find_longest_chain(request, blocks, max_blocks)

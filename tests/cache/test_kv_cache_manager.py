@@ -8,7 +8,9 @@ from cache_test_utils import admit, ids, make_manager, make_request
 
 from prefixcache.cache import hashing
 from prefixcache.cache.kv_cache_manager import CopyOp, KVCacheManager
+from prefixcache.cache.hashing import BlockHasher, tenant_extra_key
 from prefixcache.cache.metrics import PrefixCacheSnapshot, PrefixCacheStats
+from prefixcache.request import Request
 
 B = 4
 
@@ -551,3 +553,34 @@ def test_fast_path_checks_root_tenant_and_tokens(constant_hash, field):
     assert m.get_computed_blocks(make_request("b", prompt, block_size=B, **other)) == ([], 0)
     same = make_request("c", [1, 2, 3, 4, 0], block_size=B, cache_salt="alpha", tenant="acme")
     assert ids(m.get_computed_blocks(same)[0]) == [0]
+
+
+@pytest.mark.parametrize("tenant", [None, "acme"])
+def test_int4_readmitted_request_hits_its_own_output_keyed_blocks(tenant):
+    """A preempted int4 request, re-admitted, takes back all its cached blocks, those holding
+    generated tokens (keyed with the hasher's output key) included: its positions past the prompt are
+    computed by the generated-token kernels again, so the K/V is the same. The lookup's fast path
+    compared those blocks' keys with the tenant key alone and stopped at the first of them."""
+    m = make_manager(8, B)
+    base = make_request("a", list(range(100, 106)), block_size=B, tenant=tenant)
+    req = Request("a", base.prompt_token_ids, base.sampling_params, BlockHasher(B, output_block_key=b"int4"),
+                  base.root_key, tenant_key=tenant_extra_key(tenant))
+    admit(m, req)
+    for token in range(200, 206):  # decode 6 tokens: positions 6..11 computed, blocks 1 and 2 fill
+        req.append_output_token_ids(token)
+        assert m.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+    req.append_output_token_ids(206)  # sampled, not computed yet
+    assert req.num_computed_tokens == 12 and m.req_to_num_cached_blocks["a"] == 3
+    first_output = req.block_hasher.first_output_block(req.num_prompt_tokens)
+    assert first_output == 1 and m.get_blocks("a")[1].extra_key == req.block_extra_key(1) != tenant_extra_key(tenant)
+    table = m.get_block_ids("a")
+    m.free(req)  # preempted
+    req.num_computed_tokens = 0
+    blocks, num_hit_tokens = m.get_computed_blocks(req)
+    assert ids(blocks) == table[:3] and num_hit_tokens == 12
+    # Another request with the same tokens as its prompt is computed by the prompt kernels: no hit
+    # past block 0 (it holds prompt tokens for both).
+    other = Request("b", req.all_token_ids, req.sampling_params, BlockHasher(B, output_block_key=b"int4"),
+                    req.root_key, tenant_key=tenant_extra_key(tenant))
+    assert m.get_computed_blocks(other) == (blocks[:1], 4)
