@@ -99,7 +99,8 @@ static PyObject *py_xxh64_digest(PyObject *self, PyObject *args) {
 /* chain(parent, token_ids, start_block, num_full, block_size, extra_key, num_unkeyed_blocks,
  *       output_key, first_tagged) -> (list of 8-byte hashes, packed tokens of the new blocks)
  *
- * token_ids: a list of ints in [0, 2**32) (OverflowError otherwise, as array("I") raises).
+ * token_ids: a list of ints (or objects with __index__) in [0, 2**32): OverflowError otherwise, TypeError
+ * for a non-integer, as array("I") raises.
  * Blocks start_block .. num_full - 1 are hashed; block i's key is extra_key when
  * i >= num_unkeyed_blocks, followed by output_key when i >= first_tagged. */
 static PyObject *py_chain(PyObject *self, PyObject *args) {
@@ -120,7 +121,16 @@ static PyObject *py_chain(PyObject *self, PyObject *args) {
     if (packed == NULL) goto done;
     unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(packed);
     for (Py_ssize_t t = start * bs, k = 0; t < num_full * bs; t++, k += 4) {
-        unsigned long v = PyLong_AsUnsignedLong(PyList_GET_ITEM(tokens, t));
+        PyObject *item = PyList_GET_ITEM(tokens, t);
+        unsigned long v;
+        if (PyLong_CheckExact(item)) {
+            v = PyLong_AsUnsignedLong(item);
+        } else {  /* numpy / torch integers, bool: their __index__, as array("I") takes them */
+            PyObject *index = PyNumber_Index(item);
+            if (index == NULL) goto done;
+            v = PyLong_AsUnsignedLong(index);
+            Py_DECREF(index);
+        }
         if (v == (unsigned long)-1 && PyErr_Occurred()) goto done;
         if (v > 0xFFFFFFFFUL) {
             PyErr_SetString(PyExc_OverflowError, "token id does not fit in uint32");

@@ -101,6 +101,21 @@ def test_native_chain_equals_python_loop(block_size, tokens, cuts, extra_key, nu
     assert native == python and native_bytes == python_bytes == pack_token_ids(tokens[: len(native) * block_size])
 
 
+def test_native_chain_takes_numpy_and_torch_integers(monkeypatch):
+    """A prompt given as a numpy array or a tensor (LLM.generate lists it) hashes as its ints."""
+    import numpy as np
+    import torch
+
+    hasher = BlockHasher(2)
+    for native in (hashing.NATIVE_CHAIN, None):
+        monkeypatch.setattr(hashing, "NATIVE_CHAIN", native)
+        ints: list = []
+        hasher.extend(ints, [5, 6, 7, 8], ROOT)
+        for tokens in (list(np.array([5, 6, 7, 8])), list(torch.tensor([5, 6, 7, 8])), [5, 6, 7, np.uint32(8)]):
+            hashes: list = []
+            assert hasher.extend(hashes, tokens, ROOT) == pack_token_ids([5, 6, 7, 8]) and hashes == ints
+
+
 @pytest.mark.parametrize("bad,error", [([-1], OverflowError), ([2**32], OverflowError), ([1.5], TypeError)])
 def test_native_chain_rejects_what_the_python_loop_rejects(monkeypatch, bad, error):
     hasher = BlockHasher(2)
