@@ -29,6 +29,12 @@ if TYPE_CHECKING:
     from prefixcache.request import Request
 
 
+# What CacheInsight.report returns before it was ever taken: no prefix, no breaker (the dashboard's
+# answer while a long step keeps the engine thread and no tree was taken yet).
+EMPTY_REPORT = {"prefixes": [], "breakers": {"observed": 0, "by_kind": {}, "top": [], "count": 0, "tokens_lost": 0},
+                "block_hits": 0, "distinct_hit_blocks": 0, "errors": 0, "time_s": None}
+
+
 class CacheInsight:
     """Per-block use and cache breakers of one engine (see the module docstring).
 

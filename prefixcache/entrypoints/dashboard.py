@@ -28,9 +28,12 @@ from dataclasses import dataclass
 
 from prefixcache.cache.worth import WorthInputs, estimate_worth
 from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStats, take_stats
-from prefixcache.engine.cache_insight import CacheInsight
+from prefixcache.engine.cache_insight import EMPTY_REPORT, CacheInsight
 from prefixcache.engine.llm_engine import EngineMetrics, LLMEngine
 from prefixcache.outputs import RequestOutput
+
+
+STATS_WAIT_S = 0.5  # how long /v1/cache/stats waits for the engine thread before answering with the last tree
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,9 @@ class DashboardState:
         self.started_s = time.time()
         self._last: tuple[float, EngineStats] | None = None
         self._task: asyncio.Task | None = None
+        # Per viewer: the snapshot asked of the engine thread and not taken yet, and the last tree taken.
+        self._pending: dict[str | None, asyncio.Future] = {}
+        self._reports: dict[str | None, dict] = {}
 
     # ------------------------------------------------------------------ observing
     def observe_finished(self, out: RequestOutput, request_done: bool = True) -> None:
@@ -179,8 +185,12 @@ class DashboardState:
                 await self._task
 
     # ------------------------------------------------------------------ reporting
-    async def stats(self, tenant: str | None) -> dict:
-        """The ``/v1/cache/stats`` document for a viewer (``tenant`` under isolation, else None).
+    async def _snapshot(self, tenant: str | None) -> tuple[EngineStats, dict, bool]:
+        """Counters and the viewer's tree taken together on the engine thread, between steps; when a
+        step keeps the thread longer than :data:`STATS_WAIT_S`, the counters as of the last step
+        (``get_stats``, which never waits) with the tree this viewer got last (empty if none), and
+        True (stale). The snapshot still pending is kept for the next call, which
+        takes it when done (one pending per viewer however often the page polls).
 
         Raises:
             EngineDeadError: the engine loop has failed.
@@ -188,13 +198,39 @@ class DashboardState:
         def take(engine: LLMEngine) -> tuple[EngineStats, dict]:  # one snapshot: counters and tree agree
             return take_stats(engine), self.insight.report(tenant, self.previews)
 
-        stats, report = await self.engine.inspect(take)
+        pending = self._pending.get(tenant)
+        if pending is not None and pending.done():  # finished while nobody waited: its tree, then a fresh one
+            self._reports[tenant] = pending.result()[1]  # the engine's error, if any, as before
+            pending = None
+        if pending is None:
+            pending = self._pending[tenant] = asyncio.ensure_future(self.engine.inspect(take))
+        done, _ = await asyncio.wait({pending}, timeout=STATS_WAIT_S)
+        if pending in done:
+            del self._pending[tenant]
+            stats, report = pending.result()  # the engine's error, if any, as before
+            self._reports[tenant] = report
+            return stats, report, False
+        return await self.engine.get_stats(), self._reports.get(tenant, EMPTY_REPORT), True
+
+    async def stats(self, tenant: str | None) -> dict:
+        """The ``/v1/cache/stats`` document for a viewer (``tenant`` under isolation, else None).
+
+        It answers within about :data:`STATS_WAIT_S` even while a long prefill runs: then
+        ``tree_stale`` is true, the counters are those of the last step, and the prefix tree, the
+        breakers and the verdict's tree inputs were taken earlier, at ``tree_as_of_s`` (``None``, and
+        empty, before any was taken). Otherwise everything is one snapshot taken now.
+
+        Raises:
+            EngineDeadError: the engine loop has failed.
+        """
+        stats, report, tree_stale = await self._snapshot(tenant)
         self.sample(stats)
         m = stats.metrics
         now = time.time()
         return {
             "model": self.model_name, "time_s": now, "uptime_s": now - self.started_s,
             "interval_s": self.options.interval_s, "previews": self.previews,
+            "tree_stale": tree_stale, "tree_as_of_s": report["time_s"],
             "totals": {
                 "requests": m.num_requests, "hit_requests": m.num_hit_requests,
                 "finished_requests": self.num_finished,

@@ -8,10 +8,12 @@ Real server (tests/entrypoints/conftest.py), full-block sharing only so the cach
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import pytest
 
+from prefixcache.entrypoints import dashboard
 from prefixcache.entrypoints.dashboard import DashboardOptions
 from tests.entrypoints.conftest import MODEL, start_server, stop_server
 
@@ -98,6 +100,35 @@ def test_stats_equal_metrics_tree_and_breaker(board_server):
     assert sum(x["queries"] for x in doc["history"]) <= t["prefix_cache_queries"]
     assert doc["worth"]["verdict"] in ("worth it", "marginal", "not worth it")
     assert doc["worth"]["inputs"]["hit_tokens"] == sum(cached)
+
+
+def test_stats_answer_while_a_step_holds_the_engine_thread(board_server, monkeypatch):
+    """A long step (here the engine thread held by a call waiting on an event) doesn't hold up
+    /v1/cache/stats: it answers with the last step's counters and the tree taken before, marked
+    tree_stale with its tree_as_of_s; once the thread is free, one snapshot again. It used to wait
+    for the step (seconds in an 8k-token prefill on a CPU)."""
+    s = board_server
+    monkeypatch.setattr(dashboard, "STATS_WAIT_S", 0.2)
+    complete(s.base_url, SYSTEM + " Q: where is my order 7?")
+    s.wait_idle()
+    fresh = httpx.get(s.base_url + "/v1/cache/stats").json()
+    assert fresh["tree_stale"] is False and fresh["tree_as_of_s"] <= fresh["time_s"] and fresh["prefixes"]
+    release = threading.Event()
+    held = s.engine._executor.submit(release.wait)  # the engine thread is busy, as in a long prefill
+    try:
+        r = httpx.get(s.base_url + "/v1/cache/stats", timeout=10)
+    finally:
+        release.set()
+    held.result(timeout=30)
+    assert r.status_code == 200
+    stale = r.json()
+    assert stale["tree_stale"] is True and stale["tree_as_of_s"] == fresh["tree_as_of_s"]
+    assert stale["prefixes"] == fresh["prefixes"] and stale["breakers"] == fresh["breakers"]
+    assert stale["totals"] == fresh["totals"]
+    later = httpx.get(s.base_url + "/v1/cache/stats").json()
+    assert later["tree_stale"] is False and later["tree_as_of_s"] > fresh["tree_as_of_s"]
+    assert later["totals"] == fresh["totals"]
+    assert [ns["blocks"] for ns in later["prefixes"]] == [ns["blocks"] for ns in fresh["prefixes"]]
 
 
 def test_dashboard_page_server_rendered(board_server):

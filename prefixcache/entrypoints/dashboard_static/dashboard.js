@@ -142,7 +142,9 @@
       renderBreakers(doc.breakers);
       renderTiers(doc.tiers);
       renderCharts(doc.history);
-      document.getElementById("status").textContent = "live";
+      document.getElementById("status").textContent = !doc.tree_stale ? "live"
+        : "live; a long step is running: prefixes and breakers " + (doc.tree_as_of_s == null ? "not taken yet"
+          : "from " + Math.round(doc.time_s - doc.tree_as_of_s) + " s ago");
     } catch (e) {
       document.getElementById("status").textContent = "not updating: " + e.message;
     }
