@@ -54,6 +54,25 @@ class ProcessedPrompt(NamedTuple):
     token_ids: list[int]
 
 
+def kv_blocks_needed(block_size: int, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
+    """KV blocks a request holds at its longest: the ``n`` samples share the prompt's full blocks;
+    each needs its own blocks after them, up to ``max_tokens`` generated tokens."""
+    num_prompt_blocks = num_prompt_tokens // block_size
+    per_sample = math.ceil((num_prompt_tokens + max_tokens) / block_size) - num_prompt_blocks
+    return num_prompt_blocks + n * per_sample
+
+
+def max_tokens_that_fit(block_size: int, num_blocks: int, max_model_len: int, num_prompt_tokens: int,
+                        n: int = 1) -> int:
+    """The largest ``max_tokens`` with ``num_prompt_tokens + max_tokens <= max_model_len`` and
+    ``kv_blocks_needed(...) <= num_blocks`` for ``n`` samples: :func:`kv_blocks_needed` inverted
+    (each sample may fill ``(num_blocks - full prompt blocks) // n`` blocks after the shared ones).
+    0 or less when not even one token fits."""
+    full = num_prompt_tokens // block_size
+    per_sample = max(0, num_blocks - full) // n
+    return min(max_model_len, (full + per_sample) * block_size) - num_prompt_tokens
+
+
 class InputProcessor:
     """Turns what a caller sends into a validated, keyed :class:`Request`.
 
@@ -291,11 +310,12 @@ class InputProcessor:
         return params
 
     def kv_blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
-        """KV blocks a request holds at its longest: the ``n`` samples share the prompt's full
-        blocks; each needs its own blocks after them, up to ``max_tokens`` generated tokens."""
-        num_prompt_blocks = num_prompt_tokens // self.block_size
-        per_sample = math.ceil((num_prompt_tokens + max_tokens) / self.block_size) - num_prompt_blocks
-        return num_prompt_blocks + n * per_sample
+        """:func:`kv_blocks_needed` with this engine's block size."""
+        return kv_blocks_needed(self.block_size, num_prompt_tokens, max_tokens, n)
+
+    def max_tokens_that_fit(self, num_prompt_tokens: int, n: int = 1) -> int:
+        """:func:`max_tokens_that_fit` with this engine's block size, pool and context."""
+        return max_tokens_that_fit(self.block_size, self.num_blocks, self.max_model_len, num_prompt_tokens, n)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Refuses a prompt the context or the KV pool can never hold with its ``max_tokens``.

@@ -791,11 +791,7 @@ class OpenAIServing:
         """Chat's default ``max_tokens``: the rest of the context, as far as the pool can hold it for
         each of the ``n`` samples (they share the prompt's full blocks), capped at
         :data:`MAX_CHAT_DEFAULT_MAX_TOKENS`."""
-        engine = self.engine.engine
-        block_size = engine.config.block_size
-        full = num_prompt_tokens // block_size
-        per_sample = max(0, engine.num_blocks - full) // n
-        room = min(engine.max_model_len, (full + per_sample) * block_size) - num_prompt_tokens
+        room = self.engine.engine.input_processor.max_tokens_that_fit(num_prompt_tokens, n)
         return max(1, min(MAX_CHAT_DEFAULT_MAX_TOKENS, room))
 
     def default_does_not_fit(self, num_prompt_tokens: int, n: int) -> APIError:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.config import EngineConfig
-from prefixcache.engine.input_processor import InputProcessor, ProcessedPrompt
+from prefixcache.engine.input_processor import InputProcessor, ProcessedPrompt, kv_blocks_needed, max_tokens_that_fit
 from prefixcache.engine.output_processor import OutputProcessor
 from prefixcache.entrypoints.serving import stop_prefix_hold
 from prefixcache.errors import InvalidInputError
@@ -17,6 +17,19 @@ from prefixcache.request import Request, RequestStatus
 from prefixcache.sampling_params import SamplingParams
 
 EQUALS64 = "=" * 64
+
+
+@settings(max_examples=300, deadline=None)
+@given(block_size=st.integers(1, 17), num_blocks=st.integers(1, 40), max_model_len=st.integers(1, 300),
+       num_prompt_tokens=st.integers(0, 300), n=st.integers(1, 5))
+def test_max_tokens_that_fit_is_the_largest_that_the_block_rule_admits(block_size, num_blocks, max_model_len,
+                                                                        num_prompt_tokens, n):
+    """Chat's default max_tokens is the inverse of the admission rule, checked against it by brute force:
+    the largest count within the context whose blocks (kv_blocks_needed) fit the pool."""
+    fits = [m for m in range(0, max_model_len - num_prompt_tokens + 1)
+            if kv_blocks_needed(block_size, num_prompt_tokens, m, n) <= num_blocks]
+    best = max_tokens_that_fit(block_size, num_blocks, max_model_len, num_prompt_tokens, n)
+    assert best == max(fits) if fits else best <= 0
 
 
 @pytest.fixture(scope="module")
