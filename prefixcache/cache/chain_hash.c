@@ -110,18 +110,24 @@ static PyObject *py_chain(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*O!nnny*ny*n", &parent, &PyList_Type, &tokens, &start, &num_full, &bs,
                           &extra, &num_unkeyed, &output, &first_tagged))
         return NULL;
-    PyObject *hashes = NULL, *packed = NULL, *result = NULL;
+    PyObject *hashes = NULL, *packed = NULL, *result = NULL, *snapshot = NULL;
     unsigned char *scratch = NULL;
-    if (bs < 1 || start < 0 || num_full < start || num_full * bs > PyList_GET_SIZE(tokens)) {
+    /* Sizes checked by division: no product below can overflow. */
+    if (bs < 1 || bs > PY_SSIZE_T_MAX / 4 || start < 0 || num_full < start ||
+        num_full > PyList_GET_SIZE(tokens) / bs) {
         PyErr_SetString(PyExc_ValueError, "chain: block range outside token_ids");
         goto done;
     }
     Py_ssize_t width = 4 * bs, n_new = num_full - start;
+    /* The new blocks' tokens copied first (owned references): an item's __index__ may run Python
+     * code that changes the list, as the Python loop's slice is immune to. */
+    snapshot = PyList_GetSlice(tokens, start * bs, num_full * bs);
+    if (snapshot == NULL) goto done;
     packed = PyBytes_FromStringAndSize(NULL, n_new * width);
     if (packed == NULL) goto done;
     unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(packed);
-    for (Py_ssize_t t = start * bs, k = 0; t < num_full * bs; t++, k += 4) {
-        PyObject *item = PyList_GET_ITEM(tokens, t);
+    for (Py_ssize_t t = 0, k = 0; t < n_new * bs; t++, k += 4) {
+        PyObject *item = PyList_GET_ITEM(snapshot, t);
         unsigned long v;
         if (PyLong_CheckExact(item)) {
             v = PyLong_AsUnsignedLong(item);
@@ -177,6 +183,7 @@ static PyObject *py_chain(PyObject *self, PyObject *args) {
     result = PyTuple_Pack(2, hashes, packed);
 done:
     PyMem_Free(scratch);
+    Py_XDECREF(snapshot);
     Py_XDECREF(hashes);
     Py_XDECREF(packed);
     PyBuffer_Release(&parent);

@@ -116,6 +116,33 @@ def test_native_chain_takes_numpy_and_torch_integers(monkeypatch):
             assert hasher.extend(hashes, tokens, ROOT) == pack_token_ids([5, 6, 7, 8]) and hashes == ints
 
 
+def test_native_chain_hashes_the_tokens_as_they_were_when_called(monkeypatch):
+    """A token whose __index__ empties the list (arbitrary Python code runs there): both ways hash the
+    tokens as they were at the call (the C form reads a copy; it used to read freed items)."""
+    results = []
+    for native in (hashing.NATIVE_CHAIN, None):
+        monkeypatch.setattr(hashing, "NATIVE_CHAIN", native)
+        tokens: list = []
+
+        class Clearing:
+            def __index__(self):
+                tokens.clear()
+                return 1
+
+        tokens += [Clearing()] + list(range(2, 4097))
+        hashes: list = []
+        results.append((BlockHasher(4).extend(hashes, tokens, ROOT), hashes))
+    assert results[0] == results[1] and results[0][0] == pack_token_ids([1] + list(range(2, 4097)))
+
+
+@pytest.mark.parametrize("start,num_full,block_size", [(2, 4, 2**62), (0, 2, 2**62 + 1), (0, 1, 2**61), (3, 2, 1)])
+def test_native_chain_refuses_block_ranges_outside_the_list(start, num_full, block_size):
+    """Called directly with sizes whose products overflow (extend never passes them): a ValueError, not
+    a read outside the list or uninitialised bytes returned."""
+    with pytest.raises(ValueError, match="block range"):
+        hashing.NATIVE_CHAIN(b"12345678", [1, 2, 3, 4], start, num_full, block_size, b"", 0, b"", num_full)
+
+
 @pytest.mark.parametrize("bad,error", [([-1], OverflowError), ([2**32], OverflowError), ([1.5], TypeError)])
 def test_native_chain_rejects_what_the_python_loop_rejects(monkeypatch, bad, error):
     hasher = BlockHasher(2)
