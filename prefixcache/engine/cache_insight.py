@@ -21,7 +21,7 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 from prefixcache.cache.breakers import BreakerTracker
-from prefixcache.cache.hashing import tenant_extra_key
+from prefixcache.cache.hashing import tenant_extra_key, tenant_of_extra_key
 from prefixcache.cache.prefix_tree import BlockUsage, build_prefix_tree, namespace_of
 
 if TYPE_CHECKING:
@@ -29,10 +29,11 @@ if TYPE_CHECKING:
     from prefixcache.request import Request
 
 
-# What CacheInsight.report returns before it was ever taken: no prefix, no breaker (the dashboard's
-# answer while a long step keeps the engine thread and no tree was taken yet).
-EMPTY_REPORT = {"prefixes": [], "breakers": {"observed": 0, "by_kind": {}, "top": [], "count": 0, "tokens_lost": 0},
-                "block_hits": 0, "distinct_hit_blocks": 0, "errors": 0, "time_s": None}
+def empty_report() -> dict:
+    """A :meth:`CacheInsight.report` with no prefix and no breaker, taken at no time (``time_s``
+    None): the dashboard's tree while a long step holds the engine thread and none was taken yet."""
+    return {"prefixes": [], "breakers": {"observed": 0, "by_kind": {}, "top": [], "count": 0, "tokens_lost": 0},
+            "block_hits": 0, "distinct_hit_blocks": 0, "errors": 0, "time_s": None}
 
 
 class CacheInsight:
@@ -80,8 +81,8 @@ class CacheInsight:
         """
         mine = tenant_extra_key(tenant)
 
-        def visible_key(extra_key: bytes) -> bool:
-            return tenant is None or extra_key in (b"", mine)
+        def visible_key(extra_key: bytes) -> bool:  # its tenant's own blocks, int4's output-keyed ones too
+            return tenant is None or extra_key == b"" or tenant_of_extra_key(extra_key) == tenant
 
         def visible(namespace: Hashable) -> bool:
             return tenant is None or namespace[1] == mine

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from prefixcache.cache.worth import WorthInputs, estimate_worth
 from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStats, take_stats
-from prefixcache.engine.cache_insight import EMPTY_REPORT, CacheInsight
+from prefixcache.engine.cache_insight import CacheInsight, empty_report
 from prefixcache.engine.llm_engine import EngineMetrics, LLMEngine
 from prefixcache.outputs import RequestOutput
 
@@ -199,18 +199,21 @@ class DashboardState:
             return take_stats(engine), self.insight.report(tenant, self.previews)
 
         pending = self._pending.get(tenant)
-        if pending is not None and pending.done():  # finished while nobody waited: its tree, then a fresh one
-            self._reports[tenant] = pending.result()[1]  # the engine's error, if any, as before
-            pending = None
+        if pending is not None and pending.done():  # finished while nobody waited: keep its tree, ask anew
+            del self._pending[tenant]
+            if not pending.cancelled() and pending.exception() is None:
+                self._reports[tenant] = pending.result()[1]
+            pending = None  # a failure is not kept: the fresh snapshot raises the engine's error, if any
         if pending is None:
             pending = self._pending[tenant] = asyncio.ensure_future(self.engine.inspect(take))
         done, _ = await asyncio.wait({pending}, timeout=STATS_WAIT_S)
         if pending in done:
-            del self._pending[tenant]
+            if self._pending.get(tenant) is pending:  # another poll of this viewer may have taken it first
+                del self._pending[tenant]
             stats, report = pending.result()  # the engine's error, if any, as before
             self._reports[tenant] = report
             return stats, report, False
-        return await self.engine.get_stats(), self._reports.get(tenant, EMPTY_REPORT), True
+        return await self.engine.get_stats(), self._reports.get(tenant) or empty_report(), True
 
     async def stats(self, tenant: str | None) -> dict:
         """The ``/v1/cache/stats`` document for a viewer (``tenant`` under isolation, else None).
