@@ -114,9 +114,29 @@ def root_key_adapter_digest(root_key: bytes) -> bytes:
     return bytes.fromhex(json.loads(root_key)[3])
 
 
+TENANT_KEY_PREFIX = b"tenant\x00"
+
+
 def tenant_extra_key(tenant: str | None) -> bytes:
-    """The per-block extra key of a tenant namespace; ``b""`` (no namespace) for ``None``."""
-    return b"" if tenant is None else b"tenant\x00" + tenant.encode("utf-8")
+    """The per-block extra key of a tenant namespace; ``b""`` (no namespace) for ``None``.
+
+    ``b"tenant\\0"``, the name's UTF-8 length (uint16, little-endian), then the name: the length
+    keeps the key apart from what may follow it (int4's output key), so no tenant name can spell
+    another tenant's key plus an output key (one could before)."""
+    if tenant is None:
+        return b""
+    name = tenant.encode("utf-8")
+    return TENANT_KEY_PREFIX + struct.pack("<H", len(name)) + name
+
+
+def tenant_of_extra_key(extra_key: bytes) -> str | None:
+    """The tenant name in a block's extra key (:func:`tenant_extra_key`, maybe followed by an output
+    key); ``None`` when it has no tenant part."""
+    if not extra_key.startswith(TENANT_KEY_PREFIX) or len(extra_key) < len(TENANT_KEY_PREFIX) + 2:
+        return None
+    start = len(TENANT_KEY_PREFIX) + 2
+    (length,) = struct.unpack_from("<H", extra_key, len(TENANT_KEY_PREFIX))
+    return extra_key[start : start + length].decode("utf-8", "replace")
 
 
 class BlockHasher:

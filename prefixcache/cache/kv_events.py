@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from prefixcache.cache.hashing import tenant_of_extra_key
 from prefixcache.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -210,8 +211,8 @@ class KVEventRecorder:
         block_hash = external_block_hash(block.block_hash)
         parent_hash = None if parent is None else external_block_hash(parent.block_hash)
         lora, keys = self._namespace(root_key)
-        if block.extra_key:
-            keys = (*keys, ("tenant", block.extra_key.partition(b"\x00")[2].decode("utf-8", "replace")))
+        if (tenant := tenant_of_extra_key(block.extra_key)) is not None:  # not int4's output key after it
+            keys = (*keys, ("tenant", tenant))
         last = self._pending[-1] if self._pending else None
         if (isinstance(last, StoredBlocks) and parent_hash is not None and last.hashes[-1] == parent_hash
                 and last.lora == lora):

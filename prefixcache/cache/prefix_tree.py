@@ -28,9 +28,8 @@ from dataclasses import dataclass
 
 from prefixcache.cache.block import KVCacheBlock
 from prefixcache.cache.block_pool import BlockPool
-from prefixcache.cache.hashing import tenant_extra_key
+from prefixcache.cache.hashing import tenant_of_extra_key
 
-TENANT_PREFIX = tenant_extra_key("")  # b"tenant\0" + the tenant's name
 MAX_LEVELS = 32  # forks shown below a chain's root
 
 
@@ -97,8 +96,7 @@ def namespace_of(root_key: bytes, extra_key: bytes) -> dict:
         _, salt, _, adapter = json.loads(root_key)
     except (ValueError, TypeError):
         salt, adapter = None, ""
-    tenant = extra_key[len(TENANT_PREFIX):].decode("utf-8", "replace") if extra_key.startswith(TENANT_PREFIX) else None
-    return {"tenant": tenant, "salt": None if salt is None else salt_digest(salt),
+    return {"tenant": tenant_of_extra_key(extra_key), "salt": None if salt is None else salt_digest(salt),
             "adapter": adapter[:8] or None}
 
 

@@ -72,3 +72,45 @@ def test_two_tenants_share_exactly_the_approved_full_blocks(tokens, approved_len
     assert hits == manager.block_pool.blocks[:expected]  # the first request's blocks 0, 1, ...
     assert second.block_hashes[:num_shared] == first.block_hashes[:num_shared]
     assert not set(second.block_hashes[num_shared:]) & set(first.block_hashes)
+
+
+def test_no_tenant_name_spells_another_tenants_output_key():
+    """Case from review: int4 appends its output key to a tenant's key on blocks holding generated
+    tokens. With the name's length in the tenant key, a tenant named "x" + output key can't get the
+    key of tenant x's output blocks on its prompt blocks (it did: a cross-tenant hit)."""
+    from prefixcache.layers.quant import INT4_OUTPUT_KEY
+
+    m = make_manager(16, BLOCK)
+    root = make_root_key(b"m")
+    params = SamplingParams(max_tokens=16, temperature=0)
+    x = Request("x", [11, 12], params, BlockHasher(BLOCK, output_block_key=INT4_OUTPUT_KEY), root,
+                tenant_key=tenant_extra_key("x"))
+    m.allocate_slots(x, 2)
+    x.num_computed_tokens = 2
+    for token in (13, 14, 15):  # x's generated tokens fill block 0 (generation from slot 2)
+        x.append_output_token_ids(token)
+        m.allocate_slots(x, 1)
+        x.num_computed_tokens += 1
+    assert m.req_to_num_cached_blocks["x"] == 1
+    m.free(x)
+    evil = "x" + INT4_OUTPUT_KEY.decode() + "\x02\x00\x00\x00"
+    other = Request("o", [11, 12, 13, 14, 99], params, BlockHasher(BLOCK, output_block_key=INT4_OUTPUT_KEY), root,
+                    tenant_key=tenant_extra_key(evil))
+    assert m.get_computed_blocks(other) == ([], 0)
+    # x's own tokens as a new 5-token prompt: computed by the prompt kernels, so no hit either.
+    again = Request("x2", x.all_token_ids, params, BlockHasher(BLOCK, output_block_key=INT4_OUTPUT_KEY), root,
+                    tenant_key=tenant_extra_key("x"))
+    assert m.get_computed_blocks(again) == ([], 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(min_size=1, max_size=256), st.binary(max_size=40))
+def test_the_tenant_is_read_back_from_any_block_key(name, output_key):
+    """tenant_of_extra_key undoes tenant_extra_key, an output key after it or not (the dashboard
+    shows a tenant's int4 output blocks under its name)."""
+    from prefixcache.cache.hashing import tenant_of_extra_key
+
+    name = name.encode("utf-8", "replace").decode("utf-8")  # valid UTF-8 (validate_tenant's rule)
+    assert tenant_of_extra_key(tenant_extra_key(name) + output_key) == name
+    assert tenant_of_extra_key(output_key) is None or output_key.startswith(b"tenant\0")
+    assert tenant_of_extra_key(b"") is None

@@ -129,6 +129,31 @@ def test_chain_namespace_eviction_and_reset():
     assert view.hashes == set() == engine_hashes(m.block_pool)
 
 
+@pytest.mark.parametrize("tenant", [None, "t"])
+def test_int4_output_blocks_carry_their_tenant_name_alone(tenant):
+    """An int4 block holding generated tokens keys the tenant's key plus the output key: the event
+    names the tenant (it used to send the output key's bytes inside the name, or as a tenant's name
+    for a request without one)."""
+    from prefixcache.cache.hashing import BlockHasher, tenant_extra_key
+    from prefixcache.layers.quant import INT4_OUTPUT_KEY
+    from prefixcache.request import Request
+
+    m, recorder = recorded_manager(6)
+    view = CachedHashes()
+    base = make_request("a", [1, 2], block_size=B)
+    a = Request("a", [1, 2], base.sampling_params, BlockHasher(B, output_block_key=INT4_OUTPUT_KEY), base.root_key,
+                tenant_key=tenant_extra_key(tenant))
+    admit(m, a)
+    for token in (3, 4):  # block 0 fills with 2 prompt and 2 generated tokens
+        a.append_output_token_ids(token)
+        m.allocate_slots(a, 1)
+        a.num_computed_tokens += 1
+    (stored,) = drain(recorder, view)
+    assert m.get_blocks("a")[0].extra_key == a.block_extra_key(0) != tenant_extra_key(tenant)
+    assert stored.block_hashes == [external_block_hash(a.block_hashes[0])] and stored.token_ids == [1, 2, 3, 4]
+    assert stored.extra_keys == (None if tenant is None else [(["tenant", "t"],)])
+
+
 def test_forced_collision_reports_a_hash_once_while_any_copy_is_cached(constant_hash):
     m, recorder = recorded_manager(12)
     view = CachedHashes()
