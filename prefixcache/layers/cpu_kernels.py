@@ -6,7 +6,9 @@ functions alone are compiled for AVX512-BF16, and its AMX form for AMX-BF16, and
 has them, see
 :func:`prefixcache.layers.prefill_attention.prefill_kernel_supported`) and ``GeneratedDecoder``
 (generated_decoder.cpp: generated tokens' decoder layers around those kernels), and ``add_rms_norm``,
-``rope_write_kv``, ``silu_mul`` (prompt_ops.cpp: a bf16 model's prompt rows' element-wise ops, fused). The formulas and why
+``rope_write_kv``, ``silu_mul`` (prompt_ops.cpp: a bf16 model's prompt rows' element-wise ops, fused), and
+``quantize_rows_int8``, ``int8_rows_to_float`` (int8_rows.cpp: quantization="int8"'s per-row quantization and
+rescaling around torch._int_mm, fused). The formulas and why
 each gives a row the same bits in any batch are in each source's header.
 
 The extension is compiled once per machine with torch's C++ extension builder (g++ and ninja, about
@@ -30,7 +32,7 @@ import torch
 __all__ = ["CpuKernelsUnavailable", "amx_ready", "kernels_compiler", "load_cpu_kernels"]
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("qgemm.cpp", "paged_attention.cpp", "prefill_attention.cpp", "generated_decoder.cpp",
-                                      "prompt_ops.cpp", "amx_gemm.cpp", "bindings.cpp")]
+                                      "prompt_ops.cpp", "amx_gemm.cpp", "int8_rows.cpp", "bindings.cpp")]
 # -fopenmp: ATen's parallel_for is inline OpenMP; the process's libgomp is torch's (same soname), one thread pool
 _FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma"]
 _LOADED: list[ModuleType] = []

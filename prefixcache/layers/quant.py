@@ -24,15 +24,18 @@ per 32 features to int8, each group's sum exact in int32 and the groups added in
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
 from prefixcache.config import QUANTIZATIONS
-from prefixcache.layers.cpu_kernels import load_cpu_kernels
+from prefixcache.layers.cpu_kernels import CpuKernelsUnavailable, load_cpu_kernels
 
 __all__ = ["INT4_GROUP", "INT4_OUTPUT_KEY", "QUANTIZATIONS", "GroupInt8Weight", "Int4Weight", "Int8Weight",
-           "concat_weights", "group_int8_linear", "int4_linear", "int8_linear", "quantize_activations",
+           "concat_weights", "group_int8_linear", "int4_linear", "int8_linear", "int8_rows_to_float_torch",
+           "quantize_activations", "quantize_activations_torch",
            "quantize_weight", "quantize_weight_group_int8", "quantize_weight_int4", "split_rows",
            "stacked_weight_and_bias"]
 _QMAX = 127.0
@@ -98,8 +101,22 @@ def concat_weights(parts: list[Int8Weight]) -> Int8Weight:
     )
 
 
+@cache
+def _fused_int8_rows():
+    """Our kernels' fused element-wise halves (``csrc/int8_rows.cpp``, the same bits as the torch ops
+    below), or None where they can't run (the torch ops then)."""
+    if os.environ.get("PREFIXCACHE_INT8_FUSED", "1") == "0":  # the torch ops, for A/B measurements
+        return None
+    try:
+        return load_cpu_kernels()
+    except CpuKernelsUnavailable:
+        return None
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row symmetric int8 quantization.
+    """Per-row symmetric int8 quantization: ``s = max(max|x_row| / 127, 1e-12)``, ``q = round(x / s)``
+    (half to even), in one pass per row where our kernels run (:func:`quantize_activations_torch`'s
+    bits for finite rows; a row with a NaN or an infinity gets a NaN scale).
 
     Args:
         x: shape = [num_tokens, in_features], any float dtype.
@@ -107,6 +124,14 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         (x_q [num_tokens, in_features] int8, scale [num_tokens, 1] float32).
     """
+    kernels = _fused_int8_rows()
+    if kernels is not None and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32):
+        return kernels.quantize_rows_int8(x)
+    return quantize_activations_torch(x)
+
+
+def quantize_activations_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_activations` in torch ops (the reference; the path where our kernels can't run)."""
     x = x.float()
     scale = (x.abs().amax(dim=-1, keepdim=True) / _QMAX).clamp_(min=_MIN_SCALE)  # [num_tokens, 1]
     # |x / scale| <= 127 * (1 + 2**-23): it rounds to at most 127, no clamp needed
@@ -128,6 +153,17 @@ def int8_linear(
         shape = [num_tokens, out_features]: int32 accumulation × row scale × column scale (+ bias).
     """
     acc = torch._int_mm(x_q, weight.qweight)  # [num_tokens, out_features] int32, exact
+    kernels = _fused_int8_rows()
+    if kernels is not None and out_dtype in (torch.bfloat16, torch.float32) and x_scale.is_contiguous():
+        return kernels.int8_rows_to_float(acc, x_scale, weight.scale, weight.bias, out_dtype)  # the bits below
+    return int8_rows_to_float_torch(acc, x_scale, weight, out_dtype)
+
+
+def int8_rows_to_float_torch(
+    acc: torch.Tensor, x_scale: torch.Tensor, weight: Int8Weight, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``float(acc) * x_scale * weight.scale (+ bias)`` in torch ops, rounded after each, then
+    ``out_dtype``: :func:`int8_linear`'s second half (the reference of ``int8_rows_to_float``)."""
     y = torch.mul(acc, x_scale).mul_(weight.scale)  # int32 -> float32 inside the first multiply
     if weight.bias is not None:
         y.add_(weight.bias)

@@ -1,5 +1,7 @@
 """The W8A8 linear path: exact integer products, batch invariance, fused = separate."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -59,3 +61,66 @@ def test_fused_projection_equals_separate_ones():
     for part, got in zip(parts, split):
         expected = int8_linear(xq, xs, part, torch.float32)
         assert torch.equal(got, expected)
+
+
+def _fused():
+    from prefixcache.layers import quant
+
+    kernels = quant._fused_int8_rows()
+    if kernels is None:
+        pytest.skip("our CPU kernels don't run here (no AVX512-VNNI or no compiler): int8 uses the torch ops")
+    return kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_int8_rows_give_the_torch_ops_bits(dtype):
+    """csrc/int8_rows.cpp: the same int8 rows, scales and outputs as the torch ops it replaces, over odd
+    widths (masked tails), tiny and large magnitudes, an all-zero row, with and without bias, float32
+    and bf16 outputs."""
+    from prefixcache.layers.quant import int8_rows_to_float_torch, quantize_activations_torch
+
+    kernels = _fused()
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(60):
+        m, k, n = (int(v) for v in torch.randint(1, 90, (3,), generator=gen))
+        magnitude = 10.0 ** float(torch.empty(()).uniform_(-6, 3, generator=gen))
+        x = (torch.randn(m, k, generator=gen) * magnitude).to(dtype)
+        x[trial % m] = 0
+        q, s = kernels.quantize_rows_int8(x)
+        q_ref, s_ref = quantize_activations_torch(x)
+        assert torch.equal(q, q_ref) and torch.equal(s, s_ref), (m, k)
+        w = quantize_weight(torch.randn(n, k, generator=gen), torch.randn(n, generator=gen) if trial % 3 else None)
+        acc = q_ref.int() @ w.qweight.int()
+        for out_dtype in (torch.float32, torch.bfloat16):
+            y = kernels.int8_rows_to_float(acc, s_ref, w.scale, w.bias, out_dtype)
+            assert torch.equal(y, int8_rows_to_float_torch(acc, s_ref, w, out_dtype)), (m, k, n, out_dtype)
+
+
+def test_fused_int8_rows_make_a_non_finite_row_nan_alone():
+    kernels = _fused()
+    x = _rand(4, 40, seed=12)
+    x[1, 3], x[2, 39] = float("nan"), float("-inf")
+    q, s = kernels.quantize_rows_int8(x)
+    assert s[1].isnan() and s[2].isnan() and q[1:3].eq(0).all()
+    assert torch.equal(q[[0, 3]], quantize_activations(x[[0, 3]])[0])
+    w = quantize_weight(_rand(24, 40, seed=13))
+    y = int8_linear(q, s, w, torch.bfloat16)
+    assert y[1:3].isnan().all() and y[[0, 3]].isfinite().all()
+
+
+def test_int8_linear_takes_the_fused_path_where_the_kernels_run(monkeypatch):
+    """The model's int8 layers go through the fused kernels (their bits, checked above), and through
+    the torch ops with PREFIXCACHE_INT8_FUSED=0."""
+    from prefixcache.layers import quant
+
+    kernels = _fused()
+    uncached = quant._fused_int8_rows.__wrapped__
+    calls = []
+    monkeypatch.setattr(quant, "_fused_int8_rows", lambda: SimpleNamespace(
+        quantize_rows_int8=lambda x: calls.append("q") or kernels.quantize_rows_int8(x),
+        int8_rows_to_float=lambda *a: calls.append("y") or kernels.int8_rows_to_float(*a)))
+    w = quantize_weight(_rand(16, 32, seed=14))
+    int8_linear(*quantize_activations(_rand(3, 32, seed=15)), w, torch.bfloat16)
+    assert calls == ["q", "y"]
+    monkeypatch.setenv("PREFIXCACHE_INT8_FUSED", "0")
+    assert uncached() is None
