@@ -47,6 +47,10 @@ class SchedulerConfig:
     max_num_seqs: int = field(default=32, metadata={"help": "requests running at once"})
     max_num_batched_tokens: int = field(default=2048, metadata={
         "help": "tokens per forward pass (prefill chunks + decodes)"})
+    long_prefill_token_threshold: int = field(default=256, metadata={
+        "help": "while short requests wait (prompts of at most this many tokens, together at most this many), "
+                "running prefills leave that much of each step to them: a long prompt being prefilled doesn't "
+                "hold up a short one for its whole prefill (0 = off)"})
     scheduling_policy: str = field(default="lpm", metadata={
         "help": "waiting-queue order within a request priority: fcfs (arrival) or lpm (under memory pressure "
                 "longest cached prefix first, shared prefixes computed once, starvation bounded; otherwise arrival; "
@@ -64,6 +68,7 @@ class SchedulerConfig:
         """Raises :class:`InvalidInputError` naming the first invalid field."""
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidInputError("scheduling_policy", f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                                                          f"got {self.scheduling_policy!r}")

@@ -4,7 +4,12 @@ Each step spends a token budget (``max_num_batched_tokens``):
 
 1. Running requests first, in admission order: a decode takes 1 token, an unfinished prefill
    takes its next chunk. When the pool can't grow a request, the newest running request is
-   preempted (blocks freed, recomputed later from its prompt + output).
+   preempted (blocks freed, recomputed later from its prompt + output). While short requests wait
+   at the queue's head (prompts of at most ``long_prefill_token_threshold`` tokens, together at most
+   that many), prefill chunks leave their tokens in the budget, so a short request is admitted in
+   the next step instead of after a long prompt's whole prefill (the concern of vLLM's
+   ``long_prefill_token_threshold`` and V0's partial-prefill limits). A chunk also leaves one token
+   to each running decode after it: a long prefill never holds back a running request's decode.
 2. Then waiting requests, in the order of the scheduling policy (``fcfs``, ``lpm``: see
    :mod:`prefixcache.engine.sched_policy`; ``priority`` first), while budget, ``max_num_seqs`` and
    the pool allow: :meth:`KVCacheManager.admit` takes each one's longest cached prefix by reference
@@ -60,6 +65,7 @@ class Scheduler:
         self.policy = make_scheduling_policy(kv_cache_manager, config, clock)
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.requests: dict[str, Request] = {}
         self.waiting: OrderedDict[str, Request] = OrderedDict()  # queue order: head first
         self.running: dict[str, Request] = {}  # admission order: newest last
@@ -79,11 +85,21 @@ class Scheduler:
         self._finished_req_ids = []
         budget = self.max_num_batched_tokens
         kv = self.kv_cache_manager
+        reserve = self._reserve_for_short_waiting()
+        # Decodes of requests admitted after a prefill keep their token: the chunk leaves it to them.
+        decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running.values())
 
         for request in list(self.running.values()):
             if budget <= 0 or request.status != RequestStatus.RUNNING:
                 break  # out of budget, or preempted below (and so is everything after it)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining == 1:
+                decodes -= 1
+                num_new = 1
+            else:
+                num_new = min(remaining, budget - reserve - decodes)
+                if num_new <= 0:
+                    continue  # the rest of the step is the decodes' and the reserve's: this chunk waits
             while kv.allocate_slots(request, num_new) is None:
                 victim = self._preempt_newest()
                 out.preempted_req_ids.append(victim.request_id)
@@ -98,6 +114,20 @@ class Scheduler:
         out.copy_ops = list(kv.pending_copy_ops)
         out.load_ops = list(kv.pending_load_ops)
         return out
+
+    def _reserve_for_short_waiting(self) -> int:
+        """Tokens of this step that running prefills leave to the short requests at the waiting
+        queue's head (queue order, up to the first longer one): their prompt tokens, at most
+        ``long_prefill_token_threshold`` together and less than half the step; 0 when none waits,
+        no seat is free or the threshold is 0. A running prefill so always gets a chunk."""
+        limit, reserve = min(self.long_prefill_token_threshold, (self.max_num_batched_tokens - 1) // 2), 0
+        if len(self.running) >= self.max_num_seqs:
+            return 0
+        for request in self.waiting.values() if limit > 0 else ():
+            if reserve + request.num_tokens > limit:
+                break
+            reserve += request.num_tokens
+        return reserve
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admits waiting requests in the policy's order while budget, seats and the pool allow."""

@@ -132,3 +132,28 @@ def test_request_fork_shares_no_mutable_state():
     child.append_output_token_ids(4)
     assert parent.output_token_ids == [3] and child.output_token_ids == [3, 4]
     assert (child.request_id, child.group_id, child.sample_index) == ("p#1", "p", 1)
+
+
+def test_a_short_request_is_admitted_while_a_long_prompt_prefills():
+    """Found by a new user: a 5-token request waited out a 7,000-token prompt's whole prefill (40 s on
+    one thread), each chunk taking the whole step. Now running prefills leave the short request's
+    tokens in the step (long_prefill_token_threshold), then its decodes' token; a long waiting request
+    gets no such room."""
+    def run(threshold: int, waiting_prompt: list[int]):
+        config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=threshold)
+        scheduler = Scheduler(make_manager(128, B), config)
+        scheduler.add_request(make_request("long", list(range(1000, 1200)), block_size=B))
+        assert step(scheduler) == [("long", 0, 64, list(range(16)), False)]
+        scheduler.add_request(make_request("next", waiting_prompt, block_size=B))
+        return step(scheduler), step(scheduler)
+
+    second, third = run(256, [1, 2, 3, 4, 5])
+    assert second == [("long", 64, 59, list(range(31)), False), ("next", 0, 5, [31, 32], True)]
+    # and its decodes go on beside the long prefill (the chunk leaves them their token)
+    assert third == [("long", 123, 63, list(range(31)) + list(range(33, 49)), False), ("next", 5, 1, [31, 32], True)]
+    # threshold 0 (off): the short one waits for the long prompt's chunks
+    second, _ = run(0, [1, 2, 3, 4, 5])
+    assert second == [("long", 64, 64, list(range(32)), False)]
+    # a long waiting prompt (> the reserve's limit, 31 tokens here: under half the step) gets no room
+    second, _ = run(256, list(range(2000, 2040)))
+    assert second == [("long", 64, 64, list(range(32)), False)]
