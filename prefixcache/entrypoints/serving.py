@@ -33,6 +33,7 @@ import dataclasses
 import json
 import logging
 import time
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -497,7 +498,8 @@ def _renamed(error: APIError, renames: dict[str, str]) -> APIError:
     if error.param not in renames:
         return error
     name = renames[error.param]
-    message = error.message.replace(error.param, name, 1) if error.message.startswith(error.param) else error.message
+    # every mention as a whole word ("lower max_tokens to ..." too; "top_logprobs" is not "logprobs")
+    message = re.sub(rf"(?<![\w.]){re.escape(error.param)}(?!\w)", name, error.message)
     return APIError(error.status, message, name, error.code)
 
 

@@ -107,13 +107,13 @@ def test_chat_n_that_the_pool_cant_hold_names_n_without_max_tokens(smollm2):
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 22 * ((full + 1) * 16 - p)
 
-        # max_tokens (or max_completion_tokens) sent: the error names it, as before.
+        # max_tokens (or max_completion_tokens) sent: the error names it, in the message too.
         for field in ("max_tokens", "max_completion_tokens"):
             r = post("/v1/chat/completions", {"messages": messages, "n": 64, field: 1})
             assert r.status_code == 400 and r.json()["error"]["param"] == field
             assert r.json()["error"]["message"] == (
-                f"prompt + max_tokens ({p + 1} tokens x n=64 samples) needs 66 KV blocks but the pool has 24 "
-                "blocks; lower max_tokens or raise num_blocks / kv_cache_memory_bytes")
+                f"prompt + {field} ({p + 1} tokens x n=64 samples) needs 66 KV blocks but the pool has 24 "
+                f"blocks; lower {field} or raise num_blocks / kv_cache_memory_bytes")
 
         # A prompt the pool can't hold even for one sample: no n would fit, the messages are at fault.
         long = [{"role": "user", "content": "word " * 400}]
