@@ -354,6 +354,8 @@ class AsyncLLMEngine:
             try:
                 processed.append(prompt if isinstance(prompt, ProcessedPrompt)
                                  else self.engine.input_processor.tokenize(prompt, self._tokenizer))
+                # here, not only in add_request: that waits for the engine thread (a running step)
+                self.engine.input_processor.check_prompt_fits(len(processed[-1].token_ids))
             except InvalidInputError as e:
                 raise _in_batch(e, i, len(prompts)) from e
         return processed

@@ -317,16 +317,26 @@ class InputProcessor:
         """:func:`max_tokens_that_fit` with this engine's block size, pool and context."""
         return max_tokens_that_fit(self.block_size, self.num_blocks, self.max_model_len, num_prompt_tokens, n)
 
+    def check_prompt_fits(self, num_prompt_tokens: int) -> None:
+        """Refuses a prompt the context can't hold with one generated token. Reads only immutable
+        settings: the async engine calls it on its input thread, so such a prompt is refused at once,
+        not after a running step.
+
+        Raises:
+            InvalidInputError: ``prompt``.
+        """
+        if num_prompt_tokens >= self.max_model_len:
+            raise InvalidInputError("prompt", f"prompt is {counted(num_prompt_tokens, 'token')}; max_model_len is "
+                                              f"{self.max_model_len} (the prompt plus at least one generated "
+                                              "token must fit)")
+
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Refuses a prompt the context or the KV pool can never hold with its ``max_tokens``.
 
         Raises:
             InvalidInputError: ``prompt`` (no room for one generated token) or ``max_tokens``.
         """
-        if num_prompt_tokens >= self.max_model_len:
-            raise InvalidInputError("prompt", f"prompt is {counted(num_prompt_tokens, 'token')}; max_model_len is "
-                                              f"{self.max_model_len} (the prompt plus at least one generated "
-                                              "token must fit)")
+        self.check_prompt_fits(num_prompt_tokens)
         max_len = num_prompt_tokens + params.max_tokens
         if max_len > self.max_model_len:
             raise InvalidInputError("max_tokens", f"max_tokens {params.max_tokens} plus the prompt's "

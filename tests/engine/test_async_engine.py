@@ -31,7 +31,7 @@ class FakeEngine:
                 gate.wait(5)
             return ProcessedPrompt(prompt, [1, 2, 3])
 
-        self.input_processor = types.SimpleNamespace(tokenize=tokenize)
+        self.input_processor = types.SimpleNamespace(tokenize=tokenize, check_prompt_fits=lambda num_tokens: None)
 
     def add_request(self, prompt, params, request_id, **_):
         if request_id in self.requests:

@@ -373,3 +373,23 @@ def test_tiny_temperature_does_not_stop_the_engine(smollm2):
             assert httpx.get(s.base_url + "/health").status_code == 200
     finally:
         stop_server(s)
+
+
+def test_a_prompt_over_the_context_is_refused_while_a_step_runs(server):
+    """The context check runs on the input thread: found by a fresh user, a 9,000-id prompt got its
+    400 only after the running step (6.9 s behind a long prefill). Here the engine thread is held
+    (as by a long step) and the refusal still comes, with its message."""
+    import threading
+
+    release = threading.Event()
+    held = server.engine._executor.submit(release.wait)
+    try:
+        r = httpx.post(server.base_url + "/v1/completions", timeout=10,
+                       json={"model": MODEL, "prompt": [42] * 9000, "max_tokens": 2})
+    finally:
+        release.set()
+    held.result(timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert r.json()["error"]["message"] == ("prompt is 9000 tokens; max_model_len is 8192 (the prompt plus at "
+                                            "least one generated token must fit)")
+    assert_still_serving(server)
