@@ -50,7 +50,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = field(default=256, metadata={
         "help": "while short requests wait (prompts of at most this many tokens, together at most this many), "
                 "running prefills leave that much of each step to them: a long prompt being prefilled doesn't "
-                "hold up a short one for its whole prefill (0 = off)"})
+                "hold up a short one for its whole prefill (0 = no reserve)"})
     scheduling_policy: str = field(default="lpm", metadata={
         "help": "waiting-queue order within a request priority: fcfs (arrival) or lpm (under memory pressure "
                 "longest cached prefix first, shared prefixes computed once, starvation bounded; otherwise arrival; "

@@ -45,7 +45,8 @@ Under pressure, within a priority:
    adjacent, the group ordered by its oldest member. The first is admitted and the rest hit its
    blocks: blocks are cached when allocated, so a later admission of the same step already hits
    them, and a first member whose prompt does not fit the step's token budget takes all of that
-   budget (running requests go first, and a chunk is ``min(rest, budget)``), so nobody is admitted
+   budget (running requests go first, and an admission's chunk is ``min(rest, budget)``; the
+   scheduler's reserve for short waiting requests trims only running chunks), so nobody is admitted
    before its whole prompt is allocated, and cached. No sibling computes the prefix again, without
    holding anyone back.
 

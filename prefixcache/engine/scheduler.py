@@ -9,7 +9,8 @@ Each step spends a token budget (``max_num_batched_tokens``):
    that many), prefill chunks leave their tokens in the budget, so a short request is admitted in
    the next step instead of after a long prompt's whole prefill (the concern of vLLM's
    ``long_prefill_token_threshold`` and V0's partial-prefill limits). A chunk also leaves one token
-   to each running decode after it: a long prefill never holds back a running request's decode.
+   to each running decode after it; but every prefill chunk keeps at least half of the budget it
+   finds, so each running prefill progresses in every step.
 2. Then waiting requests, in the order of the scheduling policy (``fcfs``, ``lpm``: see
    :mod:`prefixcache.engine.sched_policy`; ``priority`` first), while budget, ``max_num_seqs`` and
    the pool allow: :meth:`KVCacheManager.admit` takes each one's longest cached prefix by reference
@@ -85,7 +86,7 @@ class Scheduler:
         self._finished_req_ids = []
         budget = self.max_num_batched_tokens
         kv = self.kv_cache_manager
-        reserve = self._reserve_for_short_waiting()
+        reserve, short = self._reserve_for_short_waiting()
         # Decodes of requests admitted after a prefill keep their token: the chunk leaves it to them.
         decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running.values())
 
@@ -96,10 +97,10 @@ class Scheduler:
             if remaining == 1:
                 decodes -= 1
                 num_new = 1
-            else:
-                num_new = min(remaining, budget - reserve - decodes)
-                if num_new <= 0:
-                    continue  # the rest of the step is the decodes' and the reserve's: this chunk waits
+            else:  # what the reserve (not for a short prefill: it is one) and the decodes leave, but
+                # at least half of the budget it finds: every prefill progresses in every step
+                left = budget - decodes - (0 if remaining <= short else reserve)
+                num_new = min(remaining, max(left, budget // 2, 1))
             while kv.allocate_slots(request, num_new) is None:
                 victim = self._preempt_newest()
                 out.preempted_req_ids.append(victim.request_id)
@@ -115,19 +116,26 @@ class Scheduler:
         out.load_ops = list(kv.pending_load_ops)
         return out
 
-    def _reserve_for_short_waiting(self) -> int:
-        """Tokens of this step that running prefills leave to the short requests at the waiting
-        queue's head (queue order, up to the first longer one): their prompt tokens, at most
-        ``long_prefill_token_threshold`` together and less than half the step; 0 when none waits,
-        no seat is free or the threshold is 0. A running prefill so always gets a chunk."""
-        limit, reserve = min(self.long_prefill_token_threshold, (self.max_num_batched_tokens - 1) // 2), 0
-        if len(self.running) >= self.max_num_seqs:
-            return 0
-        for request in self.waiting.values() if limit > 0 else ():
-            if reserve + request.num_tokens > limit:
+    def _reserve_for_short_waiting(self) -> tuple[int, int]:
+        """Tokens of this step that running prefills leave to the short requests waiting first (the
+        lowest ``priority``, in arrival order, up to the first longer one or one without a seat):
+        their prompt tokens, at most ``long_prefill_token_threshold`` together and less than half the
+        step; and that limit (a prefill with no more left is itself short: no reserve for it).
+        ``(0, limit)`` when none waits or fits a seat; ``(0, 0)`` when the threshold is 0."""
+        limit = min(self.long_prefill_token_threshold, (self.max_num_batched_tokens - 1) // 2)
+        if limit <= 0 or not self.waiting:
+            return 0, max(limit, 0)
+        first = min(r.priority for r in self.waiting.values())
+        seats = len(self.running) + sum(len(r.fork_params) for r in self.running.values())
+        reserve = 0
+        for request in self.waiting.values():  # _admit_waiting's seat rule
+            if request.priority != first:
+                continue
+            seats += 1 + len(request.fork_params)
+            if reserve + request.num_tokens > limit or seats > self.max_num_seqs:
                 break
             reserve += request.num_tokens
-        return reserve
+        return reserve, limit
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admits waiting requests in the policy's order while budget, seats and the pool allow."""

@@ -157,3 +157,30 @@ def test_a_short_request_is_admitted_while_a_long_prompt_prefills():
     # a long waiting prompt (> the reserve's limit, 31 tokens here: under half the step) gets no room
     second, _ = run(256, list(range(2000, 2040)))
     assert second == [("long", 64, 64, list(range(32)), False)]
+
+
+def test_the_reserve_never_stalls_a_prefill_and_follows_priority():
+    """Review cases of the reserve's first form: (1) with decodes filling the step, short requests it
+    admitted got 0 tokens while more waited (the first's prompt done at step 6 of a burst of 6; 40 of a
+    burst of 40); now every prefill keeps at least half the budget it finds. (2) A priority -1 short
+    request behind a long priority-0 one got no reserve (the reserve walked arrival order)."""
+    config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=16)
+    scheduler = Scheduler(make_manager(4096, B), config)
+    for i in range(13):
+        scheduler.add_request(make_request(f"d{i}", [100 + i], block_size=B, max_tokens=1000))
+    step(scheduler)
+    for i in range(40):
+        scheduler.add_request(make_request(f"s{i}", [2000 + 10 * i + k for k in range(5)], block_size=B, max_tokens=5))
+    first = step(scheduler)
+    assert [(rid, n) for rid, _, n, _, _ in first if rid.startswith("s")] == [("s0", 3)]  # 16 - 13 decodes
+    second = step(scheduler)
+    assert ("s0", 3, 2, [13, 14], True) in second  # its prompt's rest, sampled: no stall behind the reserve
+
+    scheduler = Scheduler(make_manager(1024, B), SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
+    scheduler.add_request(make_request("L", list(range(1000, 1700)), block_size=B))
+    step(scheduler)
+    scheduler.add_request(make_request("W", list(range(3000, 3500)), block_size=B))
+    short = make_request("S", [1, 2, 3, 4, 5], block_size=B)
+    short.priority = -1
+    scheduler.add_request(short)
+    assert [(rid, n) for rid, _, n, _, _ in step(scheduler)] == [("L", 59), ("S", 5)]
