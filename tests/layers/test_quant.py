@@ -124,3 +124,14 @@ def test_int8_linear_takes_the_fused_path_where_the_kernels_run(monkeypatch):
     assert calls == ["q", "y"]
     monkeypatch.setenv("PREFIXCACHE_INT8_FUSED", "0")
     assert uncached() is None
+
+
+def test_fused_rescale_refuses_scales_of_other_shapes():
+    """Review: a [1, M] row scale was taken per row where torch broadcasts it per column."""
+    kernels = _fused()
+    acc = torch.arange(1, 10, dtype=torch.int32).reshape(3, 3)
+    for x_scale, w_scale in ((torch.ones(1, 3), torch.ones(3)), (torch.ones(3), torch.ones(3)),
+                             (torch.ones(3, 1), torch.ones(3, 1))):
+        with pytest.raises(RuntimeError, match="must be a contiguous float32"):
+            kernels.int8_rows_to_float(acc, x_scale, w_scale, None, torch.float32)
+

@@ -101,12 +101,15 @@ at::Tensor int8_rows_to_float(const at::Tensor& acc_in, const at::Tensor& x_scal
               "int8_rows_to_float: acc must be int32 [M, N]");
   const at::Tensor acc = acc_in.contiguous();
   const int64_t M = acc.size(0), N = acc.size(1);
-  TORCH_CHECK(x_scale.scalar_type() == at::kFloat && x_scale.numel() == M && x_scale.is_contiguous(),
-              "int8_rows_to_float: x_scale must be float32 [M, 1]");
-  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.numel() == N && w_scale.is_contiguous(),
-              "int8_rows_to_float: w_scale must be float32 [N]");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous()),
-              "int8_rows_to_float: bias must be float32 [N]");
+  TORCH_CHECK(x_scale.scalar_type() == at::kFloat && x_scale.dim() == 2 && x_scale.size(0) == M &&
+                  x_scale.size(1) == 1 && x_scale.is_contiguous(),
+              "int8_rows_to_float: x_scale must be a contiguous float32 [M, 1]");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.dim() == 1 && w_scale.size(0) == N &&
+                  w_scale.is_contiguous(),
+              "int8_rows_to_float: w_scale must be a contiguous float32 [N]");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N &&
+                        bias->is_contiguous()),
+              "int8_rows_to_float: bias must be a contiguous float32 [N]");
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "int8_rows_to_float: out_dtype float32 or bfloat16");
   at::Tensor out = at::empty({M, N}, acc.options().dtype(out_dtype));
   const int32_t* ap = acc.data_ptr<int32_t>();
