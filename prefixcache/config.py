@@ -27,8 +27,13 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16", "float16")
 # How the linear layers' weights are stored and multiplied: "none" = in ``dtype``; "int8" = int8
 # weights × per-token int8 activations, exact int32 accumulation (prefixcache.layers.quant); "int4" =
-# a bfloat16 model whose generated tokens run the projections on 4-bit weights (groups of 32).
-QUANTIZATIONS = ("none", "int8", "int4")
+# a bfloat16 model whose generated tokens run the projections on 4-bit weights (groups of 32), its prompt
+# tokens on bf16; "int4-int8" = int4's generated tokens with int8's products for prompt tokens.
+QUANTIZATIONS = ("none", "int8", "int4", "int4-int8")
+# The formats whose generated tokens run int4's C++ decoder (blocks holding one get their own key; no LoRA)...
+INT4_DECODER_FORMATS = ("int4", "int4-int8")
+# ... and those whose (prompt) rows run int8 W8A8 products (no bf16 GEMM).
+W8A8_FORMATS = ("int8", "int4-int8")
 DEFAULT_MODEL = "smollm2-135m"
 # Waiting-queue admission orders (prefixcache.engine.sched_policy holds their classes): fcfs = vLLM's
 # default; lpm = under memory pressure longest cached prefix first, shared uncached prefixes grouped,
@@ -90,8 +95,9 @@ class EngineConfig(CacheConfig, SchedulerConfig):
     dtype: str = field(default="float32", metadata={"help": "weights and KV dtype", "choices": DTYPES})
     quantization: str = field(default="none", metadata={
         "help": "linear-layer weights: none (in --dtype), int8 (int8 weights x per-token int8 activations, "
-                "exact int32 sums: batch-invariant) or int4 (with --dtype bfloat16: generated tokens' projections "
-                "on 4-bit weights in our C++ decoder, prompt tokens' on bf16; no LoRA; README 'Weight formats')", "choices": QUANTIZATIONS})
+                "exact int32 sums: batch-invariant), int4 (with --dtype bfloat16: generated tokens' projections "
+                "on 4-bit weights in our C++ decoder, prompt tokens' on bf16; no LoRA) or int4-int8 (int4's "
+                "generated tokens, int8's prompt tokens; README 'Weight formats')", "choices": QUANTIZATIONS})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: CUDA if present)"})
     num_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks; overrides --kv-cache-memory"})
@@ -122,9 +128,9 @@ class EngineConfig(CacheConfig, SchedulerConfig):
         if self.quantization not in QUANTIZATIONS:
             raise InvalidInputError("quantization", f"quantization must be one of {QUANTIZATIONS}, "
                                                     f"got {self.quantization!r}")
-        if self.quantization == "int4" and self.dtype != "bfloat16":
-            raise InvalidInputError("quantization", f"quantization='int4' runs a bfloat16 model (prompt tokens on "
-                                                    f"its bf16 weights, generated ones on 4-bit copies): give "
+        if self.quantization in INT4_DECODER_FORMATS and self.dtype != "bfloat16":
+            raise InvalidInputError("quantization", f"quantization={self.quantization!r} runs a bfloat16 model "
+                                                    f"(generated tokens on 4-bit copies of its weights): give "
                                                     f"dtype='bfloat16' (--dtype bfloat16), got dtype={self.dtype!r}")
         if self.device is not None and (not isinstance(self.device, str) or not self.device):
             raise InvalidInputError("device", f"device must be a torch device name such as 'cpu' or 'cuda', "

@@ -1,11 +1,12 @@
 """What a weight format costs in quality: perplexity on a fixed text and greedy agreement with fp32.
 
-Per format (``float32``, ``bfloat16``, ``int8``, ``int4``), on the same model:
+Per format (``float32``, ``bfloat16``, ``int8``, ``int4``, ``int4-int8``), on the same model:
 
 - perplexity: ``exp(mean NLL)`` of the bench's RAG document (``bench/texts.py``, ~2,000 tokens),
   teacher-forced in one prefill through our own model over the paged pool (``int4``: every row as a
   generated token runs, through the C++ decoder's 4-bit layers and the 8-bit lm_head, not bf16 as
-  prompt tokens run);
+  prompt tokens run; ``int4-int8``: every row as a prompt token runs, W8A8 on bf16, and
+  ``generated_rows_perplexity`` as int4 reports it);
 - greedy agreement with float32 on the seed chat prompts (``sample_texts``): how many prompts give
   the identical ``max_tokens`` tokens, and the mean fraction of tokens before the first difference.
 """
@@ -26,17 +27,19 @@ from prefixcache.sample_texts import QUESTIONS, SYSTEM_PROMPT
 from prefixcache.sampling_params import SamplingParams
 
 FORMATS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int8": ("float32", "int8"),
-           "int4": ("bfloat16", "int4")}
+           "int4": ("bfloat16", "int4"), "int4-int8": ("bfloat16", "int4-int8")}
 
 
 @torch.inference_mode()
-def perplexity(loaded: LoadedModel, token_ids: list[int], block_size: int = 16) -> float:
-    """``exp`` of the mean negative log-likelihood of ``token_ids[1:]``, one prefill of the whole text."""
+def perplexity(loaded: LoadedModel, token_ids: list[int], block_size: int = 16,
+               generated_rows: bool | None = None) -> float:
+    """``exp`` of the mean negative log-likelihood of ``token_ids[1:]``, one prefill of the whole text,
+    every row run as a generated token (``generated_rows``; default: for ``int4``) or as a prompt token."""
     cfg = loaded.config
     num_blocks = -(-len(token_ids) // block_size) + 32  # room for the keys padded to a multiple of 512
     kv = allocate_kv_caches(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
                             cfg.head_dim, loaded.dtype, "cpu")
-    int4 = loaded.quantization == "int4"
+    int4 = loaded.quantization == "int4" if generated_rows is None else generated_rows
     # int4: a prompt length of 0 makes every row a generated one (the C++ decoder, 4-bit layers, all rows
     # in one call: each row attends to its own context only) and its logits the 8-bit lm_head's
     md, positions = build_attention_metadata([(0, len(token_ids), list(range(num_blocks)))], block_size, "cpu",
@@ -85,5 +88,7 @@ def weight_format_quality(model: str = "smollm2-135m", formats: tuple[str, ...] 
         reference = reference or outputs
         results[name] = {"perplexity": perplexity(loaded, text_ids), "num_text_tokens": len(text_ids),
                          **greedy_agreement(outputs, reference)}
+        if quantization == "int4-int8":
+            results[name]["generated_rows_perplexity"] = perplexity(loaded, text_ids, generated_rows=True)
         log(f"quality {name}: {results[name]}")
     return {name: results[name] for name in formats}

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from prefixcache.cache.hashing import BlockHasher, hash_seed_bytes, make_root_key, tenant_extra_key
-from prefixcache.config import EngineConfig
+from prefixcache.config import INT4_DECODER_FORMATS, W8A8_FORMATS, EngineConfig
 from prefixcache.engine.tenancy import ApprovedPrefixes, validate_tenant
 from prefixcache.errors import InvalidInputError, counted, lone_surrogate
 from prefixcache.layers.lora import LoRAAdapter
@@ -92,7 +92,7 @@ class InputProcessor:
         self.num_blocks = num_blocks
         # int4: generated tokens run other kernels than prompt tokens, their blocks get their own key
         self.block_hasher = BlockHasher(config.block_size, config.hash_algo,
-                                        INT4_OUTPUT_KEY if config.quantization == "int4" else b"")
+                                        INT4_OUTPUT_KEY if config.quantization in INT4_DECODER_FORMATS else b"")
         self.approved_prefixes = ApprovedPrefixes()
         self._hash_seed = hash_seed_bytes(config.hash_seed, config.hash_seed_file)
         self._model_key: tuple[bytes, bytes] | None = None  # (loaded.fingerprint, key) memo
@@ -109,9 +109,9 @@ class InputProcessor:
         paged = self.loaded.model.paged_attention
         memo = self.loaded.fingerprint + self.loaded.quantization.encode() + bytes([paged])
         if self._model_key is None or self._model_key[0] != memo:
-            quantization = self.loaded.quantization  # int8: W8A8 products, no bf16 GEMM at all
-            numerics = kv_numerics(paged, bf16_gemms=self.loaded.dtype == torch.bfloat16 and quantization != "int8",
-                                   int4=quantization == "int4")
+            quantization = self.loaded.quantization  # int8, int4-int8: W8A8 products, no bf16 GEMM at all
+            numerics = kv_numerics(paged, bf16_gemms=self.loaded.dtype == torch.bfloat16
+                                   and quantization not in W8A8_FORMATS, int4=quantization in INT4_DECODER_FORMATS)
             weights_format = f"{self.loaded.dtype}|quantization={quantization}|{numerics}"
             key = hashlib.sha256(self.loaded.fingerprint + weights_format.encode()).digest()
             self._model_key = (memo, key)

@@ -35,7 +35,7 @@ from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVEventRecorder
 from prefixcache.cache.metrics import PrefixCacheSnapshot
 from prefixcache.cache.tiers.stack import make_kv_tiers
-from prefixcache.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from prefixcache.config import DEFAULT_KV_CACHE_MEMORY_BYTES, INT4_DECODER_FORMATS, EngineConfig
 from prefixcache.engine.input_processor import InputProcessor, ProcessedPrompt
 from prefixcache.engine.lora_manager import LoRAManager
 from prefixcache.engine.output_processor import OutputProcessor
@@ -203,7 +203,7 @@ class LLMEngine:
         Raises:
             InvalidInputError: naming the field: empty/oversized prompt, token id outside the
                 vocabulary, prompt + max_tokens beyond the context or the KV pool, bad cache_salt,
-                tenant or adapter (or any adapter with quantization 'int4'), duplicate request_id, a ``structured_outputs`` schema or regex
+                tenant or adapter (or any adapter with quantization 'int4' or 'int4-int8'), duplicate request_id, a ``structured_outputs`` schema or regex
                 that doesn't compile, a priority that is not a 64-bit int.
         """
         check_int("priority", priority, -(2**63), 2**63 - 1)
@@ -211,9 +211,10 @@ class LLMEngine:
         self.runner.structured_output.compile(params.structured_outputs)  # a bad schema fails here, not in a step
         prompt = self.input_processor.tokenize(prompt)
         self.input_processor.check_fits(len(prompt.token_ids), params)
-        if lora is not None and self.runner.model.quantization == "int4":
-            raise InvalidInputError("lora", "lora: adapters need quantization 'none' or 'int8'; 'int4' runs "
-                                            "generated tokens in fused kernels without LoRA deltas")
+        if lora is not None and self.runner.model.quantization in INT4_DECODER_FORMATS:
+            raise InvalidInputError("lora", f"lora: adapters need quantization 'none' or 'int8'; "
+                                            f"{self.runner.model.quantization!r} runs generated tokens in fused "
+                                            f"kernels without LoRA deltas")
         adapter = self.lora_manager.get(lora) if lora is not None else None
         if adapter is not None and self.kv_event_recorder is not None:
             self.kv_event_recorder.note_adapter(adapter.digest, adapter.name)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixcache.config import EngineConfig
+from prefixcache.config import INT4_DECODER_FORMATS, EngineConfig
 from prefixcache.entrypoints.http_limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from prefixcache.entrypoints.launcher import HTTPOptions
 from prefixcache.entrypoints.num_threads import NUM_THREADS_HELP, choose_num_threads
@@ -352,9 +352,9 @@ def check_serve_args(args: argparse.Namespace, replicas: int = 1) -> ServeSettin
     check_engine_resources(config, replicas=replicas)  # --device, --hash-seed-file, --kv-disk-dir, the pool
     lora_modules = parse_lora_modules(args.lora_modules)
     check_lora_module_names(args.served_model_name or args.model, lora_modules)
-    if lora_modules and config.quantization == "int4":  # every request naming one would be a 400
-        raise ValueError("--lora-modules: adapters need --quantization none or int8; int4 runs generated tokens "
-                         "in fused kernels without LoRA deltas")
+    if lora_modules and config.quantization in INT4_DECODER_FORMATS:  # every request naming one would be a 400
+        raise ValueError(f"--lora-modules: adapters need --quantization none or int8; {config.quantization} runs "
+                         f"generated tokens in fused kernels without LoRA deltas")
     check_adapter_dirs(lora_modules)
     api_keys, approved_texts, approved_systems = parse_tenant_args(args)
     try:

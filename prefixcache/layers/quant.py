@@ -19,7 +19,8 @@ input features), the lm_head on Q8_0's (8 bits, a scale per 32), activations qua
 per 32 features to int8, each group's sum exact in int32 and the groups added in a fixed order
 (``csrc/qgemm.cpp``, built by :mod:`prefixcache.layers.cpu_kernels`), in the layers of
 :mod:`prefixcache.layers.generated_decoder`; its prompt tokens stay bf16 (and their logits rows:
-:class:`RowSplit`).
+:class:`RowSplit`). ``quantization="int4-int8"`` runs int4's generated tokens and this module's W8A8
+products for every other row (its prompt rows' logits on the int8 lm_head).
 """
 
 from __future__ import annotations

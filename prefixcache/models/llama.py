@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prefixcache.config import INT4_DECODER_FORMATS, W8A8_FORMATS
 from prefixcache.layers.attention import Attention, AttentionMetadata
 from prefixcache.layers.generated_decoder import DecoderLayerWeights, GeneratedDecoder
 from prefixcache.layers.cpu_kernels import load_cpu_kernels
@@ -66,14 +67,15 @@ class LlamaAttention(nn.Module):
         self.o_int4: Int4Weight | None = None  # o_proj's int4 matrix (quantization "int4": generated rows)
 
     def quantize(self, scheme: str) -> None:
-        """Sets (``"int8"``, ``"int4"``) or clears (``"none"``) the quantized weights of the four
-        projections."""
+        """Sets (``"int8"``, ``"int4"``, ``"int4-int8"``: both) or clears (``"none"``) the quantized
+        weights of the four projections."""
+        int8, int4 = scheme in W8A8_FORMATS, scheme in INT4_DECODER_FORMATS
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
-            proj.int8 = quantize_weight(proj.weight, proj.bias) if scheme == "int8" else None
+            proj.int8 = quantize_weight(proj.weight, proj.bias) if int8 else None
         self.qkv_int8 = None
-        self.qkv_int4 = _fused_int4([self.q_proj, self.k_proj, self.v_proj]) if scheme == "int4" else None
-        self.o_int4 = _fused_int4([self.o_proj]) if scheme == "int4" else None
-        if scheme == "int8":  # q, k, v run fused: their own int8 copies would only take memory
+        self.qkv_int4 = _fused_int4([self.q_proj, self.k_proj, self.v_proj]) if int4 else None
+        self.o_int4 = _fused_int4([self.o_proj]) if int4 else None
+        if int8:  # q, k, v run fused: their own int8 copies would only take memory
             self.qkv_int8 = concat_weights([self.q_proj.int8, self.k_proj.int8, self.v_proj.int8])
             self.q_proj.int8 = self.k_proj.int8 = self.v_proj.int8 = None
 
@@ -170,14 +172,15 @@ class LlamaMLP(nn.Module):
         self.down_int4: Int4Weight | None = None  # down_proj's int4 matrix (quantization "int4")
 
     def quantize(self, scheme: str) -> None:
-        """Sets (``"int8"``, ``"int4"``) or clears (``"none"``) the quantized weights of the three
-        projections."""
+        """Sets (``"int8"``, ``"int4"``, ``"int4-int8"``: both) or clears (``"none"``) the quantized
+        weights of the three projections."""
+        int8, int4 = scheme in W8A8_FORMATS, scheme in INT4_DECODER_FORMATS
         for proj in (self.gate_proj, self.up_proj, self.down_proj):
-            proj.int8 = quantize_weight(proj.weight, proj.bias) if scheme == "int8" else None
+            proj.int8 = quantize_weight(proj.weight, proj.bias) if int8 else None
         self.gate_up_int8 = None
-        self.gate_up_int4 = _fused_int4([self.gate_proj, self.up_proj]) if scheme == "int4" else None
-        self.down_int4 = _fused_int4([self.down_proj]) if scheme == "int4" else None
-        if scheme == "int8":
+        self.gate_up_int4 = _fused_int4([self.gate_proj, self.up_proj]) if int4 else None
+        self.down_int4 = _fused_int4([self.down_proj]) if int4 else None
+        if int8:
             self.gate_up_int8 = concat_weights([self.gate_proj.int8, self.up_proj.int8])
             self.gate_proj.int8 = self.up_proj.int8 = None
 
@@ -270,13 +273,13 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList([LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
-        self.generated_decoder: GeneratedDecoder | None = None  # quantization "int4": generated rows' layers
+        self.generated_decoder: GeneratedDecoder | None = None  # quantization int4(-int8): generated rows' layers
         # layers' forward_fused (prompt_ops) in every step whose metadata runs the paged kernel (md.paged), which
         # the cache key names with them (attention.kv_numerics); False only in A/B probes (scripts/probe_prompt_ops.py)
         self.fused_prompt_ops = True
 
     def build_generated_decoder(self, config: ModelConfig) -> None:
-        """The generated rows' decoder over the layers' int4 weights (quantization "int4")."""
+        """The generated rows' decoder over the layers' int4 weights (quantization "int4", "int4-int8")."""
         layers = [DecoderLayerWeights(
             input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
             q_norm=None if layer.self_attn.q_norm is None else layer.self_attn.q_norm.weight,
@@ -320,13 +323,14 @@ class LlamaModel(nn.Module):
 
     def _forward_split(self, hidden_states: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                        kv_caches: list[torch.Tensor], lora: LoRABatch | None) -> torch.Tensor:
-        """quantization "int4": the metadata's generated rows through :attr:`generated_decoder`, the
+        """quantization "int4" ("int4-int8"): the metadata's generated rows through :attr:`generated_decoder`, the
         other rows (``md.dense_token_indices``, which the rest of ``md`` describes) through the torch
         layers, each layer's prompt rows first (a recomputed generated row reads its prompt's K/V)."""
         if self.generated_decoder is None:
-            raise RuntimeError("attention metadata with generated rows needs quantization='int4'")
+            raise RuntimeError("attention metadata with generated rows needs quantization 'int4' or 'int4-int8'")
         if lora is not None:
-            raise RuntimeError("quantization='int4' runs no LoRA adapter (refused when the request is added)")
+            raise RuntimeError("quantization 'int4' ('int4-int8') runs no LoRA adapter (refused when the request "
+                               "is added)")
         gen, dense = md.generated, md.dense_token_indices
         num_tokens = hidden_states.shape[0]
         gen_hidden = (hidden_states if gen.token_indices.numel() == num_tokens
@@ -364,7 +368,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head_packed: PrepackedWeight | None = None  # set_row_tiling: bf16's prepacked lm_head
         self.lm_head_int8: Int8Weight | None = None
-        self.lm_head_q8: GroupInt8Weight | None = None  # quantization "int4": the lm_head on Q8_0's grid
+        self.lm_head_q8: GroupInt8Weight | None = None  # int4(-int8): generated rows' lm_head on Q8_0's grid
         self.quantization = "none"
         self.tie_weights()
         for name, module in self.named_modules():
@@ -382,28 +386,30 @@ class LlamaForCausalLM(nn.Module):
         float), ``"int4"`` (bfloat16 model: generated tokens run every layer in
         :class:`~prefixcache.layers.generated_decoder.GeneratedDecoder`, projections on a 4-bit grid,
         and their logits rows on an 8-bit lm_head, both with int8 activations; prompt tokens'
-        layers and logits bf16) or ``"none"`` (the float weights). Call again after the float weights change.
+        layers and logits bf16), ``"int4-int8"`` (int4's generated tokens, int8's prompt tokens) or
+        ``"none"`` (the float weights). Call again after the float weights change.
 
         Raises:
-            ValueError: an unknown scheme, or int4 on a model that is not bfloat16.
+            ValueError: an unknown scheme, or int4(-int8) on a model that is not bfloat16.
             CpuKernelsUnavailable: int4 where its kernels can't be built or run.
             RuntimeError: int4 on a model shape the generated rows' decoder can't run (see
                 :class:`~prefixcache.layers.generated_decoder.GeneratedDecoder`).
         """
         if scheme not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {scheme!r}")
-        if scheme == "int4" and self.lm_head.weight.dtype != torch.bfloat16:
-            raise ValueError(f"quantization 'int4' needs a bfloat16 model, got {self.lm_head.weight.dtype}")
-        if scheme == "int4":
+        int4 = scheme in INT4_DECODER_FORMATS
+        if int4 and self.lm_head.weight.dtype != torch.bfloat16:
+            raise ValueError(f"quantization {scheme!r} needs a bfloat16 model, got {self.lm_head.weight.dtype}")
+        if int4:
             load_cpu_kernels()  # now, with its reason, rather than at the first generated token
         for layer in self.model.layers:
             layer.self_attn.quantize(scheme)
             layer.mlp.quantize(scheme)
         self.model.generated_decoder = None
-        if scheme == "int4":
+        if int4:
             self.model.build_generated_decoder(self.config)
-        self.lm_head_int8 = quantize_weight(self.lm_head.weight) if scheme == "int8" else None
-        self.lm_head_q8 = quantize_weight_group_int8(self.lm_head.weight) if scheme == "int4" else None
+        self.lm_head_int8 = quantize_weight(self.lm_head.weight) if scheme in W8A8_FORMATS else None
+        self.lm_head_q8 = quantize_weight_group_int8(self.lm_head.weight) if int4 else None
         self.quantization = scheme
         self.set_row_tiling()
 
@@ -433,17 +439,18 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Args: hidden_states shape = [n, hidden_size]. Returns: float32 logits, shape = [n, vocab_size].
 
-        int4: rows of generated tokens (the running :class:`~prefixcache.layers.quant.RowSplit`, which
-        the runner sets for the logits rows) use the 8-bit lm_head, the others (a prompt's last token,
-        prompt logprobs) the bf16 one, as generated and prompt rows run different layers."""
-        if self.lm_head_int8 is not None:
-            return int8_linear(*quantize_activations(hidden_states), self.lm_head_int8, torch.float32)
+        int4 (int4-int8): rows of generated tokens (the running :class:`~prefixcache.layers.quant.RowSplit`,
+        which the runner sets for the logits rows) use the Q8_0 lm_head, the others (a prompt's last
+        token, prompt logprobs) the bf16 (int8) one, as generated and prompt rows run different layers."""
         if self.lm_head_q8 is not None:  # int4: generated tokens' rows (the running RowSplit) on Q8_0's grid
             return split_rows(hidden_states, self._dense_logits,
                               lambda rows: group_int8_linear(rows, self.lm_head_q8, torch.float32))
         return self._dense_logits(hidden_states)
 
     def _dense_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits of prompt rows (every row but int4's generated ones), float32 [n, vocab_size]."""
+        if self.lm_head_int8 is not None:
+            return int8_linear(*quantize_activations(hidden_states), self.lm_head_int8, torch.float32)
         if self.batch_invariant:
             return row_tiled_linear(hidden_states, self.lm_head.weight, self.lm_head.bias, self.lm_head_packed).float()
         return self.lm_head(hidden_states).float()
@@ -456,7 +463,7 @@ class LlamaForCausalLM(nn.Module):
         independent by construction); the attention metadata then pads as
         ``prefixcache.layers.attention`` says. float32's GEMMs round by batch size (MKL), so it
         keeps the cheaper untiled calls and agrees with a batch only to float rounding."""
-        return self.quantization == "int8" or self.lm_head.weight.dtype == torch.bfloat16  # int4 is bf16
+        return self.quantization in W8A8_FORMATS or self.lm_head.weight.dtype == torch.bfloat16  # int4 is bf16
 
     @property
     def paged_attention(self) -> bool:

@@ -276,7 +276,8 @@ def load_model(
         device: Device to place the model on.
         load_tokenizer: Load the tokenizer from the directory (tests of tokenizer-less dirs pass False).
         home: Cache folder for fetched/converted models; defaults to `$PREFIXCACHE_HOME`.
-        quantization: ``"none"``, ``"int8"`` or ``"int4"`` (bfloat16 only; see `LlamaForCausalLM.quantize`).
+        quantization: ``"none"``, ``"int8"``, ``"int4"`` or ``"int4-int8"`` (these two bfloat16 only; see
+            `LlamaForCausalLM.quantize`).
 
     Returns:
         The loaded model and its metadata.

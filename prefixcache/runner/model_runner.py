@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from prefixcache.config import INT4_DECODER_FORMATS
 from prefixcache.layers.attention import build_attention_metadata
 from prefixcache.layers.lora import LoRABatch
 from prefixcache.layers.quant import RowSplit, row_split
@@ -118,7 +119,8 @@ class ModelRunner:
             dtype=self.kv_caches[0].dtype,
             num_pool_blocks=self.kv_caches[0].shape[1],
             # int4: generated tokens (their blocks keyed apart) run through layers.generated_decoder
-            num_prompt_tokens=[s.num_prompt_tokens for s in seqs] if self.model.quantization == "int4" else None,
+            num_prompt_tokens=([s.num_prompt_tokens for s in seqs]
+                               if self.model.quantization in INT4_DECODER_FORMATS else None),
             paged_kernel=self.model.paged_attention,
         )
         lora_segments, start = [], 0
@@ -169,7 +171,7 @@ class ModelRunner:
         """For an int4 model, the logits rows (each sampling sequence's last new token, in order) split
         like the forward pass's: a generated token's row (position >= the prompt length) on the
         8-bit lm_head, a prompt's last token on the bf16 one."""
-        if self.model.quantization != "int4":
+        if self.model.quantization not in INT4_DECODER_FORMATS:
             return None
         generated = torch.tensor([s.num_computed_tokens + len(s.token_ids) > s.num_prompt_tokens
                                   for s in seqs if s.sampling_params is not None])  # [num_rows] bool

@@ -154,6 +154,9 @@ def default_model_fetched() -> bool:
     (["--dtype", "bfloat16", "--quantization", "int4", "--lora-modules", "legal={tmp}"],
      "--lora-modules: adapters need --quantization none or int8; int4 runs generated tokens in fused kernels "
      "without LoRA deltas"),  # a review (2026-12-02): started, listed the adapter, then 400 on every request
+    (["--dtype", "bfloat16", "--quantization", "int4-int8", "--lora-modules", "legal={tmp}"],
+     "--lora-modules: adapters need --quantization none or int8; int4-int8 runs generated tokens in fused kernels "
+     "without LoRA deltas"),
     (["--num-blocks", "99999999999"], "--num-blocks: a KV pool of 99999999999 blocks needs "),
     pytest.param(["--block-size", "99999"], "--block-size: block_size 99999 is more than the model's context of 8192 "
                                             "tokens (its max_position_embeddings): such a block never fills",

@@ -41,6 +41,8 @@ def test_back_to_none_is_the_float_model_exactly(tiny_pair):
         int8.model.quantize("int3")
     with pytest.raises(ValueError, match="'int4' needs a bfloat16 model"):
         int8.model.quantize("int4")
+    with pytest.raises(ValueError, match="'int4-int8' needs a bfloat16 model"):
+        int8.model.quantize("int4-int8")
 
 
 def test_int8_chunked_prefill_and_decode_equal_one_prefill(tiny_pair):
