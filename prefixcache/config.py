@@ -95,7 +95,7 @@ class EngineConfig(CacheConfig, SchedulerConfig):
     dtype: str = field(default="float32", metadata={"help": "weights and KV dtype", "choices": DTYPES})
     quantization: str = field(default="none", metadata={
         "help": "linear-layer weights: none (in --dtype), int8 (int8 weights x per-token int8 activations, "
-                "exact int32 sums: batch-invariant), int4 (with --dtype bfloat16: generated tokens' projections "
+                "SmoothQuant-smoothed, exact int32 sums: batch-invariant), int4 (with --dtype bfloat16: generated tokens' projections "
                 "on 4-bit weights in our C++ decoder, prompt tokens' on bf16; no LoRA) or int4-int8 (int4's "
                 "generated tokens, int8's prompt tokens; README 'Weight formats')", "choices": QUANTIZATIONS})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: CUDA if present)"})

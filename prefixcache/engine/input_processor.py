@@ -103,16 +103,19 @@ class InputProcessor:
     @property
     def model_key(self) -> bytes:
         """The cache key's model part: the weights' fingerprint, the dtype K/V is computed in, the
-        weight quantization and the attention's rules (``attention.kv_numerics``): K/V computed at
-        another precision or with other bits is never reused. Follows the loaded
-        model's fingerprint, which changes whenever its weights are replaced."""
+        weight quantization (with what its weights were derived from: ``quantization_key``) and the
+        attention's rules (``attention.kv_numerics``): K/V computed at another precision or with
+        other bits is never reused. Follows the loaded model's fingerprint, which changes whenever
+        its weights are replaced."""
         paged = self.loaded.model.paged_attention
-        memo = self.loaded.fingerprint + self.loaded.quantization.encode() + bytes([paged])
+        quantization_key = self.loaded.model.quantization_key  # int8's smoothing and its calibration
+        memo = (self.loaded.fingerprint + self.loaded.quantization.encode() + bytes([paged])
+                + quantization_key.encode())
         if self._model_key is None or self._model_key[0] != memo:
             quantization = self.loaded.quantization  # int8, int4-int8: W8A8 products, no bf16 GEMM at all
             numerics = kv_numerics(paged, bf16_gemms=self.loaded.dtype == torch.bfloat16
                                    and quantization not in W8A8_FORMATS, int4=quantization in INT4_DECODER_FORMATS)
-            weights_format = f"{self.loaded.dtype}|quantization={quantization}|{numerics}"
+            weights_format = f"{self.loaded.dtype}|quantization={quantization}|{quantization_key}|{numerics}"
             key = hashlib.sha256(self.loaded.fingerprint + weights_format.encode()).digest()
             self._model_key = (memo, key)
         return self._model_key[1]

@@ -30,7 +30,7 @@ from torch import nn
 from prefixcache.errors import InvalidInputError, clip
 from prefixcache.layers.amx_gemm import (GATE_UP, SILU_MUL, amx_gemm_supported, amx_linear, amx_packable,
                                          interleave_gate_up, pack_weight)
-from prefixcache.layers.quant import (Int8Weight, int8_linear, quantize_activations,
+from prefixcache.layers.quant import (Int8Weight, int8_product,
                                      stacked_weight_and_bias)
 
 TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -398,7 +398,7 @@ class LoRALinear(nn.Linear):
             y = (row_tiled_linear(x, self.weight, self.bias, self.packed) if self.row_tiled
                  else F.linear(x, self.weight, self.bias))
         else:
-            y = int8_linear(*quantize_activations(x), self.int8, x.dtype)
+            y = int8_product(x, self.int8, x.dtype)
         return self.add_lora(y, x, lora)
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:

@@ -3,8 +3,13 @@
 Weights are quantized once, per output channel (symmetric, ``scale = max|w_row| / 127``);
 activations are quantized on the fly, per token (per row, ``scale = max|x_row| / 127``), the
 "per-token dynamic" scheme of LLM.int8() (Dettmers et al., 2022) and SmoothQuant (Xiao et al.,
-2023) without their outlier handling. The product ``x_q @ w_q^T`` is accumulated in int32 by
-``torch._int_mm`` (oneDNN's VNNI / AMX int8 kernels on x86 CPUs), then rescaled per row and column.
+2023), with SmoothQuant's outlier handling: each input channel j of a layer is divided by
+``s_j = max|X_j|^0.5 / max|W_j|^0.5`` before the activations are quantized and the weights' column
+j multiplied by it (exact in real arithmetic; :func:`smooth_factors`, ``max|X_j|`` from a
+calibration prefill of a fixed text, ``LlamaForCausalLM.quantize``), which moves the activations'
+outlier channels into the weights, where per-channel scales absorb them. The product ``x_q @ w_q^T``
+is accumulated in int32 by ``torch._int_mm`` (oneDNN's VNNI / AMX int8 kernels on x86 CPUs), then
+rescaled per row and column.
 
 Why this scheme: integer accumulation is exact, so the sum does not depend on the kernel's
 reduction order, its tiling or the number of rows in the call; with per-row activation scales,
@@ -35,12 +40,13 @@ from prefixcache.config import QUANTIZATIONS
 from prefixcache.layers.cpu_kernels import CpuKernelsUnavailable, load_cpu_kernels
 
 __all__ = ["INT4_GROUP", "INT4_OUTPUT_KEY", "QUANTIZATIONS", "GroupInt8Weight", "Int4Weight", "Int8Weight",
-           "concat_weights", "group_int8_linear", "int4_linear", "int8_linear", "int8_rows_to_float_torch",
-           "quantize_activations", "quantize_activations_torch",
+           "group_int8_linear", "int4_linear", "int8_linear", "int8_product", "int8_rows_to_float_torch",
+           "quantize_activations", "quantize_activations_torch", "recording_activation_amax", "smooth_factors",
            "quantize_weight", "quantize_weight_group_int8", "quantize_weight_int4", "split_rows",
            "stacked_weight_and_bias"]
 _QMAX = 127.0
 _MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros instead of dividing by 0
+SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength (its paper's default; 0.3-0.8 measured here, 0.5 best)
 
 
 @dataclass(slots=True)
@@ -51,32 +57,56 @@ class Int8Weight:
         qweight: shape = [in_features, out_features] int8 (transposed: ``_int_mm``'s right operand).
         scale: shape = [out_features] float32, per output channel.
         bias: shape = [out_features] float32, or None.
+        act_mul: shape = [in_features] float32, ``1 / s`` of :func:`smooth_factors` (the activations are
+            multiplied by it before they are quantized; the weight was quantized times ``s``), or None.
     """
 
     qweight: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor | None
+    act_mul: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
         return self.qweight.shape[1]
 
 
-def quantize_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Weight:
-    """Per-output-channel symmetric int8 quantization.
+def quantize_weight(weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    smooth: torch.Tensor | None = None) -> Int8Weight:
+    """Per-output-channel symmetric int8 quantization of ``weight`` (times ``smooth`` per input column).
 
     Args:
         weight: shape = [out_features, in_features], any float dtype.
         bias: shape = [out_features], or None.
+        smooth: shape = [in_features], :func:`smooth_factors`, or None (no smoothing).
     """
     w = weight.detach().float()
+    if smooth is not None:
+        w = w * smooth.float()  # [out, in] * [in]
     scale = (w.abs().amax(dim=1) / _QMAX).clamp(min=_MIN_SCALE)  # [out_features]
     q = torch.round(w / scale[:, None]).clamp(-_QMAX, _QMAX).to(torch.int8)  # [out, in]
     return Int8Weight(
         qweight=q.t().contiguous(),
         scale=scale,
         bias=None if bias is None else bias.detach().float().clone(),
+        act_mul=None if smooth is None else torch.reciprocal(smooth.float()).contiguous(),
     )
+
+
+def smooth_factors(act_amax: torch.Tensor, weight: torch.Tensor, alpha: float = SMOOTH_ALPHA) -> torch.Tensor:
+    """SmoothQuant's per-input-channel factors ``s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)`` (Xiao et
+    al., 2023, eq. 4; both maxima and ``s`` clamped to >= 1e-5 as its reference code does).
+
+    Args:
+        act_amax: shape = [in_features], the largest ``|x_j|`` seen in calibration.
+        weight: shape = [out_features, in_features] (every matrix that reads the same input, stacked).
+
+    Returns:
+        shape = [in_features] float32.
+    """
+    w = weight.detach().float().abs().amax(dim=0).clamp(min=1e-5)  # [in_features]
+    a = act_amax.detach().float().clamp(min=1e-5)
+    return (a.pow(alpha) / w.pow(1 - alpha)).clamp(min=1e-5)
 
 
 def stacked_weight_and_bias(modules: list) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -87,19 +117,6 @@ def stacked_weight_and_bias(modules: list) -> tuple[torch.Tensor, torch.Tensor |
     bias = None if all(b is None for b in biases) else torch.cat(
         [torch.zeros(m.out_features, dtype=m.weight.dtype) if b is None else b.detach() for m, b in zip(modules, biases)])
     return (weights[0] if len(weights) == 1 else torch.cat(weights)), bias
-
-
-def concat_weights(parts: list[Int8Weight]) -> Int8Weight:
-    """One weight whose output columns are ``parts``' in order (q, k, v → qkv). Exact: each column's
-    int32 sum is the same whichever matrix it sits in."""
-    biases = [p.bias for p in parts]
-    if any(b is None for b in biases) and any(b is not None for b in biases):
-        biases = [torch.zeros(p.out_features) if b is None else b for p, b in zip(parts, biases)]
-    return Int8Weight(
-        qweight=torch.cat([p.qweight for p in parts], dim=1).contiguous(),
-        scale=torch.cat([p.scale for p in parts]),
-        bias=None if biases[0] is None else torch.cat(biases),
-    )
 
 
 @cache
@@ -114,26 +131,30 @@ def _fused_int8_rows():
         return None
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row symmetric int8 quantization: ``s = max(max|x_row| / 127, 1e-12)``, ``q = round(x / s)``
-    (half to even), in one pass per row where our kernels run (:func:`quantize_activations_torch`'s
-    bits for finite rows; a row with a NaN or an infinity gets a NaN scale).
+def quantize_activations(x: torch.Tensor, mul: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 quantization of ``x' = float(x) * mul`` (``x`` without ``mul``):
+    ``s = max(max|x'_row| / 127, 1e-12)``, ``q = round(x' / s)`` (half to even), in one pass per row
+    where our kernels run (:func:`quantize_activations_torch`'s bits for finite rows; a row with a
+    NaN or an infinity gets a NaN scale).
 
     Args:
         x: shape = [num_tokens, in_features], any float dtype.
+        mul: shape = [in_features] float32 (``Int8Weight.act_mul``), or None.
 
     Returns:
         (x_q [num_tokens, in_features] int8, scale [num_tokens, 1] float32).
     """
     kernels = _fused_int8_rows()
     if kernels is not None and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32):
-        return kernels.quantize_rows_int8(x)
-    return quantize_activations_torch(x)
+        return kernels.quantize_rows_int8(x, mul)
+    return quantize_activations_torch(x, mul)
 
 
-def quantize_activations_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations_torch(x: torch.Tensor, mul: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_activations` in torch ops (the reference; the path where our kernels can't run)."""
     x = x.float()
+    if mul is not None:
+        x = x * mul
     scale = (x.abs().amax(dim=-1, keepdim=True) / _QMAX).clamp_(min=_MIN_SCALE)  # [num_tokens, 1]
     # |x / scale| <= 127 * (1 + 2**-23): it rounds to at most 127, no clamp needed
     return torch.div(x, scale).round_().to(torch.int8), scale
@@ -158,6 +179,41 @@ def int8_linear(
     if kernels is not None and out_dtype in (torch.bfloat16, torch.float32) and x_scale.is_contiguous():
         return kernels.int8_rows_to_float(acc, x_scale, weight.scale, weight.bias, out_dtype)  # the bits below
     return int8_rows_to_float_torch(acc, x_scale, weight, out_dtype)
+
+
+def int8_product(x: torch.Tensor, weight: Int8Weight, out_dtype: torch.dtype) -> torch.Tensor:
+    """``x @ w^T + b`` on the int8 weight: :func:`quantize_activations` (with the weight's
+    ``act_mul``) then :func:`int8_linear`. Inside :class:`recording_activation_amax` it also records
+    ``max|x_j|`` per input channel under ``id(weight)``.
+
+    Args:
+        x: shape = [num_tokens, in_features], bfloat16 or float32.
+
+    Returns:
+        shape = [num_tokens, out_features], ``out_dtype``.
+    """
+    stats = _ACT_AMAX[0]
+    if stats is not None and x.shape[0]:
+        seen = x.detach().abs().amax(dim=0).float()  # [in_features]
+        key = id(weight)
+        stats[key] = seen if key not in stats else torch.maximum(stats[key], seen)
+    return int8_linear(*quantize_activations(x, weight.act_mul), weight, out_dtype)
+
+
+_ACT_AMAX: list[dict[int, torch.Tensor] | None] = [None]
+
+
+class recording_activation_amax:  # noqa: N801 (a context manager used like a function)
+    """``with recording_activation_amax() as amax: model(...)``: ``amax[id(weight)]`` = the largest
+    ``|x_j|`` per input channel [in_features] that :func:`int8_product` saw for that weight (a
+    calibration pass; one at a time, as the engine runs one step at a time)."""
+
+    def __enter__(self) -> dict[int, torch.Tensor]:
+        _ACT_AMAX[0] = {}
+        return _ACT_AMAX[0]
+
+    def __exit__(self, *exc) -> None:
+        _ACT_AMAX[0] = None
 
 
 def int8_rows_to_float_torch(

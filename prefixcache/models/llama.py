@@ -9,12 +9,14 @@ with it to float rounding.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.config import INT4_DECODER_FORMATS, W8A8_FORMATS
-from prefixcache.layers.attention import Attention, AttentionMetadata
+from prefixcache.layers.attention import Attention, AttentionMetadata, build_attention_metadata
 from prefixcache.layers.generated_decoder import DecoderLayerWeights, GeneratedDecoder
 from prefixcache.layers.cpu_kernels import load_cpu_kernels
 from prefixcache.layers.prefill_attention import paged_prefill_attention, prefill_kernel_supported
@@ -24,13 +26,14 @@ from prefixcache.layers.prompt_ops import add_rms_norm, rope_write_kv, silu_mul
 from prefixcache.layers.norm import RMSNorm
 from prefixcache.layers.quant import (
     QUANTIZATIONS,
+    SMOOTH_ALPHA,
     GroupInt8Weight,
     Int4Weight,
     Int8Weight,
-    concat_weights,
+    recording_activation_amax,
+    smooth_factors,
     group_int8_linear,
-    int8_linear,
-    quantize_activations,
+    int8_product,
     quantize_weight,
     quantize_weight_group_int8,
     quantize_weight_int4,
@@ -39,6 +42,8 @@ from prefixcache.layers.quant import (
 )
 from prefixcache.layers.rotary import RotaryEmbedding, apply_rotary_emb
 from prefixcache.models.config import ModelConfig
+
+CALIBRATION_LENGTH = 256  # tokens of the int8 smoothing's calibration prefill when no text is given
 
 
 class LlamaAttention(nn.Module):
@@ -69,15 +74,20 @@ class LlamaAttention(nn.Module):
     def quantize(self, scheme: str) -> None:
         """Sets (``"int8"``, ``"int4"``, ``"int4-int8"``: both) or clears (``"none"``) the quantized
         weights of the four projections."""
-        int8, int4 = scheme in W8A8_FORMATS, scheme in INT4_DECODER_FORMATS
-        for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
-            proj.int8 = quantize_weight(proj.weight, proj.bias) if int8 else None
-        self.qkv_int8 = None
+        int4 = scheme in INT4_DECODER_FORMATS
         self.qkv_int4 = _fused_int4([self.q_proj, self.k_proj, self.v_proj]) if int4 else None
         self.o_int4 = _fused_int4([self.o_proj]) if int4 else None
-        if int8:  # q, k, v run fused: their own int8 copies would only take memory
-            self.qkv_int8 = concat_weights([self.q_proj.int8, self.k_proj.int8, self.v_proj.int8])
-            self.q_proj.int8 = self.k_proj.int8 = self.v_proj.int8 = None
+        self.set_int8(scheme in W8A8_FORMATS)
+
+    def set_int8(self, on: bool, act_amax: dict[int, torch.Tensor] | None = None) -> None:
+        """Sets (``on``) or clears the int8 weights: q|k|v as one matrix (their own copies would only
+        take memory), o_proj's; smoothed (:func:`~prefixcache.layers.quant.smooth_factors`) by the
+        calibration maxima ``act_amax`` (by ``id`` of the unsmoothed weights) when given."""
+        old_qkv, old_o = self.qkv_int8, self.o_proj.int8
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            proj.int8 = None
+        self.qkv_int8 = _int8([self.q_proj, self.k_proj, self.v_proj], old_qkv, act_amax) if on else None
+        self.o_proj.int8 = _int8([self.o_proj], old_o, act_amax) if on else None
 
     def _fused_qkv(self, x: torch.Tensor) -> torch.Tensor | None:
         """The fused q|k|v product, [T, (heads + 2 kv_heads) * hd] (prepacked bf16 or int8); None when
@@ -85,7 +95,7 @@ class LlamaAttention(nn.Module):
         if self.qkv_packed is not None:
             return row_tiled_linear(x, None, packed=self.qkv_packed)
         if self.qkv_int8 is not None:
-            return int8_linear(*quantize_activations(x), self.qkv_int8, x.dtype)
+            return int8_product(x, self.qkv_int8, x.dtype)
         return None
 
     def _qkv(self, x: torch.Tensor, qkv: torch.Tensor | None,
@@ -174,15 +184,18 @@ class LlamaMLP(nn.Module):
     def quantize(self, scheme: str) -> None:
         """Sets (``"int8"``, ``"int4"``, ``"int4-int8"``: both) or clears (``"none"``) the quantized
         weights of the three projections."""
-        int8, int4 = scheme in W8A8_FORMATS, scheme in INT4_DECODER_FORMATS
-        for proj in (self.gate_proj, self.up_proj, self.down_proj):
-            proj.int8 = quantize_weight(proj.weight, proj.bias) if int8 else None
-        self.gate_up_int8 = None
+        int4 = scheme in INT4_DECODER_FORMATS
         self.gate_up_int4 = _fused_int4([self.gate_proj, self.up_proj]) if int4 else None
         self.down_int4 = _fused_int4([self.down_proj]) if int4 else None
-        if int8:
-            self.gate_up_int8 = concat_weights([self.gate_proj.int8, self.up_proj.int8])
-            self.gate_proj.int8 = self.up_proj.int8 = None
+        self.set_int8(scheme in W8A8_FORMATS)
+
+    def set_int8(self, on: bool, act_amax: dict[int, torch.Tensor] | None = None) -> None:
+        """As :meth:`LlamaAttention.set_int8`: gate|up as one matrix, down_proj's."""
+        old_gate_up, old_down = self.gate_up_int8, self.down_proj.int8
+        for proj in (self.gate_proj, self.up_proj, self.down_proj):
+            proj.int8 = None
+        self.gate_up_int8 = _int8([self.gate_proj, self.up_proj], old_gate_up, act_amax) if on else None
+        self.down_proj.int8 = _int8([self.down_proj], old_down, act_amax) if on else None
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """Args: x shape = [num_tokens, hidden_size]. Returns: shape = [num_tokens, hidden_size]."""
@@ -215,8 +228,16 @@ class LlamaMLP(nn.Module):
     def _gate_up(self, x: torch.Tensor) -> torch.Tensor:
         """The fused gate|up product, [T, 2 * intermediate]: int8, or prepacked bf16."""
         if self.gate_up_packed is None:
-            return int8_linear(*quantize_activations(x), self.gate_up_int8, x.dtype)
+            return int8_product(x, self.gate_up_int8, x.dtype)
         return row_tiled_linear(x, None, packed=self.gate_up_packed)
+
+
+def _int8(modules: list[nn.Linear], old: Int8Weight | None, act_amax: dict[int, torch.Tensor] | None) -> Int8Weight:
+    """One int8 weight of the modules' weights stacked by output rows (exact: each output row is
+    quantized alone), smoothed by the maxima ``act_amax[id(old)]`` where there are some."""
+    weight, bias = stacked_weight_and_bias(modules)
+    amax = None if act_amax is None or old is None else act_amax.get(id(old))
+    return quantize_weight(weight, bias, None if amax is None else smooth_factors(amax, weight))
 
 
 def _fused_int4(modules: list[nn.Linear]) -> Int4Weight:
@@ -370,6 +391,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_int8: Int8Weight | None = None
         self.lm_head_q8: GroupInt8Weight | None = None  # int4(-int8): generated rows' lm_head on Q8_0's grid
         self.quantization = "none"
+        # int8, int4-int8: SmoothQuant's smoothing, calibrated by a prefill of calibration_ids (the loader sets
+        # them from a fixed text; None: CALIBRATION_LENGTH fixed pseudo-random ids); False only in A/B probes
+        self.int8_smoothing = True
+        self.calibration_ids: list[int] | None = None
+        self._int8_key = ""  # what the int8 weights were derived with (quantization_key)
         self.tie_weights()
         for name, module in self.named_modules():
             if isinstance(module, LoRALinear):
@@ -412,6 +438,46 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_q8 = quantize_weight_group_int8(self.lm_head.weight) if int4 else None
         self.quantization = scheme
         self.set_row_tiling()
+        self._int8_key = ""
+        if scheme in W8A8_FORMATS and self.int8_smoothing:
+            self._smooth_int8()
+
+    @property
+    def quantization_key(self) -> str:
+        """What the quantized weights depend on beyond the float weights and the format's name (the
+        smoothing's rule, strength and calibration tokens), for the cache key; "" when nothing."""
+        return self._int8_key
+
+    @torch.inference_mode()
+    def _smooth_int8(self) -> None:
+        """Re-derives the int8 weights with SmoothQuant's smoothing (:func:`~prefixcache.layers.quant.
+        smooth_factors`): one prefill of the calibration tokens on the unsmoothed int8 weights records
+        each int8 matrix's largest input per channel, from which each matrix and its input's multiplier
+        are derived (q|k|v and gate|up, which share an input, share one). Deterministic: same weights
+        and tokens, same bits."""
+        ids = self.calibration_ids
+        if not ids:
+            gen = torch.Generator().manual_seed(0)
+            ids = torch.randint(0, self.config.vocab_size, (CALIBRATION_LENGTH,), generator=gen).tolist()
+        device, dtype, cfg = self.lm_head.weight.device, self.lm_head.weight.dtype, self.config
+        block_size = 16
+        num_blocks = -(-len(ids) // block_size) + 512 // block_size  # room for keys padded to a multiple of 512
+        kv = [torch.zeros(2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
+              for _ in range(cfg.num_hidden_layers)]
+        md, positions = build_attention_metadata([(0, len(ids), list(range(num_blocks)))], block_size, device,
+                                                  batch_invariant=self.batch_invariant, dtype=dtype,
+                                                  num_pool_blocks=num_blocks, paged_kernel=self.paged_attention)
+        with recording_activation_amax() as amax:
+            hidden = self(torch.tensor(ids, dtype=torch.long, device=device), positions, md, kv)
+            self._dense_logits(hidden)
+        for layer in self.model.layers:
+            layer.self_attn.set_int8(True, amax)
+            layer.mlp.set_int8(True, amax)
+        lm_amax = amax.get(id(self.lm_head_int8))
+        self.lm_head_int8 = quantize_weight(self.lm_head.weight, None, None if lm_amax is None
+                                            else smooth_factors(lm_amax, self.lm_head.weight))
+        digest = hashlib.sha256(torch.tensor(ids, dtype=torch.int64).numpy().tobytes()).hexdigest()[:16]
+        self._int8_key = f"int8-smooth:sq-alpha={SMOOTH_ALPHA}:calibration={digest}"
 
     def forward(
         self,
@@ -450,7 +516,7 @@ class LlamaForCausalLM(nn.Module):
     def _dense_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits of prompt rows (every row but int4's generated ones), float32 [n, vocab_size]."""
         if self.lm_head_int8 is not None:
-            return int8_linear(*quantize_activations(hidden_states), self.lm_head_int8, torch.float32)
+            return int8_product(hidden_states, self.lm_head_int8, torch.float32)
         if self.batch_invariant:
             return row_tiled_linear(hidden_states, self.lm_head.weight, self.lm_head.bias, self.lm_head_packed).float()
         return self.lm_head(hidden_states).float()

@@ -28,6 +28,11 @@ from prefixcache.models.model_path import ModelLoadError, check_model_arg
 from prefixcache.models.model_path import safetensors_files as _safetensors_files
 from prefixcache.models.config import ModelConfig
 from prefixcache.models.registry import resolve_model_class
+from prefixcache.sample_texts import QUESTIONS, SYSTEM_PROMPT
+
+# The int8 formats' calibration text (LlamaForCausalLM._smooth_int8): the demo's system prompt and
+# questions; the quality bench's perplexity text (bench/texts.py) is another, held-out one.
+CALIBRATION_TEXT = SYSTEM_PROMPT + "\n\n" + "\n".join(QUESTIONS)
 
 _CHUNK_BYTES = 16 << 20  # bytes of a safetensors file read at a time while fingerprinting
 _TOKENIZER_FILES = (
@@ -305,15 +310,15 @@ def load_model(
     net = net.to(dtype=dtype).to_empty(device=device)
     net.tie_weights()
     load_weights(net, model_dir, config.tie_word_embeddings)
-    net.quantize(quantization)
-    net.eval()
-
     tokenizer = None
     if load_tokenizer:
         try:
             tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {e}") from e
+        net.calibration_ids = list(tokenizer(CALIBRATION_TEXT).input_ids)  # int8's smoothing
+    net.quantize(quantization)
+    net.eval()
     return LoadedModel(
         model=net,
         config=config,

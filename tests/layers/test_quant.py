@@ -1,11 +1,13 @@
-"""The W8A8 linear path: exact integer products, batch invariance, fused = separate."""
+"""The W8A8 linear path: exact integer products, batch invariance, fused = separate, SmoothQuant's
+smoothing."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from prefixcache.layers.quant import concat_weights, int8_linear, quantize_activations, quantize_weight
+from prefixcache.layers.quant import (int8_linear, int8_product, quantize_activations, quantize_weight,
+                                     recording_activation_amax, smooth_factors)
 
 
 def _rand(*shape, seed=0):
@@ -54,8 +56,10 @@ def test_each_row_is_the_same_in_any_batch(num_rows):
 
 def test_fused_projection_equals_separate_ones():
     x = _rand(9, 64, seed=6)
-    parts = [quantize_weight(_rand(n, 64, seed=7 + n), _rand(n, seed=n) if n != 16 else None) for n in (32, 16, 16)]
-    fused = concat_weights(parts)
+    weights = [_rand(n, 64, seed=7 + n) for n in (32, 16, 16)]
+    biases = [_rand(32, seed=32), torch.zeros(16), _rand(16, seed=16)]
+    parts = [quantize_weight(w, b) for w, b in zip(weights, biases)]
+    fused = quantize_weight(torch.cat(weights), torch.cat(biases))  # as the model stacks q, k, v
     xq, xs = quantize_activations(x)
     split = int8_linear(xq, xs, fused, torch.float32).split([32, 16, 16], dim=-1)
     for part, got in zip(parts, split):
@@ -89,6 +93,8 @@ def test_fused_int8_rows_give_the_torch_ops_bits(dtype):
         q, s = kernels.quantize_rows_int8(x)
         q_ref, s_ref = quantize_activations_torch(x)
         assert torch.equal(q, q_ref) and torch.equal(s, s_ref), (m, k)
+        mul = torch.exp(torch.randn(k, generator=gen) * 2)  # smoothing multipliers, e^-6..e^6
+        assert all(map(torch.equal, kernels.quantize_rows_int8(x, mul), quantize_activations_torch(x, mul))), (m, k)
         w = quantize_weight(torch.randn(n, k, generator=gen), torch.randn(n, generator=gen) if trial % 3 else None)
         acc = q_ref.int() @ w.qweight.int()
         for out_dtype in (torch.float32, torch.bfloat16):
@@ -117,7 +123,7 @@ def test_int8_linear_takes_the_fused_path_where_the_kernels_run(monkeypatch):
     uncached = quant._fused_int8_rows.__wrapped__
     calls = []
     monkeypatch.setattr(quant, "_fused_int8_rows", lambda: SimpleNamespace(
-        quantize_rows_int8=lambda x: calls.append("q") or kernels.quantize_rows_int8(x),
+        quantize_rows_int8=lambda x, mul: calls.append("q") or kernels.quantize_rows_int8(x, mul),
         int8_rows_to_float=lambda *a: calls.append("y") or kernels.int8_rows_to_float(*a)))
     w = quantize_weight(_rand(16, 32, seed=14))
     int8_linear(*quantize_activations(_rand(3, 32, seed=15)), w, torch.bfloat16)
@@ -135,3 +141,52 @@ def test_fused_rescale_refuses_scales_of_other_shapes():
         with pytest.raises(RuntimeError, match="must be a contiguous float32"):
             kernels.int8_rows_to_float(acc, x_scale, w_scale, None, torch.float32)
 
+
+
+def test_fused_quantize_refuses_a_multiplier_of_another_shape():
+    kernels = _fused()
+    for mul in (torch.ones(4), torch.ones(1, 5), torch.ones(5, dtype=torch.float64)):
+        with pytest.raises(RuntimeError, match="mul must be a contiguous float32 \\[K\\]"):
+            kernels.quantize_rows_int8(torch.ones(2, 5), mul)
+
+
+def test_smooth_factors_follow_smoothquant():
+    """s_j = max|X_j|^0.5 / max|W_j|^0.5 (Xiao et al., 2023, eq. 4), maxima and s clamped to >= 1e-5."""
+    act = torch.tensor([4.0, 1.0, 0.0, 100.0])
+    w = torch.tensor([[1.0, -4.0, 2.0, 0.25], [-0.5, 1.0, 0.0, 0.01]])
+    s = smooth_factors(act, w)
+    expected = [4 ** 0.5 / 1.0, 1.0 / 2.0, (1e-5) ** 0.5 / 2 ** 0.5, 10.0 / 0.5]
+    torch.testing.assert_close(s, torch.tensor(expected), rtol=1e-6, atol=0)
+    torch.testing.assert_close(smooth_factors(act, w, alpha=1.0), torch.tensor([4.0, 1.0, 1e-5, 100.0]))
+
+
+def test_smoothing_is_exact_in_real_arithmetic_and_tames_an_outlier_channel():
+    """x / s @ (W s)^T = x @ W^T; with one input channel 100x the others (the outliers SmoothQuant is
+    about), per-token int8 loses the small channels and the smoothed product is far closer to the float one."""
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(64, 96, generator=gen)
+    x[:, 7] *= 100
+    w = torch.randn(48, 96, generator=gen) / 10
+    ref = x @ w.t()
+    plain = quantize_weight(w)
+    s = smooth_factors(x.abs().amax(0), w)
+    smoothed = quantize_weight(w, None, s)
+    assert plain.act_mul is None and torch.equal(smoothed.act_mul, torch.reciprocal(s))
+    torch.testing.assert_close((x * smoothed.act_mul) @ (w * s).t(), ref, rtol=1e-4, atol=1e-3)
+    err_plain = (int8_product(x, plain, torch.float32) - ref).norm() / ref.norm()
+    err_smooth = (int8_product(x, smoothed, torch.float32) - ref).norm() / ref.norm()
+    assert err_smooth < err_plain / 3, (err_plain, err_smooth)
+    # rows stay independent: the smoothed product of a batch is each row's alone
+    alone = torch.cat([int8_product(x[i : i + 1], smoothed, torch.float32) for i in range(8)])
+    assert torch.equal(int8_product(x[:8], smoothed, torch.float32), alone)
+
+
+def test_recording_activation_amax_keeps_each_weights_largest_inputs():
+    a, b = quantize_weight(_rand(8, 4, seed=22)), quantize_weight(_rand(8, 4, seed=23))
+    with recording_activation_amax() as amax:
+        int8_product(torch.tensor([[1.0, -5.0, 0.0, 2.0]]), a, torch.float32)
+        int8_product(torch.tensor([[-3.0, 1.0, 0.5, 0.0], [0.0, 0.0, 0.0, -7.0]]), a, torch.float32)
+        int8_product(torch.tensor([[1.0, 1.0, 1.0, 1.0]]), b, torch.float32)
+    assert amax[id(a)].tolist() == [3.0, 5.0, 0.5, 7.0] and amax[id(b)].tolist() == [1.0, 1.0, 1.0, 1.0]
+    int8_product(torch.ones(1, 4), a, torch.float32)  # outside the block: nothing recorded
+    assert amax[id(a)].tolist() == [3.0, 5.0, 0.5, 7.0]

@@ -78,10 +78,47 @@ def test_replace_weights_requantizes(tiny_pair):
     name = "model.layers.0.mlp.down_proj.weight"
     before = int8.model.model.layers[0].mlp.down_proj.int8.qweight.clone()
     new = torch.full_like(dict(int8.model.named_parameters())[name], 0.5)
+    int8.model.int8_smoothing = False  # the plain per-channel rule: every weight the row's max
     int8.replace_weights({name: new})
     after = int8.model.model.layers[0].mlp.down_proj.int8
-    assert not torch.equal(after.qweight, before)
+    assert not torch.equal(after.qweight, before) and after.act_mul is None
     assert after.qweight.unique().tolist() == [127] and torch.allclose(after.scale, torch.tensor(0.5 / 127))
+    int8.model.int8_smoothing = True
+    int8.replace_weights({name: new})  # smoothed: q * scale / s gives the new weight back within half a step
+    after = int8.model.model.layers[0].mlp.down_proj.int8
+    restored = after.qweight.t().float() * after.scale[:, None] * after.act_mul[None, :]
+    assert after.act_mul.unique().numel() > 1
+    half_step = 0.5 * after.scale[:, None] * after.act_mul[None, :]  # [out, in]: the step is per row of W * s
+    assert ((restored - new.float()).abs() <= half_step * (1 + 1e-5)).all()
+
+
+def test_int8_smoothing_calibrates_every_int8_matrix_deterministically(tiny_llama_dir):
+    """Each int8 matrix (q|k|v, o, gate|up, down, lm_head) gets SmoothQuant's multipliers from a
+    calibration prefill (no tokenizer here: CALIBRATION_LENGTH fixed pseudo-random ids); two loads give
+    the same bits and the same quantization_key, which names the rule and the calibration tokens; with
+    smoothing off there is neither."""
+    from prefixcache.models.llama import CALIBRATION_LENGTH
+
+    a, b = (load_model(str(tiny_llama_dir), load_tokenizer=False, quantization="int8") for _ in range(2))
+
+    def matrices(loaded):
+        layers = loaded.model.model.layers
+        return [m for layer in layers for m in (layer.self_attn.qkv_int8, layer.self_attn.o_proj.int8,
+                                                  layer.mlp.gate_up_int8, layer.mlp.down_proj.int8)] + [
+            loaded.model.lm_head_int8]
+
+    assert all(m.act_mul is not None and m.act_mul.shape == (m.qweight.shape[0],) for m in matrices(a))
+    for ma, mb in zip(matrices(a), matrices(b)):
+        assert torch.equal(ma.qweight, mb.qweight) and torch.equal(ma.act_mul, mb.act_mul)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, a.config.vocab_size, (CALIBRATION_LENGTH,), generator=gen)
+    import hashlib
+
+    digest = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
+    assert a.model.quantization_key == b.model.quantization_key == f"int8-smooth:sq-alpha=0.5:calibration={digest}"
+    a.model.int8_smoothing = False
+    a.model.quantize("int8")
+    assert all(m.act_mul is None for m in matrices(a)) and a.model.quantization_key == ""
 
 
 def test_int4_runs_without_oneDNNs_prepacked_linear(tiny_llama_dir, monkeypatch):

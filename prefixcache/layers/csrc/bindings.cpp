@@ -25,7 +25,7 @@ at::Tensor rope_write_kv(const std::vector<at::Tensor>& qkv_tiles, const at::Ten
                          const at::Tensor& k_slots, const at::Tensor& v_slots, const at::Tensor& slot_mapping,
                          int64_t H, int64_t KVH);
 at::Tensor silu_mul(const std::vector<at::Tensor>& gate_up_tiles);
-std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const c10::optional<at::Tensor>& mul);
 at::Tensor int8_rows_to_float(const at::Tensor& acc, const at::Tensor& x_scale, const at::Tensor& w_scale,
                               const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
 
@@ -51,8 +51,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "row tiles [T, (H + 2 KVH) D] -> q [T, H, D] rotated; k rotated and v written to the pool (prompt_ops.cpp)");
   m.def("silu_mul", &silu_mul, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "row tiles [T, 2 I] -> silu(gate) * up [T, I], bf16 (prompt_ops.cpp)");
-  m.def("quantize_rows_int8", &quantize_rows_int8, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "x [M, K] -> (int8 [M, K], float32 scale [M, 1]), per row (int8_rows.cpp)");
+  m.def("quantize_rows_int8", &quantize_rows_int8, pybind11::arg("x"), pybind11::arg("mul") = pybind11::none(),
+        pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "x [M, K] (times mul [K] or None) -> (int8 [M, K], float32 scale [M, 1]), per row (int8_rows.cpp)");
   m.def("int8_rows_to_float", &int8_rows_to_float, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "int32 [M, N] * row scale * column scale (+ bias) -> [M, N] float32 or bfloat16 (int8_rows.cpp)");
   m.def("compiler", [] { return std::string(__VERSION__); },

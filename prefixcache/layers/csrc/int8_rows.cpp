@@ -2,8 +2,10 @@
 // row where torch's ops made five to seven (float copy, abs, amax, div, round, int8 copy; int32 -> float,
 // two multiplies, bias, bf16 copy). torch._int_mm (oneDNN) still does the int8 x int8 -> int32 product.
 //
-//   quantize_rows_int8: s = max(max_k |x[k]| / 127, 1e-12)   (float32, as quant.quantize_activations)
-//                       q[k] = int8(round_half_even(x[k] / s))
+//   quantize_rows_int8: x'[k] = x[k] * mul[k] when a column multiplier is given (float32; the smoothing of
+//                       quant.smooth_factors), else x[k]
+//                       s = max(max_k |x'[k]| / 127, 1e-12)   (float32, as quant.quantize_activations)
+//                       q[k] = int8(round_half_even(x'[k] / s))
 //   int8_rows_to_float: y[n] = float(acc[n]) * s * w_scale[n] (+ bias[n]), rounded once per operation in
 //                       that order (as quant.int8_linear's torch ops), then bf16 (nearest even) or float32
 //
@@ -42,13 +44,20 @@ inline __mmask16 tail_mask(int64_t remaining) {
   return remaining >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
 }
 
+// x[k..k+16) as float32, times mul[k..) when there is a multiplier (one rounding, as torch's mul)
 template <typename T>
-void quantize_row(const T* x, int64_t K, int8_t* q, float* scale) {
+inline __m512 load_scaled(const T* x, const float* mul, int64_t k, __mmask16 m) {
+  const __m512 v = load16(x + k, m);
+  return mul == nullptr ? v : _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, mul + k));
+}
+
+template <typename T>
+void quantize_row(const T* x, const float* mul, int64_t K, int8_t* q, float* scale) {
   __m512 amax = _mm512_setzero_ps();
   __mmask16 bad = 0;
   for (int64_t k = 0; k < K; k += kLanes) {
     const __mmask16 m = tail_mask(K - k);
-    const __m512 v = load16(x + k, m);
+    const __m512 v = load_scaled(x, mul, k, m);
     const __m512 a = _mm512_abs_ps(v);
     bad |= _mm512_mask_cmp_ps_mask(m, a, _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_NLT_UQ);
     amax = _mm512_max_ps(amax, a);
@@ -64,7 +73,7 @@ void quantize_row(const T* x, int64_t K, int8_t* q, float* scale) {
   const __m512 vs = _mm512_set1_ps(s);
   for (int64_t k = 0; k < K; k += kLanes) {
     const __mmask16 m = tail_mask(K - k);
-    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(load16(x + k, m), vs),
+    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(load_scaled(x, mul, k, m), vs),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm_mask_storeu_epi8(q + k, m, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
   }
@@ -72,12 +81,16 @@ void quantize_row(const T* x, int64_t K, int8_t* q, float* scale) {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x_in) {
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x_in, const c10::optional<at::Tensor>& mul_in) {
   TORCH_CHECK(x_in.is_cpu() && x_in.dim() == 2, "quantize_rows_int8: x must be a 2-D CPU tensor [M, K]");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat,
               "quantize_rows_int8: x must be bfloat16 or float32");
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(!mul_in || (mul_in->is_cpu() && mul_in->scalar_type() == at::kFloat && mul_in->dim() == 1 &&
+                          mul_in->size(0) == K && mul_in->is_contiguous()),
+              "quantize_rows_int8: mul must be a contiguous float32 [K]");
+  const float* mul = mul_in ? mul_in->data_ptr<float>() : nullptr;
   at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor scale = at::empty({M, 1}, x.options().dtype(at::kFloat));
   int8_t* qp = q.data_ptr<int8_t>();
@@ -87,9 +100,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x_in) {
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       if (bf16)
-        quantize_row(static_cast<const at::BFloat16*>(xp) + m * K, K, qp + m * K, sp + m);
+        quantize_row(static_cast<const at::BFloat16*>(xp) + m * K, mul, K, qp + m * K, sp + m);
       else
-        quantize_row(static_cast<const float*>(xp) + m * K, K, qp + m * K, sp + m);
+        quantize_row(static_cast<const float*>(xp) + m * K, mul, K, qp + m * K, sp + m);
     }
   });
   return {q, scale};
