@@ -139,6 +139,19 @@ def tenant_of_extra_key(extra_key: bytes) -> str | None:
     return extra_key[start : start + length].decode("utf-8", "replace")
 
 
+def output_slot_of_extra_key(extra_key: bytes) -> int | None:
+    """For a block holding a generated token (an extra key ending in :meth:`BlockHasher.output_key`,
+    after the tenant part if any): the slot where its request's generation starts,
+    ``num_prompt_tokens % block_size``; ``None`` for a block of prompt tokens only."""
+    rest = extra_key
+    if tenant_of_extra_key(extra_key) is not None:
+        (length,) = struct.unpack_from("<H", extra_key, len(TENANT_KEY_PREFIX))
+        rest = extra_key[len(TENANT_KEY_PREFIX) + 2 + length :]
+    if len(rest) < 4:
+        return None
+    return struct.unpack_from("<I", rest, len(rest) - 4)[0]
+
+
 class BlockHasher:
     """Computes chained block hashes with xxh64 (default) or sha256.
 

@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from prefixcache.cache.hashing import tenant_of_extra_key
+from prefixcache.cache.hashing import output_slot_of_extra_key, tenant_of_extra_key
 from prefixcache.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -213,6 +213,10 @@ class KVEventRecorder:
         lora, keys = self._namespace(root_key)
         if (tenant := tenant_of_extra_key(block.extra_key)) is not None:  # not int4's output key after it
             keys = (*keys, ("tenant", tenant))
+        if (slot := output_slot_of_extra_key(block.extra_key)) is not None:
+            # int4(-int8): K/V of generated tokens, never served to a prompt holding the same tokens; a
+            # router matching on tokens and extra keys must not count it as one (review, 2026-12-03)
+            keys = (*keys, ("generated_from_slot", slot))
         last = self._pending[-1] if self._pending else None
         if (isinstance(last, StoredBlocks) and parent_hash is not None and last.hashes[-1] == parent_hash
                 and last.lora == lora):

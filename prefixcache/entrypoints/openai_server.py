@@ -34,6 +34,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from prefixcache.config import INT4_DECODER_FORMATS
 from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.entrypoints.api_docs import add_docs_routes
@@ -246,8 +247,13 @@ def _prepare_engine(engine: LLMEngine, lora_modules: Mapping[str, str], approved
     the engine may be called directly).
 
     Raises:
-        ValueError: an adapter that can't be loaded for this model, an empty approved prefix.
+        ValueError: an adapter that can't be loaded for this model or its weight format (int4,
+            int4-int8), an empty approved prefix.
     """
+    quantization = engine.runner.model.quantization
+    if lora_modules and quantization in INT4_DECODER_FORMATS:  # every request naming one would be a 400
+        raise ValueError(f"lora_modules: adapters need quantization 'none' or 'int8'; {quantization!r} runs "
+                         f"generated tokens in fused kernels without LoRA deltas")
     for name, path in lora_modules.items():
         try:
             engine.lora_manager.get(LoRARequest(name, path))

@@ -51,7 +51,8 @@ def load_cpu_kernels() -> ModuleType:
     if _LOADED:
         return _LOADED[0]
     if not torch.cpu._is_vnni_supported():
-        raise CpuKernelsUnavailable("quantization='int4' needs a CPU with AVX512-VNNI (its kernels use vpdpbusd)")
+        raise CpuKernelsUnavailable("quantization 'int4' and 'int4-int8' need a CPU with AVX512-VNNI (their kernels use "
+                                     "vpdpbusd)")
     from torch.utils.cpp_extension import load
 
     venv_bin = str(Path(sys.executable).parent)  # ninja from the venv, also when it is not on PATH

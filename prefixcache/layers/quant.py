@@ -31,6 +31,7 @@ products for every other row (its prompt rows' logits on the int8 lm_head).
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from functools import cache
 
@@ -192,7 +193,7 @@ def int8_product(x: torch.Tensor, weight: Int8Weight, out_dtype: torch.dtype) ->
     Returns:
         shape = [num_tokens, out_features], ``out_dtype``.
     """
-    stats = _ACT_AMAX[0]
+    stats = getattr(_THREAD, "act_amax", None)
     if stats is not None and x.shape[0]:
         seen = x.detach().abs().amax(dim=0).float()  # [in_features]
         key = id(weight)
@@ -200,20 +201,22 @@ def int8_product(x: torch.Tensor, weight: Int8Weight, out_dtype: torch.dtype) ->
     return int8_linear(*quantize_activations(x, weight.act_mul), weight, out_dtype)
 
 
-_ACT_AMAX: list[dict[int, torch.Tensor] | None] = [None]
+# Per thread (each engine steps in its own thread; several engines may share a process and a model):
+# ``act_amax``, the calibration's maxima (recording_activation_amax); ``split``, the running step's RowSplit.
+_THREAD = threading.local()
 
 
 class recording_activation_amax:  # noqa: N801 (a context manager used like a function)
     """``with recording_activation_amax() as amax: model(...)``: ``amax[id(weight)]`` = the largest
     ``|x_j|`` per input channel [in_features] that :func:`int8_product` saw for that weight (a
-    calibration pass; one at a time, as the engine runs one step at a time)."""
+    calibration pass, in this thread only)."""
 
     def __enter__(self) -> dict[int, torch.Tensor]:
-        _ACT_AMAX[0] = {}
-        return _ACT_AMAX[0]
+        _THREAD.act_amax = {}
+        return _THREAD.act_amax
 
     def __exit__(self, *exc) -> None:
-        _ACT_AMAX[0] = None
+        _THREAD.act_amax = None
 
 
 def int8_rows_to_float_torch(
@@ -369,9 +372,10 @@ def group_int8_linear(x: torch.Tensor, weight: GroupInt8Weight, out_dtype: torch
 
 @dataclass(slots=True)
 class RowSplit:
-    """Which logits rows of a step run the 8-bit lm_head (generated tokens) and which the bf16 one (a
-    prompt's last token), for a model with ``quantization="int4"``. A token's rows are chosen by what the token
-    is, never by what shares its batch: the format stays batch-invariant.
+    """Which logits rows of a step run the 8-bit lm_head (generated tokens) and which the prompt rows'
+    one (a prompt's last token; bf16, int8 for ``"int4-int8"``), for a model with ``quantization="int4"``
+    or ``"int4-int8"``. A token's rows are chosen by what the token is, never by what shares its batch:
+    the format stays batch-invariant.
 
     Attributes:
         int4_rows: shape = [num_int4] int64, ascending.
@@ -382,27 +386,28 @@ class RowSplit:
     dense_rows: torch.Tensor
 
 
-_ROW_SPLIT: list[RowSplit | None] = [None]  # the running step's split (the engine runs one step at a time)
-
-
 class row_split:  # noqa: N801 (a context manager used like a function)
     """``with row_split(split): model.compute_logits(...)``: the int4 model's lm_head reads ``split``
-    (None: all rows dense) for the duration of the call."""
+    (None: all rows dense) for the duration of the call, in this thread only (a review, 2026-12-03:
+    with one process-wide split, another engine's prompt logprobs, whose rows are all dense, ran on
+    this step's split while it lasted)."""
 
     def __init__(self, split: RowSplit | None) -> None:
         self.split = split
+        self.outer: RowSplit | None = None
 
     def __enter__(self) -> None:
-        _ROW_SPLIT[0] = self.split
+        self.outer = getattr(_THREAD, "split", None)
+        _THREAD.split = self.split
 
     def __exit__(self, *exc) -> None:
-        _ROW_SPLIT[0] = None
+        _THREAD.split = self.outer
 
 
 def split_rows(x: torch.Tensor, dense, quantized) -> torch.Tensor:
     """``dense`` for the running :class:`RowSplit`'s dense rows (all rows without one), ``quantized``
     for its int4 rows, stitched back in row order: shape = [num_tokens, out_features]."""
-    split = _ROW_SPLIT[0]
+    split = getattr(_THREAD, "split", None)
     if split is None or split.int4_rows.numel() == 0:
         return dense(x)
     if split.dense_rows.numel() == 0:

@@ -546,7 +546,7 @@ class LlamaForCausalLM(nn.Module):
         """Makes every float projection row-tiled iff the model is bfloat16 (call after a dtype
         change), with oneDNN's prepacked weights where this torch has them: q, k, v as one matrix,
         gate and up as one (LoRA deltas are added to their column slices)."""
-        tiled = self.quantization in ("none", "int4") and self.lm_head.weight.dtype == torch.bfloat16
+        tiled = self.quantization not in W8A8_FORMATS and self.lm_head.weight.dtype == torch.bfloat16
         pack = tiled and prepacked_linear_supported()
         packs = []
         for module in self.modules():

@@ -76,7 +76,8 @@ class LoadedModel:
 
     @property
     def quantization(self) -> str:
-        """How the linear layers run: ``"none"`` (in :attr:`dtype`) or ``"int8"``."""
+        """How the linear layers run: ``"none"`` (in :attr:`dtype`), ``"int8"``, ``"int4"`` or
+        ``"int4-int8"`` (``LlamaForCausalLM.quantize``)."""
         return self.model.quantization
 
     def replace_weights(self, weights: str | Path | Mapping[str, torch.Tensor]) -> None:

@@ -133,7 +133,8 @@ def test_chain_namespace_eviction_and_reset():
 def test_int4_output_blocks_carry_their_tenant_name_alone(tenant):
     """An int4 block holding generated tokens keys the tenant's key plus the output key: the event
     names the tenant (it used to send the output key's bytes inside the name, or as a tenant's name
-    for a request without one)."""
+    for a request without one) and, since 2026-12-03, ``("generated_from_slot", slot)`` (before, a
+    router matching tokens and extra keys would count it as a prompt's reusable block)."""
     from prefixcache.cache.hashing import BlockHasher, tenant_extra_key
     from prefixcache.layers.quant import INT4_OUTPUT_KEY
     from prefixcache.request import Request
@@ -151,7 +152,9 @@ def test_int4_output_blocks_carry_their_tenant_name_alone(tenant):
     (stored,) = drain(recorder, view)
     assert m.get_blocks("a")[0].extra_key == a.block_extra_key(0) != tenant_extra_key(tenant)
     assert stored.block_hashes == [external_block_hash(a.block_hashes[0])] and stored.token_ids == [1, 2, 3, 4]
-    assert stored.extra_keys == (None if tenant is None else [(["tenant", "t"],)])
+    # ... and marks the block as generated tokens' K/V (from slot 2 on), which no prompt is served
+    generated = ["generated_from_slot", 2]
+    assert stored.extra_keys == ([(generated,)] if tenant is None else [(["tenant", "t"], generated)])
 
 
 def test_forced_collision_reports_a_hash_once_while_any_copy_is_cached(constant_hash):

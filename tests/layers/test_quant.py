@@ -190,3 +190,36 @@ def test_recording_activation_amax_keeps_each_weights_largest_inputs():
     assert amax[id(a)].tolist() == [3.0, 5.0, 0.5, 7.0] and amax[id(b)].tolist() == [1.0, 1.0, 1.0, 1.0]
     int8_product(torch.ones(1, 4), a, torch.float32)  # outside the block: nothing recorded
     assert amax[id(a)].tolist() == [3.0, 5.0, 0.5, 7.0]
+
+
+def test_a_row_split_holds_in_its_own_thread_only():
+    """Review (2026-12-03): the running step's RowSplit was process-wide, so another engine's thread
+    computing prompt logprobs (all rows dense) meanwhile ran some rows on the 8-bit lm_head, others
+    into an unfilled buffer. Now a split is per thread; nested splits restore the outer one."""
+    import threading
+
+    from prefixcache.layers.quant import RowSplit, row_split, split_rows
+
+    x = torch.arange(12.0).reshape(4, 3)
+    split = RowSplit(int4_rows=torch.tensor([1, 3]), dense_rows=torch.tensor([0, 2]))
+    dense, quantized = (lambda rows: rows + 100), (lambda rows: rows - 100)
+    inside, done, seen = threading.Event(), threading.Event(), {}
+
+    def step():
+        with row_split(split):
+            inside.set()
+            done.wait(10)
+            seen["step"] = split_rows(x, dense, quantized)
+
+    t = threading.Thread(target=step)
+    t.start()
+    inside.wait(10)
+    seen["other"] = split_rows(x, dense, quantized)  # another thread while the step's split is set
+    done.set()
+    t.join()
+    assert torch.equal(seen["other"], x + 100)
+    assert torch.equal(seen["step"], torch.stack([x[0] + 100, x[1] - 100, x[2] + 100, x[3] - 100]))
+    with row_split(split):
+        with row_split(None):
+            assert torch.equal(split_rows(x, dense, quantized), x + 100)
+        assert torch.equal(split_rows(x, dense, quantized), seen["step"])
