@@ -24,7 +24,8 @@ process can recompute them from tokens. The namespace also travels in ``extra_ke
 field for the non-token inputs of a block's hash), one entry per block, ``None`` for a block
 without one, else a tuple of ``(name, value)`` pairs: ``("cache_salt_sha256", 16 hex digits of the
 salt's sha256)`` (the salt itself is a tenant secret and is never sent), ``("lora", 16 hex digits
-of the adapter's content digest)``, ``("tenant", name)``.
+of the adapter's content digest)``, ``("tenant", name)``, and for a block holding generated tokens'
+K/V in the int4 formats ``("generated_from_slot", num_prompt_tokens % block_size)``.
 
 Invariants (checked by ``tests/cache/test_kv_events.py`` and ``tests/engine/test_kv_events_engine.py``):
 - Applying the events in order to an empty set (add on stored, discard on removed, empty on

@@ -237,7 +237,16 @@ def _int8(modules: list[nn.Linear], old: Int8Weight | None, act_amax: dict[int, 
     quantized alone), smoothed by the maxima ``act_amax[id(old)]`` where there are some."""
     weight, bias = stacked_weight_and_bias(modules)
     amax = None if act_amax is None or old is None else act_amax.get(id(old))
-    return quantize_weight(weight, bias, None if amax is None else smooth_factors(amax, weight))
+    return quantize_weight(weight, bias, _smoothing(amax, weight))
+
+
+def _smoothing(amax: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor | None:
+    """:func:`~prefixcache.layers.quant.smooth_factors` of a matrix whose calibration maxima are all
+    finite; None (no smoothing) without maxima or with a NaN / infinity among them (an input that
+    overflowed in calibration would make every multiplier 0 or NaN: review, 2026-12-03)."""
+    if amax is None or not bool(torch.isfinite(amax).all()):
+        return None
+    return smooth_factors(amax, weight)
 
 
 def _fused_int4(modules: list[nn.Linear]) -> Int4Weight:
@@ -440,7 +449,14 @@ class LlamaForCausalLM(nn.Module):
         self.set_row_tiling()
         self._int8_key = ""
         if scheme in W8A8_FORMATS and self.int8_smoothing:
-            self._smooth_int8()
+            try:
+                self._smooth_int8()
+            except BaseException:  # no half-smoothed model under the unsmoothed key: back to the plain rule
+                for layer in self.model.layers:
+                    layer.self_attn.set_int8(True)
+                    layer.mlp.set_int8(True)
+                self.lm_head_int8 = quantize_weight(self.lm_head.weight)
+                raise
 
     @property
     def quantization_key(self) -> str:
@@ -455,11 +471,13 @@ class LlamaForCausalLM(nn.Module):
         each int8 matrix's largest input per channel, from which each matrix and its input's multiplier
         are derived (q|k|v and gate|up, which share an input, share one). Deterministic: same weights
         and tokens, same bits."""
-        ids = self.calibration_ids
-        if not ids:
+        cfg = self.config
+        ids = [t for t in self.calibration_ids or () if 0 <= t < cfg.vocab_size][: cfg.max_position_embeddings]
+        if not ids:  # no text, or a tokenizer whose ids the model lacks (review, 2026-12-03: an IndexError)
             gen = torch.Generator().manual_seed(0)
-            ids = torch.randint(0, self.config.vocab_size, (CALIBRATION_LENGTH,), generator=gen).tolist()
-        device, dtype, cfg = self.lm_head.weight.device, self.lm_head.weight.dtype, self.config
+            ids = torch.randint(0, cfg.vocab_size, (min(CALIBRATION_LENGTH, cfg.max_position_embeddings),),
+                                generator=gen).tolist()
+        device, dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
         block_size = 16
         num_blocks = -(-len(ids) // block_size) + 512 // block_size  # room for keys padded to a multiple of 512
         kv = [torch.zeros(2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
@@ -473,11 +491,20 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.set_int8(True, amax)
             layer.mlp.set_int8(True, amax)
-        lm_amax = amax.get(id(self.lm_head_int8))
-        self.lm_head_int8 = quantize_weight(self.lm_head.weight, None, None if lm_amax is None
-                                            else smooth_factors(lm_amax, self.lm_head.weight))
-        digest = hashlib.sha256(torch.tensor(ids, dtype=torch.int64).numpy().tobytes()).hexdigest()[:16]
-        self._int8_key = f"int8-smooth:sq-alpha={SMOOTH_ALPHA}:calibration={digest}"
+        self.lm_head_int8 = quantize_weight(self.lm_head.weight, None,
+                                            _smoothing(amax.get(id(self.lm_head_int8)), self.lm_head.weight))
+        # the multipliers themselves: the calibration's float prefill may round by CPU (a float32 model's
+        # GEMMs under another instruction set gave other maxima, other weights, review 2026-12-03)
+        digest = hashlib.sha256(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
+        for weight in self._int8_weights():
+            digest.update(b"-" if weight.act_mul is None else weight.act_mul.cpu().numpy().tobytes())
+        self._int8_key = f"int8-smooth:sq-alpha={SMOOTH_ALPHA}-median-floor:{digest.hexdigest()[:32]}"
+
+    def _int8_weights(self) -> list[Int8Weight]:
+        """Every int8 matrix, in a fixed order (per layer q|k|v, o, gate|up, down; then lm_head)."""
+        layers = [(layer.self_attn.qkv_int8, layer.self_attn.o_proj.int8, layer.mlp.gate_up_int8,
+                   layer.mlp.down_proj.int8) for layer in self.model.layers]
+        return [w for ws in layers for w in ws] + [self.lm_head_int8]
 
     def forward(
         self,

@@ -151,13 +151,14 @@ def test_fused_quantize_refuses_a_multiplier_of_another_shape():
 
 
 def test_smooth_factors_follow_smoothquant():
-    """s_j = max|X_j|^0.5 / max|W_j|^0.5 (Xiao et al., 2023, eq. 4), maxima and s clamped to >= 1e-5."""
+    """s_j = max|X_j|^0.5 / max|W_j|^0.5 (Xiao et al., 2023, eq. 4) with max|X_j| raised to the channels'
+    (lower) median first: the channel quiet in calibration (0) gets the median's 1, not 1e-5."""
     act = torch.tensor([4.0, 1.0, 0.0, 100.0])
     w = torch.tensor([[1.0, -4.0, 2.0, 0.25], [-0.5, 1.0, 0.0, 0.01]])
     s = smooth_factors(act, w)
-    expected = [4 ** 0.5 / 1.0, 1.0 / 2.0, (1e-5) ** 0.5 / 2 ** 0.5, 10.0 / 0.5]
+    expected = [4 ** 0.5 / 1.0, 1.0 / 2.0, 1.0 / 2 ** 0.5, 10.0 / 0.5]
     torch.testing.assert_close(s, torch.tensor(expected), rtol=1e-6, atol=0)
-    torch.testing.assert_close(smooth_factors(act, w, alpha=1.0), torch.tensor([4.0, 1.0, 1e-5, 100.0]))
+    torch.testing.assert_close(smooth_factors(act, w, alpha=1.0), torch.tensor([4.0, 1.0, 1.0, 100.0]))
 
 
 def test_smoothing_is_exact_in_real_arithmetic_and_tames_an_outlier_channel():
@@ -190,6 +191,11 @@ def test_recording_activation_amax_keeps_each_weights_largest_inputs():
     assert amax[id(a)].tolist() == [3.0, 5.0, 0.5, 7.0] and amax[id(b)].tolist() == [1.0, 1.0, 1.0, 1.0]
     int8_product(torch.ones(1, 4), a, torch.float32)  # outside the block: nothing recorded
     assert amax[id(a)].tolist() == [3.0, 5.0, 0.5, 7.0]
+    with recording_activation_amax() as amax:  # a row that overflowed (a NaN or an infinity) is left out
+        int8_product(torch.tensor([[1.0, 2.0, 3.0, 4.0], [float("inf"), 0.0, 9.0, 0.0],
+                                   [0.5, float("nan"), 0.0, 0.0]]), a, torch.float32)
+        int8_product(torch.tensor([[float("inf"), 1.0, 1.0, 1.0]]), b, torch.float32)
+    assert amax[id(a)].tolist() == [1.0, 2.0, 3.0, 4.0] and id(b) not in amax
 
 
 def test_a_row_split_holds_in_its_own_thread_only():

@@ -114,11 +114,72 @@ def test_int8_smoothing_calibrates_every_int8_matrix_deterministically(tiny_llam
     ids = torch.randint(0, a.config.vocab_size, (CALIBRATION_LENGTH,), generator=gen)
     import hashlib
 
-    digest = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
-    assert a.model.quantization_key == b.model.quantization_key == f"int8-smooth:sq-alpha=0.5:calibration={digest}"
+    digest = hashlib.sha256(ids.numpy().tobytes())  # the calibration tokens, then every multiplier
+    for m in matrices(a):
+        digest.update(m.act_mul.numpy().tobytes())
+    key = f"int8-smooth:sq-alpha=0.5-median-floor:{digest.hexdigest()[:32]}"
+    assert a.model.quantization_key == b.model.quantization_key == key
     a.model.int8_smoothing = False
     a.model.quantize("int8")
     assert all(m.act_mul is None for m in matrices(a)) and a.model.quantization_key == ""
+
+
+class _all_inf_amax:
+    """A recording_activation_amax whose maxima of every input as wide as ``weight``'s (in the tiny
+    model: the down_proj inputs only) start with an infinity."""
+
+    def __init__(self, weight, recording) -> None:
+        self.inner, self.shape = recording(), weight.qweight.shape[0]
+
+    def __enter__(self):
+        self.amax = self.inner.__enter__()
+        return self.amax
+
+    def __exit__(self, *exc):
+        for key, value in self.amax.items():
+            if value.shape[0] == self.shape:  # the down_proj inputs (the only width-`shape` matrices)
+                value[0] = float("inf")
+        return self.inner.__exit__(*exc)
+
+
+def test_int8_calibration_skips_ids_the_model_lacks_and_non_finite_maxima(tiny_llama_dir, monkeypatch):
+    """Review (2026-12-03): a tokenizer with more ids than the model's vocabulary made the int8 load fail
+    with a bare IndexError; an input that overflowed in calibration made every multiplier of its matrix
+    0 or NaN (every later token 0, logprob NaN). Ids out of the vocabulary are left out of the
+    calibration (none left: the fixed pseudo-random ids); a matrix with a non-finite maximum stays
+    unsmoothed; and a failed calibration leaves the plain rule under the plain key."""
+    import prefixcache.layers.quant as quant
+    from prefixcache.models.llama import CALIBRATION_LENGTH
+
+    loaded = load_model(str(tiny_llama_dir), load_tokenizer=False, quantization="int8")
+    vocab = loaded.config.vocab_size
+    random_key = loaded.model.quantization_key
+    loaded.model.calibration_ids = [vocab, vocab + 7, -1]  # nothing usable: the pseudo-random ids' key
+    loaded.model.quantize("int8")
+    assert loaded.model.quantization_key == random_key and CALIBRATION_LENGTH <= loaded.config.max_position_embeddings
+    loaded.model.calibration_ids = [5, vocab + 1, 9, 11]
+    loaded.model.quantize("int8")
+    key = loaded.model.quantization_key
+    loaded.model.calibration_ids = [5, 9, 11]
+    loaded.model.quantize("int8")
+    assert loaded.model.quantization_key == key != random_key  # the same three ids calibrated
+    layers = loaded.model.model.layers
+    down = layers[0].mlp.down_proj.int8
+    import prefixcache.models.llama as llama
+
+    recording = quant.recording_activation_amax
+    monkeypatch.setattr(llama, "recording_activation_amax", lambda: _all_inf_amax(down, recording))
+    loaded.model.quantize("int8")  # a maximum that is not finite after all: that matrix stays unsmoothed
+    assert all(layer.mlp.down_proj.int8.act_mul is None and layer.mlp.gate_up_int8.act_mul is not None
+               for layer in layers)
+
+    def failing(*a, **k):
+        raise RuntimeError("calibration failed")
+
+    monkeypatch.setattr(loaded.model, "_dense_logits", failing)
+    with pytest.raises(RuntimeError, match="calibration failed"):
+        loaded.model.quantize("int8")
+    assert loaded.model.quantization_key == "" and layers[0].self_attn.qkv_int8.act_mul is None
 
 
 def test_int4_runs_without_oneDNNs_prepacked_linear(tiny_llama_dir, monkeypatch):
