@@ -27,13 +27,20 @@ def make(loaded, **options):
 
 
 def test_int4_batched_equals_alone_and_cache_off_across_turns(smollm2_int4):
-    llm = make(smollm2_int4)
+    check_batched_equals_alone_and_cache_off_across_turns(lambda **options: make(smollm2_int4, **options))
+
+
+def check_batched_equals_alone_and_cache_off_across_turns(make_llm) -> None:
+    """For a format whose generated tokens run other kernels (int4, int4-int8; ``make_llm(**options)``
+    makes its engine): four chat prompts batched = one at a time with caching off, then a second turn
+    over the first one's answer."""
+    llm = make_llm()
     assert llm.engine.runner.model.batch_invariant
     prompts = [list(llm.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
                                              {"role": "user", "content": q}])) for q in QUESTIONS[:4]]
     batched = [list(o.token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert llm.get_metrics().num_hit_requests == 3
-    off = make(smollm2_int4, enable_prefix_caching=False)
+    off = make_llm(enable_prefix_caching=False)
     assert [list(off.generate([p], GREEDY, use_tqdm=False)[0].token_ids) for p in prompts] == batched
     # Turn 2 contains turn 1's generated tokens: cache on reuses only blocks computed as prompt
     # (the prompt's full blocks), then computes the rest as cache off does.

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_int4_engine import check_batched_equals_alone_and_cache_off_across_turns
 
 from prefixcache.llm import LLM
 from prefixcache.sample_texts import QUESTIONS, SYSTEM_PROMPT
@@ -33,19 +34,7 @@ def chat(llm, question):
 
 
 def test_int4_int8_batched_equals_alone_and_cache_off_across_turns(smollm2_int4_int8):
-    llm = make(smollm2_int4_int8)
-    assert llm.engine.runner.model.batch_invariant
-    prompts = [chat(llm, q) for q in QUESTIONS[:4]]
-    batched = [list(o.token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    assert llm.get_metrics().num_hit_requests == 3
-    off = make(smollm2_int4_int8, enable_prefix_caching=False)
-    assert [list(off.generate([p], GREEDY, use_tqdm=False)[0].token_ids) for p in prompts] == batched
-    # turn 2 holds turn 1's generated tokens: only the blocks computed as prompt are reused
-    turn2 = [p + b + [198] for p, b in zip(prompts[:2], batched[:2])]
-    outs = llm.generate(turn2, GREEDY, use_tqdm=False)
-    assert [o.num_cached_tokens for o in outs] == [len(p) // 16 * 16 for p in prompts[:2]]
-    assert [list(o.token_ids) for o in outs] == [list(off.generate([t], GREEDY, use_tqdm=False)[0].token_ids)
-                                                 for t in turn2]
+    check_batched_equals_alone_and_cache_off_across_turns(lambda **options: make(smollm2_int4_int8, **options))
 
 
 def test_int4_int8_prompt_rows_are_int8s_and_generated_rows_int4s(smollm2_int4_int8, monkeypatch):

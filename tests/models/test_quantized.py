@@ -102,10 +102,7 @@ def test_int8_smoothing_calibrates_every_int8_matrix_deterministically(tiny_llam
     a, b = (load_model(str(tiny_llama_dir), load_tokenizer=False, quantization="int8") for _ in range(2))
 
     def matrices(loaded):
-        layers = loaded.model.model.layers
-        return [m for layer in layers for m in (layer.self_attn.qkv_int8, layer.self_attn.o_proj.int8,
-                                                  layer.mlp.gate_up_int8, layer.mlp.down_proj.int8)] + [
-            loaded.model.lm_head_int8]
+        return loaded.model._int8_weights()  # q|k|v, o, gate|up, down per layer, then lm_head
 
     assert all(m.act_mul is not None and m.act_mul.shape == (m.qweight.shape[0],) for m in matrices(a))
     for ma, mb in zip(matrices(a), matrices(b)):
