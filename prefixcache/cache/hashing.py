@@ -139,15 +139,19 @@ def tenant_of_extra_key(extra_key: bytes) -> str | None:
     return extra_key[start : start + length].decode("utf-8", "replace")
 
 
+OUTPUT_KEY_PREFIX = b"output\x00"
+
+
 def output_slot_of_extra_key(extra_key: bytes) -> int | None:
     """For a block holding a generated token (an extra key ending in :meth:`BlockHasher.output_key`,
     after the tenant part if any): the slot where its request's generation starts,
-    ``num_prompt_tokens % block_size``; ``None`` for a block of prompt tokens only."""
+    ``num_prompt_tokens % block_size``; ``None`` for a block of prompt tokens only (what follows the
+    tenant part must start with ``OUTPUT_KEY_PREFIX``: no other key part is read as a slot)."""
     rest = extra_key
     if tenant_of_extra_key(extra_key) is not None:
         (length,) = struct.unpack_from("<H", extra_key, len(TENANT_KEY_PREFIX))
         rest = extra_key[len(TENANT_KEY_PREFIX) + 2 + length :]
-    if len(rest) < 4:
+    if not rest.startswith(OUTPUT_KEY_PREFIX) or len(rest) < len(OUTPUT_KEY_PREFIX) + 4:
         return None
     return struct.unpack_from("<I", rest, len(rest) - 4)[0]
 
@@ -185,13 +189,13 @@ class BlockHasher:
         return num_prompt_tokens // self.block_size
 
     def output_key(self, num_prompt_tokens: int) -> bytes:
-        """The key of a request's blocks that hold a generated token: ``output_block_key`` plus the
-        slot where generation starts in the first of them (``num_prompt_tokens % block_size``,
-        uint32). From that slot on, K/V comes from the generated-token kernels, so blocks with the
+        """The key of a request's blocks that hold a generated token: ``OUTPUT_KEY_PREFIX``,
+        ``output_block_key``, then the slot where generation starts in the first of them
+        (``num_prompt_tokens % block_size``, uint32). From that slot on, K/V comes from the generated-token kernels, so blocks with the
         same tokens split differently between prompt and output (``[p, g, ...]`` vs ``[p, p, ...]``)
         are never one cached block, and a partial-block copy (which verifies this key) never takes
         generated slots for prompt slots (both happened before: int4 cache on != cache off)."""
-        return self.output_block_key + struct.pack("<I", num_prompt_tokens % self.block_size)
+        return OUTPUT_KEY_PREFIX + self.output_block_key + struct.pack("<I", num_prompt_tokens % self.block_size)
 
     def root_hash(self, root_key: bytes) -> BlockHash:
         """h_{-1}: the parent hash of a request's first block."""

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from prefixcache.cache.hashing import BlockHasher
+from prefixcache.cache.hashing import OUTPUT_KEY_PREFIX, BlockHasher, output_slot_of_extra_key, tenant_extra_key
 from prefixcache.config import EngineConfig
 from prefixcache.errors import InvalidInputError
 from prefixcache.layers.quant import (INT4_OUTPUT_KEY, RowSplit, group_int8_linear, int4_linear, quantize_weight_group_int8,
@@ -146,11 +146,21 @@ def test_blocks_holding_generated_tokens_get_the_output_key():
     tagged.extend(h_gen, tokens, b"root", num_prompt_tokens=40)  # blocks 2 and 3 hold generated tokens
     assert h_prompt == h_plain
     assert h_gen[:2] == h_plain[:2] and h_gen[2] != h_plain[2] and h_gen[3] != h_plain[3]
-    assert h_gen[2] == tagged.hash_block(h_plain[1], tokens[32:48], INT4_OUTPUT_KEY + (40 % 16).to_bytes(4, "little"))
+    assert h_gen[2] == tagged.hash_block(h_plain[1], tokens[32:48],
+                                         OUTPUT_KEY_PREFIX + INT4_OUTPUT_KEY + (40 % 16).to_bytes(4, "little"))
     h_gen41 = []  # the same tokens, generation starting one slot later in block 2: another block
     tagged.extend(h_gen41, tokens, b"root", num_prompt_tokens=41)
     assert h_gen41[:2] == h_gen[:2] and h_gen41[2] != h_gen[2] and h_gen41[3] != h_gen[3]
-    assert tagged.output_key(41) == INT4_OUTPUT_KEY + b"\x09\x00\x00\x00" and tagged.output_key(48)[-4:] == bytes(4)
+    assert tagged.output_key(41) == OUTPUT_KEY_PREFIX + INT4_OUTPUT_KEY + b"\x09\x00\x00\x00"
+    assert tagged.output_key(48)[-4:] == bytes(4)
+    # the slot is read back only from what follows the tenant part and starts with the output prefix
+    assert output_slot_of_extra_key(tagged.output_key(41)) == 9
+    assert output_slot_of_extra_key(tenant_extra_key("t") + tagged.output_key(41)) == 9
+    assert output_slot_of_extra_key(tenant_extra_key("t") + tagged.output_key(48)) == 0
+    assert output_slot_of_extra_key(tenant_extra_key("abcd")) is None
+    assert output_slot_of_extra_key(b"") is None
+    assert output_slot_of_extra_key(b"any other key part") is None
+    assert output_slot_of_extra_key(tenant_extra_key("t") + b"\x01\x02\x03\x04") is None
 
 
 def test_int4_needs_bfloat16():
