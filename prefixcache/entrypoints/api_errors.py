@@ -9,7 +9,8 @@ request are cut further, at :data:`MAX_ECHO_CHARS`, by :func:`clip`.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 from fastapi.responses import JSONResponse
@@ -98,6 +99,49 @@ def input_error(e: ValueError, prompt_field: str) -> APIError:
     if field == "prompt" and prompt_field != "prompt":
         field, message = prompt_field, f"{prompt_field}: {message}"
     return APIError(400, message, field)
+
+
+# A pydantic location element naming a union member ("str", "list[constrained-int]", ...), not a field.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|constrained-\w+|(list|dict|tuple|set)\[.*\])$")
+
+
+def _describe(tag: str, plural: bool = False) -> str:
+    """A union member's tag in words: ``list[constrained-int]`` -> "a list of integers"."""
+    if tag.startswith("list[") and tag.endswith("]"):
+        return ("lists of " if plural else "a list of ") + _describe(tag[5:-1], True)
+    base = tag.removeprefix("constrained-").split("[")[0]
+    one, many = {"str": ("a string", "strings"), "int": ("an integer", "integers"),
+                 "float": ("a number", "numbers"), "bool": ("a boolean", "booleans"),
+                 "dict": ("an object", "objects")}.get(base, (base, base))
+    return many if plural else one
+
+
+def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
+    """(message, param) of pydantic's errors for a request body (FastAPI's
+    ``RequestValidationError.errors()``, at least one): the first error's field, dotted with list
+    indices (``stop_token_ids.1: ...``). Where that field is a union (``prompt``: a string, token
+    ids, ...), pydantic reports every member's failure and the first one alone misled ("prompt:
+    Input should be a valid string" for ``[1, 2, "x"]``): the message names every accepted form,
+    then the failure of the member the value got furthest into, when it got inside one."""
+    first = errors[0]
+    loc = [x for x in first.get("loc", ()) if x != "body"]
+    tag_at = next((i for i, x in enumerate(loc) if isinstance(x, str) and _UNION_TAG.match(x)), None)
+    members, tags = [], []
+    if tag_at is not None:  # a union's members fail together, each under its own tag
+        members = [e for e in errors if [x for x in e.get("loc", ()) if x != "body"][:tag_at] == loc[:tag_at]
+                   and len(e["loc"]) > tag_at and _UNION_TAG.match(str([x for x in e["loc"] if x != "body"][tag_at]))]
+        tags = list(dict.fromkeys(str([x for x in e["loc"] if x != "body"][tag_at]) for e in members))
+    field = loc if len(tags) < 2 else loc[:tag_at]  # one "tag" alone may be a dict key: no union then
+    param = str(field[0]) if field else None
+    where = cut(".".join(str(x) for x in field) or "body")
+    if len(tags) < 2:
+        return f"{where}: {first.get('msg')}", param
+    forms = [_describe(t) for t in tags]
+    accepted = forms[0] if len(forms) == 1 else ", ".join(forms[:-1]) + " or " + forms[-1]
+    deepest = max(members, key=lambda e: (len(e["loc"]), e["loc"][-1] if isinstance(e["loc"][-1], int) else -1))
+    inner = [x for x in deepest["loc"] if x != "body"][tag_at + 1:]
+    detail = f"; {where}.{'.'.join(map(str, inner))}: {deepest.get('msg')}" if inner else ""
+    return f"{where}: must be {accepted}{detail}", param
 
 
 # OpenAPI: the error responses each operation documents (besides its 200).

@@ -38,7 +38,7 @@ from prefixcache.config import INT4_DECODER_FORMATS
 from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.entrypoints.api_docs import add_docs_routes
-from prefixcache.entrypoints.api_errors import APIError, clip, cut, error_docs, error_response
+from prefixcache.entrypoints.api_errors import APIError, clip, error_docs, error_response, validation_message
 from prefixcache.entrypoints.auth import APIKeyMiddleware, tenants_by_key
 from prefixcache.entrypoints.dashboard import DashboardOptions, DashboardState
 from prefixcache.entrypoints.dashboard_page import cache_stats, dashboard, static_file
@@ -187,10 +187,8 @@ async def _validation_error(_: Request, e: RequestValidationError) -> JSONRespon
     err = e.errors()[0]
     if err.get("type") == "json_invalid":
         return error_response(400, f"malformed JSON body: {clip(err.get('msg'), 200)}", None, "invalid_json")
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-    param = loc[0] if loc else None
-    where = ".".join(loc[:1] + [x for x in loc[1:] if x.isdigit()]) or "body"
-    return error_response(400, f"{cut(where)}: {err.get('msg')}", param, "invalid_type")
+    message, param = validation_message(e.errors())
+    return error_response(400, message, param, "invalid_type")
 
 
 async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:

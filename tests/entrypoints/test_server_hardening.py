@@ -350,6 +350,35 @@ def test_edge_numbers_are_400s_naming_the_field(server, endpoint, field_json, pa
     assert_still_serving(server)
 
 
+UNION_CASES = [  # a field of several accepted forms names them all, then where the value went wrong
+    ("completions", '"prompt": [1, 2, "x"]', "prompt", "prompt: must be a string, a list of integers, a list of "
+     "strings or a list of lists of integers; prompt.2: Input should be a valid integer"),
+    ("completions", '"prompt": {"a": 1}', "prompt",
+     "prompt: must be a string, a list of integers, a list of strings or a list of lists of integers"),
+    ("completions", '"prompt": [[1, 2], [3, "y"]]', "prompt", "prompt: must be a string, a list of integers, a "
+     "list of strings or a list of lists of integers; prompt.1.1: Input should be a valid integer"),
+    ("completions", '"prompt": "hi", "stop": ["a", 3]', "stop",
+     "stop: must be a string or a list of strings; stop.1: Input should be a valid string"),
+    ("chat/completions", '"messages": [{"role": "user", "content": 5}]', "messages",
+     "messages.0.content: must be a string or a list of objects"),
+    ("chat/completions", '"messages": [{"role": 5, "content": "x"}]', "messages",
+     "messages.0.role: Input should be a valid string"),
+    ("completions", '"prompt": "hi", "logit_bias": {"int": "q"}', "logit_bias",  # a dict key is no union member
+     "logit_bias.int: Input should be a valid number"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,param,message", UNION_CASES, ids=[c[1][:30] for c in UNION_CASES])
+def test_wrong_forms_of_union_fields_name_every_accepted_form(server, endpoint, body, param, message):
+    """Before 2026-12-03 a union field reported its first member's failure alone: ``[1, 2, "x"]`` as a
+    prompt got "prompt: Input should be a valid string"."""
+    r = post_raw(server, endpoint, f'{{{body}, "max_tokens": 2}}'.encode())
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param,
+                                 "code": "invalid_type"}
+    assert_still_serving(server)
+
+
 def test_prompt_token_id_beyond_64_bits_and_negative_zero_temperature(server):
     r = post_raw(server, "completions", f'{{"prompt": [1, {BIG}], "max_tokens": 2}}'.encode())
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
