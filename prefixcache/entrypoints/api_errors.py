@@ -9,13 +9,15 @@ request are cut further, at :data:`MAX_ECHO_CHARS`, by :func:`clip`.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
-from types import MappingProxyType
+from types import MappingProxyType, UnionType
+from typing import Annotated, Union, get_args, get_origin
 
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
-from prefixcache.entrypoints.protocol import ErrorInfo, ErrorResponse
+from prefixcache.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorInfo,
+                                              ErrorResponse, TokenizeRequest)
 from prefixcache import errors
 from prefixcache.errors import InvalidInputError
 
@@ -101,12 +103,37 @@ def input_error(e: ValueError, prompt_field: str) -> APIError:
     return APIError(400, message, field)
 
 
-# A pydantic location element naming a union member ("str", "list[constrained-int]", ...), not a field.
-_UNION_TAG = re.compile(r"^(str|int|float|bool|constrained-\w+|(list|dict|tuple|set)\[.*\])$")
+def _union_paths(model: type[BaseModel], path: tuple = ()) -> set[tuple]:
+    """Paths (field names; ``"*"`` for a list index) of the fields of ``model`` and of the models
+    inside it whose type is a union of two or more forms besides None: where pydantic's error
+    locations carry a member's tag (``("prompt", "list[str]", 0)``) after the field."""
+    found: set[tuple] = set()
+    for name, info in model.model_fields.items():
+        todo = [(info.annotation, (*path, info.alias or name))]
+        while todo:
+            tp, at = todo.pop()
+            if get_origin(tp) is Annotated:
+                tp = get_args(tp)[0]
+            if get_origin(tp) in (Union, UnionType):
+                forms = [a for a in get_args(tp) if a is not type(None)]
+                if len(forms) > 1:
+                    found.add(at)
+                    continue  # members' own errors follow their tag: not named here
+                tp = forms[0]
+            if get_origin(tp) is list:
+                todo.append((get_args(tp)[0], (*at, "*")))
+            elif isinstance(tp, type) and issubclass(tp, BaseModel):
+                found |= _union_paths(tp, at)
+    return found
+
+
+_UNION_PATHS = frozenset(set().union(*(_union_paths(m) for m in (
+    CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))))
 
 
 def _describe(tag: str, plural: bool = False) -> str:
-    """A union member's tag in words: ``list[constrained-int]`` -> "a list of integers"."""
+    """A union member's tag (pydantic's, from our own schema) in words: ``list[constrained-int]`` ->
+    "a list of integers"."""
     if tag.startswith("list[") and tag.endswith("]"):
         return ("lists of " if plural else "a list of ") + _describe(tag[5:-1], True)
     base = tag.removeprefix("constrained-").split("[")[0]
@@ -116,32 +143,53 @@ def _describe(tag: str, plural: bool = False) -> str:
     return many if plural else one
 
 
+def _loc(error: dict) -> list:
+    """An error's location in the body: FastAPI's leading ``"body"`` dropped (only that one)."""
+    loc = list(error.get("loc", ()))
+    return loc[1:] if loc[:1] == ["body"] else loc
+
+
+def _union_tag_at(loc: list) -> int | None:
+    """Index of the union member's tag in ``loc``: the first position after a union field's path."""
+    for i in range(1, len(loc)):
+        if tuple("*" if isinstance(x, int) else x for x in loc[:i]) in _UNION_PATHS:
+            return i
+    return None
+
+
 def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
     """(message, param) of pydantic's errors for a request body (FastAPI's
     ``RequestValidationError.errors()``, at least one): the first error's field, dotted with list
     indices (``stop_token_ids.1: ...``). Where that field is a union (``prompt``: a string, token
     ids, ...), pydantic reports every member's failure and the first one alone misled ("prompt:
     Input should be a valid string" for ``[1, 2, "x"]``): the message names every accepted form,
-    then the failure of the member the value got furthest into, when it got inside one."""
-    first = errors[0]
-    loc = [x for x in first.get("loc", ()) if x != "body"]
-    tag_at = next((i for i, x in enumerate(loc) if isinstance(x, str) and _UNION_TAG.match(x)), None)
-    members, tags = [], []
-    if tag_at is not None:  # a union's members fail together, each under its own tag
-        members = [e for e in errors if [x for x in e.get("loc", ()) if x != "body"][:tag_at] == loc[:tag_at]
-                   and len(e["loc"]) > tag_at and _UNION_TAG.match(str([x for x in e["loc"] if x != "body"][tag_at]))]
-        tags = list(dict.fromkeys(str([x for x in e["loc"] if x != "body"][tag_at]) for e in members))
-    field = loc if len(tags) < 2 else loc[:tag_at]  # one "tag" alone may be a dict key: no union then
+    then the first failure of the member with the fewest failures (the latest first failure on a
+    tie) among those the value got inside (``prompt.2: Input should be a valid integer``). Which fields are unions comes from the
+    request models, so a dict key in a location (``logit_bias``'s) is never taken for a member."""
+    loc = _loc(errors[0])
+    tag_at = _union_tag_at(loc)
+    field = loc if tag_at is None else loc[:tag_at]
     param = str(field[0]) if field else None
     where = cut(".".join(str(x) for x in field) or "body")
-    if len(tags) < 2:
-        return f"{where}: {first.get('msg')}", param
-    forms = [_describe(t) for t in tags]
+    if tag_at is None:
+        return f"{where}: {errors[0].get('msg')}", param
+    by_tag: dict[str, list[dict]] = {}
+    for e in errors:
+        at = _loc(e)
+        if len(at) > tag_at and at[:tag_at] == field:
+            by_tag.setdefault(str(at[tag_at]), []).append(e)
+    forms = [_describe(t) for t in by_tag]
     accepted = forms[0] if len(forms) == 1 else ", ".join(forms[:-1]) + " or " + forms[-1]
-    deepest = max(members, key=lambda e: (len(e["loc"]), e["loc"][-1] if isinstance(e["loc"][-1], int) else -1))
-    inner = [x for x in deepest["loc"] if x != "body"][tag_at + 1:]
-    detail = f"; {where}.{'.'.join(map(str, inner))}: {deepest.get('msg')}" if inner else ""
-    return f"{where}: must be {accepted}{detail}", param
+    inside = [es for es in by_tag.values() if len(_loc(es[0])) > tag_at + 1]
+    detail = ""
+    if inside:
+        def progress(es: list[dict]) -> tuple[int, int]:  # fewest failures, then the latest first failure
+            first = _loc(es[0])[tag_at + 1]
+            return len(es), -first if isinstance(first, int) else 0
+
+        closest = min(inside, key=progress)[0]
+        detail = f"; {cut('.'.join(map(str, [*field, *_loc(closest)[tag_at + 1:]])))}: {closest.get('msg')}"
+    return f"{where}: must be {cut(accepted)}{detail}", param
 
 
 # OpenAPI: the error responses each operation documents (besides its 200).

@@ -363,8 +363,19 @@ UNION_CASES = [  # a field of several accepted forms names them all, then where 
      "messages.0.content: must be a string or a list of objects"),
     ("chat/completions", '"messages": [{"role": 5, "content": "x"}]', "messages",
      "messages.0.role: Input should be a valid string"),
-    ("completions", '"prompt": "hi", "logit_bias": {"int": "q"}', "logit_bias",  # a dict key is no union member
+    ("completions", '"prompt": ["a", 1, 2, 3, 4]', "prompt", "prompt: must be a string, a list of integers, a "
+     "list of strings or a list of lists of integers; prompt.0: Input should be a valid integer"),  # 1 failure, not 4
+    ("completions", '"prompt": ["a", 1]', "prompt", "prompt: must be a string, a list of integers, a "
+     "list of strings or a list of lists of integers; prompt.1: Input should be a valid string"),  # got further
+    # dict keys are no union members, whatever they spell (review: made-up unions, a key "body" dropped, a 500)
+    ("completions", '"prompt": "hi", "logit_bias": {"int": "q"}', "logit_bias",
      "logit_bias.int: Input should be a valid number"),
+    ("completions", '"prompt": "hi", "logit_bias": {"str": "q", "int": "r"}', "logit_bias",
+     "logit_bias.str: Input should be a valid number"),
+    ("completions", '"prompt": "hi", "logit_bias": {"body": "q", "str": "r"}', "logit_bias",
+     "logit_bias.body: Input should be a valid number"),
+    ("completions", '"prompt": "hi", "logit_bias": {"' + "list[" * 1200 + "]" * 1200 + '": "q", "str": "r"}',
+     "logit_bias", ("logit_bias." + "list[" * 1200)[:100] + "...: Input should be a valid number"),
 ]
 
 
