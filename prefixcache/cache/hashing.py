@@ -191,9 +191,9 @@ class BlockHasher:
     def output_key(self, num_prompt_tokens: int) -> bytes:
         """The key of a request's blocks that hold a generated token: ``OUTPUT_KEY_PREFIX``,
         ``output_block_key``, then the slot where generation starts in the first of them
-        (``num_prompt_tokens % block_size``, uint32). From that slot on, K/V comes from the generated-token kernels, so blocks with the
-        same tokens split differently between prompt and output (``[p, g, ...]`` vs ``[p, p, ...]``)
-        are never one cached block, and a partial-block copy (which verifies this key) never takes
+        (``num_prompt_tokens % block_size``, uint32). From that slot on, K/V comes from the
+        generated-token kernels, so blocks with the same tokens split differently between prompt
+        and output (``[p, g, ...]`` vs ``[p, p, ...]``) are never one cached block, and a partial-block copy (which verifies this key) never takes
         generated slots for prompt slots (both happened before: int4 cache on != cache off)."""
         return OUTPUT_KEY_PREFIX + self.output_block_key + struct.pack("<I", num_prompt_tokens % self.block_size)
 

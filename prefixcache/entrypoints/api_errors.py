@@ -164,8 +164,9 @@ def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
     ids, ...), pydantic reports every member's failure and the first one alone misled ("prompt:
     Input should be a valid string" for ``[1, 2, "x"]``): the message names every accepted form,
     then the first failure of the member with the fewest failures (the latest first failure on a
-    tie) among those the value got inside (``prompt.2: Input should be a valid integer``). Which fields are unions comes from the
-    request models, so a dict key in a location (``logit_bias``'s) is never taken for a member."""
+    tie) among those the value got inside (``prompt.2: Input should be a valid integer``). Which
+    fields are unions comes from the request models, so a dict key in a location (``logit_bias``'s)
+    is never taken for a member."""
     loc = _loc(errors[0])
     tag_at = _union_tag_at(loc)
     field = loc if tag_at is None else loc[:tag_at]

@@ -184,10 +184,10 @@ async def _api_error(_: Request, e: APIError) -> JSONResponse:
 
 
 async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-    err = e.errors()[0]
-    if err.get("type") == "json_invalid":
-        return error_response(400, f"malformed JSON body: {clip(err.get('msg'), 200)}", None, "invalid_json")
-    message, param = validation_message(e.errors())
+    errors = e.errors()
+    if errors[0].get("type") == "json_invalid":
+        return error_response(400, f"malformed JSON body: {clip(errors[0].get('msg'), 200)}", None, "invalid_json")
+    message, param = validation_message(errors)
     return error_response(400, message, param, "invalid_type")
 
 

@@ -452,10 +452,7 @@ class LlamaForCausalLM(nn.Module):
             try:
                 self._smooth_int8()
             except BaseException:  # no half-smoothed model under the unsmoothed key: back to the plain rule
-                for layer in self.model.layers:
-                    layer.self_attn.set_int8(True)
-                    layer.mlp.set_int8(True)
-                self.lm_head_int8 = quantize_weight(self.lm_head.weight)
+                self._set_int8_weights()
                 raise
 
     @property
@@ -488,17 +485,22 @@ class LlamaForCausalLM(nn.Module):
         with recording_activation_amax() as amax:
             hidden = self(torch.tensor(ids, dtype=torch.long, device=device), positions, md, kv)
             self._dense_logits(hidden)
-        for layer in self.model.layers:
-            layer.self_attn.set_int8(True, amax)
-            layer.mlp.set_int8(True, amax)
-        self.lm_head_int8 = quantize_weight(self.lm_head.weight, None,
-                                            _smoothing(amax.get(id(self.lm_head_int8)), self.lm_head.weight))
+        self._set_int8_weights(amax)
         # the multipliers themselves: the calibration's float prefill may round by CPU (a float32 model's
         # GEMMs under another instruction set gave other maxima, other weights, review 2026-12-03)
         digest = hashlib.sha256(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
         for weight in self._int8_weights():
             digest.update(b"-" if weight.act_mul is None else weight.act_mul.cpu().numpy().tobytes())
         self._int8_key = f"int8-smooth:sq-alpha={SMOOTH_ALPHA}-median-floor:{digest.hexdigest()[:32]}"
+
+    def _set_int8_weights(self, act_amax: dict[int, torch.Tensor] | None = None) -> None:
+        """Re-derives every int8 matrix from the float weights: smoothed by the calibration maxima
+        ``act_amax`` (by ``id`` of the current int8 weights) where given, else the plain rule."""
+        for layer in self.model.layers:
+            layer.self_attn.set_int8(True, act_amax)
+            layer.mlp.set_int8(True, act_amax)
+        amax = None if act_amax is None else act_amax.get(id(self.lm_head_int8))
+        self.lm_head_int8 = quantize_weight(self.lm_head.weight, None, _smoothing(amax, self.lm_head.weight))
 
     def _int8_weights(self) -> list[Int8Weight]:
         """Every int8 matrix, in a fixed order (per layer q|k|v, o, gate|up, down; then lm_head)."""
