@@ -18,6 +18,7 @@ from prefixcache.cache.config import CacheConfig, check_int, check_positive_floa
 from prefixcache.cache.eviction import EVICTION_POLICIES
 from prefixcache.cache.kv_events import KVEventsConfig
 from prefixcache.errors import InvalidInputError
+from prefixcache.kernels.cpu_features import format_unavailable_reason
 
 if TYPE_CHECKING:
     import torch
@@ -59,7 +60,7 @@ class SchedulerConfig:
     scheduling_policy: str = field(default="lpm", metadata={
         "help": "waiting-queue order within a request priority: fcfs (arrival) or lpm (under memory pressure "
                 "longest cached prefix first, shared prefixes computed once, starvation bounded; otherwise arrival; "
-                "README 'Scheduling')",
+                "docs/scheduling.md)",
         "choices": SCHEDULING_POLICIES})
     scheduling_max_wait_s: float = field(default=30.0, metadata={
         "help": "lpm: a request waiting longer than this (seconds) goes first"})
@@ -97,7 +98,7 @@ class EngineConfig(CacheConfig, SchedulerConfig):
         "help": "linear-layer weights: none (in --dtype), int8 (int8 weights x per-token int8 activations, "
                 "SmoothQuant-smoothed, exact int32 sums: batch-invariant), int4 (with --dtype bfloat16: generated tokens' projections "
                 "on 4-bit weights in our C++ decoder, prompt tokens' on bf16; no LoRA) or int4-int8 (int4's "
-                "generated tokens, int8's prompt tokens; README 'Weight formats')", "choices": QUANTIZATIONS})
+                "generated tokens, int8's prompt tokens; docs/weight-formats-and-kernels.md)", "choices": QUANTIZATIONS})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: CUDA if present)"})
     num_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks; overrides --kv-cache-memory"})
@@ -109,7 +110,7 @@ class EngineConfig(CacheConfig, SchedulerConfig):
     kv_events_config: KVEventsConfig | None = field(default=None, metadata={
         "help": "KV cache events over ZeroMQ in vLLM's format, vLLM's JSON: "
                 '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", '
-                '"topic": "kv", "buffer_steps": 10000}\' (default: off; README "KV cache events")', "json": True})
+                '"topic": "kv", "buffer_steps": 10000}\' (default: off; docs/kv-events-and-scale-out.md)', "json": True})
 
     def __post_init__(self) -> None:
         # kv_events_config may be given as JSON text (the flag) or a mapping; kept as a KVEventsConfig.
@@ -135,6 +136,7 @@ class EngineConfig(CacheConfig, SchedulerConfig):
         if self.device is not None and (not isinstance(self.device, str) or not self.device):
             raise InvalidInputError("device", f"device must be a torch device name such as 'cpu' or 'cuda', "
                                               f"got {self.device!r}")
+        self._check_format_runs_here()
         for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
@@ -149,6 +151,19 @@ class EngineConfig(CacheConfig, SchedulerConfig):
             raise InvalidInputError("eviction_policy", f"eviction_policy must be one of "
                                                        f"{sorted(EVICTION_POLICIES)}, got {self.eviction_policy!r}")
         SchedulerConfig.validate(self)
+
+    def _check_format_runs_here(self) -> None:
+        """A weight format this CPU can't run (or would run pathologically slowly) is refused now, before
+        anything loads, in one line that says what to use instead (not a crash inside oneDNN at load)."""
+        reason = format_unavailable_reason(self.dtype, self.quantization)
+        if reason is None or (self.device is not None and not self.device.startswith("cpu")):
+            return
+        if self.device is None:  # "CUDA if present": the CPU's features don't matter there
+            import torch
+
+            if torch.cuda.is_available():
+                return
+        raise InvalidInputError(reason.split("=", 1)[0], reason)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -44,10 +44,11 @@ if [ "${PREFIXCACHE_LLAMACPP:-0}" = "1" ]; then
     CFLAGS="${CFLAGS:-$no_amx}" CXXFLAGS="${CXXFLAGS:-$no_amx}" CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" \
         python -m pip install --quiet -e ".[llamacpp]"
 fi
-# quantization="int4"'s kernels (C++, AVX512-VNNI): built once here (about a minute) instead of in the first
-# int4 run; a CPU or compiler that can't build them leaves int4 unavailable (it then says why), not the rest
-step "building the CPU kernels of quantization=int4 (prefixcache/layers/csrc, about a minute) ..."
-python -m prefixcache.layers.cpu_kernels || echo "setup.sh: the CPU kernels did not build; quantization='int4' is unavailable" >&2
+# Our CPU kernels (C++, AVX512-VNNI: bf16 attention, int8 rows, int4; prefixcache/layers/csrc), built once here
+# (about a minute) instead of on first use. On a CPU without AVX512-VNNI they are not built and the formats that
+# need them are refused at start-up (float32 runs everywhere); either way one line says so.
+step "building the CPU kernels (prefixcache/layers/csrc, about a minute where the CPU runs them) ..."
+python -m prefixcache.layers.cpu_kernels || echo "setup.sh: the CPU kernels did not build; float32 still runs" >&2
 step "fetching the default model into ${PREFIXCACHE_HOME:-~/.cache/prefixcache} (once) ..."
 python -m prefixcache fetch
 step "done: .venv/bin/prefixcache demo"

@@ -39,13 +39,32 @@ def make_llm(smollm2):
     return make
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "requires_isa(*names): skipped unless this CPU (as capped by "
+                                       "PREFIXCACHE_KERNELS) reports every feature named (/proc/cpuinfo names, or "
+                                       "a tier of prefixcache.kernels.cpu_features.TIERS)")
+    config.addinivalue_line("markers", "requires_format(dtype, quantization): skipped where this CPU can't run the "
+                                       "weight format (prefixcache.kernels.cpu_features.format_unavailable_reason)")
+
+
 def pytest_collection_modifyitems(config, items):
     """Every test that loads the real default model (the ``smollm2`` fixture, directly or through
     another fixture) is ``slow``: ``pytest -m "not slow"`` is the fast subset (tiny models, the
-    cache, the scheduler, layers)."""
+    cache, the scheduler, layers). A test marked ``requires_isa`` / ``requires_format`` is skipped where
+    this CPU can't run what it tests (an AVX2-only CPU, or ``PREFIXCACHE_KERNELS=avx2`` on a bigger one),
+    naming what is missing; everything the CPU can run is still tested."""
+    from prefixcache.kernels.cpu_features import TIERS, cpu_has, describe_cpu, format_unavailable_reason
+
     for item in items:
         if "smollm2" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+        for mark in item.iter_markers("requires_isa"):  # feature names or tier names ("avx512": TIERS)
+            if not cpu_has(*(f for name in mark.args for f in TIERS.get(name, (name,)))):
+                item.add_marker(pytest.mark.skip(reason=f"needs {'+'.join(mark.args)}; {describe_cpu()}"))
+        for mark in item.iter_markers("requires_format"):
+            reason = format_unavailable_reason(*mark.args)
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=reason.split(":")[0]))
 
 
 @pytest.fixture

@@ -27,7 +27,8 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-import torch
+
+from prefixcache.kernels.cpu_features import cpu_has, describe_cpu
 
 __all__ = ["CpuKernelsUnavailable", "amx_ready", "kernels_compiler", "load_cpu_kernels"]
 _CSRC = Path(__file__).parent / "csrc"
@@ -50,9 +51,9 @@ def load_cpu_kernels() -> ModuleType:
     """
     if _LOADED:
         return _LOADED[0]
-    if not torch.cpu._is_vnni_supported():
-        raise CpuKernelsUnavailable("quantization 'int4' and 'int4-int8' need a CPU with AVX512-VNNI (their kernels use "
-                                     "vpdpbusd)")
+    if not cpu_has("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"):
+        raise CpuKernelsUnavailable(f"our CPU kernels need AVX512-VNNI; {describe_cpu()} (float32 runs on torch's own "
+                                    f"kernels)")
     from torch.utils.cpp_extension import load
 
     venv_bin = str(Path(sys.executable).parent)  # ninja from the venv, also when it is not on PATH
@@ -72,7 +73,7 @@ def amx_ready() -> bool:
     """Whether our kernels run AMX-BF16 tiles here: the CPU has them, Linux granted this process the tile
     state (``amx_bf16_ready`` in csrc/prefill_attention.cpp) and ``PREFIXCACHE_AMX`` is not ``0`` (every
     AMX form off, for A/B measurements). False where the kernels don't build."""
-    if os.environ.get("PREFIXCACHE_AMX", "1") == "0":
+    if os.environ.get("PREFIXCACHE_AMX", "1") == "0" or not cpu_has("amx_tile", "amx_bf16", "avx512_bf16"):
         return False
     try:
         return bool(load_cpu_kernels().amx_bf16_ready())
@@ -101,6 +102,17 @@ def _extension_name() -> str:
     return f"prefixcache_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
-if __name__ == "__main__":  # python -m prefixcache.layers.cpu_kernels: build now (setup.sh)
-    load_cpu_kernels()
-    print("cpu_kernels: built " + ", ".join(s.name for s in _SOURCES))
+def main() -> int:
+    """``python -m prefixcache.layers.cpu_kernels``: build now (setup.sh), one line either way; 0 also where
+    this CPU can't run them (float32 needs none of them), 1 where the build itself failed."""
+    try:
+        load_cpu_kernels()
+    except CpuKernelsUnavailable as e:
+        print(f"cpu_kernels: not built: {str(e).splitlines()[0]}")
+        return 1 if cpu_has("avx512_vnni") else 0
+    print(f"cpu_kernels: built ({describe_cpu()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

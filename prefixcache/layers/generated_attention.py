@@ -19,8 +19,7 @@ request) form one work item: each shared block's K is transposed and its V inter
 row of the item does its own arithmetic over it. That is the memory and preparation side of
 shared-prefix (cascade) attention (FlashInfer's cascade inference, Ye et al. 2024; vLLM's
 ``use_cascade_attention``) without its log-sum-exp merge, which would change a row's rounding with its
-batch. Measured on SmolLM2's head shape (9 / 3 heads, head_dim 64, one layer, 2 threads, 2026-12-01,
-``.venv/bin/python scripts/probe_decode_attention.py``): see that script's docstring.
+batch. ``benchmarks/decode_attention.py`` times both forms on SmolLM2's head shape.
 
 It rounds differently from the prompt rows' kernels, so a model uses it only for rows whose K/V no
 prompt row ever reuses: the generated tokens of the int4 format, whose blocks are keyed apart
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixcache.kernels.cpu_features import cpu_has
 from prefixcache.layers.cpu_kernels import load_cpu_kernels
 
 
@@ -81,5 +81,6 @@ def generated_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.T
         shape = [num_rows, num_heads, head_dim] bfloat16.
     """
     kernels = load_cpu_kernels()
+    float32_form = float32_form or not cpu_has("avx512_bf16")  # also where PREFIXCACHE_KERNELS caps the tier
     fn = kernels.paged_decode_attention_float32 if float32_form else kernels.paged_decode_attention
     return fn(q.contiguous(), k_slots, v_slots, rows.block_table, rows.context_lens, rows.block_size, scale)

@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from prefixcache.errors import InvalidInputError, clip
+from prefixcache.kernels.cpu_features import format_unavailable_reason
 from prefixcache.layers.amx_gemm import (GATE_UP, SILU_MUL, amx_gemm_supported, amx_linear, amx_packable,
                                          interleave_gate_up, pack_weight)
 from prefixcache.layers.quant import (Int8Weight, int8_product,
@@ -258,14 +259,12 @@ class PrepackedWeight:
     every call, and a row-tiled prefill makes one call per tile. The prepacked product
     (``torch.ops.mkldnn._reorder_linear_weight`` once, then ``_linear_pointwise``: what
     torch.compile's CPU backend (inductor) emits for bf16 linears) skips it, and a fused qkv or
-    gate_up matrix makes one call where there were three or two. Measured here
-    (``scripts/probe_bf16_prepacked_linear.py``, 1 and 2 threads): a row gets the same bits in
-    every call of 2 to 128 rows, on every SmolLM2 shape, fused ones and the lm_head included (the
+    gate_up matrix makes one call where there were three or two. A row gets the same bits in
+    every call of 2 to 128 rows (1 and 2 threads), on every SmolLM2 shape, fused ones and the lm_head included (the
     1536 -> 576 down_proj differs from 160 rows on, and in a one-row call), so the row-tiled path
-    calls it with 2 to :data:`PREPACKED_ROW_TILE` rows and stays batch-invariant. A 2,000-token SmolLM2
-    prefill took 1.56-1.61 s with per-module prepacked weights in 32-row calls vs 1.90-1.94 s
-    plain; fused and in 128-row calls see ``scripts/bench_bf16_prepacked.py``. The copy costs the
-    weights' size again in memory.
+    calls it with 2 to :data:`PREPACKED_ROW_TILE` rows and stays batch-invariant
+    (``tests/engine/test_bf16_engine.py``'s row-tiled tests). The copy costs the weights' size again
+    in memory.
 
     Args:
         modules: the linear layers whose weights (and biases) are stacked, in output order.
@@ -319,8 +318,11 @@ class PrepackedWeight:
 
 
 def prepacked_linear_supported() -> bool:
-    """Whether this torch build has oneDNN's prepacked linear ops (CPU builds with mkldnn)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """Whether oneDNN's prepacked bf16 linear ops run here: a torch build with mkldnn, on a CPU whose features
+    its bf16 path needs (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere ``_reorder_linear_weight`` raises, and a
+    bf16 model keeps torch's plain product)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and format_unavailable_reason("bfloat16", "none") is None)
 
 
 def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
@@ -328,12 +330,11 @@ def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.T
     """``F.linear`` in calls of 2 to :data:`ROW_TILE` rows (:data:`PREPACKED_ROW_TILE` with
     ``packed``), so each row's bits do not depend on how many rows share the call.
 
-    Measured here (``scripts/probe_gemm_row_invariance.py --dtype bfloat16``): torch's plain bf16
-    GEMM on this CPU (oneDNN) gives a row the same bits for every call of 2 to 32 rows, and other
+    torch's plain bf16 GEMM on the CPU (oneDNN) gives a row the same bits for every call of 2 to 32 rows, and other
     bits beyond 32 (another kernel blocking), for every projection shape of the model and the
     lm_head; the prepacked product for 2 to 128 rows (:class:`PrepackedWeight`). A call of one row
     takes another kernel whose sums differ for the 1536-input down_proj (~1 row in 10 with SiLU-like
-    activations: found 2026-12-01 when a bf16 decode alone and in a batch of six diverged), so a
+    activations, enough for a bf16 decode alone and in a batch to diverge), so a
     single row runs as two (itself twice) and a last tile of one row is taken with the row before it.
     Where a prepacked weight runs on our AMX kernel (:mod:`prefixcache.layers.amx_gemm`: a row's bits
     never depend on the call's rows), all rows go in one call.

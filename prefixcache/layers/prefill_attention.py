@@ -10,21 +10,14 @@ dot products with float32 sums, the softmax is online in float32 (FlashAttention
 A row's arithmetic depends only on its own query and its keys and values at their absolute positions,
 so it gets the same bits in a prefill of any length after any cached prefix, in a decode and in any
 batch, without the query and key padding that :mod:`prefixcache.layers.attention` needs to get the
-same from torch's flash kernel. Measured on SmolLM2's head shape (9 / 3 heads, head_dim 64, 2
-threads, AMD EPYC with AVX512-BF16, 2026-12-01, ``scripts/probe_prefill_attention.py``, K/V write
-included, per layer): a 2,178-token prefill 18.8-20.6 ms (torch's padded flash path 67.5-68.3 ms),
-ten 150-token suffixes over 2,032 cached keys 27.4-27.8 ms (105-107 ms), one such suffix 3.1-3.4 ms
-(12-15 ms).
+same from torch's flash kernel. ``benchmarks/prefill_attention.py`` times it against that path;
+docs/benchmarks.md has the measurements.
 
 Where the CPU has AMX-BF16 tiles (Intel Sapphire Rapids and later), the kernel runs both products as
 tile products instead (``TDPBF16PS``, scores as K . q^T with K's rows read straight from the pool, the
-output as V^T . p^T) around an online softmax of the same order with fewer instructions (since
-2026-12-02: the max on the raw sums, ``p = 2^(s * scale - m)``, a -inf score making its row NaN like
-NaN and +inf); a tile product's element depends only on its own row and column, so the batch invariance
-above holds, but its sums and 2^x differ from the AVX-512 form's, so the cache key names the form. Measured on SmolLM2's head shape (2 threads, an Intel Xeon with AMX,
-2026-12-02, same script, per layer): a 2,178-token prefill 7.9 ms (AVX-512 form 28.7 ms, torch's padded
-flash path 12.7 ms), ten 150-token suffixes 10.0 ms (38.0, 18.6), one suffix 1.0 ms (3.8, 1.9), an
-8,000-token prefill's last 2,048-token chunk 53.5 ms (179.7, 65.5).
+output as V^T . p^T) around an online softmax of the same order with fewer instructions (the max
+on the raw sums, ``p = 2^(s * scale - m)``, a -inf score making its row NaN like NaN and +inf); a tile product's element depends only on its own row and column, so the batch invariance
+above holds, but its sums and 2^x differ from the AVX-512 form's, so the cache key names the form.
 
 A model uses it when it is batch-invariant in bfloat16 (``bfloat16``, ``int4``'s prompt rows, ``int8``
 with a bf16 model), its head shape fits (:func:`prefill_kernel_supported`) and the CPU has
@@ -39,6 +32,7 @@ from functools import cache
 
 import torch
 
+from prefixcache.kernels.cpu_features import cpu_has
 from prefixcache.layers.cpu_kernels import CpuKernelsUnavailable, amx_ready, load_cpu_kernels
 
 MAX_HEADS_PER_KV_HEAD = 48  # rows of one work item
@@ -72,7 +66,7 @@ def prefill_kernel_supported(num_heads: int, num_kv_heads: int, head_dim: int) -
     not an error: the model then keeps the torch path.)"""
     if head_dim % 32 or head_dim > MAX_HEAD_DIM or num_heads % num_kv_heads:
         return False
-    if num_heads // num_kv_heads > MAX_HEADS_PER_KV_HEAD or not torch.cpu._is_avx512_bf16_supported():
+    if num_heads // num_kv_heads > MAX_HEADS_PER_KV_HEAD or not cpu_has("avx512_bf16"):
         return False
     try:
         load_cpu_kernels()

@@ -14,6 +14,8 @@ from prefixcache.llm import LLM
 from prefixcache.sample_texts import QUESTIONS, SYSTEM_PROMPT
 from prefixcache.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.requires_format("bfloat16", "int4-int8")  # skipped where this CPU cannot run it
+
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 

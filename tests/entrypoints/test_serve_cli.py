@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from prefixcache.config import EngineConfig
+from prefixcache.kernels.cpu_features import cpu_has, format_unavailable_reason
 from prefixcache.engine import llm_engine
 from prefixcache.entrypoints import cli
 from prefixcache import host_memory
@@ -54,13 +55,13 @@ def test_existing_flag_names_still_work():
     args = parse([
         "some-model", "--block-size", "32", "--num-blocks", "10", "--kv-cache-memory", "2GiB", "--max-num-seqs", "4",
         "--max-num-batched-tokens", "512", "--max-model-len", "256", "--no-enable-prefix-caching",
-        "--hash-algo", "sha256", "--dtype", "bfloat16", "--device", "cpu", "--num-threads", "1", "--seed", "3",
+        "--hash-algo", "sha256", "--dtype", "float16", "--device", "cpu", "--num-threads", "1", "--seed", "3",
         "--hash-seed", "7", "--eviction-policy", "ttl", "--cache-ttl-s", "5.5", "--no-enable-partial-block-reuse",
         "--cost-half-life-s", "9", "--cost-attention-tokens", "100"])
     assert engine_config_from_args(args) == EngineConfig(
         model="some-model", block_size=32, num_blocks=10, kv_cache_memory_bytes=2 << 30, max_num_seqs=4,
         max_num_batched_tokens=512, max_model_len=256, enable_prefix_caching=False, hash_algo="sha256",
-        dtype="bfloat16", device="cpu", num_threads=1, seed=3, hash_seed=7, eviction_policy="ttl", cache_ttl_s=5.5,
+        dtype="float16", device="cpu", num_threads=1, seed=3, hash_seed=7, eviction_policy="ttl", cache_ttl_s=5.5,
         enable_partial_block_reuse=False, cost_half_life_s=9.0, cost_attention_tokens=100.0)
     assert parse(["--kv-cache-memory", "512MiB"]).kv_cache_memory_bytes == 512 << 20
     sizes = {"2GB": 2 * 10**9, "2G": 2 << 30, "2Gi": 2 << 30, "1.5MB": 1_500_000, "3kB": 3000, "4KiB": 4096, "7B": 7}
@@ -151,12 +152,18 @@ def default_model_fetched() -> bool:
     (["--kv-disk-dir", "{file}", "--hash-seed", "1"], "--kv-disk-dir: '{file}' is an existing file, not a directory"),
     (["--hash-seed-file", "/nonexistent"], "--hash-seed-file: cannot read '/nonexistent': No such file or directory"),
     (["--device", "tpu"], "--device: must be 'cpu' or 'cuda[:N]', got 'tpu'"),
-    (["--dtype", "bfloat16", "--quantization", "int4", "--lora-modules", "legal={tmp}"],
-     "--lora-modules: adapters need --quantization none or int8; int4 runs generated tokens in fused kernels "
-     "without LoRA deltas"),  # a review (2026-12-02): started, listed the adapter, then 400 on every request
-    (["--dtype", "bfloat16", "--quantization", "int4-int8", "--lora-modules", "legal={tmp}"],
-     "--lora-modules: adapters need --quantization none or int8; int4-int8 runs generated tokens in fused kernels "
-     "without LoRA deltas"),
+    pytest.param(["--dtype", "bfloat16", "--quantization", "int4", "--lora-modules", "legal={tmp}"],
+                 "--lora-modules: adapters need --quantization none or int8; int4 runs generated tokens in fused "
+                 "kernels without LoRA deltas",  # it used to start, list the adapter, then 400 on every request
+                 marks=pytest.mark.requires_format("bfloat16", "int4")),
+    pytest.param(["--dtype", "bfloat16", "--quantization", "int4-int8", "--lora-modules", "legal={tmp}"],
+                 "--lora-modules: adapters need --quantization none or int8; int4-int8 runs generated tokens in fused "
+                 "kernels without LoRA deltas", marks=pytest.mark.requires_format("bfloat16", "int4-int8")),
+    pytest.param(["--quantization", "int8"], "--quantization: quantization='int8' needs fast int8 products",
+                 marks=pytest.mark.skipif(cpu_has("avx512_vnni") or cpu_has("amx_int8"), reason="int8 runs here")),
+    pytest.param(["--dtype", "bfloat16"], "--dtype: dtype='bfloat16' needs a CPU with AVX-512",
+                 marks=pytest.mark.skipif(format_unavailable_reason("bfloat16", "none") is None,
+                                          reason="bfloat16 runs here")),
     (["--num-blocks", "99999999999"], "--num-blocks: a KV pool of 99999999999 blocks needs "),
     pytest.param(["--block-size", "99999"], "--block-size: block_size 99999 is more than the model's context of 8192 "
                                             "tokens (its max_position_embeddings): such a block never fills",
@@ -198,7 +205,7 @@ def test_kv_pool_is_sized_from_the_model_config_and_refused_beyond_memory(no_mod
     monkeypatch.setattr(host_memory, "physical_memory_bytes", lambda: 1 << 20)  # 1 MiB: 1024 blocks of 1024 bytes
     model = [str(tiny_model), "--device", "cpu"]
     assert model_shape(str(tiny_model)) == ModelShape(num_layers=2, num_kv_heads=1, head_dim=4, context=64)
-    for ok in (["--num-blocks", "1024"], ["--num-blocks", "2048", "--dtype", "bfloat16"], ["--kv-cache-memory", "1MiB"],
+    for ok in (["--num-blocks", "1024"], ["--num-blocks", "2048", "--dtype", "float16"], ["--kv-cache-memory", "1MiB"],
                ["--block-size", "64", "--max-model-len", "64", "--kv-cache-memory", "4096"]):
         assert check_serve_args(parse([*model, *ok])).config.model == str(tiny_model)
     cases = [

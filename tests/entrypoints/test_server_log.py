@@ -13,6 +13,8 @@ import httpx
 from prefixcache.config import EngineConfig
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.entrypoints.server_log import request_line, startup_lines
+from prefixcache.kernels.cpu_features import describe_cpu
+from prefixcache.layers.cpu_kernels import amx_ready
 from prefixcache.outputs import RequestOutput
 from tests.entrypoints.conftest import MODEL
 
@@ -29,7 +31,8 @@ def test_startup_lines_state_the_engine(smollm2):
     lines = startup_lines(engine)
     assert lines == [
         f"model {MODEL} ({smollm2.model_dir}), weights fingerprint {smollm2.fingerprint.hex()[:16]}",
-        "dtype float32, quantization none, device cpu, 2 threads",
+        f"dtype float32, quantization none, device cpu, 2 threads; {describe_cpu()}, amx: "
+        f"{'yes' if amx_ready() else 'no'}",
         f"KV pool 64 blocks x 16 tokens = 1024 tokens, {64 * per_block / 2**20:.1f} MiB ({per_block} bytes per "
         "block); max model len 1024 tokens",
         *lines[3:4],  # the scheduler line: checked below (a scheduling-policy field may join it)

@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from prefixcache.layers.attention import Attention, build_attention_metadata
+from prefixcache.kernels.cpu_features import cpu_has
 from prefixcache.layers.generated_attention import build_generated_rows, generated_attention
+
+pytestmark = pytest.mark.requires_isa("avx512")  # our C++ kernels (prefixcache.layers.cpu_kernels)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 32, 16
 PROMPT = 1100  # shared prompt: 68 whole blocks, then a partial block
@@ -162,7 +165,7 @@ def test_rows_past_4096_keys_take_the_float32_form_by_their_own_length():
     for r in range(3):
         assert torch.equal(run([r])[0], batch[r])
     assert torch.equal(batch[0], run([0], float32_form=True)[0])  # past 4,096: the float32 form's bits
-    if torch.cpu._is_avx512_bf16_supported():  # else every row runs the float32 form
+    if cpu_has("avx512_bf16"):  # else every row runs the float32 form
         assert not torch.equal(batch[1], run([1], float32_form=True)[0])  # 4,096 itself: the bf16 form
         assert not torch.equal(batch[2], run([2], float32_form=True)[0])
 

@@ -9,6 +9,8 @@ from prefixcache.errors import InvalidInputError
 from prefixcache.layers.quant import (INT4_OUTPUT_KEY, RowSplit, group_int8_linear, int4_linear, quantize_weight_group_int8,
                                       quantize_weight_int4, row_split, split_rows)
 
+KERNELS = pytest.mark.requires_isa("avx512")  # int4_mm / int8_mm (our C++ kernels)
+
 
 def _grid_weight(n, k, seed=0):
     """A weight on a Q4_1 grid: per group of 32, levels 0..15 (both ends used) times d plus m."""
@@ -57,6 +59,7 @@ def _exact_case(n, k, rows, seed):
     return w, x
 
 
+@KERNELS
 def test_int4_linear_is_exact_where_float32_is_exact():
     w, x = _exact_case(48, 96, 10, seed=5)
     b = torch.randint(-64, 64, (48,)).float() * 2.0**-6
@@ -65,6 +68,7 @@ def test_int4_linear_is_exact_where_float32_is_exact():
     assert torch.equal(y.double(), x.double() @ w.double().t() + b.double())
 
 
+@KERNELS
 def test_group_int8_linear_is_exact_where_float32_is_exact():
     g = torch.Generator().manual_seed(6)
     q = torch.randint(-127, 128, (32, 64), generator=g).float()
@@ -75,6 +79,7 @@ def test_group_int8_linear_is_exact_where_float32_is_exact():
     assert torch.equal(y.double(), x.double() @ w.double().t())
 
 
+@KERNELS
 @pytest.mark.parametrize("linear", ["int4", "int8"])
 def test_a_row_gets_the_same_bits_in_any_call(linear):
     w, b = _grid_weight(48, 64, seed=1), torch.randn(48)
@@ -95,6 +100,7 @@ def test_a_row_gets_the_same_bits_in_any_call(linear):
     assert torch.allclose(single.float(), ref, atol=0.05, rtol=0.02)
 
 
+@KERNELS
 def test_non_finite_activations_give_that_row_nan_and_subnormal_groups_count_as_zeros():
     w = _grid_weight(32, 64, seed=8)
     q4, q8 = quantize_weight_int4(w), quantize_weight_group_int8(w)
@@ -118,6 +124,7 @@ def test_shapes_the_kernel_cannot_take_are_refused():
         quantize_weight_group_int8(torch.randn(40, 64))
 
 
+@KERNELS
 def test_split_rows_runs_generated_rows_quantized_and_prompt_rows_dense():
     """The int4 model's logits rows: generated tokens' on the quantized product, a prompt's last
     token's on the dense one, stitched back in row order."""
@@ -163,6 +170,7 @@ def test_blocks_holding_generated_tokens_get_the_output_key():
     assert output_slot_of_extra_key(tenant_extra_key("t") + b"\x01\x02\x03\x04") is None
 
 
+@KERNELS
 def test_int4_needs_bfloat16():
     with pytest.raises(InvalidInputError, match="dtype='bfloat16'") as e:
         EngineConfig(quantization="int4").validate()

@@ -11,6 +11,8 @@ from prefixcache.layers.attention import build_attention_metadata
 from prefixcache.models.loader import load_model
 from prefixcache.runner.kv_pool import allocate_kv_caches
 
+pytestmark = pytest.mark.requires_isa("avx512")  # our C++ kernels (prefixcache.layers.cpu_kernels)
+
 BLOCK = 4
 
 

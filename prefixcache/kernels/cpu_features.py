@@ -1,0 +1,144 @@
+"""What this CPU can run: the instruction-set features our kernels and torch's fast paths need, read once,
+and which weight formats therefore run here.
+
+Tiers, each a superset of the one before (ggml's and vLLM's CPU backends draw the same lines):
+
+==============  =====================================================  ==========================================
+tier            features (Linux ``/proc/cpuinfo`` names)                what it adds
+==============  =====================================================  ==========================================
+``reference``   none                                                   torch's float32 path: runs everywhere
+``avx2``        avx2, fma, f16c                                        (torch's float32 kernels use them)
+``avx512``      + avx512f, avx512bw, avx512vl, avx512dq, avx512_vnni   oneDNN's bf16 and int8 products; our int4
+``avx512_bf16`` + avx512_bf16                                          our bf16 attention and prompt kernels
+``amx``         + amx_tile, amx_bf16, amx_int8                         our AMX-BF16 GEMM and attention forms
+==============  =====================================================  ==========================================
+
+``PREFIXCACHE_KERNELS`` caps the tier (``auto``, the default, takes what the CPU reports): ``reference`` runs no
+compiled kernel and no ISA-specific format, ``avx2`` behaves as an AVX2-only CPU (a Zen 3, say) would, and so
+on. It can only take features away, never add one the CPU lacks: a forced lower tier keeps the fallbacks
+honest on a bigger machine (the test suite runs a subset that way).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from functools import cache
+
+__all__ = ["TIERS", "cpu_features", "cpu_has", "describe_cpu", "format_unavailable_reason", "kernel_tier",
+           "reported_cpu_features"]
+
+ENV_VAR = "PREFIXCACHE_KERNELS"
+_AVX2 = frozenset({"avx2", "fma", "f16c"})
+_AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+_AVX512_BF16 = _AVX512 | {"avx512_bf16"}
+_AMX = _AVX512_BF16 | {"amx_tile", "amx_bf16", "amx_int8"}
+TIERS: dict[str, frozenset[str]] = {"reference": frozenset(), "avx2": _AVX2, "avx512": _AVX512,
+                                    "avx512_bf16": _AVX512_BF16, "amx": _AMX}
+# Features outside the tiers that decide something: AVX-VNNI / AVX-NE-CONVERT (Alder Lake and later: oneDNN's
+# bf16 products run on avx_ne_convert too), and ARM's NEON (asimd) with its int8 dot product (asimddp).
+_EXTRA = frozenset({"avx_vnni", "avx_ne_convert", "asimd", "asimddp"})
+_KNOWN = _AMX | _EXTRA
+# oneDNN's bf16 linear needs one of these sets (torch raises "bf16 path needs the cpu support avx_ne_convert or
+# avx512bw, avx512vl and avx512dq" at the weight's reorder otherwise)
+_BF16_PRODUCTS = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}))
+# torch._int_mm's fast CPU path: oneDNN's VNNI or AMX int8 kernels. Without them it runs a reference loop
+# (a 2,183-token SmolLM2 prompt took 292 s on a Zen 3, float32 9.5 s), so int8 is refused there.
+_INT8_PRODUCTS = (frozenset({"avx512_vnni"}), frozenset({"amx_int8"}))
+
+
+@cache
+def reported_cpu_features() -> frozenset[str]:
+    """The features of :data:`TIERS` and the few others we read that this CPU reports (``/proc/cpuinfo``'s
+    flags on Linux; elsewhere what torch's own checks say)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):  # x86, ARM
+                    return frozenset(value.split()) & _KNOWN
+    except OSError:
+        pass
+    return _features_from_torch()
+
+
+def _features_from_torch() -> frozenset[str]:
+    """Where there is no /proc/cpuinfo (macOS, Windows): torch's checks, which read cpuid."""
+    import torch
+
+    found: set[str] = set()
+    capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", "NEON", ...
+    if capability in ("AVX2", "AVX512"):
+        found |= _AVX2
+    if torch.cpu._is_avx512_supported():
+        found |= {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    if torch.cpu._is_vnni_supported():
+        found.add("avx512_vnni")
+    if torch.cpu._is_avx512_bf16_supported():
+        found.add("avx512_bf16")
+    if torch.cpu._is_amx_tile_supported():
+        found |= {"amx_tile", "amx_bf16", "amx_int8"}
+    if platform.machine().lower() in ("arm64", "aarch64"):
+        found.add("asimd")
+    return frozenset(found)
+
+
+@cache
+def cpu_features() -> frozenset[str]:
+    """:func:`reported_cpu_features` capped by ``PREFIXCACHE_KERNELS`` (see the module docstring).
+
+    Raises:
+        ValueError: ``PREFIXCACHE_KERNELS`` is not ``auto`` or a tier name.
+    """
+    cap = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    reported = reported_cpu_features()
+    if cap == "auto":
+        return reported
+    if cap not in TIERS:
+        raise ValueError(f"{ENV_VAR} must be 'auto' or one of {list(TIERS)}, got {cap!r}")
+    return reported & TIERS[cap]
+
+
+def cpu_has(*features: str) -> bool:
+    """Whether every feature named (``/proc/cpuinfo`` names, e.g. ``"avx512_vnni"``) is in :func:`cpu_features`."""
+    return set(features) <= cpu_features()
+
+
+def kernel_tier() -> str:
+    """The highest tier of :data:`TIERS` whose features this CPU (as capped) has all of."""
+    return [name for name, needed in TIERS.items() if needed <= cpu_features()][-1]
+
+
+def describe_cpu() -> str:
+    """One line for the start-up log, e.g. ``"cpu: avx512+vnni+bf16+amx, kernels: amx"``."""
+    features = cpu_features()
+    shown = [name for name in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx_ne_convert",
+                               "amx_bf16", "amx_int8", "asimd", "asimddp") if name in features]
+    capped = "" if features == reported_cpu_features() else f" (capped by {ENV_VAR})"
+    return f"cpu: {'+'.join(shown) or 'baseline'}{capped}, kernels: {kernel_tier()}"
+
+
+def _has_any(options: tuple[frozenset[str], ...]) -> bool:
+    return any(option <= cpu_features() for option in options)
+
+
+def format_unavailable_reason(dtype: str, quantization: str) -> str | None:
+    """Why ``dtype`` / ``quantization`` can't run (fast) on this CPU, saying what to use instead; None
+    where it can. Only the CPU's features are read (nothing is built or loaded).
+
+    A format that would run pathologically slowly (int8 without VNNI or AMX int8) is refused like one that
+    can't run at all: a user who picks it would wait tens of times longer than on float32.
+    """
+    have = "+".join(sorted(f for f in cpu_features() if f in _AVX512_BF16 | _EXTRA)) or "no AVX2"
+    instead = "use dtype='float32', quantization='none' (the defaults), which run on every CPU"
+    if quantization in ("int4", "int4-int8") and not cpu_has("avx512_vnni"):
+        return (f"quantization={quantization!r} runs our int4 kernels, which need a CPU with AVX512-VNNI; "
+                f"this one has {have}: {instead}")
+    if quantization in ("int8", "int4-int8") and not _has_any(_INT8_PRODUCTS):
+        return (f"quantization={quantization!r} needs fast int8 products (AVX512-VNNI or AMX-INT8, oneDNN's "
+                f"kernels behind torch._int_mm); without them a prompt takes ~30x longer than in float32. "
+                f"This CPU has {have}: {instead}")
+    if dtype == "bfloat16" and not _has_any(_BF16_PRODUCTS):
+        return (f"dtype='bfloat16' needs a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT for oneDNN's bf16 "
+                f"products; this one has {have}: {instead}")
+    return None
