@@ -95,9 +95,9 @@ def test_every_flag_with_a_default_says_it_in_help():
     (["demo", "--help"], "local .gguf file; never downloaded from the Hub (default: smollm2-135m)"),
     (["demo", "--help"], "--block-size BLOCK_SIZE tokens per KV block (default: 16)"),
     (["demo", "--help"], "--num-threads NUM_THREADS torch CPU threads (default: the free cores, i.e. the cores minus "
-                         "the 1-minute load average, at least 1;"),
+                         "those busy now, measured over a quarter second, at least 1;"),
     (["serve", "--help"], "--num-threads NUM_THREADS torch CPU threads (default: the free cores, i.e. the cores "
-                          "minus the 1-minute load average, at least 1;"),
+                          "minus those busy now, measured over a quarter second, at least 1;"),
     (["bench", "--help"], "local .gguf file; never downloaded from the Hub (default: smollm2-135m)"),
     (["bench", "--help"], "--max-tokens MAX_TOKENS tokens generated per request (default: 16)"),
     (["bench", "--help"], "'trace' (eviction-policy trace simulation, no model), 'restart' (TTFT after a restart"),

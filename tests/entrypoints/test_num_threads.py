@@ -1,5 +1,5 @@
 """The thread count of ``demo``, ``serve`` and ``bench`` when ``--num-threads`` is not given: the
-free cores (issue 17: torch's every-core default made the demo 6x slower on a busy 2-core box).
+free cores (torch's every-core default made the demo 6x slower on a busy 2-core box).
 No test here loads a model: each command stops where it would load one."""
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from prefixcache.bench import runner
 from prefixcache.engine import llm_engine
 from prefixcache.entrypoints import cli
 from prefixcache.entrypoints import demo as demo_module
+from prefixcache.entrypoints import num_threads
 from prefixcache.entrypoints.num_threads import choose_num_threads, default_num_threads
 
 
-@pytest.mark.parametrize("cpu_count,load_average,expected", [
-    (2, 3.4, 1),  # the busy 2-core box of the issue
+@pytest.mark.parametrize("cpu_count,busy,expected", [
+    (2, 3.4, 1),  # a 2-core box at load 3.4 (the load average, where busy cores can't be measured)
     (2, 0.0, 2),
+    (2, 0.1, 2),  # a daemon's flicker is not a busy core
     (2, 0.5, 1),  # a partly busy core counts as busy
     (2, 1.0, 1),
     (16, 3.4, 12),
@@ -27,18 +29,34 @@ from prefixcache.entrypoints.num_threads import choose_num_threads, default_num_
     (1, 0.0, 1),
     (8, 100.0, 1),  # never below 1
 ])
-def test_default_num_threads_is_the_free_cores(cpu_count, load_average, expected):
-    assert default_num_threads(cpu_count, load_average) == expected
+def test_default_num_threads_is_the_free_cores(cpu_count, busy, expected):
+    assert default_num_threads(cpu_count, busy) == expected
 
 
 @pytest.fixture
 def busy_two_cores(monkeypatch):
-    """This process sees 2 cores at load average 3.4."""
+    """This process sees 2 cores, 1.6 of them busy now (/proc/stat's idle share 20 % over the window)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    readings = iter([(1000, 5000, 2), (1010, 5050, 2)] * 4)  # idle +10 of +50 ticks: 80 % busy of 2 cpus
+    monkeypatch.setattr(num_threads, "_proc_stat", lambda: next(readings))
+
+
+NOTE = "num_threads=1 (2 cores, 1.6 busy now; --num-threads N to set)"
+
+
+def test_busy_cores_are_measured_now_and_the_load_average_is_the_fallback(monkeypatch):
+    """A build that ended before the server started still weighs on the 1-minute load average (3.4 here),
+    not on the cores busy now."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(os, "getloadavg", lambda: (3.4, 2.0, 1.0))
-
-
-NOTE = "num_threads=1 (2 cores, load average 3.4; --num-threads N to set)"
+    readings = iter([(1000, 5000, 2), (1048, 5050, 2)])  # idle +48 of +50 ticks: 0.08 cores busy
+    monkeypatch.setattr(num_threads, "_proc_stat", lambda: next(readings))
+    args = argparse.Namespace(num_threads=None)
+    assert choose_num_threads(args) == "num_threads=2 (2 cores, 0.1 busy now; --num-threads N to set)"
+    monkeypatch.setattr(num_threads, "_proc_stat", lambda: None)  # no /proc/stat: the load average
+    args = argparse.Namespace(num_threads=None)
+    assert choose_num_threads(args) == "num_threads=1 (2 cores, load average 3.4; --num-threads N to set)"
+    assert args.num_threads == 1
 
 
 def test_choose_num_threads_sets_the_default_and_says_so(busy_two_cores):
