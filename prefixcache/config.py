@@ -18,7 +18,7 @@ from prefixcache.cache.config import CacheConfig, check_int, check_positive_floa
 from prefixcache.cache.eviction import EVICTION_POLICIES
 from prefixcache.cache.kv_events import KVEventsConfig
 from prefixcache.errors import InvalidInputError
-from prefixcache.kernels.cpu_features import format_unavailable_reason
+from prefixcache.kernels.cpu_features import auto_format, format_unavailable_reason
 
 if TYPE_CHECKING:
     import torch
@@ -93,12 +93,15 @@ class EngineConfig(CacheConfig, SchedulerConfig):
     """
 
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "built-in name, HF directory or .gguf file"})
-    dtype: str = field(default="float32", metadata={"help": "weights and KV dtype", "choices": DTYPES})
+    dtype: str = field(default="float32", metadata={
+        "help": "weights and KV dtype; auto: this CPU's fastest format within 1 % perplexity of float32, with "
+                "--quantization auto (docs/weight-formats-and-kernels.md)", "choices": ("auto", *DTYPES), "cli_default": "auto"})
     quantization: str = field(default="none", metadata={
         "help": "linear-layer weights: none (in --dtype), int8 (int8 weights x per-token int8 activations, "
                 "SmoothQuant-smoothed, exact int32 sums: batch-invariant), int4 (with --dtype bfloat16: generated tokens' projections "
                 "on 4-bit weights in our C++ decoder, prompt tokens' on bf16; no LoRA) or int4-int8 (int4's "
-                "generated tokens, int8's prompt tokens; docs/weight-formats-and-kernels.md)", "choices": QUANTIZATIONS})
+                "generated tokens, int8's prompt tokens; docs/weight-formats-and-kernels.md) or auto (with --dtype auto: "
+                "this CPU's fastest)", "choices": ("auto", *QUANTIZATIONS), "cli_default": "auto"})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: CUDA if present)"})
     num_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks; overrides --kv-cache-memory"})
@@ -115,6 +118,18 @@ class EngineConfig(CacheConfig, SchedulerConfig):
     def __post_init__(self) -> None:
         # kv_events_config may be given as JSON text (the flag) or a mapping; kept as a KVEventsConfig.
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
+        if "auto" in (self.dtype, self.quantization):  # resolved once: every reader (and the cache key) sees the format
+            dtype, quantization = ("float32", "none") if not self._on_cpu() else auto_format(self.dtype, self.quantization)
+            object.__setattr__(self, "dtype", self.dtype if self.dtype != "auto" else dtype)
+            object.__setattr__(self, "quantization", self.quantization if self.quantization != "auto" else quantization)
+
+    def _on_cpu(self) -> bool:
+        """Whether the model runs on the CPU (``device`` cpu, or None on a machine without CUDA)."""
+        if self.device is not None:
+            return isinstance(self.device, str) and self.device.startswith("cpu")
+        import torch
+
+        return not torch.cuda.is_available()
 
     def validate(self) -> None:
         """Checks every field.
@@ -156,14 +171,8 @@ class EngineConfig(CacheConfig, SchedulerConfig):
         """A weight format this CPU can't run (or would run pathologically slowly) is refused now, before
         anything loads, in one line that says what to use instead (not a crash inside oneDNN at load)."""
         reason = format_unavailable_reason(self.dtype, self.quantization)
-        if reason is None or (self.device is not None and not self.device.startswith("cpu")):
-            return
-        if self.device is None:  # "CUDA if present": the CPU's features don't matter there
-            import torch
-
-            if torch.cuda.is_available():
-                return
-        raise InvalidInputError(reason.split("=", 1)[0], reason)
+        if reason is not None and self._on_cpu():  # device None: "CUDA if present", where the CPU doesn't matter
+            raise InvalidInputError(reason.split("=", 1)[0], reason)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

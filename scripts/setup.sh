@@ -49,6 +49,8 @@ fi
 # need them are refused at start-up (float32 runs everywhere); either way one line says so.
 step "building the CPU kernels (prefixcache/layers/csrc, about a minute where the CPU runs them) ..."
 python -m prefixcache.layers.cpu_kernels || echo "setup.sh: the CPU kernels did not build; float32 still runs" >&2
+# int8's exact AVX2 product (used where the CPU has AVX2 but no VNNI; built wherever AVX2 runs, for its tests)
+python -m prefixcache.kernels.avx2_kernels || echo "setup.sh: the AVX2 int8 kernel did not build" >&2
 step "fetching the default model into ${PREFIXCACHE_HOME:-~/.cache/prefixcache} (once) ..."
 python -m prefixcache fetch
 step "done: .venv/bin/prefixcache demo"

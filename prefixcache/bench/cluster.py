@@ -159,7 +159,8 @@ def run_policy(url: str, replica_urls: list[str], opts: ClusterBenchOptions, ser
 def run_cluster_bench(opts: ClusterBenchOptions, log=print) -> dict:
     """The single-replica baseline, then each of :data:`POLICIES` on ``num_replicas`` replicas."""
     serve_args = (opts.model, "--num-blocks", str(opts.num_blocks), "--block-size", str(opts.block_size),
-                  "--num-threads", str(opts.num_threads), "--log-level", "warning")
+                  "--num-threads", str(opts.num_threads), "--log-level", "warning",
+                  "--dtype", "float32", "--quantization", "none")  # the pool check's format (bench/cli.py), on any CPU
     runs: dict[str, dict] = {}
     with Cluster(ClusterOptions(opts.num_replicas, POLICIES[0], serve_args, stop_timeout_s=20)) as cluster:
         urls = [r.url for r in cluster.replicas]

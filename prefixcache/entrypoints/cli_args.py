@@ -36,6 +36,7 @@ from prefixcache.entrypoints.launcher import HTTPOptions
 from prefixcache.entrypoints.num_threads import NUM_THREADS_HELP, choose_num_threads
 from prefixcache.entrypoints.preflight import check_engine_resources
 from prefixcache.errors import InvalidInputError
+from prefixcache.kernels.cpu_features import auto_format, describe_cpu
 
 # binary for KiB, MiB, ... and the bare K, M, G, T; decimal for kB, KB, MB, GB, TB (SI: "2GB" is 2 * 10^9
 # bytes, as vLLM's sizes read it)
@@ -122,8 +123,9 @@ def add_engine_args(group: argparse._ActionsContainer) -> None:
         kind = hints[field.name]
         if isinstance(kind, types.UnionType) and type(None) in typing.get_args(kind):
             kind = next(t for t in typing.get_args(kind) if t is not type(None))
-        kwargs: dict[str, Any] = {"dest": field.name, "default": field.default,
-                                  "choices": EngineConfig.choices(field.name)}
+        # a field may default otherwise on the command line than in the Python API (dtype, quantization: auto)
+        default = field.metadata.get("cli_default", field.default)
+        kwargs: dict[str, Any] = {"dest": field.name, "default": default, "choices": EngineConfig.choices(field.name)}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif field.metadata.get("json"):  # parsed by the config (--kv-events-config)
@@ -135,7 +137,7 @@ def add_engine_args(group: argparse._ActionsContainer) -> None:
         else:
             raise TypeError(f"EngineConfig.{field.name}: no command-line form for type {kind!r}")
         action = group.add_argument(flag_name(field), **kwargs)
-        action.help = _field_help(field, field.default)  # BooleanOptionalAction may append its own
+        action.help = _field_help(field, default)  # BooleanOptionalAction may append its own
 
 
 def engine_config_from_args(args: argparse.Namespace, model_flag: str = "MODEL",
@@ -347,6 +349,8 @@ def check_serve_args(args: argparse.Namespace, replicas: int = 1) -> ServeSettin
     from prefixcache.models.model_path import check_model_arg
 
     merge_model_option(args)
+    if args.lora_modules and "auto" in (args.dtype, args.quantization):  # auto never picks a format refusing adapters
+        args.dtype, args.quantization = auto_format(args.dtype, args.quantization, lora=True)
     config = engine_config_from_args(args)
     check_model_arg(config.model)  # a missing directory or a Hub id fails here, not after binding
     check_engine_resources(config, replicas=replicas)  # --device, --hash-seed-file, --kv-disk-dir, the pool
@@ -420,6 +424,7 @@ def run_cli(args: argparse.Namespace) -> int:
     from prefixcache.entrypoints.launcher import bind_socket, serve_http
 
     threads_note = choose_num_threads(args)
+    auto_flags = " ".join(f"--{name} auto" for name in ("dtype", "quantization") if getattr(args, name) == "auto")
     s = check_serve_args(args)
     if s.api_keys and not args.tenant_isolation:
         print("prefixcache serve: tenant API keys authenticate, but without --tenant-isolation all tenants "
@@ -435,6 +440,10 @@ def run_cli(args: argparse.Namespace) -> int:
             configure_logging(args.log_level)
             if threads_note:
                 logger.info("%s", threads_note)
+            if auto_flags:
+                logger.info("format: %s chose %s + %s for this CPU (%s; --dtype float32 --quantization none for "
+                            "transformers' exact numbers)", auto_flags, s.config.dtype, s.config.quantization,
+                            describe_cpu())
             logger.info("loading model %s ...", s.config.model)
             engine = LLMEngine(s.config)
             log_startup(engine)

@@ -25,7 +25,7 @@ import os
 import platform
 from functools import cache
 
-__all__ = ["TIERS", "cpu_features", "cpu_has", "describe_cpu", "format_unavailable_reason", "kernel_tier",
+__all__ = ["AUTO_FORMATS", "TIERS", "auto_format", "cpu_features", "cpu_has", "describe_cpu", "format_unavailable_reason", "kernel_tier",
            "reported_cpu_features"]
 
 ENV_VAR = "PREFIXCACHE_KERNELS"
@@ -45,6 +45,7 @@ _BF16_PRODUCTS = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"a
 # torch._int_mm's fast CPU path: oneDNN's VNNI or AMX int8 kernels. Without them it runs a reference loop
 # (a 2,183-token SmolLM2 prompt took 292 s on a Zen 3, float32 9.5 s), so int8 is refused there.
 _INT8_PRODUCTS = (frozenset({"avx512_vnni"}), frozenset({"amx_int8"}))
+_INT4_FORMATS = ("int4", "int4-int8")  # the formats whose generated tokens run our int4 decoder
 
 
 @cache
@@ -131,7 +132,7 @@ def format_unavailable_reason(dtype: str, quantization: str) -> str | None:
     """
     have = "+".join(sorted(f for f in cpu_features() if f in _AVX512_BF16 | _EXTRA)) or "no AVX2"
     instead = "use dtype='float32', quantization='none' (the defaults), which run on every CPU"
-    if quantization in ("int4", "int4-int8") and not cpu_has("avx512_vnni"):
+    if quantization in _INT4_FORMATS and not cpu_has("avx512_vnni"):
         return (f"quantization={quantization!r} runs our int4 kernels, which need a CPU with AVX512-VNNI; "
                 f"this one has {have}: {instead}")
     if quantization in ("int8", "int4-int8") and not _has_any(_INT8_PRODUCTS):
@@ -142,3 +143,34 @@ def format_unavailable_reason(dtype: str, quantization: str) -> str | None:
         return (f"dtype='bfloat16' needs a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT for oneDNN's bf16 "
                 f"products; this one has {have}: {instead}")
     return None
+
+
+# What ``auto`` picks, best first: the fastest format this CPU runs whose perplexity on the bench's quality text
+# stays within 1 % of float32's (docs/benchmarks.md, "Quality per format": bf16 +0.1 %, int4 +0.2 %, int4-int8
+# +0.4 %, int8 +0.6 %). With AMX, bf16 + int4 was the fastest measured (prompt rows on AMX tiles, generated rows on
+# the int4 decoder); without AMX but with AVX512-BF16, int4-int8 (int8 prompt rows are faster than bf16 there);
+# with VNNI but no native bf16, int8 over a float32 model; elsewhere float32, which runs on every CPU.
+AUTO_FORMATS: tuple[tuple[str, str, str], ...] = (
+    ("amx", "bfloat16", "int4"),
+    ("avx512_bf16", "bfloat16", "int4-int8"),
+    ("avx512", "float32", "int8"),
+    ("reference", "float32", "none"),
+)
+
+
+def auto_format(dtype: str, quantization: str, lora: bool = False) -> tuple[str, str]:
+    """``(dtype, quantization)`` with ``"auto"`` in either replaced by this CPU's choice: the first row of
+    :data:`AUTO_FORMATS` whose tier the CPU has and which agrees with the one given, if any; where no row does,
+    the given one with its plainest partner (float32, or bfloat16 for an int4 format; none). ``lora``: LoRA
+    adapters will be served, so no int4 format (their generated tokens run fused kernels without adapter
+    deltas)."""
+    if "auto" not in (dtype, quantization):
+        return dtype, quantization
+    tier_names = list(TIERS)
+    have = tier_names.index(kernel_tier())
+    for tier, d, q in AUTO_FORMATS:
+        if (tier_names.index(tier) <= have and dtype in ("auto", d) and quantization in ("auto", q)
+                and not (lora and q in _INT4_FORMATS) and format_unavailable_reason(d, q) is None):
+            return d, q
+    d = dtype if dtype != "auto" else "bfloat16" if quantization in _INT4_FORMATS else "float32"
+    return d, (quantization if quantization != "auto" else "none")

@@ -38,6 +38,7 @@ from functools import cache
 import torch
 
 from prefixcache.config import QUANTIZATIONS
+from prefixcache.kernels.avx2_kernels import int8_gemm_avx2, int8_linear_avx2, pack_weight, uses_avx2_int8_gemm
 from prefixcache.layers.cpu_kernels import CpuKernelsUnavailable, load_cpu_kernels
 
 __all__ = ["INT4_GROUP", "INT4_OUTPUT_KEY", "QUANTIZATIONS", "GroupInt8Weight", "Int4Weight", "Int8Weight",
@@ -60,12 +61,15 @@ class Int8Weight:
         bias: shape = [out_features] float32, or None.
         act_mul: shape = [in_features] float32, ``1 / s`` of :func:`smooth_factors` (the activations are
             multiplied by it before they are quantized; the weight was quantized times ``s``), or None.
+        avx2_packed: ``qweight`` in :func:`~prefixcache.kernels.avx2_kernels.pack_weight`'s layout where the
+            products run our AVX2 kernel (AVX2 without VNNI or AMX-INT8: ``uses_avx2_int8_gemm``), else None.
     """
 
     qweight: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor | None
     act_mul: torch.Tensor | None = None
+    avx2_packed: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
@@ -91,6 +95,7 @@ def quantize_weight(weight: torch.Tensor, bias: torch.Tensor | None = None,
         scale=scale,
         bias=None if bias is None else bias.detach().float().clone(),
         act_mul=None if smooth is None else torch.reciprocal(smooth.float()).contiguous(),
+        avx2_packed=pack_weight(q.t()) if uses_avx2_int8_gemm() else None,
     )
 
 
@@ -98,11 +103,9 @@ def smooth_factors(act_amax: torch.Tensor, weight: torch.Tensor, alpha: float = 
     """SmoothQuant's per-input-channel factors ``s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)`` (Xiao et
     al., 2023, eq. 4; the weight's maxima and ``s`` clamped to >= 1e-5 as its reference code does), with
     ``max|X_j|`` first raised to the channels' median: a channel quiet in calibration is never
-    amplified more than a typical one (review, 2026-12-03: a channel all-zero in calibration got a
-    multiplier of 164 and a 122 % error when a later input used it; on texts unlike the calibration
-    text, code / English / French / Russian, perplexity +1.33 / +0.39 / +2.22 / +2.47 % with the
-    floor vs +2.11 / +1.17 / +1.59 / +5.25 % without and +3.23 / +2.78 / +2.93 / +3.56 % unsmoothed,
-    ``scripts/probe_int8_smoothing.py``, 2026-12-03; the floor was chosen on these texts).
+    amplified more than a typical one (without the floor, a channel all-zero in calibration gets a
+    huge multiplier and a large error when a later input uses it; docs/benchmarks.md has the floor's
+    perplexity on texts unlike the calibration text, on which it was chosen).
 
     Args:
         act_amax: shape = [in_features], the largest ``|x_j|`` seen in calibration (finite).
@@ -182,7 +185,12 @@ def int8_linear(
     Returns:
         shape = [num_tokens, out_features]: int32 accumulation × row scale × column scale (+ bias).
     """
-    acc = torch._int_mm(x_q, weight.qweight)  # [num_tokens, out_features] int32, exact
+    if weight.avx2_packed is None:
+        acc = torch._int_mm(x_q, weight.qweight)  # [num_tokens, out_features] int32, exact
+    elif out_dtype == torch.float32 and x_scale.is_contiguous():  # no VNNI: our AVX2 kernel, the same bits
+        return int8_linear_avx2(x_q, x_scale, weight.avx2_packed, weight.scale, weight.bias)
+    else:
+        acc = int8_gemm_avx2(x_q, weight.avx2_packed, weight.out_features)
     kernels = _fused_int8_rows()
     if kernels is not None and out_dtype in (torch.bfloat16, torch.float32) and x_scale.is_contiguous():
         return kernels.int8_rows_to_float(acc, x_scale, weight.scale, weight.bias, out_dtype)  # the bits below
@@ -243,7 +251,7 @@ INT4_GROUP = 32  # input features per scale (llama.cpp's Q4_1 / Q8_0 block size;
 # Block-hash key of K/V computed by generated rows. Their attention's form (csrc/paged_attention.cpp)
 # follows the CPU's AVX512-BF16 like the prompt kernel's, which the model key names (attention.kv_numerics);
 # this names the forms' versions and which rows take which, so K/V computed under an earlier rule in a tier
-# is not reused (2026-12-01: rows past 4,096 keys take the float32 form).
+# is not reused (rows past 4,096 keys take the float32 form).
 INT4_OUTPUT_KEY = b"int4-generated:decoder-f32-residual|decode-attention:bf16-keys32|f32-past-4096"
 
 
@@ -354,8 +362,7 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     """``x @ w^T + b`` with the 4-bit weight and int8 activations (``int4_mm``: each row quantized
     per group of 32 inputs, exact int32 sums per group; llama.cpp's Q4_1 x Q8_1 dot product). A
     row's bits do not depend on what shares its call (``tests/layers/test_quant_int4.py``). Reads an
-    eighth of float32's weight bytes; measured against torch's own 4-bit kernel and bf16 by
-    ``scripts/probe_int4_kernel.py``.
+    eighth of float32's weight bytes; ``benchmarks/int4_linear.py`` times it against bf16.
 
     Args:
         x: shape = [num_tokens, in_features], float32 or bfloat16.
@@ -397,9 +404,9 @@ class RowSplit:
 
 class row_split:  # noqa: N801 (a context manager used like a function)
     """``with row_split(split): model.compute_logits(...)``: the int4 model's lm_head reads ``split``
-    (None: all rows dense) for the duration of the call, in this thread only (a review, 2026-12-03:
-    with one process-wide split, another engine's prompt logprobs, whose rows are all dense, ran on
-    this step's split while it lasted)."""
+    (None: all rows dense) for the duration of the call, in this thread only: with one process-wide
+    split, another engine's prompt logprobs, whose rows are all dense, would run on this step's split
+    while it lasted."""
 
     def __init__(self, split: RowSplit | None) -> None:
         self.split = split

@@ -230,6 +230,7 @@ def test_streaming_request_reports_every_token(make_llm):
     assert seen[-1].text == full.text and seen[-1].e2e_s is not None and seen[0].e2e_s is None
 
 
+@pytest.mark.requires_format("bfloat16", "none")
 def test_dtype_is_part_of_the_cache_key(make_llm):
     from prefixcache import LLM
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from prefixcache.config import EngineConfig
-from prefixcache.kernels.cpu_features import cpu_has, format_unavailable_reason
+from prefixcache.kernels.cpu_features import auto_format, cpu_has, format_unavailable_reason
 from prefixcache.engine import llm_engine
 from prefixcache.entrypoints import cli
 from prefixcache import host_memory
@@ -44,11 +44,12 @@ def test_every_engine_field_has_one_flag_with_its_default():
     dests = {a.dest: a for a in parser._actions}
     for field in dataclasses.fields(EngineConfig):
         action = dests[field.name]
-        assert action.default == field.default
+        assert action.default == field.metadata.get("cli_default", field.default)  # dtype, quantization: auto
         if field.name != "model":
             assert flag_name(field) in action.option_strings
             assert field.metadata["help"].split(" (")[0][:20] in action.help
-    assert engine_config_from_args(parse([])) == EngineConfig.from_kwargs()
+    assert engine_config_from_args(parse([])) == EngineConfig.from_kwargs(dtype="auto", quantization="auto")
+    assert EngineConfig.from_kwargs().dtype == "float32"  # the Python API's default stays transformers' numbers
 
 
 def test_existing_flag_names_still_work():
@@ -203,7 +204,7 @@ def tiny_model(tmp_path) -> Path:
 def test_kv_pool_is_sized_from_the_model_config_and_refused_beyond_memory(no_model_load, tiny_model, monkeypatch,
                                                                         capsys):
     monkeypatch.setattr(host_memory, "physical_memory_bytes", lambda: 1 << 20)  # 1 MiB: 1024 blocks of 1024 bytes
-    model = [str(tiny_model), "--device", "cpu"]
+    model = [str(tiny_model), "--device", "cpu", "--dtype", "float32"]  # serve's default is auto
     assert model_shape(str(tiny_model)) == ModelShape(num_layers=2, num_kv_heads=1, head_dim=4, context=64)
     for ok in (["--num-blocks", "1024"], ["--num-blocks", "2048", "--dtype", "float16"], ["--kv-cache-memory", "1MiB"],
                ["--block-size", "64", "--max-model-len", "64", "--kv-cache-memory", "4096"]):
@@ -242,7 +243,7 @@ def test_a_container_memory_limit_bounds_the_pool(no_model_load, tiny_model, tmp
     assert host_memory.cgroup_memory_limit_bytes() is None  # v2 read first: no limit
     v2.write_text("1048576\n")
     assert host_memory.host_memory_limit() == (1 << 20, "this container's memory limit (cgroup)")
-    model = [str(tiny_model), "--device", "cpu"]
+    model = [str(tiny_model), "--device", "cpu", "--dtype", "float32"]  # serve's default is auto
     assert check_serve_args(parse([*model, "--num-blocks", "1024"])).config.num_blocks == 1024
     assert cli.main(["serve", "--port", "0", *model, "--num-blocks", "1025"]) == 2
     assert capsys.readouterr().err.splitlines()[0] == (
@@ -256,7 +257,7 @@ def test_cluster_checks_all_replicas_pools_together(no_model_load, tiny_model, m
     monkeypatch.setattr(host_memory, "physical_memory_bytes", lambda: 2 << 30)
     (tiny_model / "model.safetensors").write_bytes(bytes(1000))  # only its size is read
     weights = 1000
-    model = [str(tiny_model), "--device", "cpu"]
+    model = [str(tiny_model), "--device", "cpu", "--dtype", "float32"]  # serve's default is auto
     assert cli.main(["cluster", "--replicas", "4", *model, "--num-blocks", "512"]) == 2
     need = 4 * (524288 + weights + (512 << 20))
     assert capsys.readouterr().err.splitlines()[0] == (
@@ -295,8 +296,9 @@ def test_an_unreadable_model_config_still_bounds_the_pool_from_below(no_model_lo
     (d / "model.safetensors").write_bytes(b"")
     monkeypatch.setattr(host_memory, "physical_memory_bytes", lambda: 1 << 20)
     assert model_shape(str(d)) is None and kv_block_bytes(None, 16, "float32") == 2 * 16 * 4
-    assert check_serve_args(parse([str(d), "--device", "cpu", "--num-blocks", "8192"])).config.num_blocks == 8192
-    assert cli.main(["serve", "--port", "0", str(d), "--device", "cpu", "--num-blocks", "8193"]) == 2
+    f32 = ["--device", "cpu", "--dtype", "float32"]  # the float32 pool's arithmetic (serve's default is auto)
+    assert check_serve_args(parse([str(d), *f32, "--num-blocks", "8192"])).config.num_blocks == 8192
+    assert cli.main(["serve", "--port", "0", str(d), *f32, "--num-blocks", "8193"]) == 2
     assert capsys.readouterr().err.startswith("prefixcache serve: error: --num-blocks: a KV pool of 8193 blocks needs "
                                               "at least 1048704 bytes (1.0 MiB; at least 128 bytes per block), more "
                                               "than the 1048576 bytes (1.0 MiB) of physical memory\n")
@@ -518,10 +520,12 @@ def test_serve_logs_what_it_serves_then_the_url_then_each_request():
     s.stop_in(30)
     log = s.stderr
     u = r.json()["usage"]
+    dtype, quantization = auto_format("auto", "auto")  # serve's default format: this CPU's choice
     expected = [
+        f"INFO:     format: --dtype auto --quantization auto chose {dtype} + {quantization} for this CPU (cpu: ",
         "INFO:     loading model smollm2-135m ...",
         "INFO:     model smollm2-135m (",
-        "INFO:     dtype float32, quantization none, device cpu, 1 thread",
+        f"INFO:     dtype {dtype}, quantization {quantization}, device cpu, 1 thread",
         "INFO:     KV pool 64 blocks x 16 tokens = 1024 tokens, 45.0 MiB (737280 bytes per block); max model len "
         "1024 tokens",
         "INFO:     prefix caching on (hash xxh64, eviction lru, partial-block reuse on)",

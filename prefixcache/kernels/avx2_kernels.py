@@ -1,0 +1,149 @@
+"""Builds and loads our AVX2 kernels (``csrc/``): ``int8_gemm_avx2`` (int8_gemm_avx2.cpp), quantization="int8"'s
+exact int8 × int8 → int32 product on CPUs with AVX2 and FMA but without AVX512-VNNI or AMX-INT8, where
+``torch._int_mm`` has no fast exact kernel (a reference loop runs on a Zen 3; oneDNN's AVX2 int8 kernel, which
+``ONEDNN_MAX_CPU_ISA=AVX2`` forces on a bigger CPU, saturates its u8 × s8 pairs and gets sums wrong).
+
+The sums are exact, so they equal ``torch._int_mm``'s bit for bit and a row's result never depends on the other
+rows of its call (the formula and its no-saturation bound are in the source's header). The weight is packed once,
+at quantization (:func:`pack_weight`, ``Int8Weight.avx2_packed``), and each call streams the packed panels.
+
+Compiled with ``-mavx2 -mfma`` only (it runs on any AVX2 CPU, a Zen 3 included), as its own extension, once per
+machine into torch's extension cache like :mod:`prefixcache.layers.cpu_kernels`; ``python -m
+prefixcache.kernels.avx2_kernels`` builds it (scripts/setup.sh).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from prefixcache.kernels.cpu_features import cpu_has, describe_cpu
+
+__all__ = ["Avx2KernelsUnavailable", "int8_gemm_avx2", "int8_linear_avx2", "load_avx2_kernels", "pack_weight",
+           "uses_avx2_int8_gemm"]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "int8_gemm_avx2.cpp"]
+# -fopenmp: ATen's parallel_for is inline OpenMP; the process's libgomp is torch's (same soname), one thread pool.
+# -ffp-contract=off: the rescale's multiply and add stay two roundings (torch's), never one fma.
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
+PANEL = 16  # outputs per packed panel
+PAIR = 2  # inputs per int32 lane
+
+
+class Avx2KernelsUnavailable(RuntimeError):
+    """The AVX2 kernels can't run here (no AVX2 + FMA, or the extension doesn't build)."""
+
+
+@cache
+def load_avx2_kernels() -> ModuleType:
+    """The compiled extension (built on first use).
+
+    Raises:
+        Avx2KernelsUnavailable: the CPU (as capped by ``PREFIXCACHE_KERNELS``) lacks AVX2 or FMA, or the build
+            failed (the compiler's message).
+    """
+    if not cpu_has("avx2", "fma"):
+        raise Avx2KernelsUnavailable(f"our AVX2 kernels need AVX2 and FMA; {describe_cpu()}")
+    from torch.utils.cpp_extension import load
+
+    venv_bin = str(Path(sys.executable).parent)  # ninja from the venv, also when it is not on PATH
+    if shutil.which("ninja") is None and venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+    try:
+        return load(name=_extension_name(), sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS,
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except (RuntimeError, OSError, ImportError) as e:
+        raise Avx2KernelsUnavailable(f"building the AVX2 kernels (prefixcache/kernels/csrc) failed: {e}") from e
+
+
+def _extension_name() -> str:
+    """Named with a digest of the sources, so checkouts with different sources keep separate builds."""
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(_CSRC.iterdir()) if f.is_file()))
+    return f"prefixcache_avx2_kernels_{digest.hexdigest()[:12]}"
+
+
+def uses_avx2_int8_gemm() -> bool:
+    """Whether int8 products run :func:`int8_gemm_avx2` here: the CPU has AVX2 and FMA but neither of the
+    features behind ``torch._int_mm``'s fast kernels (AVX512-VNNI, AMX-INT8), and the extension loads."""
+    if cpu_has("avx512_vnni") or cpu_has("amx_int8") or not cpu_has("avx2", "fma"):
+        return False
+    try:
+        load_avx2_kernels()
+    except Avx2KernelsUnavailable:
+        return False
+    return True
+
+
+def pack_weight(qweight: torch.Tensor) -> torch.Tensor:
+    """The layout :func:`int8_gemm_avx2` streams: ``packed[p, q, 2 j + i] = w[2 q + i, 16 p + j]``, zero-padded
+    (a panel of 16 outputs, one input pair at a time).
+
+    Args:
+        qweight: shape = [in_features, out_features] int8 (``Int8Weight.qweight``).
+
+    Returns:
+        shape = [ceil(out_features / 16), ceil(in_features / 2), 32] int8, contiguous.
+    """
+    k, n = qweight.shape
+    if qweight.dtype != torch.int8:
+        raise ValueError(f"qweight must be int8, got {qweight.dtype}")
+    kq, panels = -(-k // PAIR), -(-n // PANEL)
+    w = torch.zeros(kq * PAIR, panels * PANEL, dtype=torch.int8)
+    w[:k, :n] = qweight
+    # [kq, 2 (i), panels, 16 (j)] -> [panels, kq, 16 (j), 2 (i)]
+    return w.view(kq, PAIR, panels, PANEL).permute(2, 0, 3, 1).reshape(panels, kq, PANEL * PAIR).contiguous()
+
+
+def int8_gemm_avx2(x_q: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``torch._int_mm(x_q, w)`` for the weight ``w`` that :func:`pack_weight` packed: the same int32 bits.
+
+    Args:
+        x_q: shape = [num_tokens, in_features] int8.
+        packed: :func:`pack_weight`'s result.
+        out_features: ``w.shape[1]``.
+
+    Returns:
+        shape = [num_tokens, out_features] int32.
+    """
+    return load_avx2_kernels().int8_gemm_avx2(x_q, packed, out_features)
+
+
+def int8_linear_avx2(x_q: torch.Tensor, x_scale: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`int8_gemm_avx2` rescaled in the same pass: ``float(acc) * x_scale * w_scale (+ bias)``, rounded after
+    each operation in that order, the bits of ``quant.int8_rows_to_float_torch(acc, ...)`` in float32.
+
+    Args:
+        x_q: shape = [num_tokens, in_features] int8.
+        x_scale: shape = [num_tokens, 1] float32, contiguous.
+        packed: :func:`pack_weight`'s result.
+        w_scale: shape = [out_features] float32, contiguous.
+        bias: shape = [out_features] float32, contiguous, or None.
+
+    Returns:
+        shape = [num_tokens, out_features] float32.
+    """
+    return load_avx2_kernels().int8_linear_avx2(x_q, packed, x_scale, w_scale, bias)
+
+
+def main() -> int:
+    """``python -m prefixcache.kernels.avx2_kernels``: build now (setup.sh), one line either way; 0 also where this
+    CPU can't run them, 1 where the build itself failed."""
+    try:
+        load_avx2_kernels()
+    except Avx2KernelsUnavailable as e:
+        print(f"avx2_kernels: not built: {str(e).splitlines()[0]}")
+        return 1 if cpu_has("avx2", "fma") else 0
+    print(f"avx2_kernels: built ({describe_cpu()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
