@@ -11,16 +11,19 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from prefixcache.cache.pins import CacheBreakpoint
     from prefixcache.config import EngineConfig
     from prefixcache.layers.lora import LoRARequest
     from prefixcache.llm import LLM
     from prefixcache.outputs import RequestOutput
     from prefixcache.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "EngineConfig", "LoRARequest", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "CacheBreakpoint", "EngineConfig", "LoRARequest", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 _MODULES = {
+    "CacheBreakpoint": "prefixcache.cache.pins",
     "EngineConfig": "prefixcache.config",
     "LoRARequest": "prefixcache.layers.lora",
     "LLM": "prefixcache.llm",

@@ -9,6 +9,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from prefixcache.cache.pins import CacheBreakpoint
 from prefixcache.config import DEFAULT_MODEL, EngineConfig
 from prefixcache.engine.llm_engine import EngineMetrics, LLMEngine
 from prefixcache.errors import InvalidInputError
@@ -65,6 +66,7 @@ class LLM:
         lora: LoRARequest | Sequence[LoRARequest | None] | None = None,
         tenant: str | None = None,
         priority: int | Sequence[int] = 0,
+        cache_control: CacheBreakpoint | Sequence[CacheBreakpoint] | None = None,
     ) -> list[RequestOutput]:
         """Generates for a batch of prompts, all scheduled together.
 
@@ -79,6 +81,10 @@ class LLM:
                 tenants (see :meth:`add_approved_prefix`), and not with a ``cache_salt``.
             priority: scheduling priority for all prompts, or one per prompt: lower = earlier
                 (vLLM's ``priority``; the outer key of ``scheduling_policy``'s order).
+            cache_control: cache breakpoints for every prompt: ``CacheBreakpoint(num_tokens,
+                ttl_s)`` pins the prompt's first ``num_tokens`` tokens (whole blocks) in the pool for
+                ``ttl_s`` after their last use, within ``max_pinned_fraction`` of the pool; each
+                output's ``pinned`` says what each breakpoint got (:mod:`prefixcache.cache.pins`).
 
         Returns:
             One :class:`RequestOutput` per prompt and sample, in input order: a prompt whose
@@ -116,7 +122,7 @@ class LLM:
                                                 f"{len(prompts)} prompts")
         return self._run(
             [(p, sp, cache_salt, lr, tenant, pr) for p, sp, lr, pr in zip(prompts, params, loras, priorities)],
-            use_tqdm,
+            use_tqdm, cache_control,
         )
 
     def chat(
@@ -161,7 +167,7 @@ class LLM:
         return self.engine.add_approved_system_prompt(content)
 
     def _run(self, items: list[tuple[Any, SamplingParams, str | None, Any, str | None, int]],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, cache_control: Any = None) -> list[RequestOutput]:
         """Adds the batch (all or nothing), steps the engine until every sample of it finished, and
         returns their outputs in order. Steps run by other threads' calls may finish this call's
         samples: finished outputs go to a shared table that every call reads its own from."""
@@ -174,7 +180,7 @@ class LLM:
             try:
                 for prompt, params, salt, lora, tenant, priority in items:
                     ids.append(engine.add_request(prompt, params, cache_salt=salt, lora=lora, tenant=tenant,
-                                                  priority=priority))
+                                                  priority=priority, cache_control=cache_control))
             except BaseException:
                 for req_id in ids:  # all or nothing: don't leave half a batch queued
                     engine.abort_request(req_id)

@@ -17,6 +17,7 @@ DEFAULT_BLOCK_SIZE = 16  # tokens
 DEFAULT_CACHE_TTL_S = 300.0
 DEFAULT_KV_DISK_BYTES = 10 << 30
 DEFAULT_KV_REDIS_TTL_S = 3600.0
+DEFAULT_MAX_PINNED_FRACTION = 0.5  # of the pool (cache/pins.py)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class CacheConfig:
         "help": "KV tier shared through Redis, redis://host:port/db (needs --hash-seed or --hash-seed-file)"})
     kv_redis_ttl_s: float = field(default=DEFAULT_KV_REDIS_TTL_S, metadata={
         "help": "seconds a Redis tier entry lives after its last store or hit"})
+    max_pinned_fraction: float = field(default=DEFAULT_MAX_PINNED_FRACTION, metadata={
+        "help": "most of the KV pool that cache breakpoints (cache_control) may pin, a fraction in [0, 1); "
+                "a request over it pins the head that fits (0: pins off)"})
 
     def validate(self) -> None:
         """Checks every field.
@@ -77,6 +81,10 @@ class CacheConfig:
         check_bool("enable_partial_block_reuse", self.enable_partial_block_reuse)
         check_positive_float("cost_half_life_s", self.cost_half_life_s)
         check_positive_float("cost_attention_tokens", self.cost_attention_tokens)
+        if isinstance(self.max_pinned_fraction, bool) or not isinstance(self.max_pinned_fraction, (int, float)) \
+                or not 0 <= self.max_pinned_fraction < 1:
+            raise InvalidInputError("max_pinned_fraction", f"max_pinned_fraction must be a number in [0, 1), "
+                                                           f"got {self.max_pinned_fraction!r}")
         self._validate_tiers()
 
     def _validate_tiers(self) -> None:

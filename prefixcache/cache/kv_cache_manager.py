@@ -62,6 +62,7 @@ from prefixcache.cache.block import KVCacheBlock, matching_token_blocks, verifie
 from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.config import CacheConfig
 from prefixcache.cache.metrics import PrefixCacheSnapshot, PrefixCacheStats
+from prefixcache.cache.pins import PinResult, PinTable, pinned_budget
 from prefixcache.scheduler_output import CopyOp, LoadOp
 
 if TYPE_CHECKING:
@@ -149,6 +150,10 @@ class KVCacheManager:
         # index, block, generation): stored to the tiers once the step has written their K/V.
         self.pending_load_ops: list[LoadOp] = []
         self._tier_stores: list[tuple[Request, int, KVCacheBlock, int]] = []
+        # Cache breakpoints' pins (cache/pins.py): one reference each, at most the budget's blocks.
+        self.pins = PinTable(self.block_pool.touch, self.block_pool.free_blocks,
+                             pinned_budget(config.max_pinned_fraction, num_blocks) if self.enable_caching else 0,
+                             clock)
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -189,15 +194,22 @@ class KVCacheManager:
             partial, num_partial = None, 0
             num_new = min(request.num_tokens - num_hit - num_tier, token_budget)
             new_blocks = self.allocate_slots(request, num_tier + num_new + num_lookahead_tokens, hits, num_hit)
+        if new_blocks is None and not self.req_to_blocks and self.pins.yield_all():
+            # Nothing runs and pins hold the room this request needs: they yield (cache/pins.py).
+            partial, num_partial = None, 0
+            num_new = min(request.num_tokens - num_hit - num_tier, token_budget)
+            new_blocks = self.allocate_slots(request, num_tier + num_new + num_lookahead_tokens, hits, num_hit)
         if new_blocks is None:
             return None
+        self.pins.refresh(hits)
         if num_tier:
             self._add_load_ops(new_blocks, tier_load.payloads)
         if request.num_cached_tokens is None:  # first admission
             request.num_cached_tokens = num_hit + num_tier + num_partial
-            self.stats.record(request.num_tokens, num_hit, num_partial)
+            self.stats.record(request.num_tokens, num_hit, num_partial, num_tier)
             if tier_load is not None:
                 self.tiers.record_admission(tier_load)
+                request.cached_tier_tokens = {name: got * self.block_size for name, _, got in tier_load.per_tier if got}
         request.num_computed_tokens = num_hit + num_tier + num_partial
         return Admission(num_hit, num_partial, num_new, new_blocks, num_tier)
 
@@ -612,19 +624,49 @@ class KVCacheManager:
     # -- cache control --------------------------------------------------------------------------
 
     def reset_prefix_cache(self) -> bool:
-        """Empties the prefix cache; refused (``False``) while any block is in use."""
+        """Empties the prefix cache (pins included); refused (``False``) while a request holds a block."""
+        if not self.req_to_blocks and not self._pinned_sources:
+            self.pins.yield_all()
         if self.block_pool.reset_prefix_cache():
             self._cached_this_step.clear()
             return True
         return False
 
     def sweep_expired(self) -> int:
-        """Evicts the free cached blocks the policy has expired; returns how many."""
+        """Releases the pins idle longer than their ttl, then evicts the free cached blocks the
+        policy has expired; returns how many blocks were evicted. Once per step (lazy expiry)."""
+        self.pins.release_expired()
         return self.block_pool.sweep_expired()
 
     def invalidate_chains(self, is_stale_root: Callable[[bytes], bool]) -> int:
-        """Evicts the free cached blocks of chains whose root key is stale; returns how many."""
+        """Evicts the free cached blocks of chains whose root key is stale (their pins released
+        first: nobody can hit them); returns how many."""
+        def stale(block: KVCacheBlock) -> bool:
+            while block.parent is not None:
+                block = block.parent
+            return is_stale_root(block.root_key)
+
+        self.pins.release_where(stale)
         return self.block_pool.invalidate_chains(is_stale_root)
+
+    def pin_prefix(self, request: Request) -> tuple[PinResult, ...]:
+        """Pins the prefixes of the request's cache breakpoints (``request.cache_breakpoints``):
+        for each, the full blocks before its position, for its ttl (:mod:`prefixcache.cache.pins`).
+        Call once its prompt is computed (the blocks are cached and their K/V written).
+
+        Returns:
+            One result per breakpoint (in position order): the tokens pinned within the budget.
+            Sets ``request.pinned`` to them.
+        """
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_cached = self.req_to_num_cached_blocks.get(request.request_id, 0)
+        results = []
+        for bp in request.cache_breakpoints:
+            num_blocks = min(bp.num_tokens // self.block_size, num_cached, len(blocks))
+            num_pinned = self.pins.pin(blocks[:num_blocks], bp.ttl_s) if self.enable_caching else 0
+            results.append(PinResult(bp, num_pinned * self.block_size))
+        request.pinned = tuple(results)
+        return request.pinned
 
     def make_snapshot(self) -> PrefixCacheSnapshot:
         """The cache's counters and the pool's state, frozen."""
@@ -641,6 +683,7 @@ class KVCacheManager:
             num_blocks_cached=pool.num_cached_blocks,
             num_blocks_free=num_free,
             prefix_cache_partial_hits=stats.partial_hits,
+            prefix_cache_tier_hits=stats.tier_hits,
             evictions_by_reason=dict(evictions.evictions_by_reason),
             cached_bytes=pool.cached_bytes,
             mean_evicted_age_s=evictions.mean_evicted_age_s,

@@ -38,12 +38,13 @@ import copy
 import functools
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from prefixcache.cache.pins import CacheBreakpoint
 from prefixcache.engine.input_processor import ProcessedPrompt
 from prefixcache.engine.llm_engine import EngineMetrics, LLMEngine
 from prefixcache.errors import InvalidInputError
@@ -296,6 +297,7 @@ class AsyncLLMEngine:
         lora: LoRARequest | None = None,
         tenant: str | None = None,
         priority: int = 0,
+        cache_control: Sequence[CacheBreakpoint] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Adds one request per prompt, all in one call on the engine thread (so the scheduler
         sees them together, in the same step), and returns their outputs as one async stream.
@@ -308,6 +310,7 @@ class AsyncLLMEngine:
         Args:
             prompts: texts or token-id lists (at least one).
             request_ids: one per prompt, distinct; default fresh ``"req-N"`` ids.
+            cache_control: cache breakpoints, for every prompt (see ``LLMEngine.add_request``).
             (the others as :meth:`generate`; ``sampling_params`` apply to every prompt.)
 
         Raises:
@@ -332,7 +335,7 @@ class AsyncLLMEngine:
             processed = await self._call_input(self._tokenize_batch, prompts)
             await self._call(self._add_batch, processed, sampling_params, request_ids,
                              {"cache_salt": cache_salt, "stream": stream, "lora": lora, "tenant": tenant,
-                              "priority": priority})
+                              "priority": priority, "cache_control": cache_control})
         except BaseException as e:
             for request_id in request_ids:
                 if self._queues.get(request_id) is queue:

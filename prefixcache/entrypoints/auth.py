@@ -47,21 +47,22 @@ def tenants_by_key(api_key: str | None, api_keys: Mapping[str, str] | None) -> d
     return keys
 
 
-PROTECTED_PATHS = frozenset({"/reset_prefix_cache", "/tokenize", "/detokenize", "/dashboard"})  # besides /v1/*
+# Besides /v1/*: /flush_cache is SGLang's name of /reset_prefix_cache.
+PROTECTED_PATHS = frozenset({"/reset_prefix_cache", "/flush_cache", "/tokenize", "/detokenize", "/dashboard"})
 # A browser can't add a header to a page load: these GETs also take the key from the dashboard's cookie.
 COOKIE_PATHS = frozenset({"/dashboard", "/v1/cache/stats"})
 
 
 def needs_key(path: str) -> bool:
-    """Whether ``path`` is protected: ``/v1/*``, ``/reset_prefix_cache``, ``/tokenize``,
+    """Whether ``path`` is protected: ``/v1/*``, ``/reset_prefix_cache`` (``/flush_cache``), ``/tokenize``,
     ``/detokenize`` and ``/dashboard`` (not ``/health``, ``/metrics``, the OpenAPI docs or the
     dashboard's static files)."""
     return path.startswith("/v1") or path in PROTECTED_PATHS
 
 
 def _cookie_bearer(scope: Scope) -> bytes:
-    """``Bearer KEY`` from the dashboard's ``prefixcache_key`` cookie, for a GET of a dashboard path."""
-    if scope.get("method") != "GET" or scope["path"] not in COOKIE_PATHS:
+    """``Bearer KEY`` from the dashboard's ``prefixcache_key`` cookie, for a GET (or HEAD) of a dashboard path."""
+    if scope.get("method") not in ("GET", "HEAD") or scope["path"] not in COOKIE_PATHS:
         return b""
     for name, value in scope["headers"]:
         if name == b"cookie":
@@ -72,8 +73,15 @@ def _cookie_bearer(scope: Scope) -> bytes:
     return b""
 
 
+def _x_api_key(scope: Scope) -> bytes:
+    """``Bearer KEY`` from an ``x-api-key: KEY`` header (how Anthropic's clients send the key)."""
+    value = next((v for k, v in scope["headers"] if k == b"x-api-key"), b"")
+    return b"Bearer " + value if value else b""
+
+
 class APIKeyMiddleware:
-    """Answers 401 to a protected request without a valid ``Authorization: Bearer KEY``; otherwise
+    """Answers 401 to a protected request without a valid ``Authorization: Bearer KEY`` (or
+    ``x-api-key: KEY``, Anthropic's header); otherwise
     sets ``scope["state"]["tenant"]`` to the key's tenant.
 
     Args:
@@ -89,7 +97,8 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or not needs_key(scope["path"]):
             await self.app(scope, receive, send)
             return
-        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"") or _cookie_bearer(scope)
+        header = (next((v for k, v in scope["headers"] if k == b"authorization"), b"") or _x_api_key(scope)
+                  or _cookie_bearer(scope))
         tenant = None
         for bearer, name in self._bearers:  # compare with every key: time doesn't tell which matched
             if secrets.compare_digest(header, bearer):

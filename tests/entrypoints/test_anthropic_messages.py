@@ -1,0 +1,272 @@
+"""``POST /v1/messages`` end to end: real model, real uvicorn, the real ``anthropic`` client.
+
+Usage is checked exactly against the tokenizer's own rendering and the engine's counters
+(``/metrics``); cache breakpoints against the engine's pin table. Partial-block reuse is off so
+that cached counts are whole blocks (its accounting is the same path as the OpenAI routes').
+"""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.conftest import MODEL, start_server, stop_server
+
+B = 16
+SYSTEM = (
+    "You are the archivist of the Harbor Museum. The museum opens at ten and closes at five, every day "
+    "but Monday. Guided tours start on the hour and last forty minutes; the lighthouse gallery is closed "
+    "for repairs until spring. Tickets are free for children under twelve. Answer in one short sentence."
+)
+KEYS = {"key-acme": "acme", "key-globex": "globex"}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    s = start_server(smollm2, enable_partial_block_reuse=False, max_pinned_fraction=0.5)
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def ids_of(server, conversation, generation_prompt=True):
+    return server.engine.engine.apply_chat_template(conversation, add_generation_prompt=generation_prompt)
+
+
+def common(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def create(api, helper=False, **kwargs):
+    """``messages.create`` (``messages.stream`` with ``helper``), greedy: the SDK has no
+    ``temperature`` argument any more, so it goes in the body."""
+    kwargs["extra_body"] = {"temperature": 0, **(kwargs.get("extra_body") or {})}
+    messages = api.messages if isinstance(api, anthropic.Anthropic) else api
+    return messages.stream(**kwargs) if helper else messages.create(**kwargs)
+
+
+def pinned_blocks(server):
+    return len(server.engine.engine.kv_cache_manager.pins)
+
+
+def usage_tuple(u):
+    return u.input_tokens, u.cache_read_input_tokens, u.cache_creation_input_tokens, u.output_tokens
+
+
+def system_blocks(text, ttl=None):
+    control = {"type": "ephemeral"} if ttl is None else {"type": "ephemeral", "ttl": ttl}
+    return [{"type": "text", "text": text, "cache_control": control}]
+
+
+def test_message_equals_the_chat_route_and_usage_adds_up(server, client):
+    question = "When does the museum open?"
+    msg = create(client, model=MODEL, max_tokens=8, system="First test. " + SYSTEM,
+                                 messages=[{"role": "user", "content": question}], extra_body={"cache_salt": "t1"})
+    chat = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+        model=MODEL, max_tokens=8, temperature=0, extra_body={"cache_salt": "t1-chat"},
+        messages=[{"role": "system", "content": "First test. " + SYSTEM}, {"role": "user", "content": question}])
+    assert msg.type == "message" and msg.role == "assistant" and msg.model == MODEL
+    assert msg.id.startswith("msg_")
+    assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == chat.choices[0].message.content
+    assert msg.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
+    n = len(ids_of(server, [{"role": "system", "content": "First test. " + SYSTEM},
+                            {"role": "user", "content": question}]))
+    assert n == chat.usage.prompt_tokens
+    assert usage_tuple(msg.usage) == (n, 0, 0, chat.usage.completion_tokens)
+    # content as text blocks renders the same prompt: a hit on every full block but the last token's
+    again = create(client, model=MODEL, max_tokens=8,
+                                   system=[{"type": "text", "text": "First test. "}, {"type": "text", "text": SYSTEM}],
+                                   messages=[{"role": "user", "content": [{"type": "text", "text": question}]}],
+                                   extra_body={"cache_salt": "t1"})
+    assert again.content[0].text == msg.content[0].text
+    assert usage_tuple(again.usage) == (n - (n - 1) // B * B, (n - 1) // B * B, 0, msg.usage.output_tokens)
+
+
+def test_stream_events_and_final_usage(server, client):
+    kwargs = dict(model=MODEL, max_tokens=12, system="Stream test. " + SYSTEM,
+                  messages=[{"role": "user", "content": "Is the lighthouse gallery open?"}])
+    whole = create(client, **kwargs, extra_body={"cache_salt": "s1"})
+    events = list(create(client, **kwargs, stream=True, extra_body={"cache_salt": "s2"}))
+    types = [e.type for e in events]
+    assert types[:2] == ["message_start", "content_block_start"]
+    assert types[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(types[2:-3]) == {"content_block_delta"}
+    assert "".join(e.delta.text for e in events[2:-3]) == whole.content[0].text
+    assert events[-2].delta.stop_reason == whole.stop_reason
+    start_usage = events[0].message.usage
+    assert (start_usage.input_tokens, start_usage.cache_read_input_tokens) == (whole.usage.input_tokens, 0)
+    with create(client, **kwargs, helper=True, extra_body={"cache_salt": "s1"}) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == final.content[0].text == whole.content[0].text
+    n = whole.usage.input_tokens
+    assert usage_tuple(final.usage) == (n - (n - 1) // B * B, (n - 1) // B * B, 0, whole.usage.output_tokens)
+
+
+def test_stop_sequences_at_the_start_and_max_tokens(server, client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name three colors."}])
+    free = create(client, **kwargs, max_tokens=10)
+    assert free.stop_reason == "max_tokens" and free.usage.output_tokens == 10
+    stop = free.content[0].text[:3]
+    for stream in (False, True):
+        if stream:
+            with create(client, **kwargs, helper=True, max_tokens=10, stop_sequences=[stop]) as s:
+                out = s.get_final_message()
+        else:
+            out = create(client, **kwargs, max_tokens=10, stop_sequences=[stop])
+        assert (out.content[0].text, out.stop_reason, out.stop_sequence) == ("", "stop_sequence", stop)
+
+
+def test_breakpoint_pins_the_prefix_and_reports_creation_then_reads(server, client):
+    system = "Breakpoint test. " + SYSTEM
+    q1, q2 = "When do tours start?", "Are tickets free for children?"
+    full1 = ids_of(server, [{"role": "system", "content": system}, {"role": "user", "content": q1}])
+    full2 = ids_of(server, [{"role": "system", "content": system}, {"role": "user", "content": q2}])
+    cut = ids_of(server, [{"role": "system", "content": system}], generation_prompt=False)
+    pinned = common(cut, full1) // B * B
+    assert pinned >= 4 * B
+    before = pinned_blocks(server)
+    raw = create(client.messages.with_raw_response,
+        model=MODEL, max_tokens=4, system=system_blocks(system, "1h"),
+        messages=[{"role": "user", "content": q1}], extra_body={"cache_salt": "bp"})
+    first = raw.parse()
+    assert raw.headers["x-prefixcache-pinned-tokens"] == f"{pinned}/{pinned}"
+    assert usage_tuple(first.usage)[:3] == (len(full1) - pinned, 0, pinned)
+    assert first.usage.cache_creation.ephemeral_1h_input_tokens == pinned
+    assert first.usage.cache_creation.ephemeral_5m_input_tokens == 0
+    assert first.usage.model_extra["pinned_input_tokens"] == pinned
+    assert pinned_blocks(server) == before + pinned // B
+    second = create(client, model=MODEL, max_tokens=4, system=system_blocks(system),
+                                    messages=[{"role": "user", "content": q2}], extra_body={"cache_salt": "bp"})
+    read = min(common(full1, full2), len(full2) - 1) // B * B
+    assert read >= pinned
+    assert usage_tuple(second.usage)[:3] == (len(full2) - read, read, 0)
+    assert pinned_blocks(server) == before + pinned // B  # the same prefix: refreshed, not pinned twice
+    pins = server.engine.engine.kv_cache_manager.pins.pins
+    assert max(p.ttl_s for p in pins.values()) == 3600.0
+    shown = httpx.get(server.base_url + "/v1/cache/stats").json()["pins"]  # the dashboard's data
+    assert shown["budget_blocks"] == 80  # 0.5 of the 160 blocks
+    assert sorted(b["block_id"] for b in shown["blocks"]) == sorted(pins)
+    assert all(0 < b["expires_in_s"] <= b["ttl_s"] for b in shown["blocks"])
+
+
+def test_usage_equals_what_metrics_counts(server, client):
+    before = server.metrics()
+    system = "Metrics test. " + SYSTEM
+    usages = [create(client, model=MODEL, max_tokens=3, system=system_blocks(system),
+                                     messages=[{"role": "user", "content": q}]).usage
+              for q in ("Who runs the museum?", "Is it open on Monday?", "How long is a tour?")]
+    after = server.metrics()
+
+    def delta(name):
+        return after[name] - before.get(name, 0)
+
+    assert delta("prefixcache:prefix_cache_queries_total") == sum(
+        u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens for u in usages)
+    assert delta("prefixcache:prefix_cache_hits_total") == sum(u.cache_read_input_tokens for u in usages)
+    assert delta("prefixcache:generation_tokens_total") == sum(u.output_tokens for u in usages)
+    assert usages[0].cache_creation_input_tokens > 0 and usages[1].cache_read_input_tokens > 0
+
+
+def test_c25_salt_applies_on_messages(server, client):
+    system = "Salt test. " + SYSTEM
+
+    def cached(salt):
+        extra = None if salt is None else {"cache_salt": salt}
+        usage = create(client, model=MODEL, max_tokens=2, system=system, extra_body=extra,
+                       messages=[{"role": "user", "content": "Hello there"}]).usage
+        return usage.cache_read_input_tokens
+
+    assert cached("alpha") == 0
+    assert cached("beta") == 0
+    assert cached("alpha") > 0
+    assert cached(None) == 0
+
+
+def test_c25_tenants_apply_on_messages_and_pins_stay_private(smollm2):
+    s = start_server(smollm2, enable_partial_block_reuse=False,
+                     app_options={"api_keys": KEYS, "tenant_isolation": True})
+    try:
+        acme, globex = (anthropic.Anthropic(base_url=s.base_url, api_key=k, max_retries=0) for k in KEYS)
+        system = "Tenant test. " + SYSTEM
+
+        def run(client, question):
+            return create(client, model=MODEL, max_tokens=2, system=system_blocks(system),
+                                          messages=[{"role": "user", "content": question}]).usage
+
+        first = run(acme, "Where is the gallery?")
+        assert first.cache_creation_input_tokens > 0 and len(s.engine.engine.kv_cache_manager.pins) > 0
+        assert run(globex, "Where is the gallery?").cache_read_input_tokens == 0  # acme's pinned blocks: not a hit
+        assert run(acme, "Where is the shop?").cache_read_input_tokens >= first.cache_creation_input_tokens
+
+        def shown(key):
+            doc = httpx.get(s.base_url + "/v1/cache/stats", headers={"Authorization": f"Bearer {key}"}).json()
+            return {b["block_id"] for b in doc["pins"]["blocks"]}
+
+        # each tenant pinned its own copy of the prefix and sees only its own pins
+        acme_pins, globex_pins = shown("key-acme"), shown("key-globex")
+        assert len(acme_pins) == len(globex_pins) == first.cache_creation_input_tokens // B
+        assert not acme_pins & globex_pins and len(s.engine.engine.kv_cache_manager.pins) == 2 * len(acme_pins)
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=s.base_url, api_key="wrong", max_retries=0).messages.create(
+                model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    finally:
+        stop_server(s)
+
+
+def error_of(client, **kwargs):
+    base = dict(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(anthropic.APIStatusError) as e:
+        create(client, **{**base, **kwargs})
+    assert e.value.body["type"] == "error"
+    return e.value.status_code, e.value.body["error"]["type"], e.value.body["error"]["message"]
+
+
+def test_bad_cache_control_gets_anthropic_errors_naming_the_field(server, client):
+    bad = 400, "invalid_request_error"
+    assert error_of(client, system=[{"type": "text", "text": "x", "cache_control": {"type": "persistent"}}]) == (
+        *bad, "system.0.cache_control.type: must be 'ephemeral', got 'persistent'")
+    assert error_of(client, system=[{"type": "text", "text": "x", "cache_control": {"type": "ephemeral",
+                                                                                     "ttl": "10m"}}]) == (
+        *bad, "system.0.cache_control.ttl: must be '5m' or '1h', got '10m'")
+    five = [{"type": "text", "text": f"part {i}", "cache_control": {"type": "ephemeral"}} for i in range(5)]
+    assert error_of(client, system=five) == (
+        *bad, "cache_control: a maximum of 4 blocks with cache_control may be provided, found 5")
+    empty = [{"role": "user", "content": [{"type": "text", "text": "", "cache_control": {"type": "ephemeral"}}]}]
+    assert error_of(client, messages=empty) == (
+        *bad, "messages.0.content.0.cache_control: cache_control cannot be set on an empty text block")
+    tool = [{"name": "t", "input_schema": {"type": "object"}, "cache_control": {"type": "nope"}}]
+    assert error_of(client, tools=tool) == (*bad, "tools.0.cache_control.type: must be 'ephemeral', got 'nope'")
+    engine = server.engine.engine  # nothing leaked: every block is free or pinned
+    assert engine.kv_cache_manager.num_free_blocks + pinned_blocks(server) == engine.num_blocks
+
+
+def test_bad_requests_get_anthropic_errors(server, client):
+    bad = 400, "invalid_request_error"
+    status, kind, message = error_of(client, extra_body={"temperature": -1})
+    assert (status, kind) == bad and message.startswith("temperature")
+    status, kind, message = error_of(client, stop_sequences=[""])
+    assert (status, kind) == bad and message.startswith("stop_sequences")
+    assert error_of(client, model="claude-nope")[:2] == (404, "not_found_error")
+    image = [{"role": "user", "content": [{"type": "image", "source": {}}]}]
+    assert error_of(client, messages=image) == (*bad, "messages.0.content.0.type: only text blocks are supported, "
+                                                      "got 'image'")
+    assert error_of(client, messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]) == (
+        *bad, "messages.1.role: the last message must be the user's (a prefilled assistant turn is not supported yet)")
+    r = httpx.post(server.base_url + "/v1/messages", json={"model": MODEL, "messages": [
+        {"role": "user", "content": "Hi"}]})
+    assert r.status_code == 400 and r.json() == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "max_tokens: Field required"}}
+    r = httpx.post(server.base_url + "/v1/messages", content=b"{nope", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("malformed JSON body")
+    ok = create(client, model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    assert ok.usage.output_tokens == 2
