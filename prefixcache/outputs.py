@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from prefixcache.cache.pins import PinResult
 
 
 class Logprob(NamedTuple):
@@ -47,6 +50,8 @@ class RequestOutput:
         stop_reason: the stop string or stop token id that matched, if any.
         num_prompt_tokens: prompt length in tokens.
         num_cached_tokens: prompt tokens served from the prefix cache at admission.
+        cached_tier_tokens: of those, the tokens loaded from each KV tier (tier name -> tokens;
+            empty without tiers); the rest came from the KV pool.
         ttft_s: seconds from arrival to the first generated token.
         e2e_s: seconds from arrival to finish (None while unfinished).
         finished: False only for the intermediate outputs of a streaming request.
@@ -58,6 +63,9 @@ class RequestOutput:
             bad input is refused before a request is queued).
         logprobs: with ``SamplingParams.logprobs`` set, one dict per generated token (aligned with
             ``token_ids``; see :data:`SampleLogprobs`); None otherwise.
+        pinned: per cache breakpoint of the request (position order), the tokens its pin got
+            within the budget (:mod:`prefixcache.cache.pins`); empty without breakpoints, and
+            until the prompt is computed.
     """
 
     request_id: str
@@ -77,3 +85,5 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_prompt_logprobs: int = 0
     logprobs: SampleLogprobs | None = None
+    cached_tier_tokens: dict[str, int] = field(default_factory=dict)
+    pinned: tuple[PinResult, ...] = ()

@@ -25,6 +25,7 @@ from prefixcache.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from prefixcache.cache.hashing import BlockHash, BlockHasher
+    from prefixcache.cache.pins import CacheBreakpoint, PinResult
     from prefixcache.engine.detokenizer import IncrementalDetokenizer
     from prefixcache.outputs import SampleLogprobs
     from prefixcache.layers.lora import LoRAAdapter
@@ -110,6 +111,8 @@ class Request:
     num_computed_tokens: int = field(init=False, default=0)
     # Tokens served from the prefix cache at first admission; None until admitted.
     num_cached_tokens: int | None = field(init=False, default=None)
+    # Of those, the tokens loaded from each KV tier (tier name -> tokens); the rest came from the pool.
+    cached_tier_tokens: dict[str, int] = field(init=False, default_factory=dict)
     num_preemptions: int = field(init=False, default=0)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
     stop_reason: int | str | None = field(init=False, default=None)
@@ -128,6 +131,10 @@ class Request:
     prompt_logprobs: PromptLogprobsState | None = field(init=False, default=None)
     # With sampling_params.logprobs set: one dict per output token (see outputs.SampleLogprobs).
     logprobs: SampleLogprobs = field(init=False, default_factory=list)
+    # Cache breakpoints (cache/pins.py): prefixes pinned once the prompt is computed, and what
+    # the budget let each pin (None until then).
+    cache_breakpoints: tuple[CacheBreakpoint, ...] = field(init=False, default=())
+    pinned: tuple[PinResult, ...] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -178,6 +185,7 @@ class Request:
         child.block_hashes = list(self.block_hashes)
         child.token_bytes = bytearray(self.token_bytes)
         child.logprobs = list(self.logprobs)
+        child.cached_tier_tokens = dict(self.cached_tier_tokens)
         child.detokenizer = None  # its own text, decoded from its own tokens when first needed
         return child
 

@@ -228,8 +228,8 @@ def _result(policy: str, trace: Sequence[QueueRequest], kv: KVCacheManager, sche
     waits = [replay.admitted_s[str(i)] - r.arrival_s for i, r in enumerate(trace)]
     s = kv.stats
     return QueueResult(
-        policy=policy, num_requests=len(trace), prompt_tokens=s.queries, hit_tokens=s.hits + s.partial_hits,
-        hit_rate=(s.hits + s.partial_hits) / s.queries, prefill_tokens_computed=replay.prefill_tokens,
+        policy=policy, num_requests=len(trace), prompt_tokens=s.queries, hit_tokens=s.hits,
+        hit_rate=s.hits / s.queries, prefill_tokens_computed=replay.prefill_tokens,
         ttft_p50_s=statistics.median(ttft), ttft_p99_s=ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],
         worst_wait_s=max(waits), max_overtakes=replay.max_overtakes(), num_preemptions=scheduler.num_preemptions,
         num_evictions=kv.block_pool.num_allocation_evictions, makespan_s=makespan_s, num_steps=num_steps, schedule_wall_us_per_step=schedule_wall / num_steps * 1e6,
@@ -238,9 +238,9 @@ def _result(policy: str, trace: Sequence[QueueRequest], kv: KVCacheManager, sche
 
 def run_queue_benchmark(config: QueueConfig | None = None, policies: Sequence[str] = SCHEDULING_POLICIES,
                         scheduler_options: dict | None = None) -> dict:
-    """Replays the queue trace under each policy; returns the rows and the issue's goals.
+    """Replays the queue trace under each policy; returns the rows and the policy's goals.
 
-    Goals (issue 16), against ``fcfs``: under memory pressure (``fcfs`` evicted), prefill tokens
+    Goals, against ``fcfs``: under memory pressure (``fcfs`` evicted), prefill tokens
     computed <= 0.85x and TTFT p99 <= 1.2x; without it, the same prefill and a makespan <= 1.01x
     (the order costs < 1% throughput); always, no request overtaken more than
     ``scheduling_max_overtakes`` times or waiting longer than ``scheduling_max_wait_s``.

@@ -74,6 +74,15 @@ def _workload_tables(result: dict) -> list[str]:
         "hit requests", "peak blocks on / ideal / off", "outputs on = off"], rows)
     rows = []
     for w in ws:
+        z = w["prefill"].get("zero_hits")
+        if z and z["count"]:
+            reasons = ", ".join(f"{r} {v['count']}" for r, v in z["by_reason"].items())
+            rows.append([w["name"], f"{z['count']}/{w['num_requests']}", reasons, z["explanation"]])
+    if rows:
+        lines += _table("Requests that served no cached token, and why (the latest explanation)", [
+            "workload", "requests", "by reason", "latest"], rows)
+    rows = []
+    for w in ws:
         t, th = w["ttft"], w["throughput"]
         rows.append([
             w["name"], f"{_ms(t['cold_median_s'])} / {_ms(t['cold_p90_s'])}",

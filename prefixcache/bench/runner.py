@@ -42,6 +42,7 @@ from prefixcache.bench.options import SPEED, BenchOptions
 from prefixcache.bench.speed import run_speed
 from prefixcache.bench.workloads import WORKLOAD_NAMES, Workload, build_workload
 from prefixcache.bench.worth import MIN_CONFIRMING_REPEATS, WorthInputs, estimate_worth
+from prefixcache.cache.breakers import explain_zeros
 from prefixcache.cache.config import DEFAULT_BLOCK_SIZE, CacheConfig
 from prefixcache.config import EngineConfig
 from prefixcache.cache.hashing import BlockHasher, make_root_key
@@ -312,6 +313,8 @@ def _workload_report(name: str, workload: Workload, opts: BenchOptions, runs: _R
             "computed_equals_ideal": on.prompt_tokens_computed == ideal.ideal_prefill_tokens,
             "partial_block_reuse": partial_reuse,
             "computed_equals_prompt_minus_hits": on.prompt_tokens_computed == prompt_tokens - hit_tokens,
+            # requests that served no cached token, and why in words (case C23)
+            "zero_hits": explain_zeros(flat_prompts, [o.num_cached_tokens for o in flat_on], opts.block_size),
         },
         "ttft": {
             "cold_median_s": _median(cold), "cold_p90_s": _p90(cold), "num_cold": len(cold),

@@ -171,7 +171,7 @@ class SimResult:
     policy: str
     num_requests: int
     prompt_tokens: int  # prompt tokens looked up
-    prefill_tokens_saved: int  # full-block hits + partial-block hits
+    prefill_tokens_saved: int  # prefix-cache hits: full-block and partial-block
     partial_tokens_saved: int  # of those, copied from partial hits
     hit_rate: float  # prefill_tokens_saved / prompt_tokens
     num_evictions: int
@@ -256,7 +256,7 @@ def simulate(
         heapq.heappush(running, (item.arrival_s + service_s, seq, request))
     elapsed = time.perf_counter() - start
     s, evictions = kv.stats, kv.block_pool.eviction_stats
-    saved = s.hits + s.partial_hits
+    saved = s.hits  # full-block and partial-block hits alike
     return SimResult(
         policy=policy,
         num_requests=len(trace),

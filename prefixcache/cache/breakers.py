@@ -17,6 +17,11 @@ or ``other``. :class:`BreakerTracker` finds breakers against the recent prompts 
 (the chains their blocks cached) and aggregates them; the same code serves a live server (the engine
 thread feeds it finished requests) and ``prefixcache analyze`` (a file of prompts).
 
+A request served no cached token at all (a *zero*) is explained in words as well
+(:func:`explain_zero`, aggregated by :class:`ZeroHits`): no earlier prompt, nothing shared (the first
+token differs), a shared prefix shorter than one block, or a shared prefix whose blocks were not
+cached when the request arrived. "queries > 0, hits = 0" then says which.
+
 Invariants: a recorded breaker has ``position < len(request)``, a span found within
 ``max_span_tokens`` tokens of both sides, and ``tokens_lost >= min_tokens_lost``; a namespace holds at
 most ``max_chains`` chains, each at most ``max_chain_tokens`` long, and all namespaces together at most
@@ -226,6 +231,7 @@ class BreakerTracker:
         self.tokens_lost = 0
         self.last_chain_id: int | None = None  # the chain the last observed prompt became (None: a prefix of one)
         self.last_match_id: int | None = None  # the chain it was compared with (the longest common prefix)
+        self.last_shared_tokens: int | None = None  # that common prefix's length (None: no chain to compare)
 
     def observe(self, namespace: Hashable, token_ids: Sequence[int]) -> Breaker | None:
         """Compares a prompt with its namespace's chains, records a breaker if it broke from one,
@@ -252,6 +258,7 @@ class BreakerTracker:
             chains.move_to_end(best.chain_id)
             self._lru.move_to_end((namespace, best.chain_id))
         self.last_match_id = best.chain_id if best is not None else None
+        self.last_shared_tokens = best_len if best is not None else None
         self.last_chain_id = self._remember(namespace, chains, tokens) if best_len < len(tokens) else None
         if breaker is not None:
             self._record(namespace, breaker)
@@ -332,3 +339,105 @@ class BreakerTracker:
                     out[kind]["count"] += count
                     out[kind]["tokens_lost"] += lost
         return out
+
+
+# Why a request served no cached token (:func:`explain_zero`).
+NO_EARLIER_PROMPT = "no_earlier_prompt"
+NOTHING_SHARED = "nothing_shared"
+SHORTER_THAN_BLOCK = "shorter_than_block"
+WHOLE_PROMPT_ONE_BLOCK = "whole_prompt_one_block"
+NOT_CACHED = "not_cached"
+ZERO_REASONS = (NO_EARLIER_PROMPT, NOTHING_SHARED, SHORTER_THAN_BLOCK, WHOLE_PROMPT_ONE_BLOCK, NOT_CACHED)
+
+
+def explain_zero(shared_tokens: int | None, num_prompt_tokens: int, block_size: int) -> tuple[str, str]:
+    """Why a prompt served no cached token, from the longest prefix it shares with an earlier prompt
+    of its namespace.
+
+    Args:
+        shared_tokens: that prefix's length in tokens; ``None`` when no earlier prompt was seen.
+        num_prompt_tokens: the prompt's length.
+        block_size: tokens per KV block.
+
+    Returns:
+        ``(reason, sentence)``: the reason (:data:`ZERO_REASONS`) and what to tell an operator, e.g.
+        ``("shorter_than_block", "shared prefix 12 tokens, shorter than one block (16)")``.
+    """
+    if shared_tokens is None:
+        return NO_EARLIER_PROMPT, "nothing shared: no earlier prompt in its cache namespace"
+    if shared_tokens == 0:
+        return NOTHING_SHARED, "nothing shared: the first token differs from every earlier prompt"
+    if shared_tokens < block_size:
+        return SHORTER_THAN_BLOCK, f"shared prefix {shared_tokens} tokens, shorter than one block ({block_size})"
+    if num_prompt_tokens <= block_size:  # a full block is served only with a token after it to compute
+        return WHOLE_PROMPT_ONE_BLOCK, (f"shared prefix {shared_tokens} tokens, but the prompt is one block "
+                                        f"({block_size}) and its last token is always computed")
+    return NOT_CACHED, (f"shared prefix {shared_tokens} tokens ({shared_tokens // block_size} full blocks), but they "
+                        "were not cached when it arrived (evicted, reset, or still being computed)")
+
+
+class ZeroHits:
+    """Requests that served no cached token, per namespace and reason (:func:`explain_zero`).
+
+    Args:
+        max_namespaces: namespaces kept (the least recently seen dropped beyond).
+    """
+
+    def __init__(self, max_namespaces: int = 4096) -> None:
+        self.max_namespaces = max_namespaces
+        # namespace -> reason -> [count, prompt tokens, sentence of the latest, sequence number of the latest]
+        self._by_namespace: OrderedDict[Hashable, dict[str, list]] = OrderedDict()
+        self._seq = 0
+
+    def record(self, namespace: Hashable, shared_tokens: int | None, num_prompt_tokens: int,
+               block_size: int) -> str:
+        """Counts one request with no cached token; returns its sentence."""
+        reason, sentence = explain_zero(shared_tokens, num_prompt_tokens, block_size)
+        self._seq += 1
+        reasons = self._by_namespace.setdefault(namespace, {})
+        self._by_namespace.move_to_end(namespace)
+        entry = reasons.setdefault(reason, [0, 0, "", 0])
+        entry[0] += 1
+        entry[1] += num_prompt_tokens
+        entry[2:] = [sentence, self._seq]
+        while len(self._by_namespace) > self.max_namespaces:
+            self._by_namespace.popitem(last=False)
+        return sentence
+
+    def report(self, visible: Callable[[Hashable], bool] = lambda ns: True) -> dict:
+        """The visible namespaces' zeros: ``count``, ``by_reason`` (``count``, ``prompt_tokens``,
+        ``latest``: the last one's sentence) and ``explanation``: the latest sentence that says more
+        than "no earlier prompt" (that one when it is all there is), None without zeros."""
+        by_reason: dict[str, dict] = {}
+        latest: dict[str, tuple[int, str]] = {}
+        for namespace, reasons in self._by_namespace.items():
+            if not visible(namespace):
+                continue
+            for reason, (count, tokens, sentence, seq) in reasons.items():
+                entry = by_reason.setdefault(reason, {"count": 0, "prompt_tokens": 0, "latest": sentence})
+                entry["count"] += count
+                entry["prompt_tokens"] += tokens
+                if seq >= latest.get(reason, (0, ""))[0]:
+                    latest[reason] = (seq, sentence)
+                    entry["latest"] = sentence
+        informative = [v for r, v in latest.items() if r != NO_EARLIER_PROMPT] or list(latest.values())
+        return {"count": sum(v["count"] for v in by_reason.values()),
+                "by_reason": {r: by_reason[r] for r in ZERO_REASONS if r in by_reason},
+                "explanation": max(informative)[1] if informative else None}
+
+
+def explain_zeros(prompts: Sequence[Sequence[int]], num_cached_tokens: Sequence[int], block_size: int) -> dict:
+    """:meth:`ZeroHits.report` of a run of prompts in one namespace (the bench's): each prompt that
+    served no cached token explained against the prompts before it in ``prompts``.
+
+    Args:
+        prompts: the prompts' token ids, in arrival order.
+        num_cached_tokens: what each one reported (``cached_tokens``), aligned with ``prompts``.
+        block_size: tokens per KV block.
+    """
+    zeros = ZeroHits()
+    for i, (prompt, cached) in enumerate(zip(prompts, num_cached_tokens)):
+        if cached == 0:
+            shared = max((common_prefix(earlier, prompt) for earlier in prompts[:i]), default=None)
+            zeros.record(None, shared, len(prompt), block_size)
+    return zeros.report()

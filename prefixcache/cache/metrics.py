@@ -6,8 +6,14 @@ may reuse its own still-cached blocks, but that recompute is neither a query nor
 :class:`EvictionStats` by the block pool's one eviction path (whatever the reason). A
 :class:`PrefixCacheSnapshot` freezes both with the pool's state; the engine's metrics extend it.
 
-Invariants: ``0 <= hits + partial_hits <= queries``; ``num_hit_requests <= num_requests``; every
-counter only grows.
+A hit is a prompt token not computed because the cache served it, whichever way: a cached full
+block, a partial-block copy (the first slots of a cached block) or a block loaded from a KV tier.
+So ``hits`` counts what ``usage.prompt_tokens_details.cached_tokens`` reports (vLLM's rule: its
+``prefix_cache_hits`` counter and ``cached_tokens`` agree); ``partial_hits`` and ``tier_hits`` are
+the parts of it that came from partial-block copies and from the tiers.
+
+Invariants: ``0 <= partial_hits + tier_hits <= hits <= queries``; ``num_hit_requests <=
+num_requests``; every counter only grows.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ class PrefixCacheStats:
         num_requests: admissions recorded.
         num_hit_requests: admissions with at least one cached token.
         queries: tokens looked up in the cache (the request's tokens at admission).
-        hits: tokens served from the cache as full blocks.
-        partial_hits: tokens copied from the first slots of a cached block (partial-block reuse).
+        hits: of those, tokens served from the cache (full blocks, partial copies, tier loads).
+        partial_hits: of the hits, tokens copied from the first slots of a cached block.
+        tier_hits: of the hits, tokens loaded from a KV tier (disk, Redis).
     """
 
     num_requests: int = 0
@@ -32,35 +39,38 @@ class PrefixCacheStats:
     queries: int = 0
     hits: int = 0
     partial_hits: int = 0
+    tier_hits: int = 0
 
-    def record(self, num_query_tokens: int, num_hit_tokens: int, num_partial_hit_tokens: int = 0) -> None:
+    def record(self, num_query_tokens: int, num_full_block_tokens: int, num_partial_tokens: int = 0,
+               num_tier_tokens: int = 0) -> None:
         """Records one request admission.
 
         Args:
             num_query_tokens: tokens the request had when looked up, ``>= 0``.
-            num_hit_tokens: of those, tokens found in the cache as full blocks.
-            num_partial_hit_tokens: tokens copied from a partial hit, after the full blocks;
-                ``num_hit_tokens + num_partial_hit_tokens <= num_query_tokens``.
+            num_full_block_tokens: of those, tokens served by cached full blocks of the pool.
+            num_partial_tokens: tokens copied from a partial hit, after the full blocks.
+            num_tier_tokens: tokens loaded from the KV tiers, after the pool's full blocks. The
+                three together (the request's ``num_cached_tokens``) are ``<= num_query_tokens``.
 
         Raises:
             ValueError: negative counts or more hits than queries.
         """
-        if min(num_hit_tokens, num_partial_hit_tokens) < 0 or (
-            num_hit_tokens + num_partial_hit_tokens > num_query_tokens
-        ):
+        num_hit_tokens = num_full_block_tokens + num_partial_tokens + num_tier_tokens
+        if min(num_full_block_tokens, num_partial_tokens, num_tier_tokens) < 0 or num_hit_tokens > num_query_tokens:
             raise ValueError(
-                f"need 0 <= hits + partial hits <= num_query_tokens, got {num_hit_tokens} + "
-                f"{num_partial_hit_tokens} hits for {num_query_tokens} queried tokens"
+                f"need 0 <= hits <= num_query_tokens, got {num_full_block_tokens} full-block + "
+                f"{num_partial_tokens} partial + {num_tier_tokens} tier hits for {num_query_tokens} queried tokens"
             )
         self.num_requests += 1
-        self.num_hit_requests += num_hit_tokens + num_partial_hit_tokens > 0
+        self.num_hit_requests += num_hit_tokens > 0
         self.queries += num_query_tokens
         self.hits += num_hit_tokens
-        self.partial_hits += num_partial_hit_tokens
+        self.partial_hits += num_partial_tokens
+        self.tier_hits += num_tier_tokens
 
     @property
     def hit_rate(self) -> float:
-        """``hits / queries`` in ``[0, 1]`` (full blocks only); 0.0 before any query."""
+        """``hits / queries`` in ``[0, 1]`` (every kind of hit); 0.0 before any query."""
         return self.hits / self.queries if self.queries else 0.0
 
 
@@ -98,13 +108,15 @@ class PrefixCacheSnapshot:
         num_requests: admissions recorded.
         num_hit_requests: admissions with at least one cached token.
         prefix_cache_queries: prompt tokens looked up.
-        prefix_cache_hits: of those, tokens served from cached full blocks.
+        prefix_cache_hits: of those, tokens served from the cache: full blocks, partial-block
+            copies and KV-tier loads (``cached_tokens``, summed).
         num_evictions: cached blocks evicted (a reset is not counted).
         num_blocks_total: blocks in the pool.
         num_blocks_in_use: blocks with ``ref_cnt > 0``.
         num_blocks_cached: blocks in the hash map (in use or free).
         num_blocks_free: blocks that can be allocated (cached ones included).
-        prefix_cache_partial_hits: prompt tokens copied from partial-block hits.
+        prefix_cache_partial_hits: of the hits, tokens copied from partial-block hits.
+        prefix_cache_tier_hits: of the hits, tokens loaded from the KV tiers.
         evictions_by_reason: evictions per reason (``"lru"``, ``"ttl"``, ``"cost"``, ...).
         cached_bytes: KV bytes held by cached blocks.
         mean_evicted_age_s: mean seconds between caching and eviction of evicted blocks.
@@ -122,6 +134,7 @@ class PrefixCacheSnapshot:
     num_blocks_cached: int
     num_blocks_free: int
     prefix_cache_partial_hits: int = 0
+    prefix_cache_tier_hits: int = 0
     evictions_by_reason: dict[str, int] = field(default_factory=dict)
     cached_bytes: int = 0
     mean_evicted_age_s: float = 0.0
@@ -130,5 +143,5 @@ class PrefixCacheSnapshot:
 
     @property
     def hit_rate(self) -> float:
-        """``prefix_cache_hits / prefix_cache_queries`` (full blocks only); 0.0 before any query."""
+        """``prefix_cache_hits / prefix_cache_queries`` (every kind of hit); 0.0 before any query."""
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

@@ -3,7 +3,8 @@
 :class:`CacheInsight` hooks the engine's request finish (``LLMEngine.finish_hooks``): on the engine
 thread, before the request's blocks are freed, it records which of its blocks served it
 (:class:`~prefixcache.cache.prefix_tree.BlockUsage`) and compares its prompt with the earlier prompts
-of its namespace (:class:`~prefixcache.cache.breakers.BreakerTracker`). :meth:`CacheInsight.report`
+of its namespace (:class:`~prefixcache.cache.breakers.BreakerTracker`; a request that served no
+cached token is explained, :class:`~prefixcache.cache.breakers.ZeroHits`). :meth:`CacheInsight.report`
 builds the tree and the breakers for one viewer, also on the engine thread (the async engine's
 :meth:`~prefixcache.engine.async_engine.AsyncLLMEngine.inspect`).
 
@@ -20,7 +21,7 @@ import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
-from prefixcache.cache.breakers import BreakerTracker
+from prefixcache.cache.breakers import BreakerTracker, ZeroHits
 from prefixcache.cache.hashing import tenant_extra_key, tenant_of_extra_key
 from prefixcache.cache.prefix_tree import BlockUsage, build_prefix_tree, namespace_of
 
@@ -33,7 +34,7 @@ def empty_report() -> dict:
     """A :meth:`CacheInsight.report` with no prefix and no breaker, taken at no time (``time_s``
     None): the dashboard's tree while a long step holds the engine thread and none was taken yet."""
     return {"prefixes": [], "breakers": {"observed": 0, "by_kind": {}, "top": [], "count": 0, "tokens_lost": 0},
-            "block_hits": 0, "distinct_hit_blocks": 0, "errors": 0, "time_s": None}
+            "zero_hits": ZeroHits().report(), "block_hits": 0, "distinct_hit_blocks": 0, "errors": 0, "time_s": None}
 
 
 class CacheInsight:
@@ -49,6 +50,7 @@ class CacheInsight:
         self.block_size = engine.config.block_size
         self.usage = BlockUsage()
         self.breakers = BreakerTracker(self.block_size, self._decode, max_chains=max_breaker_chains)
+        self.zero_hits = ZeroHits()  # requests that served no cached token, and why
         self.num_errors = 0
         engine.finish_hooks.append(self.on_finish)
 
@@ -64,7 +66,11 @@ class CacheInsight:
             blocks = kv.get_blocks(request.request_id)
             self.usage.record(blocks, request.num_cached_tokens // self.block_size, kv.block_pool.clock())
             if kv.enable_caching:
-                self.breakers.observe((request.root_key, request.tenant_key), request.prompt_token_ids)
+                namespace = (request.root_key, request.tenant_key)
+                self.breakers.observe(namespace, request.prompt_token_ids)
+                if request.num_cached_tokens == 0:
+                    self.zero_hits.record(namespace, self.breakers.last_shared_tokens, request.num_prompt_tokens,
+                                          self.block_size)
         except Exception:  # the dashboard must never fail a request
             self.num_errors += 1
 
@@ -77,7 +83,8 @@ class CacheInsight:
             max_breakers: breaker groups listed.
 
         Returns:
-            ``{"prefixes": [...], "breakers": {...}, "block_hits", "distinct_hit_blocks"}``.
+            ``{"prefixes": [...], "breakers": {...}, "zero_hits": {...}, "block_hits",
+            "distinct_hit_blocks"}`` (``zero_hits``: :meth:`ZeroHits.report`).
         """
         mine = tenant_extra_key(tenant)
 
@@ -101,6 +108,7 @@ class CacheInsight:
             "breakers": {"observed": tracker.num_observed, "by_kind": tracker.by_kind(visible), "top": top,
                          "count": sum(v["count"] for v in tracker.by_kind(visible).values()),
                          "tokens_lost": sum(v["tokens_lost"] for v in tracker.by_kind(visible).values())},
+            "zero_hits": self.zero_hits.report(visible),
             "block_hits": self.usage.block_hits,
             "distinct_hit_blocks": self.usage.distinct_hit_blocks,
             "errors": self.num_errors,

@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +34,7 @@ from prefixcache.cache.config import check_int
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVEventRecorder
 from prefixcache.cache.metrics import PrefixCacheSnapshot
+from prefixcache.cache.pins import CacheBreakpoint, check_breakpoints
 from prefixcache.cache.tiers.stack import make_kv_tiers
 from prefixcache.config import DEFAULT_KV_CACHE_MEMORY_BYTES, INT4_DECODER_FORMATS, EngineConfig
 from prefixcache.engine.input_processor import InputProcessor, ProcessedPrompt
@@ -64,8 +65,8 @@ class EngineMetrics(PrefixCacheSnapshot):
 
     prompt_tokens_computed: int = 0  # prompt tokens run through the model (recomputes included)
     num_preemptions: int = 0
-    # Per KV tier (by name): its counters, see prefixcache/cache/tiers/stack.py. num_cached_tokens
-    # counts tier hits; prefix_cache_hits counts the pool's only.
+    # Per KV tier (by name): its counters, see prefixcache/cache/tiers/stack.py. Its hits are part of
+    # prefix_cache_hits (prefix_cache_tier_hits is their sum), as they are of num_cached_tokens.
     kv_tiers: dict[str, dict] = field(default_factory=dict)
 
 
@@ -179,6 +180,7 @@ class LLMEngine:
         lora: LoRARequest | None = None,
         tenant: str | None = None,
         priority: int = 0,
+        cache_control: CacheBreakpoint | Sequence[CacheBreakpoint] | None = None,
     ) -> str:
         """Validates and queues a request.
 
@@ -196,6 +198,9 @@ class LLMEngine:
                 namespace.
             priority: scheduling priority, an int, lower = earlier (vLLM's ``priority``): the
                 outer key of the waiting queue's order, whatever ``scheduling_policy``.
+            cache_control: cache breakpoints: each prefix is pinned in the pool for its ttl once
+                the prompt is computed, refreshed on every hit, within ``max_pinned_fraction`` of
+                the pool (:mod:`prefixcache.cache.pins`); the output's ``pinned`` says what each got.
 
         Returns:
             The request id.
@@ -211,6 +216,7 @@ class LLMEngine:
         self.runner.structured_output.compile(params.structured_outputs)  # a bad schema fails here, not in a step
         prompt = self.input_processor.tokenize(prompt)
         self.input_processor.check_fits(len(prompt.token_ids), params)
+        breakpoints = () if cache_control is None else check_breakpoints(cache_control, len(prompt.token_ids))
         if lora is not None and self.runner.model.quantization in INT4_DECODER_FORMATS:
             raise InvalidInputError("lora", f"lora: adapters need quantization 'none' or 'int8'; "
                                             f"{self.runner.model.quantization!r} runs generated tokens in fused "
@@ -227,6 +233,7 @@ class LLMEngine:
         self._follow_weights()
         request = self.input_processor.make_request(request_id, prompt, params, cache_salt, adapter, tenant, stream)
         request.priority = priority
+        request.cache_breakpoints = breakpoints
         self.sample_groups.add(request_id, params.n)
         self.scheduler.add_request(request)
         return request_id
@@ -398,6 +405,8 @@ class LLMEngine:
         for request in updated:
             if request.first_token_s is None:
                 request.first_token_s = now
+                if request.cache_breakpoints:  # the prompt is computed: pin its breakpoints' prefixes
+                    self.kv_cache_manager.pin_prefix(request)
             if request.request_id in logprobs:
                 self.output_processor.append_logprobs(request, logprobs[request.request_id])
             status = self.output_processor.check_stop(request)

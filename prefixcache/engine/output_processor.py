@@ -181,6 +181,7 @@ class OutputProcessor:
             stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens or 0,
+            cached_tier_tokens=dict(request.cached_tier_tokens),
             ttft_s=None if request.first_token_s is None else request.first_token_s - request.arrival_s,
             e2e_s=None if request.finish_s is None else request.finish_s - request.arrival_s,
             finished=request.is_finished,
@@ -188,6 +189,7 @@ class OutputProcessor:
             prompt_logprobs=self.prompt_logprobs(request),
             num_cached_prompt_logprobs=0 if request.prompt_logprobs is None else request.prompt_logprobs.num_from_cache,
             logprobs=None if request.sampling_params.logprobs is None else list(request.logprobs),
+            pinned=request.pinned or (),
         )
 
     def prompt_logprobs(self, request: Request) -> PromptLogprobs | None:

@@ -26,6 +26,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from prefixcache.cache.hashing import tenant_extra_key
 from prefixcache.cache.worth import WorthInputs, estimate_worth
 from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStats, take_stats
 from prefixcache.engine.cache_insight import CacheInsight, empty_report
@@ -196,7 +197,11 @@ class DashboardState:
             EngineDeadError: the engine loop has failed.
         """
         def take(engine: LLMEngine) -> tuple[EngineStats, dict]:  # one snapshot: counters and tree agree
-            return take_stats(engine), self.insight.report(tenant, self.previews)
+            report = self.insight.report(tenant, self.previews)
+            key = None if tenant is None else tenant_extra_key(tenant)  # a viewer sees its own pins only
+            report["pins"] = engine.kv_cache_manager.pins.snapshot(
+                lambda block: key is None or block.extra_key in (key, b""))
+            return take_stats(engine), report
 
         pending = self._pending.get(tenant)
         if pending is not None and pending.done():  # finished while nobody waited: keep its tree, ask anew
@@ -238,8 +243,9 @@ class DashboardState:
                 "requests": m.num_requests, "hit_requests": m.num_hit_requests,
                 "finished_requests": self.num_finished,
                 "prefix_cache_queries": m.prefix_cache_queries, "prefix_cache_hits": m.prefix_cache_hits,
-                "prefix_cache_partial_hits": m.prefix_cache_partial_hits, "hit_rate": m.hit_rate,
-                "prefill_tokens_saved": m.prefix_cache_hits + m.prefix_cache_partial_hits,
+                "prefix_cache_partial_hits": m.prefix_cache_partial_hits,
+                "prefix_cache_tier_hits": m.prefix_cache_tier_hits, "hit_rate": m.hit_rate,
+                "prefill_tokens_saved": m.prefix_cache_hits,  # every kind of hit is prefill not run
                 "prompt_tokens_computed": m.prompt_tokens_computed, "num_preemptions": m.num_preemptions,
             },
             "requests": {"running": stats.num_running, "waiting": stats.num_waiting},
@@ -251,6 +257,10 @@ class DashboardState:
             "worth": self._worth(m, report),
             "prefixes": report["prefixes"],
             "breakers": report["breakers"],
+            "zero_hits": report["zero_hits"],  # requests that served no cached token, and why (in words)
+            # cache breakpoints' pinned blocks (cache/pins.py), as of the tree
+            "pins": {"budget_blocks": self.engine.engine.kv_cache_manager.pins.max_blocks,
+                     "blocks": report.get("pins", [])},
         }
 
     def _worth(self, m: EngineMetrics, report: dict) -> dict:
@@ -262,7 +272,7 @@ class DashboardState:
         requests_per_s = (sum(s["requests"] for s in self.history) / span_s if span_s > 0
                           else m.num_requests / max(time.time() - self.started_s, 1e-9))
         inputs = WorthInputs(
-            num_requests=m.num_requests, hit_tokens=m.prefix_cache_hits + m.prefix_cache_partial_hits,
+            num_requests=m.num_requests, hit_tokens=m.prefix_cache_hits,
             num_hit_requests=m.num_hit_requests, block_hits=report["block_hits"],
             distinct_hit_blocks=report["distinct_hit_blocks"],
             prefill_tokens_per_s=cold.prompt_tokens / cold.sum_s, requests_per_s=requests_per_s,

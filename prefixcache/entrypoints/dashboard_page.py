@@ -111,6 +111,14 @@ def _breakers(b: dict) -> str:
     return "\n".join(rows)
 
 
+def _zero_hits(z: dict) -> str:
+    rows = []
+    for reason, r in z["by_reason"].items():
+        cells = [reason, r["count"], r["prompt_tokens"], r["latest"]]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
+    return "\n".join(rows)
+
+
 # (column, tier counter) of the KV tiers table; dashboard.js has the same list.
 TIER_COLUMNS = (("tier", None), ("tokens queried", "queries"), ("tokens hit", "hits"), ("bytes loaded", "bytes_loaded"),
                 ("bytes stored", "bytes_stored"), ("entries", "entries"), ("bytes held", "bytes"), ("errors", "errors"))
@@ -150,6 +158,11 @@ after it that the chain held. Keep what never changes first; move timestamps and
 <span id="breakers-lost" data-stat="breakers.tokens_lost" data-fmt="int">{b['tokens_lost']}</span> tokens.</p>
 <table><thead><tr><th>kind</th><th>token</th><th>block</th><th>count</th><th>tokens lost</th><th>example</th></tr></thead>
 <tbody id="breakers-body">{_breakers(b)}</tbody></table></section>
+<section><h2>Requests with no cached token</h2>
+<p class="muted">Why a request was served nothing from the cache, compared with the earlier prompts of its namespace.
+Latest: <strong id="zero-explanation">{html.escape(doc['zero_hits']['explanation'] or 'none yet')}</strong></p>
+<table><thead><tr><th>reason</th><th>requests</th><th>prompt tokens</th><th>latest</th></tr></thead>
+<tbody id="zero-body">{_zero_hits(doc['zero_hits'])}</tbody></table></section>
 <section><h2>Cached prefixes</h2><div id="prefixes">{_prefixes(doc['prefixes'])}</div></section>
 <script src="/dashboard/static/uPlot.iife.min.js"></script>
 <script src="/dashboard/static/dashboard.js"></script>

@@ -14,6 +14,11 @@ vLLM v1's labels ``model_name`` and ``engine`` (``"0"``): llm-d's scheduler, the
 inference extension's endpoint picker and vLLM's production-stack router scrape
 ``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` and
 the prefix-cache token counters. Each alias has the value of our series of the same suffix.
+
+A prefix-cache hit is a prompt token the cache served, whichever way (full block, partial-block
+copy, KV-tier load): ``prefix_cache_hits`` grows by exactly the ``cached_tokens`` each answer's
+usage reports, as vLLM's counter does; ``prefix_cache_partial_hits`` and ``kv_tier_hits`` are
+parts of it (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -58,9 +63,10 @@ class _EngineCollector:
             return family
 
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m.prefix_cache_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens served from cached full blocks.", m.prefix_cache_hits)
-        yield counter("prefix_cache_partial_hits", "Prompt tokens copied from the first slots of a cached block.",
-                      m.prefix_cache_partial_hits)
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache (full blocks, partial-block "
+                      "copies, KV-tier loads): the sum of usage cached_tokens.", m.prefix_cache_hits)
+        yield counter("prefix_cache_partial_hits", "Of prefix_cache_hits, tokens copied from the first slots of a "
+                      "cached block.", m.prefix_cache_partial_hits)
         yield gauge("prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries since start.", m.hit_rate)
         yield counter("prefix_cache_hit_requests", "Requests with at least one cached token.", m.num_hit_requests)
         yield counter("prompt_tokens_computed", "Prompt tokens run through the model (recomputes included).",
@@ -111,7 +117,7 @@ class _EngineCollector:
 # (counter name, KVTierStack counter, help) of each tier series, label ``tier`` (disk, redis).
 _TIER_COUNTERS = (
     ("kv_tier_queries", "queries", "Prompt tokens looked up in a KV tier (past the pool's hits)."),
-    ("kv_tier_hits", "hits", "Prompt tokens loaded from a KV tier."),
+    ("kv_tier_hits", "hits", "Prompt tokens loaded from a KV tier (a part of prefix_cache_hits)."),
     ("kv_tier_loaded_bytes", "bytes_loaded", "K/V bytes loaded from a KV tier."),
     ("kv_tier_stored_bytes", "bytes_stored", "K/V bytes stored in a KV tier (write-through)."),
     ("kv_tier_stores", "stores", "Blocks stored in a KV tier."),

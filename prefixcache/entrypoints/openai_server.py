@@ -3,11 +3,14 @@
 ``prefixcache serve [MODEL] --host 127.0.0.1 --port 8000`` (flags: :mod:`.cli_args`; running
 under uvicorn: :mod:`.launcher`). Endpoints: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (JSON, or SSE streams ending with ``data: [DONE]``; logic in
-:mod:`.serving`), ``GET /v1/models``, ``GET /health``, ``POST /reset_prefix_cache``,
+:mod:`.serving`), ``POST /v1/messages`` (Anthropic's Messages API, its errors in Anthropic's shape:
+:mod:`.anthropic_messages`), ``GET /v1/models``, ``GET /health``, ``POST /reset_prefix_cache`` (also as
+SGLang's ``POST /flush_cache``),
 ``GET /metrics`` (Prometheus), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's), the operator
 dashboard: ``GET /v1/cache/stats`` (JSON) and ``GET /dashboard`` (:mod:`.dashboard`), and
 ``GET /server_info`` and ``GET /model_info`` (SGLang's, for routers: :mod:`.router_probes`), and
 the API docs, which work offline: ``GET /docs`` (Swagger UI) and ``GET /redoc`` (:mod:`.api_docs`).
+Every ``GET`` of the table below also answers ``HEAD`` (same status and headers, no body).
 ``usage.prompt_tokens_details.cached_tokens`` is the request's real
 number of prompt tokens served from the prefix cache; ``cache_salt`` in the body isolates a
 request's cache namespace. With tenant isolation every API key belongs to a tenant
@@ -37,6 +40,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prefixcache.config import INT4_DECODER_FORMATS
 from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from prefixcache.engine.llm_engine import LLMEngine
+from prefixcache.entrypoints.anthropic_messages import (MESSAGES_RESPONSES, AnthropicRoute, AnthropicServing,
+                                                        MessagesRequest)
 from prefixcache.entrypoints.api_docs import add_docs_routes
 from prefixcache.entrypoints.api_errors import APIError, clip, error_docs, error_response, validation_message
 from prefixcache.entrypoints.auth import APIKeyMiddleware, tenants_by_key
@@ -124,8 +129,9 @@ async def show_model_info(raw_request: Request) -> dict[str, Any]:
 
 
 async def reset_prefix_cache(raw_request: Request) -> Response:
+    """``POST /reset_prefix_cache`` (vLLM's name) and ``POST /flush_cache`` (SGLang's): one endpoint."""
     if raw_request.app.state.tenant_isolation:
-        raise APIError(403, "/reset_prefix_cache is disabled under --tenant-isolation (one tenant would flush "
+        raise APIError(403, f"{raw_request.url.path} is disabled under --tenant-isolation (one tenant would flush "
                             "every tenant's cache); restart the server to reset", None, "forbidden")
     if not await raw_request.app.state.engine.reset_prefix_cache():
         raise APIError(409, "the prefix cache can't be reset while requests hold KV blocks; "
@@ -139,6 +145,11 @@ async def create_completion(req: CompletionRequest, raw_request: Request) -> Any
 
 async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request) -> Any:
     return await _serving(raw_request).create_chat_completion(req, raw_request, _tenant(raw_request))
+
+
+async def create_message(req: MessagesRequest, raw_request: Request) -> Any:
+    """``POST /v1/messages``: Anthropic's Messages API (:mod:`.anthropic_messages`)."""
+    return await raw_request.app.state.messages.create_message(req, raw_request, _tenant(raw_request))
 
 
 async def tokenize(req: TokenizeRequest, raw_request: Request) -> TokenizeResponse:
@@ -160,8 +171,9 @@ _ROUTES: tuple[tuple[str, str, Any, dict[str, Any]], ...] = (
     *((path, "GET", endpoint, {"responses": error_docs(*_ANY_ROUTE_ERRORS), "deprecated": path.startswith("/get_")})
       for path, endpoint in (("/server_info", show_server_info), ("/get_server_info", show_server_info),
                              ("/model_info", show_model_info), ("/get_model_info", show_model_info))),  # routers
-    ("/reset_prefix_cache", "POST", reset_prefix_cache, {"response_class": Response, "responses": {
-        200: {"description": "the cache is empty", "content": None}, **error_docs(401, 403, 409, *_ANY_ROUTE_ERRORS)}}),
+    *((path, "POST", reset_prefix_cache, {"response_class": Response, "responses": {
+        200: {"description": "the cache is empty", "content": None}, **error_docs(401, 403, 409, *_ANY_ROUTE_ERRORS)}})
+      for path in ("/reset_prefix_cache", "/flush_cache")),  # vLLM's name, SGLang's
     ("/v1/completions", "POST", create_completion, {"response_model": None, "responses": {
         **_json_or_sse(CompletionResponse), **error_docs(404, *_V1_ERRORS)}}),
     ("/v1/chat/completions", "POST", create_chat_completion, {"response_model": None, "responses": {
@@ -169,13 +181,18 @@ _ROUTES: tuple[tuple[str, str, Any, dict[str, Any]], ...] = (
     ("/tokenize", "POST", tokenize, {"responses": error_docs(404, *_V1_ERRORS)}),
     ("/detokenize", "POST", detokenize, {"responses": error_docs(404, *_V1_ERRORS)}),
     ("/v1/cache/stats", "GET", cache_stats, {"responses": {
-        200: {"description": "the cache's numbers, history, prefix tree and breakers (README)"},
+        200: {"description": "the cache's numbers, history, prefix tree and breakers (docs/dashboard-and-diagnostics.md)"},
         **error_docs(401, *_ANY_ROUTE_ERRORS)}}),
     ("/dashboard", "GET", dashboard, {"response_class": Response, "responses": {
         200: {"description": "the operator dashboard (HTML)", "content": {"text/html": {}}},
         **error_docs(401, *_ANY_ROUTE_ERRORS)}}),
     ("/dashboard/static/{name}", "GET", static_file, {"response_class": Response, "include_in_schema": False}),
 )
+
+
+# Anthropic's Messages API: its errors in Anthropic's shape (AnthropicRoute), so added apart.
+_MESSAGES_ROUTE: dict[str, Any] = {"response_model": None, "route_class_override": AnthropicRoute,
+                                   "responses": MESSAGES_RESPONSES}
 
 
 # ---------------------------------------------------------------------------- errors
@@ -328,9 +345,13 @@ def build_app(
     app.state.metrics = metrics
     app.state.dashboard = board
     app.state.serving = OpenAIServing(async_engine, served_model_name, lora_modules)
+    app.state.messages = AnthropicServing(app.state.serving)
     app.state.tenant_isolation = tenant_isolation
     for path, method, endpoint, options in _ROUTES:
         app.add_api_route(path, endpoint, methods=[method], **options)
+        if method == "GET":  # HEAD: the GET's status and headers, no body (the server drops it); probes use it
+            app.add_api_route(path, endpoint, methods=["HEAD"], **{**options, "include_in_schema": False})
+    app.router.add_api_route("/v1/messages", create_message, methods=["POST"], **_MESSAGES_ROUTE)
     for exc_class, handler in _EXCEPTION_HANDLERS:
         app.add_exception_handler(exc_class, handler)
     if key_to_tenant:

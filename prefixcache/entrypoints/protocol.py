@@ -88,8 +88,11 @@ class _SamplingFields(_Request):
     stream: bool | None = None  # default False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None  # vLLM extra: the request's prefix-cache namespace
+    return_cached_tokens_details: bool | None = None  # SGLang extra: the answer's sglext.cached_tokens_details
     priority: Int64 | None = None  # vLLM extra: scheduling priority, lower = earlier; default 0
     user: str | None = None  # OpenAI's end-user id: metadata, accepted and not used
+    prompt_cache_key: str | None = None  # OpenAI's routing hint (the gateway's key), never an isolation key
+    prompt_cache_retention: str | None = None  # OpenAI's: "in_memory" or "24h" (entrypoints/cache_retention.py)
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -224,11 +227,29 @@ class CompletionLogprobs(_Model):
     text_offset: list[int] = Field(default_factory=list)  # each token's start in the choice's text
 
 
+class CachedTokensDetails(_Model):
+    """SGLang's ``sglext.cached_tokens_details``: where a request's cached prompt tokens came from
+    (they sum to ``usage.prompt_tokens_details.cached_tokens``)."""
+
+    device: int = 0  # from the KV pool (full blocks and partial-block copies)
+    host: int = 0  # from a host-memory tier below the pool: we have none (our pool is that memory)
+    storage: int = 0  # from the KV tiers (disk, Redis)
+    storage_backend: str | None = Field(default=None, exclude_if=lambda v: v is None)  # which tiers: "disk+redis"
+
+
+class SGLangExtensions(_Model):
+    """SGLang's ``sglext`` object of an answer, sent only when asked for."""
+
+    cached_tokens_details: CachedTokensDetails | None = None
+
+
 class _Response(_Model):
     id: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     usage: Usage | None = None
+    # SGLang extra, with return_cached_tokens_details: true (absent otherwise)
+    sglext: SGLangExtensions | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionChoice(_Choice):

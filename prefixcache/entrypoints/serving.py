@@ -35,7 +35,7 @@ import logging
 import time
 import re
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
 from fastapi import Request
@@ -45,8 +45,10 @@ from pydantic import BaseModel
 from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from prefixcache.engine.output_processor import TokenDecoder
 from prefixcache.entrypoints.api_errors import APIError, clip, cut, error_body, input_error
+from prefixcache.entrypoints.cache_retention import check_prompt_cache_retention
 from prefixcache.entrypoints.protocol import (
     UNSUPPORTED_FIELDS,
+    CachedTokensDetails,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -62,6 +64,7 @@ from prefixcache.entrypoints.protocol import (
     PrefixCacheBlocks,
     PromptTokensDetails,
     ResponseMessage,
+    SGLangExtensions,
     TokenizeRequest,
     TokenizeResponse,
     TopLogprob,
@@ -285,11 +288,17 @@ def echo_logprobs(out: RequestOutput, num_logprobs: int, decoder: TokenDecoder) 
 
 
 # ---------------------------------------------------------------------------- outputs
+def _per_prompt(outs: list[RequestOutput]) -> list[RequestOutput]:
+    """One final output per prompt of a request: its lowest choice index (the sample that carries
+    the prompt's counts)."""
+    return list({o.request_id: o for o in reversed(outs)}.values())
+
+
 def usage(outs: list[RequestOutput]) -> Usage:
     """Usage of a request from its samples' final outputs: each prompt counted once (its first
     sample's counts; several prompts of one completion request are summed, as vLLM does), the
     completion tokens of every sample."""
-    prompts = {o.request_id: o for o in reversed(outs)}  # the lowest choice index of each prompt
+    prompts = {o.request_id: o for o in _per_prompt(outs)}
     prompt_tokens = sum(o.num_prompt_tokens for o in prompts.values())
     completion_tokens = sum(len(o.token_ids) for o in outs)
     return Usage(
@@ -298,6 +307,23 @@ def usage(outs: list[RequestOutput]) -> Usage:
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in prompts.values())),
     )
+
+
+def cached_tokens_details(prompts: Iterable[RequestOutput]) -> CachedTokensDetails:
+    """SGLang's ``cached_tokens_details`` of a request, from one output of each of its prompts (the
+    sample that carries the prompt's counts, as :func:`usage` takes): its cached tokens split by
+    where they came from, ``device`` (the KV pool: full blocks, partial-block copies) and
+    ``storage`` (the KV tiers, named in ``storage_backend``); ``host`` is 0, we have no memory
+    tier between the pool and the disk."""
+    tiers: dict[str, int] = {}
+    device = 0
+    for out in prompts:
+        device += out.num_cached_tokens - sum(out.cached_tier_tokens.values())
+        for name, num_tokens in out.cached_tier_tokens.items():
+            tiers[name] = tiers.get(name, 0) + num_tokens
+    storage = sum(tiers.values())
+    return CachedTokensDetails(device=device, host=0, storage=storage,
+                               storage_backend="+".join(n for n, t in tiers.items() if t) if storage else None)
 
 
 async def numbered(stream: AsyncIterator[RequestOutput],
@@ -561,6 +587,7 @@ class OpenAIServing:
             raise APIError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
         if req.prompt_logprobs is not None and req.stream:  # as vLLM: they come whole, after the prompt
             raise APIError(400, "prompt_logprobs is not available with stream: true", "prompt_logprobs")
+        check_prompt_cache_retention(req.prompt_cache_retention, self.engine.engine.config.kv_disk_dir is not None)
         return self.lora_for(req.model), req.model or self.served_model_name
 
     def lora_for(self, model: str | None) -> LoRARequest | None:
@@ -650,24 +677,41 @@ class OpenAIServing:
         reasons; with ``stream_options.continuous_usage_stats`` each carries its choice's usage so
         far, with ``include_usage`` a final chunk the request's), or ``make_response(final outputs,
         created)``; 499 if a non-streaming client went away."""
+        details = bool(req.return_cached_tokens_details)
         if not req.stream:
             outs = await final_outputs(stream, raw_request)
-            return Response(status_code=499) if outs is None else make_response(outs, head["created"])
+            if outs is None:
+                return Response(status_code=499)
+            answer = make_response(outs, head["created"])
+            if details:
+                answer.sglext = SGLangExtensions(cached_tokens_details=cached_tokens_details(_per_prompt(outs)))
+            return answer
         options = req.stream_options
         with_usage = bool(options is not None and options.include_usage)
         continuous = with_usage and bool(options.continuous_usage_stats)  # vLLM's: only with include_usage
+        prompts: dict[str, RequestOutput] = {}  # per prompt, the output carrying its cached-token counts
+
+        def sglext(outs: Iterable[RequestOutput]) -> dict:
+            return {"sglext": {"cached_tokens_details": cached_tokens_details(outs).model_dump()}} if details else {}
 
         def chunk(out: RequestOutput, delta: str, lo: int, hi: int) -> dict:
             choice = stream_choice(out, delta, lo, hi)
             choice["finish_reason"] = out.finish_reason if out.finished else None
+            extra = {}
             if out.finished:
                 choice["stop_reason"] = out.stop_reason
+                # SGLang's clients read sglext from whichever chunk has it, usage chunk or not: each
+                # finish chunk carries the prompts seen so far, the last one the request's.
+                known = prompts.get(out.request_id)
+                if known is None or out.num_cached_tokens > known.num_cached_tokens:
+                    prompts[out.request_id] = out
+                extra = sglext(prompts.values())
             if continuous:  # vLLM's: the chunk's choice so far (its prompt, its tokens generated yet)
-                return {**head, "choices": [choice], "usage": usage([out]).model_dump()}
-            return {**head, "choices": [choice], **({"usage": None} if with_usage else {})}
+                return {**head, "choices": [choice], "usage": usage([out]).model_dump(), **extra}
+            return {**head, "choices": [choice], **({"usage": None} if with_usage else {}), **extra}
 
         def usage_chunk(outs: list[RequestOutput]) -> dict:
-            return {**head, "choices": [], "usage": usage(outs).model_dump()}
+            return {**head, "choices": [], "usage": usage(outs).model_dump(), **sglext(_per_prompt(outs))}
 
         events = sse_events(stream, params.stop, chunk, usage_chunk if with_usage else None)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -137,3 +137,51 @@ def test_memory_bounds_keep_the_totals():
     assert len(tracker.groups) <= 8  # pruned to the 4 costliest whenever it passes 8
     assert tracker.by_kind()[NUMBER] == {"count": 20, "tokens_lost": 800}  # totals survive the pruning
     assert tracker.by_kind(lambda ns: ns == ("ns", 3))[NUMBER] == {"count": 1, "tokens_lost": 40}
+
+
+# ---------------------------------------------------------------------------- C23: a zero says why
+def test_explain_zero_names_each_reason_in_words():
+    from prefixcache.cache.breakers import explain_zero
+
+    assert explain_zero(None, 40, 16) == ("no_earlier_prompt", "nothing shared: no earlier prompt in its cache namespace")
+    assert explain_zero(0, 40, 16) == ("nothing_shared", "nothing shared: the first token differs from every earlier prompt")
+    assert explain_zero(12, 40, 16) == ("shorter_than_block", "shared prefix 12 tokens, shorter than one block (16)")
+    assert explain_zero(16, 16, 16) == (
+        "whole_prompt_one_block", "shared prefix 16 tokens, but the prompt is one block (16) and its last token is "
+                                  "always computed")
+    assert explain_zero(40, 50, 16) == (
+        "not_cached", "shared prefix 40 tokens (2 full blocks), but they were not cached when it arrived (evicted, "
+                      "reset, or still being computed)")
+
+
+def test_the_bench_explains_its_zeros():
+    from prefixcache.cache.breakers import explain_zeros
+
+    first = list(range(100, 140))
+    short = first[:12] + list(range(300, 328))  # shares 12 tokens
+    other = [7] + first[1:]  # differs in its first token
+    z = explain_zeros([first, short, other], [0, 0, 0], 16)
+    assert z == {"count": 3, "explanation": "nothing shared: the first token differs from every earlier prompt",
+                 "by_reason": {
+                     "no_earlier_prompt": {"count": 1, "prompt_tokens": 40,
+                                           "latest": "nothing shared: no earlier prompt in its cache namespace"},
+                     "nothing_shared": {"count": 1, "prompt_tokens": 40, "latest": "nothing shared: the first "
+                                        "token differs from every earlier prompt"},
+                     "shorter_than_block": {"count": 1, "prompt_tokens": 40,
+                                            "latest": "shared prefix 12 tokens, shorter than one block (16)"}}}
+    z = explain_zeros([first, short], [0, 0], 16)
+    assert z["explanation"] == "shared prefix 12 tokens, shorter than one block (16)"
+    assert explain_zeros([first, first], [0, 32], 16)["count"] == 1  # the hit is not a zero
+
+
+def test_zero_hits_keep_namespaces_apart():
+    from prefixcache.cache.breakers import ZeroHits
+
+    z = ZeroHits()
+    z.record("a", 12, 40, 16)
+    z.record("b", 0, 30, 16)
+    assert z.report(lambda ns: ns == "a") == {
+        "count": 1, "explanation": "shared prefix 12 tokens, shorter than one block (16)",
+        "by_reason": {"shorter_than_block": {"count": 1, "prompt_tokens": 40,
+                                             "latest": "shared prefix 12 tokens, shorter than one block (16)"}}}
+    assert z.report(lambda ns: False) == {"count": 0, "by_reason": {}, "explanation": None}

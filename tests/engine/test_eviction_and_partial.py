@@ -26,7 +26,9 @@ def test_partial_block_reuse_137_token_prompt_and_c8(make_llm):
     out_b = llm.generate(c8_b, GREEDY8, use_tqdm=False)[0]
     assert (out_a.num_cached_tokens, out_b.num_cached_tokens) == (0, 24)  # 1 block + 8 copied
     m = llm.get_metrics()
-    assert (m.prefix_cache_hits, m.prefix_cache_partial_hits) == (128 + 16, 8 + 8)
+    # A partial-block copy is a hit (usage's cached_tokens counts it): 144 full-block + 16 copied.
+    assert (m.prefix_cache_hits, m.prefix_cache_partial_hits) == (128 + 16 + 8 + 8, 8 + 8)
+    assert m.prefix_cache_hits == sum(o.num_cached_tokens for o in (first, again, out_a, out_b))
     ref = cold(make_llm, [system, c8_a, c8_b], GREEDY8)
     assert [first.token_ids, again.token_ids, out_a.token_ids, out_b.token_ids] == [ref[0], ref[0], ref[1], ref[2]]
 

@@ -103,8 +103,10 @@ def test_tenant_server_auth_and_reset(tenant_server):
     r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
                    headers={"Authorization": "Bearer key-unknown"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    r = httpx.post(url + "/reset_prefix_cache", headers={"Authorization": "Bearer key-globex"})
-    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    for path in ("/reset_prefix_cache", "/flush_cache"):
+        r = httpx.post(url + path, headers={"Authorization": "Bearer key-globex"})
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+        assert r.json()["error"]["message"].startswith(f"{path} is disabled under --tenant-isolation")
 
 
 def test_tenant_isolation_needs_keys(smollm2):

@@ -88,6 +88,17 @@
     });
   }
 
+  function renderZeroHits(z) {
+    document.getElementById("zero-explanation").textContent = z.explanation || "none yet";
+    const body = document.getElementById("zero-body");
+    body.replaceChildren();
+    Object.entries(z.by_reason).forEach(([reason, r]) => {
+      const tr = el("tr");
+      [reason, r.count, r.prompt_tokens, r.latest].forEach((v) => tr.appendChild(el("td", String(v))));
+      body.appendChild(tr);
+    });
+  }
+
   const TIER_KEYS = ["queries", "hits", "bytes_loaded", "bytes_stored", "entries", "bytes", "errors"];
 
   function renderTiers(tiers) {
@@ -140,6 +151,7 @@
       renderStats(doc);
       renderPrefixes(doc.prefixes);
       renderBreakers(doc.breakers);
+      renderZeroHits(doc.zero_hits);
       renderTiers(doc.tiers);
       renderCharts(doc.history);
       document.getElementById("status").textContent = !doc.tree_stale ? "live"
