@@ -12,7 +12,7 @@ of them from the last hit block's hidden state: one ``lm_head`` row instead of t
 The entries are stored and cleared with the block (they are part of what the hit verifies: the
 block's whole prefix), and a block cached by a request that did not ask for prompt logprobs has
 none, so it is not a hit for one that does (:meth:`KVCacheManager.admit`). vLLM instead skips the
-prefix cache for such requests (its issues #8268, #42019).
+prefix cache for such requests (vllm-project/vllm#8268, vllm-project/vllm#42019).
 
 A low-level data module: the cache, the runner and the engine all see it.
 """

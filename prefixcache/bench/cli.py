@@ -64,8 +64,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=EngineConfig.choices("dtype"),
                    help="our engine's weights and KV dtype (default float32; the baselines keep theirs)")
     p.add_argument("--quantization", default=None, choices=EngineConfig.choices("quantization"),
-                   help="our engine's weight format (default none; int8, int4, int4-int8: see README "
-                        "'Weight formats')")
+                   help="our engine's weight format (default none; int8, int4, int4-int8: see "
+                        "docs/weight-formats-and-kernels.md)")
     p.add_argument("--skip-micro", action="store_true", help="skip the hash + lookup micro-benchmark")
     p.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
     p.add_argument("--out", default=d.out, help="output directory")
@@ -103,7 +103,7 @@ def run_trace_cli(out_dir: str | None, block_size: int) -> None:
 
 
 def run_restart_cli(args: argparse.Namespace, num_threads: int) -> None:
-    """``--workload restart``: issue 14's restart / replica TTFT (:mod:`prefixcache.bench.restart`)."""
+    """``--workload restart``: the restart / replica TTFT (:mod:`prefixcache.bench.restart`)."""
     from prefixcache.bench.restart import RestartOptions, restart_markdown, run_restart, write_restart_outputs
     from transformers import AutoTokenizer
 

@@ -1,6 +1,6 @@
 """``prefixcache bench --workload restart``: what the KV tiers buy after a restart and on a replica.
 
-Issue 14's measurement, each phase in its own Python process (a real restart: nothing survives in
+Each phase runs in its own Python process (a real restart: nothing survives in
 memory), on the speed workload's prompts (a ~2,032-token shared system prompt + one customer message
 each, :func:`~prefixcache.bench.workloads.build_speed_prompts`), greedy, all phases with the same hash
 seed, threads, dtype and block size:
@@ -24,7 +24,7 @@ the same in A (cold), B and C (``tokens_match``): a tier hit is exact. From the 
 seconds per block loaded (``load_s_per_block``) vs the cold request's prefill seconds per block
 (``recompute_s_per_block``). Redis: ``--kv-redis-url`` when given, else a ``redis-server`` started
 on loopback for the run (the replica phase is skipped, with the reason, when there is neither).
-Targets (issue 14): restart TTFT <= 2x warm and <= 0.15x cold.
+Targets: restart TTFT <= 2x warm and <= 0.15x cold (a restart should cost little more than a warm hit).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ HASH_SEED = 20261130  # the run's shared hash seed (a deployment secret in produ
 
 @dataclass(frozen=True)
 class RestartOptions:
-    """Sizes and engine options of the restart workload (defaults: issue 14's)."""
+    """Sizes and engine options of the restart workload (defaults: the speed workload's prompt sizes)."""
 
     model: str
     num_threads: int
@@ -223,7 +223,7 @@ def restart_report(opts: RestartOptions, prefix_tokens: int, first: dict, restar
 
 
 def restart_goals(s: dict) -> list[dict]:
-    """Issue 14's targets: restart TTFT <= 2x warm and <= 0.15x cold; replica likewise; exact tokens."""
+    """The targets: restart TTFT <= 2x warm and <= 0.15x cold; replica likewise; exact tokens."""
     def ratio(a, b):
         return a / b if a is not None and b else None
 

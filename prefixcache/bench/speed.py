@@ -1,4 +1,4 @@
-"""``prefixcache bench --workload speed``: issue 12's side-by-side speed table, in one run.
+"""``prefixcache bench --workload speed``: the side-by-side speed table, in one run.
 
 Three engines on the same prompts, greedy, with the same threads: prefixcache (with the bench's engine
 options, e.g. ``--dtype``), HF transformers fp32 on the same weights (:mod:`.hf_baselines`), and

@@ -216,7 +216,7 @@ class KVEventRecorder:
             keys = (*keys, ("tenant", tenant))
         if (slot := output_slot_of_extra_key(block.extra_key)) is not None:
             # int4(-int8): K/V of generated tokens, never served to a prompt holding the same tokens; a
-            # router matching on tokens and extra keys must not count it as one (review, 2026-12-03)
+            # router matching on tokens and extra keys must not count it as one
             keys = (*keys, ("generated_from_slot", slot))
         last = self._pending[-1] if self._pending else None
         if (isinstance(last, StoredBlocks) and parent_hash is not None and last.hashes[-1] == parent_hash

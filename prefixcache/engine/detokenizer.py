@@ -1,7 +1,6 @@
 """Incremental detokenization: a request's output text grown by each new token's bytes, instead of
-decoding every output token again at every step (1.87-1.99 ms per step at 4,000 generated tokens
-with SmolLM2's tokenizer, 7-9 us grown: ``scripts/time_detokenize.py``; streaming and stop strings
-need the text after every token).
+decoding every output token again at every step, which grows with the output (milliseconds per
+step at thousands of generated tokens); streaming and stop strings need the text after every token.
 
 Exact by construction for the tokenizers it accepts (:func:`byte_concat_decoder`): a byte-level BPE
 tokenizer (GPT-2's alphabet: SmolLM2, Llama 3, Qwen2/3) decodes a list of ids as the UTF-8 decode,

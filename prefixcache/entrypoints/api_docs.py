@@ -31,7 +31,7 @@ STATIC_DIR = Path(fastapi_offline.__file__).with_name("static")
 CONTENT_SECURITY_POLICY = ("default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
                            "img-src 'self' data:; font-src 'self' data:; worker-src 'self' blob:; "
                            "connect-src 'self'; frame-ancestors 'self'")
-SWAGGER_UI_PARAMETERS = {"validatorUrl": "none"}  # no badge image from swagger.io (README: offline docs)
+SWAGGER_UI_PARAMETERS = {"validatorUrl": "none"}  # no badge image from swagger.io: the docs pages work offline
 
 
 def add_docs_routes(app: FastAPI) -> None:

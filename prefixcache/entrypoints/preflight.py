@@ -97,7 +97,7 @@ def check_writable_dir(path: str, flag: str) -> Path:
 
 
 # What a replica's process holds besides its pool and weights (Python, torch, tokenizer, server): a
-# `serve` of SmolLM2 with a 442 MB pool had 1.47 GB resident (2026-12-02), weights 0.54 GB.
+# `serve` of SmolLM2 with a 442 MB pool has ~1.5 GB resident, of which the weights are 0.54 GB.
 REPLICA_PROCESS_BYTES = 512 << 20
 
 

@@ -3,12 +3,11 @@
 A row's output bits depend only on that row and the weight (the kernel sums each element over the input
 features in blocks of 32, in order, one ``TDPBF16PS`` tile product per block), so unlike oneDNN's bf16
 GEMM, which :func:`prefixcache.layers.lora.row_tiles` must call in tiles of 2 to 128 rows to get the same,
-any number of rows runs as one call and the weight is read once per call. Measured on SmolLM2's 30
-layers' products (2 threads, an Intel Xeon with AMX, 2026-12-02, ``scripts/probe_amx_gemm.py``): 1 row
-9.5 ms vs 13.9 ms for oneDNN's prepacked product in row tiles, 150 rows 27.6 vs 38.8 ms, 2,048 rows
-233 vs 306 ms (1.3-1.5x); since the kernel keeps a column pair's weights in L1 over the row chunks, 6
-feature blocks at a time (same bits), 150 rows 22.2 ms and 2,048 rows 213 ms (medians of 15 alternating
-passes; 26.5 and 254 before). oneDNN's own AMX kernel gave the same bits on the shapes checked here, but
+any number of rows runs as one call and the weight is read once per call. The kernel keeps a column
+pair's weights in L1 over the row chunks, 6 feature blocks at a time (the same bits: each element is
+still summed over its feature blocks in order), because a tile load costs about as much as a tile
+product. ``benchmarks/amx_linear.py`` times it against oneDNN's prepacked product in row tiles;
+docs/benchmarks.md has the measurements. oneDNN's own AMX kernel gave the same bits on the shapes checked here, but
 nothing promises that across oneDNN versions and CPUs, so the cache key names our kernel for a bf16
 model (:func:`prefixcache.layers.attention.kv_numerics`). Like every AMX product, it reads subnormal bf16
 inputs as zero.

@@ -22,10 +22,9 @@ CPU flash-attention kernel (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp) s
 blocks of 512 and the queries into blocks of 32, 64 or 256 rows, and merges key blocks by online
 softmax. Its GEMMs run a query block in sub-blocks of 16 rows: a row gets the same bits in a call
 of 4 to 16 rows and in any full sub-block, other bits in a call of 1 to 3 rows or in a 2- or 3-row
-tail after full sub-blocks (measured on SmolLM2's head shape by ``scripts/probe_attention_rows.py``,
-2026-12-01: a 130-token prefill's rows 128-129 differed from the same rows after a 112-token cached
-prefix; before that date the rule here only kept blocks from having 1 or 2 rows), and a key block
-shorter than 512 sums in another order. With ``batch_invariant`` every call has its keys padded, masked, to a multiple of 512
+tail after full sub-blocks (on SmolLM2's head shape the rows 128-129 of an unpadded 130-token prefill,
+a 2-row tail, round differently from the same rows after a 112-token cached prefix), and a key block shorter
+than 512 sums in another order. With ``batch_invariant`` every call has its keys padded, masked, to a multiple of 512
 (`padded_num_keys`), always an explicit mask, and its queries padded to 4..16 rows or a multiple
 of 16 (`padded_num_queries`; a decode's call takes the query heads of one KV head as its rows,
 and its query is repeated to the fewest copies that make such a count: ``ceil(4 / heads per KV head)``
@@ -57,11 +56,10 @@ Our paged kernel: a batch-invariant bfloat16 model on a CPU with AVX512-BF16 (``
 ``LlamaForCausalLM.paged_attention`` decides) runs every row that reaches this module through
 :mod:`prefixcache.layers.prefill_attention` instead: one call per layer for the whole step, keys read
 in place through the block tables, a row's bits fixed by construction, so none of the padding above
-(3.3-4.4x faster than the padded flash calls on SmolLM2's prompts, ``scripts/probe_prefill_attention.py``).
+(faster than the padded flash calls: ``benchmarks/prefill_attention.py`` compares them).
 The torch path stays for float32, int8 over a float32 model, head shapes the kernel doesn't take and
 CPUs without AVX512-BF16; the cache key names which one computed the K/V (:func:`kv_numerics`). On a
-CPU with AMX-BF16 the kernel runs its products on AMX tiles (1.3-2.4x torch's padded flash calls
-there, 3.6x its own AVX-512 form), which the key names too.
+CPU with AMX-BF16 the kernel runs its products on AMX tiles, which the key names too.
 """
 
 from dataclasses import dataclass
@@ -82,15 +80,15 @@ Q_ROW_QUANTUM = 16  # rows of the GEMMs' sub-blocks: a 2- or 3-row tail after th
 # Part of every cache key (engine.input_processor.model_key): names the rules that decide the bits of
 # every K/V the pool holds (the padding above, layers.lora.row_tiled_linear's row counts); changed with
 # them, so a disk or Redis tier filled under an older rule is never read as if computed now
-# (2026-12-01: query rows padded to 4..16 or a multiple of 16; no one-row GEMM call).
+# (query rows padded to 4..16 or a multiple of 16; no one-row GEMM call).
 KV_NUMERICS = "attention-rows:4-16-x16|gemm-rows:2+"
 # the same for our kernel's prompt rows, with the fused element-wise ops of layers.prompt_ops around it
-# (2026-12-01: their RMSNorm sum order and SiLU exp replaced torch's; the kernel's softmax moved to base 2)
+# (their RMSNorm sum order and SiLU exp are ours, not torch's; the kernel's softmax is in base 2)
 PAGED_KV_NUMERICS = "paged-bf16-attention:keys32-exp2|gemm-rows:2+|prompt-ops:1"
 
 
 # added where our kernel runs its products on AMX tiles (prefill_attention.prefill_amx_supported); its softmax
-# since 2026-12-02: p = 2^(s * scale - m) by a floor-reduced polynomial, a -inf score making its row NaN
+# is p = 2^(s * scale - m) by a floor-reduced polynomial, a -inf score making its row NaN
 PAGED_AMX_NUMERICS = "|prompt-products:amx-tiles|softmax:exp2-floor"
 # added where a bf16 model's prepacked linear layers run on our AMX kernel (amx_gemm.amx_gemm_supported)
 AMX_GEMM_NUMERICS = "|gemm:amx-tiles-k32"

@@ -8,7 +8,7 @@ embedding to the final norm. Prompt rows keep the torch layers (bf16 products, f
 layer before the generated rows' same layer, so a recomputed generated row finds its prompt's K/V.
 
 Why: a one-row decode step ran ~60 torch ops per layer around the 4-bit products; their dispatch took
-as long as the products (``scripts/profile_step.py``). Every step is per row (each row's sum of squares
+as long as the products (``tools/profile_step.py``). Every step is per row (each row's sum of squares
 in a fixed order, the kernels row-invariant), so a generated token gets the same bits alone, beside other
 decodes, beside prompt rows and in a recompute: cache on and off still agree.
 """

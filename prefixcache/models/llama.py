@@ -243,7 +243,7 @@ def _int8(modules: list[nn.Linear], old: Int8Weight | None, act_amax: dict[int, 
 def _smoothing(amax: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor | None:
     """:func:`~prefixcache.layers.quant.smooth_factors` of a matrix whose calibration maxima are all
     finite; None (no smoothing) without maxima or with a NaN / infinity among them (an input that
-    overflowed in calibration would make every multiplier 0 or NaN: review, 2026-12-03)."""
+    overflowed in calibration would make every multiplier 0 or NaN)."""
     if amax is None or not bool(torch.isfinite(amax).all()):
         return None
     return smooth_factors(amax, weight)
@@ -305,7 +305,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.generated_decoder: GeneratedDecoder | None = None  # quantization int4(-int8): generated rows' layers
         # layers' forward_fused (prompt_ops) in every step whose metadata runs the paged kernel (md.paged), which
-        # the cache key names with them (attention.kv_numerics); False only in A/B probes (scripts/probe_prompt_ops.py)
+        # the cache key names with them (attention.kv_numerics); False only in A/B runs (benchmarks/prompt_ops.py)
         self.fused_prompt_ops = True
 
     def build_generated_decoder(self, config: ModelConfig) -> None:
@@ -470,7 +470,7 @@ class LlamaForCausalLM(nn.Module):
         and tokens, same bits."""
         cfg = self.config
         ids = [t for t in self.calibration_ids or () if 0 <= t < cfg.vocab_size][: cfg.max_position_embeddings]
-        if not ids:  # no text, or a tokenizer whose ids the model lacks (review, 2026-12-03: an IndexError)
+        if not ids:  # no text, or a tokenizer whose ids the model lacks (indexing them would fail)
             gen = torch.Generator().manual_seed(0)
             ids = torch.randint(0, cfg.vocab_size, (min(CALIBRATION_LENGTH, cfg.max_position_embeddings),),
                                 generator=gen).tolist()
@@ -487,7 +487,7 @@ class LlamaForCausalLM(nn.Module):
             self._dense_logits(hidden)
         self._set_int8_weights(amax)
         # the multipliers themselves: the calibration's float prefill may round by CPU (a float32 model's
-        # GEMMs under another instruction set gave other maxima, other weights, review 2026-12-03)
+        # GEMMs under another instruction set give other maxima, so other weights)
         digest = hashlib.sha256(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
         for weight in self._int8_weights():
             digest.update(b"-" if weight.act_mul is None else weight.act_mul.cpu().numpy().tobytes())

@@ -36,7 +36,7 @@ part of the prefix-cache key, and a constrained request shares cached blocks wit
 ones of the same prompt.
 
 Why llguidance (measured on this project's 2-core CPU machine, SmolLM2's 49,152-token vocabulary,
-see README "Structured output"): a 3 MB wheel with no dependencies (xgrammar 0.2 pulls in triton,
+docs/benchmarks.md has the comparison): a 3 MB wheel with no dependencies (xgrammar 0.2 pulls in triton,
 a 273 MB wheel, on Linux), a 2.5 ms schema compile, ~20 us per mask; it is one of vLLM's two
 structured-output backends (``guidance``).
 """

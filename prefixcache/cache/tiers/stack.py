@@ -22,7 +22,7 @@ Data path (the cache manager drives it, see ``KVCacheManager.admit``)::
   for ``retry_s`` seconds: lookups skip it and stores to it are dropped, so requests go on with the
   pool (and the other tiers) alone.
 
-- Load or recompute (issue 14): the stack keeps, per tier, a moving average of the seconds one block
+- Load or recompute: the stack keeps, per tier, a moving average of the seconds one block
   took to load (lookup + read + verify), and the engine reports what computing a block costs
   (:meth:`KVTierStack.observe_compute`: forward-pass seconds per token x block size over steps of
   at least a block of tokens, averaged the same way). A tier whose loads are slower than

@@ -54,7 +54,7 @@ constexpr int64_t kSegment = 1024;  // keys per work item: a row's context is sp
 constexpr int64_t kAhead = 32;      // the float32 form asks for a piece's K/V rows this many keys before it reads them
 // Rows with a longer context take the float32 form also where the bf16 form runs: a lone long context gains
 // nothing from sharing prepared blocks and streams its K/V faster through the float32 form (8,100 keys, 30
-// layers out of cache: 23.1 vs 32.2 ms, scripts/probe_decode_attention.py --layers 30). By the row's own
+// layers out of cache: benchmarks/decode_attention.py --layers 30 compares the forms). By the row's own
 // length only, so a row's form, and its bits, never depend on its batch.
 constexpr int64_t kBf16MaxContext = 4096;
 

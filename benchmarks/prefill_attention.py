@@ -1,0 +1,60 @@
+"""Times one layer's prompt attention, our paged kernel (its AVX-512 form, and its AMX form where the
+CPU has AMX-BF16) vs torch's padded flash path, on SmolLM2's head shape, for the bench's shapes: a cold 2,178-token prefill, ten 150-token suffixes over 2,032
+cached keys (the 10 x 32 run's second step), one such suffix (warm TTFT), and a 2,048-token chunk after
+6,000 cached keys (an 8,000-token prefill's last chunk). Both paths include the K/V write; best of --repeats.
+
+    .venv/bin/python benchmarks/prefill_attention.py [--num-threads 2] [--repeats 3]
+"""
+
+import argparse
+import time
+
+import torch
+
+from prefixcache.layers import prefill_attention
+from prefixcache.layers.attention import Attention, build_attention_metadata
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.num_threads)
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 600
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5)
+    blocks = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, as a busy pool's are
+    shapes = {"cold 2178": [(0, 2178)], "10 x 150 over 2032": [(2032, 150)] * 10, "1 x 150 over 2032": [(2032, 150)],
+              "2048 over 6000": [(6000, 2048)]}  # the last chunk of an 8,000-token prefill
+    has_amx = prefill_attention.prefill_amx_supported()
+    forms = [("torch", False, False), ("avx512", True, False)] + ([("amx", True, True)] if has_amx else [])
+    print(f"{'shape':<22}{'torch padded (ms)':>18}{'ours AVX-512 (ms)':>18}{'ratio':>7}"
+          + (f"{'ours AMX (ms)':>15}{'ratio':>7}" if has_amx else ""))
+    for name, seqs in shapes.items():
+        batch = [(c, n, blocks) for c, n in seqs]
+        num_tokens = sum(n for _, n in seqs)
+        q = torch.randn(num_tokens, heads, head_dim, generator=gen).bfloat16()
+        k = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).bfloat16()
+        v = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).bfloat16()
+        times = []
+        for _, paged, amx in forms:
+            prefill_attention.prefill_amx_supported = lambda amx=amx: amx  # the form the wrapper picks
+            md, _ = build_attention_metadata(batch, block_size, "cpu", batch_invariant=True, dtype=torch.bfloat16,
+                                             num_pool_blocks=num_blocks, paged_kernel=paged)
+            attn(q, k, v, kv_cache, md)
+            best = float("inf")
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                attn(q, k, v, kv_cache, md)
+                best = min(best, time.perf_counter() - start)
+            times.append(best * 1e3)
+        line = f"{name:<22}{times[0]:>18.1f}{times[1]:>18.1f}{times[0] / times[1]:>7.2f}"
+        if has_amx:
+            line += f"{times[2]:>15.1f}{times[0] / times[2]:>7.2f}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
