@@ -13,22 +13,14 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Iterable
 
-from prefixcache.bench.options import SPEED, BenchOptions, SpeedSizes
+from prefixcache.bench.options import SPEED, BenchOptions, SpeedSizes, check_positive
 from prefixcache.bench.queue import QueueConfig
 from prefixcache.bench.workloads import WORKLOAD_NAMES, check_workload_args
 from prefixcache.bench.worth import MIN_CONFIRMING_REPEATS
 from prefixcache.config import EngineConfig
 from prefixcache.errors import InvalidInputError
 from prefixcache.entrypoints.num_threads import NUM_THREADS_HELP, choose_num_threads
-
-
-def check_positive(values: Iterable[tuple[str, object]]) -> None:
-    """Raises ValueError naming the first ``(name, value)`` whose value is not an integer >= 1."""
-    for name, v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:

@@ -5,6 +5,7 @@ their defaults without importing torch and the engine.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from prefixcache.bench.workloads import DEFAULT_NUM_TURNS, SPEED_PREFIX_TOKENS, WORKLOAD_NAMES
@@ -12,6 +13,13 @@ from prefixcache.cache.config import DEFAULT_BLOCK_SIZE
 from prefixcache.config import DEFAULT_MODEL
 
 SPEED = "speed"  # --workload speed: prefixcache vs transformers vs llama.cpp (prefixcache.bench.speed)
+
+
+def check_positive(values: Iterable[tuple[str, object]]) -> None:
+    """Raises ValueError naming the first ``(name, value)`` whose value is not an integer >= 1."""
+    for name, v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,8 @@ from dataclasses import dataclass, field
 import torch
 
 from prefixcache.bench.accounting import IdealAccounting, ideal_accounting
-from prefixcache.bench.cli import check_positive
 from prefixcache.bench.goals import goal as _goal
-from prefixcache.bench.options import SPEED, BenchOptions
+from prefixcache.bench.options import SPEED, BenchOptions, check_positive
 from prefixcache.bench.speed import run_speed
 from prefixcache.bench.workloads import WORKLOAD_NAMES, Workload, build_workload
 from prefixcache.bench.worth import MIN_CONFIRMING_REPEATS, WorthInputs, estimate_worth

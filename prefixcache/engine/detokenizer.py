@@ -13,18 +13,80 @@ is decoded whole as before, since its decode is not a concatenation. vLLM v0 dec
 recent tokens instead (``detokenize_incrementally``'s prefix and read offsets), which works for any
 tokenizer but can differ from the full decode; here the text equals ``tokenizer.decode(ids,
 skip_special_tokens=True)`` exactly (``tests/engine/test_detokenizer.py``).
+
+:class:`TokenDecoder` gives one token's exact bytes and text: the pieces the incremental decode
+joins, and the token strings of logprobs.
 """
 
 from __future__ import annotations
 
 import codecs
+import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase
 
-if TYPE_CHECKING:  # output_processor imports this module
-    from prefixcache.engine.output_processor import TokenDecoder
+_SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the character standing for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class TokenDecoder:
+    """A single token's exact bytes and text, memoised per id (logprobs name tokens one by one).
+
+    Byte-level BPE tokenizers (GPT-2's alphabet, as SmolLM2's) spell each byte as one character:
+    the token's string maps back to its bytes exactly, a piece of a multi-byte character included.
+    SentencePiece byte tokens ``<0xNN>`` are that byte; any other token is its decoded text's UTF-8.
+    The text is the bytes decoded with replacement (U+FFFD for a partial character), as the token
+    reads on its own.
+
+    Args:
+        tokenizer: the model's tokenizer.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        self._byte_level = _byte_level_decoder() if type(decoder).__name__ == "ByteLevel" else None
+        self._memo: dict[int, tuple[str, bytes]] = {}
+
+    @property
+    def byte_level(self) -> bool:
+        """Whether the tokenizer's decoder is the byte-level one (GPT-2's alphabet)."""
+        return self._byte_level is not None
+
+    def text(self, token_id: int) -> str:
+        return self._lookup(token_id)[0]
+
+    def bytes(self, token_id: int) -> bytes:
+        return self._lookup(token_id)[1]
+
+    def _lookup(self, token_id: int) -> tuple[str, bytes]:
+        found = self._memo.get(token_id)
+        if found is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if piece is None:  # an id past the tokenizer's vocabulary (a padded lm_head row)
+                raw = b""
+            elif self._byte_level is not None and all(c in self._byte_level for c in piece):
+                raw = bytes(self._byte_level[c] for c in piece)
+            elif (m := _SENTENCEPIECE_BYTE.fullmatch(piece)) is not None:
+                raw = bytes([int(m.group(1), 16)])
+            else:
+                raw = self.tokenizer.decode([token_id]).encode("utf-8")
+            found = self._memo[token_id] = (raw.decode("utf-8", errors="replace"), raw)
+        return found
 
 
 def byte_concat_decoder(tokenizer: PreTrainedTokenizerBase, decoder: TokenDecoder) -> Callable[[int], bytes] | None:
@@ -33,8 +95,8 @@ def byte_concat_decoder(tokenizer: PreTrainedTokenizerBase, decoder: TokenDecode
 
     Args:
         tokenizer: the model's tokenizer.
-        decoder: its :class:`~prefixcache.engine.output_processor.TokenDecoder` (a token's exact
-            bytes, and whether the tokenizer's decoder is the byte-level one, GPT-2's alphabet).
+        decoder: its :class:`TokenDecoder` (a token's exact bytes, and whether the tokenizer's
+            decoder is the byte-level one, GPT-2's alphabet).
 
     Returns:
         ``id -> bytes`` (empty for a special token, which the decode skips), or None when the

@@ -16,77 +16,14 @@ when the next token arrives.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 from transformers import PreTrainedTokenizerBase
 
-from prefixcache.engine.detokenizer import IncrementalDetokenizer, byte_concat_decoder
+from prefixcache.engine.detokenizer import IncrementalDetokenizer, TokenDecoder, byte_concat_decoder
 from prefixcache.layers.sampler import TokenLogprobs
 from prefixcache.outputs import Logprob, PromptLogprobs, RequestOutput
 from prefixcache.request import Request, RequestStatus
-
-_SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def _byte_level_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet reversed: the character standing for each byte -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-class TokenDecoder:
-    """A single token's exact bytes and text, memoised per id (logprobs name tokens one by one).
-
-    Byte-level BPE tokenizers (GPT-2's alphabet, as SmolLM2's) spell each byte as one character:
-    the token's string maps back to its bytes exactly, a piece of a multi-byte character included.
-    SentencePiece byte tokens ``<0xNN>`` are that byte; any other token is its decoded text's UTF-8.
-    The text is the bytes decoded with replacement (U+FFFD for a partial character), as the token
-    reads on its own.
-
-    Args:
-        tokenizer: the model's tokenizer.
-    """
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.tokenizer = tokenizer
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        decoder = getattr(backend, "decoder", None)
-        self._byte_level = _byte_level_decoder() if type(decoder).__name__ == "ByteLevel" else None
-        self._memo: dict[int, tuple[str, bytes]] = {}
-
-    @property
-    def byte_level(self) -> bool:
-        """Whether the tokenizer's decoder is the byte-level one (GPT-2's alphabet)."""
-        return self._byte_level is not None
-
-    def text(self, token_id: int) -> str:
-        return self._lookup(token_id)[0]
-
-    def bytes(self, token_id: int) -> bytes:
-        return self._lookup(token_id)[1]
-
-    def _lookup(self, token_id: int) -> tuple[str, bytes]:
-        found = self._memo.get(token_id)
-        if found is None:
-            piece = self.tokenizer.convert_ids_to_tokens(token_id)
-            if piece is None:  # an id past the tokenizer's vocabulary (a padded lm_head row)
-                raw = b""
-            elif self._byte_level is not None and all(c in self._byte_level for c in piece):
-                raw = bytes(self._byte_level[c] for c in piece)
-            elif (m := _SENTENCEPIECE_BYTE.fullmatch(piece)) is not None:
-                raw = bytes([int(m.group(1), 16)])
-            else:
-                raw = self.tokenizer.decode([token_id]).encode("utf-8")
-            found = self._memo[token_id] = (raw.decode("utf-8", errors="replace"), raw)
-        return found
 
 
 class OutputProcessor:

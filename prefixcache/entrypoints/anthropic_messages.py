@@ -51,7 +51,8 @@ from prefixcache.cache.pins import CACHE_TTLS_S, MAX_CACHE_BREAKPOINTS, CacheBre
 from prefixcache.engine.async_engine import EngineDeadError
 from prefixcache.entrypoints.api_errors import APIError, clip, cut, error_docs, error_json, validation_message
 from prefixcache.entrypoints.protocol import Int64
-from prefixcache.entrypoints.serving import OpenAIServing, final_outputs, lone_surrogate_field, stream_text
+from prefixcache.entrypoints.serving_engine import OpenAIServing, lone_surrogate_field
+from prefixcache.entrypoints.serving_outputs import final_outputs, stream_text
 from prefixcache.errors import InvalidInputError
 from prefixcache.outputs import RequestOutput
 from prefixcache.sampling_params import SamplingParams

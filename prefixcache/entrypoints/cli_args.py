@@ -345,7 +345,7 @@ def check_serve_args(args: argparse.Namespace, replicas: int = 1) -> ServeSettin
         ValueError: the first bad flag, named.
     """
     from prefixcache.entrypoints.auth import tenants_by_key
-    from prefixcache.entrypoints.serving import check_lora_module_names
+    from prefixcache.entrypoints.serving_engine import check_lora_module_names
     from prefixcache.models.model_path import check_model_arg
 
     merge_model_option(args)

@@ -3,10 +3,12 @@
 ``prefixcache serve [MODEL] --host 127.0.0.1 --port 8000`` (flags: :mod:`.cli_args`; running
 under uvicorn: :mod:`.launcher`). Endpoints: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (JSON, or SSE streams ending with ``data: [DONE]``; logic in
-:mod:`.serving`), ``POST /v1/messages`` (Anthropic's Messages API, its errors in Anthropic's shape:
+:mod:`.serving_completion` and :mod:`.serving_chat`, on the shared :mod:`.serving_engine`),
+``POST /v1/messages`` (Anthropic's Messages API, its errors in Anthropic's shape:
 :mod:`.anthropic_messages`), ``GET /v1/models``, ``GET /health``, ``POST /reset_prefix_cache`` (also as
 SGLang's ``POST /flush_cache``),
-``GET /metrics`` (Prometheus), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's), the operator
+``GET /metrics`` (Prometheus), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's,
+:mod:`.serving_tokenization`), the operator
 dashboard: ``GET /v1/cache/stats`` (JSON) and ``GET /dashboard`` (:mod:`.dashboard`), and
 ``GET /server_info`` and ``GET /model_info`` (SGLang's, for routers: :mod:`.router_probes`), and
 the API docs, which work offline: ``GET /docs`` (Swagger UI) and ``GET /redoc`` (:mod:`.api_docs`).
@@ -63,7 +65,10 @@ from prefixcache.entrypoints.protocol import (
     TokenizeResponse,
 )
 from prefixcache.entrypoints.router_probes import model_info, server_info
-from prefixcache.entrypoints.serving import OpenAIServing
+from prefixcache.entrypoints.serving_chat import OpenAIServingChat
+from prefixcache.entrypoints.serving_completion import OpenAIServingCompletion
+from prefixcache.entrypoints.serving_engine import OpenAIServing
+from prefixcache.entrypoints.serving_tokenization import OpenAIServingTokenization
 from prefixcache.layers.lora import LoRARequest
 
 # Parsed by every route but the GETs; every route may answer these.
@@ -140,11 +145,13 @@ async def reset_prefix_cache(raw_request: Request) -> Response:
 
 
 async def create_completion(req: CompletionRequest, raw_request: Request) -> Any:
-    return await _serving(raw_request).create_completion(req, raw_request, _tenant(raw_request))
+    serving: OpenAIServingCompletion = raw_request.app.state.serving_completion
+    return await serving.create_completion(req, raw_request, _tenant(raw_request))
 
 
 async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request) -> Any:
-    return await _serving(raw_request).create_chat_completion(req, raw_request, _tenant(raw_request))
+    serving: OpenAIServingChat = raw_request.app.state.serving_chat
+    return await serving.create_chat_completion(req, raw_request, _tenant(raw_request))
 
 
 async def create_message(req: MessagesRequest, raw_request: Request) -> Any:
@@ -153,11 +160,11 @@ async def create_message(req: MessagesRequest, raw_request: Request) -> Any:
 
 
 async def tokenize(req: TokenizeRequest, raw_request: Request) -> TokenizeResponse:
-    return await _serving(raw_request).tokenize(req)
+    return await raw_request.app.state.serving_tokenization.tokenize(req)
 
 
 async def detokenize(req: DetokenizeRequest, raw_request: Request) -> DetokenizeResponse:
-    return await _serving(raw_request).detokenize(req)
+    return await raw_request.app.state.serving_tokenization.detokenize(req)
 
 
 # (path, method, endpoint, route options)
@@ -280,6 +287,17 @@ def _prepare_engine(engine: LLMEngine, lora_modules: Mapping[str, str], approved
         engine.add_approved_system_prompt(content)
 
 
+def _add_serving(app: FastAPI, async_engine: AsyncLLMEngine, served_model_name: str,
+                 lora_modules: dict[str, str] | None) -> None:
+    """Each endpoint's serving object on ``app.state``, all wrapping one :class:`OpenAIServing`
+    (``app.state.serving``: the engine, the served model's name and its adapters)."""
+    serving = app.state.serving = OpenAIServing(async_engine, served_model_name, lora_modules)
+    app.state.serving_completion = OpenAIServingCompletion(serving)
+    app.state.serving_chat = OpenAIServingChat(serving)
+    app.state.serving_tokenization = OpenAIServingTokenization(serving)
+    app.state.messages = AnthropicServing(serving)
+
+
 def build_app(
     engine: LLMEngine | AsyncLLMEngine,
     served_model_name: str,
@@ -344,8 +362,7 @@ def build_app(
     app.state.engine = async_engine
     app.state.metrics = metrics
     app.state.dashboard = board
-    app.state.serving = OpenAIServing(async_engine, served_model_name, lora_modules)
-    app.state.messages = AnthropicServing(app.state.serving)
+    _add_serving(app, async_engine, served_model_name, lora_modules)
     app.state.tenant_isolation = tenant_isolation
     for path, method, endpoint, options in _ROUTES:
         app.add_api_route(path, endpoint, methods=[method], **options)

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from prefixcache.engine.detokenizer import IncrementalDetokenizer, byte_concat_decoder
-from prefixcache.engine.output_processor import OutputProcessor, TokenDecoder
+from prefixcache.engine.detokenizer import IncrementalDetokenizer, TokenDecoder, byte_concat_decoder
+from prefixcache.engine.output_processor import OutputProcessor
 from prefixcache.sampling_params import SamplingParams
 
 
