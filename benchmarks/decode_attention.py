@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from prefixcache.layers.generated_attention import build_generated_rows, generated_attention
+from prefixcache.kernels.decode_attention import build_decode_rows, decode_attention
 
 p = argparse.ArgumentParser()
 p.add_argument("--num-threads", type=int, default=2)
@@ -49,8 +49,8 @@ cases = {
 }
 for name, (tables, lens) in cases.items():
     width = max(len(t) for t in tables)
-    rows = build_generated_rows(list(range(len(lens))), lens, torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-                                BLOCK, "cpu")
+    rows = build_decode_rows(list(range(len(lens))), lens, torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                             BLOCK, "cpu")
     q = torch.randn(len(lens), HEADS, HEAD_DIM, generator=g).bfloat16()
     times = {"bf16 form": [], "float32 form": []}
     outs = {}
@@ -58,7 +58,7 @@ for name, (tables, lens) in cases.items():
         for form in times:
             def call():
                 for k_slots, v_slots in pools:
-                    out = generated_attention(q, k_slots, v_slots, rows, HEAD_DIM**-0.5, float32_form=form == "float32 form")
+                    out = decode_attention(q, k_slots, v_slots, rows, HEAD_DIM**-0.5, float32_form=form == "float32 form")
                 return out
             for _ in range(2 if args.layers > 1 else 5):
                 outs[form] = call()

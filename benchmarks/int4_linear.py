@@ -1,5 +1,5 @@
 """The int4 format's kernels for generated tokens (``int4_mm`` / ``int8_mm`` of
-``prefixcache/layers/csrc/qgemm.cpp``: int8 activations, exact int32 group sums on AVX512-VNNI) vs
+``prefixcache/kernels/csrc/qgemm.cpp``: int8 activations, exact int32 group sums on AVX512-VNNI) vs
 torch's own 4-bit CPU kernel (``_weight_int4pack_mm_for_cpu``, bf16 activations, what the format ran
 before) vs oneDNN's prepacked bf16 product: over a whole SmolLM2 layer stack's projection shapes (30
 layers x q|k|v 576->960, o 576->576, gate|up 576->3072, down 1536->576; distinct random weights, so

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from prefixcache.layers import prefill_attention
+from prefixcache.kernels import prefill_attention
 from prefixcache.layers.attention import Attention, build_attention_metadata
 
 

@@ -1,4 +1,4 @@
-"""Prompt rows with the fused element-wise ops (layers/prompt_ops.py) vs torch's ops, in one process.
+"""Prompt rows with the fused element-wise ops (kernels/prompt_ops.py) vs torch's ops, in one process.
 
 The speed bench's prompts on the default model: cold TTFT of the ~2,180-token first prompt, warm TTFT
 of the others (the 2,032-token prefix cached), and the ten prompts' suffixes as one step (prefix

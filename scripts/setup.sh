@@ -44,11 +44,11 @@ if [ "${PREFIXCACHE_LLAMACPP:-0}" = "1" ]; then
     CFLAGS="${CFLAGS:-$no_amx}" CXXFLAGS="${CXXFLAGS:-$no_amx}" CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" \
         python -m pip install --quiet -e ".[llamacpp]"
 fi
-# Our CPU kernels (C++, AVX512-VNNI: bf16 attention, int8 rows, int4; prefixcache/layers/csrc), built once here
+# Our CPU kernels (C++, AVX512-VNNI: bf16 attention, int8 rows, int4; prefixcache/kernels/csrc), built once here
 # (about a minute) instead of on first use. On a CPU without AVX512-VNNI they are not built and the formats that
 # need them are refused at start-up (float32 runs everywhere); either way one line says so.
-step "building the CPU kernels (prefixcache/layers/csrc, about a minute where the CPU runs them) ..."
-python -m prefixcache.layers.cpu_kernels || echo "setup.sh: the CPU kernels did not build; float32 still runs" >&2
+step "building the CPU kernels (prefixcache/kernels/csrc, about a minute where the CPU runs them) ..."
+python -m prefixcache.kernels.cpu_kernels || echo "setup.sh: the CPU kernels did not build; float32 still runs" >&2
 # int8's exact AVX2 product (used where the CPU has AVX2 but no VNNI; built wherever AVX2 runs, for its tests)
 python -m prefixcache.kernels.avx2_kernels || echo "setup.sh: the AVX2 int8 kernel did not build" >&2
 step "fetching the default model into ${PREFIXCACHE_HOME:-~/.cache/prefixcache} (once) ..."

@@ -16,7 +16,7 @@ import prefixcache.models.llama as llama
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.bench.workloads import build_speed_prompts
-from prefixcache.layers.generated_decoder import GeneratedDecoder
+from prefixcache.layers.decode_layers import DecodeLayers
 from prefixcache.sample_texts import SYSTEM_PROMPT
 
 p = argparse.ArgumentParser()
@@ -45,7 +45,7 @@ def recorded(module, name: str) -> None:
     setattr(module, name, wrapper)
 
 
-recorded(GeneratedDecoder, "run")  # int4: generated rows' layers (C++: products, attention, norms in one call)
+recorded(DecodeLayers, "run")  # int4: generated rows' layers (C++: products, attention, norms in one call)
 recorded(llama, "group_int8_linear")
 recorded(lora, "amx_linear")  # bf16 linear layers on our AMX kernel (C++), where the CPU has AMX-BF16
 recorded(attention, "paged_prefill_attention")  # bf16 prompt rows' attention (C++, one call per layer) ...

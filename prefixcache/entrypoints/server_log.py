@@ -21,7 +21,7 @@ import torch
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.errors import counted
 from prefixcache.kernels.cpu_features import describe_cpu
-from prefixcache.layers.cpu_kernels import amx_ready
+from prefixcache.kernels.cpu_kernels import amx_ready
 from prefixcache.outputs import RequestOutput
 
 logger = logging.getLogger("prefixcache.serve")

@@ -8,13 +8,12 @@ rows of its call (the formula and its no-saturation bound are in the source's he
 at quantization (:func:`pack_weight`, ``Int8Weight.avx2_packed``), and each call streams the packed panels.
 
 Compiled with ``-mavx2 -mfma`` only (it runs on any AVX2 CPU, a Zen 3 included), as its own extension, once per
-machine into torch's extension cache like :mod:`prefixcache.layers.cpu_kernels`; ``python -m
+machine into torch's extension cache like :mod:`prefixcache.kernels.cpu_kernels`; ``python -m
 prefixcache.kernels.avx2_kernels`` builds it (scripts/setup.sh).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import sys
@@ -24,6 +23,7 @@ from types import ModuleType
 
 import torch
 
+from prefixcache.kernels.build import extension_name
 from prefixcache.kernels.cpu_features import cpu_has, describe_cpu
 
 __all__ = ["Avx2KernelsUnavailable", "int8_gemm_avx2", "int8_linear_avx2", "load_avx2_kernels", "pack_weight",
@@ -57,16 +57,10 @@ def load_avx2_kernels() -> ModuleType:
     if shutil.which("ninja") is None and venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     try:
-        return load(name=_extension_name(), sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS,
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        return load(name=extension_name("prefixcache_avx2_kernels", _SOURCES), sources=[str(s) for s in _SOURCES],
+                    extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         raise Avx2KernelsUnavailable(f"building the AVX2 kernels (prefixcache/kernels/csrc) failed: {e}") from e
-
-
-def _extension_name() -> str:
-    """Named with a digest of the sources, so checkouts with different sources keep separate builds."""
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(_CSRC.iterdir()) if f.is_file()))
-    return f"prefixcache_avx2_kernels_{digest.hexdigest()[:12]}"
 
 
 def uses_avx2_int8_gemm() -> bool:

@@ -47,14 +47,14 @@ Bandwidth Efficient Shared Prefix Batch Decoding", 2024) and vLLM's cascade atte
 flash kernel, which returns the log-sum-exp. It changes rounding (the softmax is summed in two
 parts), so it is used only without ``batch_invariant``. The batch-invariant int4 format's
 generated tokens (``num_prompt_tokens``) never reach this module: they run through
-:mod:`prefixcache.layers.generated_decoder` and our own paged kernel
-(:mod:`prefixcache.layers.generated_attention`: one fixed order per row whatever its batch, shared
+:mod:`prefixcache.layers.decode_layers` and our own paged kernel
+(:mod:`prefixcache.kernels.decode_attention`: one fixed order per row whatever its batch, shared
 blocks read once into cache); its prompt tokens, and every token of int8 and bfloat16, keep one
 call over the whole context, which gives a decode the bits of a prefill row.
 
 Our paged kernel: a batch-invariant bfloat16 model on a CPU with AVX512-BF16 (``paged_kernel``, which
 ``LlamaForCausalLM.paged_attention`` decides) runs every row that reaches this module through
-:mod:`prefixcache.layers.prefill_attention` instead: one call per layer for the whole step, keys read
+:mod:`prefixcache.kernels.prefill_attention` instead: one call per layer for the whole step, keys read
 in place through the block tables, a row's bits fixed by construction, so none of the padding above
 (faster than the padded flash calls: ``benchmarks/prefill_attention.py`` compares them).
 The torch path stays for float32, int8 over a float32 model, head shapes the kernel doesn't take and
@@ -68,10 +68,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixcache.layers.amx_gemm import amx_gemm_supported
-from prefixcache.layers.cpu_kernels import kernels_compiler
-from prefixcache.layers.generated_attention import GeneratedRows, build_generated_rows
-from prefixcache.layers.prefill_attention import (PagedRows, build_paged_rows, paged_prefill_attention,
+from prefixcache.kernels.amx_gemm import amx_gemm_supported
+from prefixcache.kernels.cpu_kernels import kernels_compiler
+from prefixcache.kernels.decode_attention import DecodeRows, build_decode_rows
+from prefixcache.kernels.prefill_attention import (PagedRows, build_paged_rows, paged_prefill_attention,
                                                    prefill_amx_supported)
 
 KV_SPLIT = 512  # keys per block of torch's CPU flash-attention kernel (batch-invariant calls pad to a multiple)
@@ -82,7 +82,7 @@ Q_ROW_QUANTUM = 16  # rows of the GEMMs' sub-blocks: a 2- or 3-row tail after th
 # them, so a disk or Redis tier filled under an older rule is never read as if computed now
 # (query rows padded to 4..16 or a multiple of 16; no one-row GEMM call).
 KV_NUMERICS = "attention-rows:4-16-x16|gemm-rows:2+"
-# the same for our kernel's prompt rows, with the fused element-wise ops of layers.prompt_ops around it
+# the same for our kernel's prompt rows, with the fused element-wise ops of kernels.prompt_ops around it
 # (their RMSNorm sum order and SiLU exp are ours, not torch's; the kernel's softmax is in base 2)
 PAGED_KV_NUMERICS = "paged-bf16-attention:keys32-exp2|gemm-rows:2+|prompt-ops:1"
 
@@ -96,11 +96,11 @@ AMX_GEMM_NUMERICS = "|gemm:amx-tiles-k32"
 
 def kv_numerics(paged_kernel: bool, bf16_gemms: bool, int4: bool = False) -> str:
     """The cache key's name for the rules that decide the bits of the pool's K/V: our paged kernel
-    (:mod:`prefixcache.layers.prefill_attention`), in its AMX or AVX-512 form, or torch's padded
+    (:mod:`prefixcache.kernels.prefill_attention`), in its AMX or AVX-512 form, or torch's padded
     flash calls; for a model whose linear layers run in bf16 (``bf16_gemms``), whose GEMMs those are
     (our AMX kernel or oneDNN's in row tiles; a float32 or int8 model's never run on it); and, wherever
     our C++ kernels compute K/V (the paged kernel, the AMX GEMM, ``int4``'s generated rows), the
-    compiler that built them (:func:`prefixcache.layers.cpu_kernels.kernels_compiler`)."""
+    compiler that built them (:func:`prefixcache.kernels.cpu_kernels.kernels_compiler`)."""
     if not paged_kernel:
         key = KV_NUMERICS
     else:
@@ -204,8 +204,8 @@ class AttentionMetadata:
     num_decode_keys: int  # tail keys: padded_num_keys(longest decode tail); 0 without decodes
     batch_invariant: bool  # built with the padding rules of the module docstring
     num_tokens: int  # new tokens in the batch
-    generated: GeneratedRows | None = None  # generated tokens (num_prompt_tokens given): run by the model's
-    # layers.generated_decoder, never by Attention; every other field describes the remaining rows only
+    generated: DecodeRows | None = None  # generated tokens (num_prompt_tokens given): run by the model's
+    # layers.decode_layers, never by Attention; every other field describes the remaining rows only
     dense_token_indices: torch.Tensor | None = None  # [num_tokens] int64: with `generated`, the batch
     # index of each remaining (prompt) row, the sub-batch the other fields describe
     paged: PagedRows | None = None  # built with ``paged_kernel``: every row runs our paged kernel, and
@@ -236,11 +236,11 @@ def build_attention_metadata(
             starts zeroed).
         num_prompt_tokens: per sequence, its request's prompt length; given (with
             ``batch_invariant``), every new token at a position >= it (a generated token) goes to
-            ``generated`` (the int4 format runs them through :mod:`prefixcache.layers.generated_decoder`;
+            ``generated`` (the int4 format runs them through :mod:`prefixcache.layers.decode_layers`;
             their blocks are keyed apart) and the rest of the metadata describes the other tokens,
             ``dense_token_indices`` (none when every token is generated).
         paged_kernel: (with ``batch_invariant``, a bf16 pool) the (prompt) rows run our paged kernel
-            (:mod:`prefixcache.layers.prefill_attention`, ``paged``), which needs no padding; the
+            (:mod:`prefixcache.kernels.prefill_attention`, ``paged``), which needs no padding; the
             model decides, as its cache key names it (``LlamaForCausalLM.paged_attention``).
 
     Returns:
@@ -347,7 +347,7 @@ def _split_metadata(
         metadata, _ = _build_metadata(dense_seqs, block_size, device, True, dtype, num_pool_blocks, paged_kernel)
     else:
         metadata = _metadata_without_calls(torch.empty(0, dtype=torch.int64, device=device), None)
-    metadata.generated = build_generated_rows(gen_indices, context_lens, block_table[seq_of_row], block_size, device)
+    metadata.generated = build_decode_rows(gen_indices, context_lens, block_table[seq_of_row], block_size, device)
     metadata.dense_token_indices = torch.tensor(dense_indices, dtype=torch.int64, device=device)
     return metadata, positions.to(device)
 

@@ -28,9 +28,9 @@ from safetensors import SafetensorError
 from torch import nn
 
 from prefixcache.errors import InvalidInputError, clip
+from prefixcache.kernels.amx_gemm import (GATE_UP, SILU_MUL, amx_gemm_supported, amx_linear, amx_packable,
+                                          interleave_gate_up, pack_weight)
 from prefixcache.kernels.cpu_features import format_unavailable_reason
-from prefixcache.layers.amx_gemm import (GATE_UP, SILU_MUL, amx_gemm_supported, amx_linear, amx_packable,
-                                         interleave_gate_up, pack_weight)
 from prefixcache.layers.quant import (Int8Weight, int8_product,
                                      stacked_weight_and_bias)
 
@@ -252,7 +252,7 @@ PREPACKED_ROW_TILE = 128  # rows per call with a PrepackedWeight (see PrepackedW
 class PrepackedWeight:
     """oneDNN's reordered copy of one or more bfloat16 weights stacked by output rows (q, k, v →
     qkv), made once and re-made when one of them changes; where the CPU has AMX-BF16, our AMX kernel's
-    packed copy instead (``amx``: :mod:`prefixcache.layers.amx_gemm`, whose rows never depend on the
+    packed copy instead (``amx``: :mod:`prefixcache.kernels.amx_gemm`, whose rows never depend on the
     call's other rows, so :func:`row_tiles` makes one call).
 
     torch's plain bf16 ``F.linear`` on the CPU reorders the weight into oneDNN's blocked layout on
@@ -336,7 +336,7 @@ def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.T
     takes another kernel whose sums differ for the 1536-input down_proj (~1 row in 10 with SiLU-like
     activations, enough for a bf16 decode alone and in a batch to diverge), so a
     single row runs as two (itself twice) and a last tile of one row is taken with the row before it.
-    Where a prepacked weight runs on our AMX kernel (:mod:`prefixcache.layers.amx_gemm`: a row's bits
+    Where a prepacked weight runs on our AMX kernel (:mod:`prefixcache.kernels.amx_gemm`: a row's bits
     never depend on the call's rows), all rows go in one call.
 
     Args:
@@ -355,7 +355,7 @@ def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.T
 def row_tiles(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
               packed: PrepackedWeight | None = None) -> list[torch.Tensor]:
     """:func:`row_tiled_linear`'s calls' outputs, not concatenated: row tiles of [num_tokens,
-    out_features] in order (:mod:`prefixcache.layers.prompt_ops` reads them in place)."""
+    out_features] in order (:mod:`prefixcache.kernels.prompt_ops` reads them in place)."""
     if packed is not None and packed.amx:  # any number of rows in one call (amx_gemm.py)
         return [packed.linear(x)]
     if packed is None:

@@ -22,8 +22,8 @@ the problem that per-tensor activation scales or batch-size-dependent float kern
 llama.cpp's block formats: layer weights on Q4_1's grid (4 bits per weight, a scale and a min per 32
 input features), the lm_head on Q8_0's (8 bits, a scale per 32), activations quantized per row and
 per 32 features to int8, each group's sum exact in int32 and the groups added in a fixed order
-(``csrc/qgemm.cpp``, built by :mod:`prefixcache.layers.cpu_kernels`), in the layers of
-:mod:`prefixcache.layers.generated_decoder`; its prompt tokens stay bf16 (and their logits rows:
+(``kernels/csrc/qgemm.cpp``, built by :mod:`prefixcache.kernels.cpu_kernels`), in the layers of
+:mod:`prefixcache.layers.decode_layers`; its prompt tokens stay bf16 (and their logits rows:
 :class:`RowSplit`). ``quantization="int4-int8"`` runs int4's generated tokens and this module's W8A8
 products for every other row (its prompt rows' logits on the int8 lm_head).
 """
@@ -39,7 +39,7 @@ import torch
 
 from prefixcache.config import QUANTIZATIONS
 from prefixcache.kernels.avx2_kernels import int8_gemm_avx2, int8_linear_avx2, pack_weight, uses_avx2_int8_gemm
-from prefixcache.layers.cpu_kernels import CpuKernelsUnavailable, load_cpu_kernels
+from prefixcache.kernels.cpu_kernels import CpuKernelsUnavailable, load_cpu_kernels
 
 __all__ = ["INT4_GROUP", "INT4_OUTPUT_KEY", "QUANTIZATIONS", "GroupInt8Weight", "Int4Weight", "Int8Weight",
            "group_int8_linear", "int4_linear", "int8_linear", "int8_product", "int8_rows_to_float_torch",
@@ -132,7 +132,7 @@ def stacked_weight_and_bias(modules: list) -> tuple[torch.Tensor, torch.Tensor |
 
 @cache
 def _fused_int8_rows():
-    """Our kernels' fused element-wise halves (``csrc/int8_rows.cpp``, the same bits as the torch ops
+    """Our kernels' fused element-wise halves (``kernels/csrc/int8_rows.cpp``, the same bits as the torch ops
     below), or None where they can't run (the torch ops then)."""
     if os.environ.get("PREFIXCACHE_INT8_FUSED", "1") == "0":  # the torch ops, for A/B measurements
         return None
@@ -248,7 +248,7 @@ def int8_rows_to_float_torch(
 
 
 INT4_GROUP = 32  # input features per scale (llama.cpp's Q4_1 / Q8_0 block size; also the activations')
-# Block-hash key of K/V computed by generated rows. Their attention's form (csrc/paged_attention.cpp)
+# Block-hash key of K/V computed by generated rows. Their attention's form (kernels/csrc/paged_attention.cpp)
 # follows the CPU's AVX512-BF16 like the prompt kernel's, which the model key names (attention.kv_numerics);
 # this names the forms' versions and which rows take which, so K/V computed under an earlier rule in a tier
 # is not reused (rows past 4,096 keys take the float32 form).
@@ -257,7 +257,7 @@ INT4_OUTPUT_KEY = b"int4-generated:decoder-f32-residual|decode-attention:bf16-ke
 
 @dataclass(slots=True)
 class Int4Weight:
-    """A linear layer's weight in 4 bits, for ``int4_mm`` of :mod:`prefixcache.layers.cpu_kernels`.
+    """A linear layer's weight in 4 bits, for ``int4_mm`` of :mod:`prefixcache.kernels.cpu_kernels`.
 
     ``w[n, k] = q[n, k] * scale[n // 16, k // 32, n % 16] + min[n // 16, k // 32, n % 16]`` with ``q``
     in 0..15: an asymmetric grid per group of :data:`INT4_GROUP` input features (llama.cpp's Q4_1:

@@ -16,13 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.config import INT4_DECODER_FORMATS, W8A8_FORMATS
+from prefixcache.kernels.cpu_kernels import load_cpu_kernels
+from prefixcache.kernels.prefill_attention import paged_prefill_attention, prefill_kernel_supported
+from prefixcache.kernels.prompt_ops import add_rms_norm, rope_write_kv, silu_mul
 from prefixcache.layers.attention import Attention, AttentionMetadata, build_attention_metadata
-from prefixcache.layers.generated_decoder import DecoderLayerWeights, GeneratedDecoder
-from prefixcache.layers.cpu_kernels import load_cpu_kernels
-from prefixcache.layers.prefill_attention import paged_prefill_attention, prefill_kernel_supported
+from prefixcache.layers.decode_layers import DecodeLayers, DecoderLayerWeights
 from prefixcache.layers.lora import (LoRABatch, LoRALinear, PrepackedWeight, prepacked_linear_supported,
                                     row_tiled_linear, row_tiles)
-from prefixcache.layers.prompt_ops import add_rms_norm, rope_write_kv, silu_mul
 from prefixcache.layers.norm import RMSNorm
 from prefixcache.layers.quant import (
     QUANTIZATIONS,
@@ -125,7 +125,7 @@ class LlamaAttention(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                       md: AttentionMetadata, lora: LoRABatch | None) -> list[torch.Tensor]:
-        """:meth:`forward` on the paged kernel with :mod:`prefixcache.layers.prompt_ops`: RoPE and the
+        """:meth:`forward` on the paged kernel with :mod:`prefixcache.kernels.prompt_ops`: RoPE and the
         K/V write in one pass over the q|k|v product's row tiles (the same bits as the torch ops: LoRA
         and Qwen3's q/k norm keep them). Returns o_proj's row tiles, [num_tokens, hidden_size] in all."""
         qkv = self._qkv_tiles(x) if lora is None and self.q_norm is None else None
@@ -208,7 +208,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up, lora)
 
     def forward_fused(self, x: torch.Tensor, lora: LoRABatch | None) -> list[torch.Tensor]:
-        """:meth:`forward` with :func:`~prefixcache.layers.prompt_ops.silu_mul` over gate|up's row
+        """:meth:`forward` with :func:`~prefixcache.kernels.prompt_ops.silu_mul` over gate|up's row
         tiles. Returns down_proj's row tiles, [num_tokens, hidden_size] in all."""
         if self.gate_up_packed is not None and lora is None:
             act = self.gate_up_packed.silu_linear(x)  # AMX: silu(gate) * up in the product's store, same bits
@@ -284,7 +284,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward_fused(self, x: list[torch.Tensor], residual: torch.Tensor | None,
                       cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, md: AttentionMetadata,
                       lora: LoRABatch | None) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """:meth:`forward` with :mod:`prefixcache.layers.prompt_ops`: takes the previous layer's MLP
+        """:meth:`forward` with :mod:`prefixcache.kernels.prompt_ops`: takes the previous layer's MLP
         output as row tiles (the embedding for the first layer) and the residual stream before its
         add (None for the first layer); returns its own (the add is the next layer's, or the final norm's)."""
         normed, residual = add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
@@ -303,12 +303,12 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList([LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
-        self.generated_decoder: GeneratedDecoder | None = None  # quantization int4(-int8): generated rows' layers
+        self.decode_layers: DecodeLayers | None = None  # quantization int4(-int8): generated rows' layers
         # layers' forward_fused (prompt_ops) in every step whose metadata runs the paged kernel (md.paged), which
         # the cache key names with them (attention.kv_numerics); False only in A/B runs (benchmarks/prompt_ops.py)
         self.fused_prompt_ops = True
 
-    def build_generated_decoder(self, config: ModelConfig) -> None:
+    def build_decode_layers(self, config: ModelConfig) -> None:
         """The generated rows' decoder over the layers' int4 weights (quantization "int4", "int4-int8")."""
         layers = [DecoderLayerWeights(
             input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
@@ -316,7 +316,7 @@ class LlamaModel(nn.Module):
             k_norm=None if layer.self_attn.k_norm is None else layer.self_attn.k_norm.weight,
             qkv=layer.self_attn.qkv_int4, o=layer.self_attn.o_int4, gate_up=layer.mlp.gate_up_int4,
             down=layer.mlp.down_int4) for layer in self.layers]
-        self.generated_decoder = GeneratedDecoder(
+        self.decode_layers = DecodeLayers(
             layers, self.norm.weight, self.rotary_emb.inv_freq, num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
             intermediate_size=config.intermediate_size, eps=config.rms_norm_eps, scale=config.head_dim**-0.5)
@@ -353,10 +353,10 @@ class LlamaModel(nn.Module):
 
     def _forward_split(self, hidden_states: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                        kv_caches: list[torch.Tensor], lora: LoRABatch | None) -> torch.Tensor:
-        """quantization "int4" ("int4-int8"): the metadata's generated rows through :attr:`generated_decoder`, the
+        """quantization "int4" ("int4-int8"): the metadata's generated rows through :attr:`decode_layers`, the
         other rows (``md.dense_token_indices``, which the rest of ``md`` describes) through the torch
         layers, each layer's prompt rows first (a recomputed generated row reads its prompt's K/V)."""
-        if self.generated_decoder is None:
+        if self.decode_layers is None:
             raise RuntimeError("attention metadata with generated rows needs quantization 'int4' or 'int4-int8'")
         if lora is not None:
             raise RuntimeError("quantization 'int4' ('int4-int8') runs no LoRA adapter (refused when the request "
@@ -366,21 +366,21 @@ class LlamaModel(nn.Module):
         gen_hidden = (hidden_states if gen.token_indices.numel() == num_tokens
                       else hidden_states.index_select(0, gen.token_indices)).float().contiguous()  # [G, hidden]
         if dense is None or dense.numel() == 0:
-            self.generated_decoder.run(gen_hidden, gen, kv_caches)  # all layers in one call
-            return self.generated_decoder.final_norm(gen_hidden)
+            self.decode_layers.run(gen_hidden, gen, kv_caches)  # all layers in one call
+            return self.decode_layers.final_norm(gen_hidden)
         dense_hidden = hidden_states.index_select(0, dense)  # [P, hidden]
         cos_sin = self.rotary_emb(positions.index_select(0, dense), hidden_states.dtype)
         if self.fused_prompt_ops and md.paged is not None:
             dense_hidden = self._run_fused(dense_hidden, cos_sin, kv_caches, md, None,
-                                           lambda i: self.generated_decoder.run(gen_hidden, gen, kv_caches, i, i + 1))
+                                           lambda i: self.decode_layers.run(gen_hidden, gen, kv_caches, i, i + 1))
         else:
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 dense_hidden = layer(dense_hidden, cos_sin, kv_cache, md)
-                self.generated_decoder.run(gen_hidden, gen, kv_caches, i, i + 1)
+                self.decode_layers.run(gen_hidden, gen, kv_caches, i, i + 1)
             dense_hidden = self.norm(dense_hidden)
         out = hidden_states.new_empty(hidden_states.shape)  # [num_tokens, hidden]
         out.index_copy_(0, dense, dense_hidden)
-        return out.index_copy_(0, gen.token_indices, self.generated_decoder.final_norm(gen_hidden))
+        return out.index_copy_(0, gen.token_indices, self.decode_layers.final_norm(gen_hidden))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -419,7 +419,7 @@ class LlamaForCausalLM(nn.Module):
         """Derives the forward pass's weights from the float ones: ``"int8"`` (the W8A8 scheme of
         :mod:`prefixcache.layers.quant` for every projection and lm_head; the embedding stays
         float), ``"int4"`` (bfloat16 model: generated tokens run every layer in
-        :class:`~prefixcache.layers.generated_decoder.GeneratedDecoder`, projections on a 4-bit grid,
+        :class:`~prefixcache.layers.decode_layers.DecodeLayers`, projections on a 4-bit grid,
         and their logits rows on an 8-bit lm_head, both with int8 activations; prompt tokens'
         layers and logits bf16), ``"int4-int8"`` (int4's generated tokens, int8's prompt tokens) or
         ``"none"`` (the float weights). Call again after the float weights change.
@@ -428,7 +428,7 @@ class LlamaForCausalLM(nn.Module):
             ValueError: an unknown scheme, or int4(-int8) on a model that is not bfloat16.
             CpuKernelsUnavailable: int4 where its kernels can't be built or run.
             RuntimeError: int4 on a model shape the generated rows' decoder can't run (see
-                :class:`~prefixcache.layers.generated_decoder.GeneratedDecoder`).
+                :class:`~prefixcache.layers.decode_layers.DecodeLayers`).
         """
         if scheme not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {scheme!r}")
@@ -440,9 +440,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.quantize(scheme)
             layer.mlp.quantize(scheme)
-        self.model.generated_decoder = None
+        self.model.decode_layers = None
         if int4:
-            self.model.build_generated_decoder(self.config)
+            self.model.build_decode_layers(self.config)
         self.lm_head_int8 = quantize_weight(self.lm_head.weight) if scheme in W8A8_FORMATS else None
         self.lm_head_q8 = quantize_weight_group_int8(self.lm_head.weight) if int4 else None
         self.quantization = scheme
@@ -562,7 +562,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def paged_attention(self) -> bool:
-        """Whether attention runs our paged kernel (:mod:`prefixcache.layers.prefill_attention`): a
+        """Whether attention runs our paged kernel (:mod:`prefixcache.kernels.prefill_attention`): a
         batch-invariant bfloat16 model whose head shape the kernel takes, on a CPU with AVX512-BF16;
         else torch's flash kernel with the padding of :mod:`prefixcache.layers.attention`. The two round
         differently, so the cache key names the one in use (``attention.kv_numerics``)."""

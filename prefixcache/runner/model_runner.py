@@ -118,7 +118,7 @@ class ModelRunner:
             batch_invariant=self.model.batch_invariant,  # batch-invariant linear layers: attention too
             dtype=self.kv_caches[0].dtype,
             num_pool_blocks=self.kv_caches[0].shape[1],
-            # int4: generated tokens (their blocks keyed apart) run through layers.generated_decoder
+            # int4: generated tokens (their blocks keyed apart) run through layers.decode_layers
             num_prompt_tokens=([s.num_prompt_tokens for s in seqs]
                                if self.model.quantization in INT4_DECODER_FORMATS else None),
             paged_kernel=self.model.paged_attention,

@@ -3,7 +3,7 @@ was found: dates, commit ids, work-session numbers, review notes, issue numbers 
 not in the repository and paths outside it go stale and belong in the commit message; measured
 numbers belong in docs/benchmarks.md. Only comments and docstrings are read (``tokenize`` and
 ``ast``), so hash constants and example data in code are never flagged; C++ sources under
-``layers/csrc`` are read for their ``//`` and ``/* */`` comments.
+``kernels/csrc`` are read for their ``//`` and ``/* */`` comments.
 
 A comment that points at the documentation names a page under ``docs/`` that exists, not a README
 section (the README is a front door; its sections move).

@@ -94,9 +94,9 @@ def test_int4_generated_tokens_run_the_4bit_layers_and_the_8bit_lm_head(smollm2_
     """The prompt's last row takes the bf16 lm_head (the test above); each generated token's row the
     grouped 8-bit one (its logits rows only, one call per decode step), and the logprobs returned for
     the next token are that product's log-softmax; every layer of a generated token (and none of a
-    prompt token's) runs in the generated rows' decoder (layers.generated_decoder, 4-bit weights)."""
+    prompt token's) runs in the generated rows' decoder (layers.decode_layers, 4-bit weights)."""
     import prefixcache.models.llama as llama
-    from prefixcache.layers.generated_decoder import GeneratedDecoder
+    from prefixcache.layers.decode_layers import DecodeLayers
 
     calls = []
 
@@ -108,13 +108,13 @@ def test_int4_generated_tokens_run_the_4bit_layers_and_the_8bit_lm_head(smollm2_
     group_int8_linear = llama.group_int8_linear
     monkeypatch.setattr(llama, "group_int8_linear", recording)
     runs = []  # (rows, first layer, end layer) of each generated-rows decoder call
-    run = GeneratedDecoder.run
+    run = DecodeLayers.run
 
     def recording_run(self, hidden, rows, kv_caches, begin=0, end=None):
         runs.append((hidden.shape[0], begin, end))
         return run(self, hidden, rows, kv_caches, begin, end)
 
-    monkeypatch.setattr(GeneratedDecoder, "run", recording_run)
+    monkeypatch.setattr(DecodeLayers, "run", recording_run)
     llm = make(smollm2_int4)
     prompt = llm.apply_chat_template([{"role": "user", "content": QUESTIONS[1]}])
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, logprobs=5), use_tqdm=False)[0]
@@ -141,19 +141,19 @@ def _long_prompts(llm, shared_first: bool) -> list[list[int]]:
 
 def test_int4_generated_tokens_over_a_shared_prefix_match_alone(smollm2_int4, monkeypatch):
     """Decodes over a shared prompt of > 512 tokens run as one batch of generated rows whose block
-    tables start with the same pool blocks (layers.generated_attention); their tokens equal each
+    tables start with the same pool blocks (kernels.decode_attention); their tokens equal each
     request alone with caching off."""
     import prefixcache.layers.attention as attention
 
     steps = []
-    build = attention.build_generated_rows
+    build = attention.build_decode_rows
 
     def recording_build(*args, **kwargs):
         rows = build(*args, **kwargs)
         steps.append(rows)
         return rows
 
-    monkeypatch.setattr(attention, "build_generated_rows", recording_build)
+    monkeypatch.setattr(attention, "build_decode_rows", recording_build)
     llm = make(smollm2_int4)
     prompts = _long_prompts(llm, shared_first=True)
     assert min(map(len, prompts)) > 512

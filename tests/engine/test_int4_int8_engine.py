@@ -46,7 +46,7 @@ def test_int4_int8_prompt_rows_are_int8s_and_generated_rows_int4s(smollm2_int4_i
     follow are int4's decoder's, which differ from int8's."""
     import prefixcache.layers.quant as quant
     import prefixcache.models.llama as llama
-    from prefixcache.layers.generated_decoder import GeneratedDecoder
+    from prefixcache.layers.decode_layers import DecodeLayers
     from prefixcache.models.loader import load_model
 
     int8 = make(load_model("smollm2-135m", dtype=torch.bfloat16, quantization="int8"), quantization="int8")
@@ -55,7 +55,7 @@ def test_int4_int8_prompt_rows_are_int8s_and_generated_rows_int4s(smollm2_int4_i
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
     ref = int8.generate([prompt], params, use_tqdm=False)[0]
     rows, runs, q8 = [], [], []
-    int8_linear, run, group_int8_linear = quant.int8_linear, GeneratedDecoder.run, llama.group_int8_linear
+    int8_linear, run, group_int8_linear = quant.int8_linear, DecodeLayers.run, llama.group_int8_linear
 
     def recording_int8(x_q, scale, weight, out_dtype):
         rows.append(x_q.shape[0])
@@ -70,7 +70,7 @@ def test_int4_int8_prompt_rows_are_int8s_and_generated_rows_int4s(smollm2_int4_i
         return group_int8_linear(x, weight, out_dtype)
 
     monkeypatch.setattr(quant, "int8_linear", recording_int8)  # every int8 product (quant.int8_product)
-    monkeypatch.setattr(GeneratedDecoder, "run", recording_run)
+    monkeypatch.setattr(DecodeLayers, "run", recording_run)
     monkeypatch.setattr(llama, "group_int8_linear", recording_q8)
     out = combo.generate([prompt], params, use_tqdm=False)[0]
     assert out.token_ids[0] == ref.token_ids[0] and out.logprobs[0] == ref.logprobs[0]

@@ -116,7 +116,7 @@ def test_bad_lora_argument(make_llm, tmp_path):
 
 @pytest.mark.requires_format("bfloat16", "none")
 def test_bf16_base_request_same_bits_beside_an_adapter(smollm2, adapters):
-    """bf16 runs the fused prompt ops of layers/prompt_ops.py, and a step with LoRA deltas takes torch's
+    """bf16 runs the fused prompt ops of kernels/prompt_ops.py, and a step with LoRA deltas takes torch's
     ops for RoPE and the K/V write: a base request's tokens and logprobs are the same alone and beside
     an adapter's request."""
     from prefixcache.llm import LLM

@@ -78,7 +78,7 @@ def _fused():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_int8_rows_give_the_torch_ops_bits(dtype):
-    """csrc/int8_rows.cpp: the same int8 rows, scales and outputs as the torch ops it replaces, over odd
+    """kernels/csrc/int8_rows.cpp: the same int8 rows, scales and outputs as the torch ops it replaces, over odd
     widths (masked tails), tiny and large magnitudes, an all-zero row, with and without bias, float32
     and bf16 outputs."""
     from prefixcache.layers.quant import int8_rows_to_float_torch, quantize_activations_torch

@@ -1,4 +1,4 @@
-"""A bf16 model on our paged attention kernel (layers/prefill_attention.py): the runner's metadata, the
+"""A bf16 model on our paged attention kernel (kernels/prefill_attention.py): the runner's metadata, the
 same logits bits whether a prompt runs whole or chunked then decoded (cache on == off at the model),
 and close to transformers' float32 model."""
 
@@ -7,7 +7,7 @@ import torch
 from model_testlib import chunked_then_decoded, make_tiny_checkpoint
 from test_llama_vs_transformers import prefill_alone, random_ids, reference_logits
 
-from prefixcache.layers.prefill_attention import prefill_kernel_supported
+from prefixcache.kernels.prefill_attention import prefill_kernel_supported
 from prefixcache.models.llama import LlamaDecoderLayer
 from prefixcache.models.loader import load_model
 
@@ -27,7 +27,7 @@ def test_bf16_model_on_the_kernel_same_bits_chunked_and_close_to_fp32(tmp_path, 
     chunked, _ = chunked_then_decoded(loaded, ids)
     assert torch.equal(whole, chunked)
     torch.testing.assert_close(whole, reference_logits(ref, ids), atol=0.1, rtol=0.05)
-    # the fused element-wise ops (layers/prompt_ops.py) go with the kernel; torch's ops round within an ulp of them
+    # the fused element-wise ops (kernels/prompt_ops.py) go with the kernel; torch's ops round within an ulp of them
     assert loaded.model.model.fused_prompt_ops
     calls = []
     monkeypatch.setattr(LlamaDecoderLayer, "forward_fused",

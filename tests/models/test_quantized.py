@@ -189,7 +189,7 @@ def test_int4_runs_without_oneDNNs_prepacked_linear(tiny_llama_dir, monkeypatch)
     bf16 = load_model(str(tiny_llama_dir), load_tokenizer=False, dtype=torch.bfloat16)
     monkeypatch.setattr(llama, "prepacked_linear_supported", lambda: False)
     bf16.model.quantize("int4")
-    assert bf16.model.model.generated_decoder is not None
+    assert bf16.model.model.decode_layers is not None
     assert bf16.model.model.layers[0].self_attn.qkv_packed is None and bf16.model.lm_head_packed is None
 
 

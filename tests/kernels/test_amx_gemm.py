@@ -1,4 +1,4 @@
-"""Our AMX GEMM for a bf16 model's linear layers (layers/amx_gemm.py, csrc/amx_gemm.cpp): right values
+"""Our AMX GEMM for a bf16 model's linear layers (kernels/amx_gemm.py, csrc/amx_gemm.cpp): right values
 against float64, a row's exact bits in a call of any number of rows (the property that lets it run
 without oneDNN's row tiles), the prepacked weights that route to it, and the inputs it refuses."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from prefixcache.layers.amx_gemm import amx_gemm_supported, amx_linear, amx_packable, pack_weight
+from prefixcache.kernels.amx_gemm import amx_gemm_supported, amx_linear, amx_packable, pack_weight
 from prefixcache.layers.lora import PrepackedWeight, row_tiles
 
 pytestmark = pytest.mark.skipif(not amx_gemm_supported(), reason="needs a CPU with AMX-BF16 tiles")
@@ -120,7 +120,7 @@ def test_gate_up_interleaved_gives_the_plain_products_and_silu_mul_fused_gives_s
     """A gate|up weight packed interleaved (blocks gate 0, up 0, gate 1, ...): its [gate | up] output has the
     bits of the plain layout's, and the fused silu(gate) * up store has the bits of prompt_ops.silu_mul on
     that output, for 1, 17 and 300 rows (each row also alone)."""
-    from prefixcache.layers.prompt_ops import silu_mul
+    from prefixcache.kernels.prompt_ops import silu_mul
 
     torch.manual_seed(0)
     gate, up = nn.Linear(64, 96, bias=bias).bfloat16(), nn.Linear(64, 96, bias=bias).bfloat16()

@@ -1,6 +1,6 @@
 // A bfloat16 model's linear layers on AMX tiles: out[M, N] = bf16(x[M, K] . W[N, K]^T + bias), float32 sums.
 //
-// The weight is packed once (layers/amx_gemm.py) into the tile layout TDPBF16PS reads as its B operand: for
+// The weight is packed once (kernels/amx_gemm.py) into the tile layout TDPBF16PS reads as its B operand: for
 // each block of 16 output columns and each 32 input features, a 16 x 16 tile of dwords whose row i, column n
 // holds (W[n][2i], W[n][2i + 1]). A work item is up to 256 rows and 128 columns; in it, 32 rows x 32
 // columns at a time run as four 16 x 16 float32 tiles, each summed over the input features in blocks of 32
@@ -33,7 +33,7 @@ constexpr int64_t kItemRows = 256, kItemBlocks = 8;  // a work item: rows x (16-
 constexpr int64_t kKcBlock = 6;  // feature blocks of 32 per pass over a work item's row chunks
 
 // Output modes. kPlain: column block b is out's columns 16 b ... kGateUp: blocks alternate gate block j,
-// up block j (layers/amx_gemm.py's interleave_gate_up), written to out [M, 2 I] at 16 j and I + 16 j. kSiluMul: the same
+// up block j (kernels/amx_gemm.py's interleave_gate_up), written to out [M, 2 I] at 16 j and I + 16 j. kSiluMul: the same
 // pairs, out [M, I] = bf16(bf16(silu(bf16 gate)) * bf16 up), prompt_ops.cpp's silu_mul on the bf16 values the
 // kGateUp mode writes: the same bits as that mode followed by silu_mul.
 enum OutMode : int64_t { kPlain = 0, kGateUp = 1, kSiluMul = 2 };

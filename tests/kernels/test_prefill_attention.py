@@ -1,4 +1,4 @@
-"""Our paged prompt-attention kernel (layers/prefill_attention.py, csrc/prefill_attention.cpp), in both
+"""Our paged prompt-attention kernel (kernels/prefill_attention.py, csrc/prefill_attention.cpp), in both
 its forms (AVX-512 dot products; AMX tiles, where the CPU has them): right values against float64
 attention, and a row's exact bits whatever its batch, chunking, cached prefix, or decode; the metadata
 that routes every row to it; the shapes it refuses."""
@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
-from prefixcache.layers.amx_gemm import amx_gemm_supported
-from prefixcache.layers.cpu_kernels import kernels_compiler
+from prefixcache.kernels.amx_gemm import amx_gemm_supported
+from prefixcache.kernels.cpu_kernels import kernels_compiler
+from prefixcache.kernels.prefill_attention import (build_paged_rows, paged_prefill_attention, prefill_amx_supported,
+                                                   prefill_kernel_supported)
 from prefixcache.layers.attention import (AMX_GEMM_NUMERICS, KV_NUMERICS, PAGED_AMX_NUMERICS, PAGED_KV_NUMERICS, Attention,
                                           build_attention_metadata, kv_numerics)
-from prefixcache.layers.prefill_attention import (build_paged_rows, paged_prefill_attention, prefill_amx_supported,
-                                                  prefill_kernel_supported)
 
 pytestmark = pytest.mark.skipif(not prefill_kernel_supported(9, 3, 64),
                                 reason="our paged attention kernel needs AVX512-BF16 and AVX512-VNNI")

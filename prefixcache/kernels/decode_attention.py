@@ -2,7 +2,7 @@
 
 A query row (one token, all heads) attends over its context, keys ``[0, position]`` of its sequence,
 read through its block table by our kernel ``paged_decode_attention``
-(``prefixcache/layers/csrc/paged_attention.cpp``, formulas in its header): an online softmax in key
+(``prefixcache/kernels/csrc/paged_attention.cpp``, formulas in its header): an online softmax in key
 order, a long context in 1,024-key segments at fixed positions (separate work items, so on all
 threads) merged in segment order. No keys are gathered or padded and one call serves all of a step's
 generated rows. A row's arithmetic depends only on its own query, keys and values (and the pool's
@@ -33,12 +33,12 @@ from dataclasses import dataclass
 import torch
 
 from prefixcache.kernels.cpu_features import cpu_has
-from prefixcache.layers.cpu_kernels import load_cpu_kernels
+from prefixcache.kernels.cpu_kernels import load_cpu_kernels
 
 
 @dataclass(slots=True)
-class GeneratedRows:
-    """A step's generated-token rows, built by :func:`build_generated_rows`."""
+class DecodeRows:
+    """A step's generated-token rows, built by :func:`build_decode_rows`."""
 
     token_indices: torch.Tensor  # [num_rows] int64: each row's index in the step's batch
     block_table: torch.Tensor  # [num_rows, max_blocks] int32: the row's sequence's blocks
@@ -46,8 +46,8 @@ class GeneratedRows:
     block_size: int
 
 
-def build_generated_rows(token_indices: list[int], context_lens: list[int], block_table: torch.Tensor,
-                         block_size: int, device: torch.device | str) -> GeneratedRows:
+def build_decode_rows(token_indices: list[int], context_lens: list[int], block_table: torch.Tensor,
+                      block_size: int, device: torch.device | str) -> DecodeRows:
     """Args:
         token_indices: each row's index in the batch.
         context_lens: each row's keys: its position + 1 (>= 1).
@@ -56,7 +56,7 @@ def build_generated_rows(token_indices: list[int], context_lens: list[int], bloc
         block_size: tokens per block.
         device: the model's device.
     """
-    return GeneratedRows(
+    return DecodeRows(
         token_indices=torch.tensor(token_indices, dtype=torch.int64, device=device),
         block_table=block_table.to(torch.int32).contiguous(),
         context_lens=torch.tensor(context_lens, dtype=torch.int32),
@@ -64,8 +64,8 @@ def build_generated_rows(token_indices: list[int], context_lens: list[int], bloc
     )
 
 
-def generated_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, rows: GeneratedRows,
-                        scale: float, float32_form: bool = False) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, rows: DecodeRows,
+                     scale: float, float32_form: bool = False) -> torch.Tensor:
     """Each row's attention over its context (see the module docstring).
 
     Args:
@@ -73,7 +73,7 @@ def generated_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.T
         k_slots: this layer's keys by pool slot, shape = [num_slots, num_kv_heads, head_dim] bfloat16
             (the rows' own K already written).
         v_slots: values, the same shape.
-        rows: from :func:`build_generated_rows`.
+        rows: from :func:`build_decode_rows`.
         scale: softmax scale.
         float32_form: run the float32 form also where the CPU has AVX512-BF16 (tests, side-by-side timing).
 

@@ -1,4 +1,4 @@
-"""Generated tokens' attention (layers/generated_attention.py, csrc/paged_attention.cpp) and the split
+"""Generated tokens' attention (kernels/decode_attention.py, csrc/paged_attention.cpp) and the split
 attention metadata that routes them: right values, the same bits in any batch and after a preemption,
 only the row's own keys read."""
 
@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
-from prefixcache.layers.attention import Attention, build_attention_metadata
 from prefixcache.kernels.cpu_features import cpu_has
-from prefixcache.layers.generated_attention import build_generated_rows, generated_attention
+from prefixcache.kernels.decode_attention import build_decode_rows, decode_attention
+from prefixcache.layers.attention import Attention, build_attention_metadata
 
-pytestmark = pytest.mark.requires_isa("avx512")  # our C++ kernels (prefixcache.layers.cpu_kernels)
+pytestmark = pytest.mark.requires_isa("avx512")  # our C++ kernels (prefixcache.kernels.cpu_kernels)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 32, 16
 PROMPT = 1100  # shared prompt: 68 whole blocks, then a partial block
@@ -60,13 +60,13 @@ class Sequences:
         pool = self.pool.clone()
         if md.generated is None:
             return md, self.attn(q, k, v, pool, md).view(-1, HEADS, HEAD_DIM)
-        # generated rows as the model runs them (layers.generated_decoder: their K/V is already in
+        # generated rows as the model runs them (layers.decode_layers: their K/V is already in
         # the pool here), the others through Attention with the metadata of their sub-batch
         out, dense, rows = torch.empty_like(q), md.dense_token_indices, md.generated.token_indices
         if dense.numel():
             out[dense] = self.attn(q[dense], k[dense], v[dense], pool, md).view(-1, HEADS, HEAD_DIM)
         slots = (-1, KV_HEADS, HEAD_DIM)
-        out[rows] = generated_attention(q[rows], pool[0].view(slots), pool[1].view(slots), md.generated, HEAD_DIM**-0.5)
+        out[rows] = decode_attention(q[rows], pool[0].view(slots), pool[1].view(slots), md.generated, HEAD_DIM**-0.5)
         return md, out
 
 
@@ -126,13 +126,13 @@ def test_kernel_reads_only_each_rows_keys_and_gives_it_the_same_bits_alone(block
         k_slots[slots] = torch.randn(n, kv_heads, head_dim, generator=g).bfloat16()
         v_slots[slots] = torch.randn(n, kv_heads, head_dim, generator=g).bfloat16()
     q = torch.randn(3, heads, head_dim, generator=g).bfloat16()
-    rows = build_generated_rows([0, 1, 2], lens, torch.stack(tables), block_size, "cpu")
-    out = generated_attention(q, k_slots, v_slots, rows, head_dim**-0.5, float32_form)
+    rows = build_decode_rows([0, 1, 2], lens, torch.stack(tables), block_size, "cpu")
+    out = decode_attention(q, k_slots, v_slots, rows, head_dim**-0.5, float32_form)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     for r, (table, n) in enumerate(zip(tables, lens)):
-        alone = generated_attention(q[r : r + 1], k_slots, v_slots,
-                                    build_generated_rows([0], [n], table[None], block_size, "cpu"), head_dim**-0.5,
-                                    float32_form)
+        alone = decode_attention(q[r : r + 1], k_slots, v_slots,
+                                 build_decode_rows([0], [n], table[None], block_size, "cpu"), head_dim**-0.5,
+                                 float32_form)
         assert torch.equal(alone[0], out[r])
         slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
         torch.testing.assert_close(out[r].double(), _reference(q[r], k_slots[slots], v_slots[slots], n),
@@ -157,9 +157,9 @@ def test_rows_past_4096_keys_take_the_float32_form_by_their_own_length():
     q = torch.randn(3, heads, head_dim, generator=g).bfloat16()
 
     def run(rows_idx, float32_form=False):
-        rows = build_generated_rows(list(range(len(rows_idx))), [lens[i] for i in rows_idx], tables[rows_idx], block,
-                                    "cpu")
-        return generated_attention(q[rows_idx], k_slots, v_slots, rows, head_dim**-0.5, float32_form)
+        rows = build_decode_rows(list(range(len(rows_idx))), [lens[i] for i in rows_idx], tables[rows_idx], block,
+                                 "cpu")
+        return decode_attention(q[rows_idx], k_slots, v_slots, rows, head_dim**-0.5, float32_form)
 
     batch = run([0, 1, 2])
     for r in range(3):
@@ -175,9 +175,9 @@ def test_kernel_refuses_a_context_or_block_outside_its_table_or_pool():
     q = torch.zeros(1, 1, 16, dtype=torch.bfloat16)
     for bad in (0, 33):
         with pytest.raises(RuntimeError, match="context_lens out of the block table's range"):
-            generated_attention(q, k, k, build_generated_rows([0], [bad], torch.tensor([[0, 1]]), 16, "cpu"), 0.25)
+            decode_attention(q, k, k, build_decode_rows([0], [bad], torch.tensor([[0, 1]]), 16, "cpu"), 0.25)
     with pytest.raises(RuntimeError, match="block_table holds a block outside the pool"):  # 2 blocks of 16
-        generated_attention(q, k, k, build_generated_rows([0], [20], torch.tensor([[0, 2]]), 16, "cpu"), 0.25)
+        decode_attention(q, k, k, build_decode_rows([0], [20], torch.tensor([[0, 2]]), 16, "cpu"), 0.25)
 
 
 @pytest.mark.parametrize("float32_form", [False, True], ids=["bf16-form", "float32-form"])
@@ -190,10 +190,10 @@ def test_a_nan_key_makes_the_rows_that_see_it_nan(float32_form):
     v_slots = torch.randn(100 * 16, 2, 32, generator=g).bfloat16()
     q = torch.randn(3, 4, 32, generator=g).bfloat16()
     table = torch.arange(100).repeat(3, 1)  # three rows over the same blocks
-    rows = build_generated_rows([0, 1, 2], [1500, 40, 700], table, 16, "cpu")
-    clean = generated_attention(q, k_slots, v_slots, rows, 32**-0.5, float32_form)
+    rows = build_decode_rows([0, 1, 2], [1500, 40, 700], table, 16, "cpu")
+    clean = decode_attention(q, k_slots, v_slots, rows, 32**-0.5, float32_form)
     k_slots[600, 1] = float("nan")  # position 600, KV head 1 (query heads 2, 3)
-    out = generated_attention(q, k_slots, v_slots, rows, 32**-0.5, float32_form)
+    out = decode_attention(q, k_slots, v_slots, rows, 32**-0.5, float32_form)
     for r in (0, 2):  # contexts 1,500 (the NaN in its first segment) and 700
         assert out[r, 2:].isnan().all() and torch.equal(out[r, :2], clean[r, :2])
     assert torch.equal(out[1], clean[1])  # 40 keys: never reaches position 600

@@ -1,4 +1,4 @@
-"""A bf16 model's prompt rows' element-wise ops, fused (``prefixcache/layers/csrc/prompt_ops.cpp``).
+"""A bf16 model's prompt rows' element-wise ops, fused (``prefixcache/kernels/csrc/prompt_ops.cpp``).
 
 Between its GEMMs a decoder layer runs, in torch ops, the residual add, RMSNorm (a float32 copy, the
 norm, a bf16 copy, the weight product), RoPE on q and k (a roll, two products, a sum), the K/V pool
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixcache.layers.cpu_kernels import load_cpu_kernels
+from prefixcache.kernels.cpu_kernels import load_cpu_kernels
 
 
 def add_rms_norm(x: list[torch.Tensor], residual: torch.Tensor | None, weight: torch.Tensor,

@@ -4,8 +4,8 @@ int8-activation products with grouped 4- and 8-bit weights), ``paged_decode_atte
 ``paged_prefill_attention`` (prefill_attention.cpp: prompt rows' causal attention from the pool; its
 functions alone are compiled for AVX512-BF16, and its AMX form for AMX-BF16, and run only where the CPU
 has them, see
-:func:`prefixcache.layers.prefill_attention.prefill_kernel_supported`) and ``GeneratedDecoder``
-(generated_decoder.cpp: generated tokens' decoder layers around those kernels), and ``add_rms_norm``,
+:func:`prefixcache.kernels.prefill_attention.prefill_kernel_supported`) and ``DecodeLayers``
+(decode_layers.cpp: generated tokens' decoder layers around those kernels), and ``add_rms_norm``,
 ``rope_write_kv``, ``silu_mul`` (prompt_ops.cpp: a bf16 model's prompt rows' element-wise ops, fused), and
 ``quantize_rows_int8``, ``int8_rows_to_float`` (int8_rows.cpp: quantization="int8"'s per-row quantization and
 rescaling around torch._int_mm, fused). The formulas and why
@@ -19,7 +19,6 @@ needs a CPU with AVX512-VNNI (the int4 format's only requirement beyond torch).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import sys
@@ -27,12 +26,12 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-
+from prefixcache.kernels.build import extension_name
 from prefixcache.kernels.cpu_features import cpu_has, describe_cpu
 
 __all__ = ["CpuKernelsUnavailable", "amx_ready", "kernels_compiler", "load_cpu_kernels"]
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("qgemm.cpp", "paged_attention.cpp", "prefill_attention.cpp", "generated_decoder.cpp",
+_SOURCES = [_CSRC / name for name in ("qgemm.cpp", "paged_attention.cpp", "prefill_attention.cpp", "decode_layers.cpp",
                                       "prompt_ops.cpp", "amx_gemm.cpp", "int8_rows.cpp", "bindings.cpp")]
 # -fopenmp: ATen's parallel_for is inline OpenMP; the process's libgomp is torch's (same soname), one thread pool
 _FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma"]
@@ -60,10 +59,10 @@ def load_cpu_kernels() -> ModuleType:
     if shutil.which("ninja") is None and venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     try:
-        module = load(name=_extension_name(), sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS,
-                      extra_ldflags=["-fopenmp"], verbose=False)
+        module = load(name=extension_name("prefixcache_cpu_kernels", _SOURCES), sources=[str(s) for s in _SOURCES],
+                      extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
-        raise CpuKernelsUnavailable(f"building the CPU kernels (prefixcache/layers/csrc) failed: {e}") from e
+        raise CpuKernelsUnavailable(f"building the CPU kernels (prefixcache/kernels/csrc) failed: {e}") from e
     _LOADED.append(module)
     return module
 
@@ -94,16 +93,8 @@ def kernels_compiler() -> str:
         return ""
 
 
-def _extension_name() -> str:
-    """The build's name carries a digest of every file in csrc/ (headers too, which torch's own
-    change check does not read), so an edited header rebuilds, and checkouts with different sources
-    keep separate builds instead of rebuilding over each other."""
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(_CSRC.iterdir()) if f.is_file()))
-    return f"prefixcache_cpu_kernels_{digest.hexdigest()[:12]}"
-
-
 def main() -> int:
-    """``python -m prefixcache.layers.cpu_kernels``: build now (setup.sh), one line either way; 0 also where
+    """``python -m prefixcache.kernels.cpu_kernels``: build now (setup.sh), one line either way; 0 also where
     this CPU can't run them (float32 needs none of them), 1 where the build itself failed."""
     try:
         load_cpu_kernels()

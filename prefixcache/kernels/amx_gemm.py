@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from prefixcache.layers.cpu_kernels import amx_ready, load_cpu_kernels
+from prefixcache.kernels.cpu_kernels import amx_ready, load_cpu_kernels
 
 
 def amx_gemm_supported() -> bool:

@@ -1,4 +1,4 @@
-"""quantization="int4": generated tokens run through layers/generated_decoder.py (csrc/generated_decoder.cpp)
+"""quantization="int4": generated tokens run through layers/decode_layers.py (kernels/csrc/decode_layers.cpp)
 on tiny random Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norm) checkpoints: the same bits alone, beside
 other decodes, beside prompt rows and recomputed in a prefill chunk; close to float32 math over the
 same 4-bit weights."""
@@ -11,7 +11,7 @@ from prefixcache.layers.attention import build_attention_metadata
 from prefixcache.models.loader import load_model
 from prefixcache.runner.kv_pool import allocate_kv_caches
 
-pytestmark = pytest.mark.requires_isa("avx512")  # our C++ kernels (prefixcache.layers.cpu_kernels)
+pytestmark = pytest.mark.requires_isa("avx512")  # our C++ kernels (prefixcache.kernels.cpu_kernels)
 
 BLOCK = 4
 
@@ -53,7 +53,7 @@ def _tokens(n, seed):
 
 def test_generated_rows_get_the_same_bits_in_any_batch(tiny_dir):
     loaded = load_model(str(tiny_dir), load_tokenizer=False, dtype=torch.bfloat16, quantization="int4")
-    assert loaded.model.model.generated_decoder is not None
+    assert loaded.model.model.decode_layers is not None
     tokens, prompt_lens = {"a": _tokens(19, 1), "b": _tokens(14, 2)}, {"a": 13, "b": 9}
     # a alone: prompt, then its generated positions 13..18 one decode at a time
     alone = Runner(loaded, tokens, prompt_lens)

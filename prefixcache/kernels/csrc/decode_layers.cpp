@@ -82,13 +82,13 @@ void add_to(float* h, const float* d, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(h + i, _mm512_add_ps(_mm512_loadu_ps(h + i), _mm512_loadu_ps(d + i)));
 }
 
-class GeneratedDecoder {
+class DecodeLayers {
  public:
   // layers: per layer [input_norm, post_norm, q_norm, k_norm, then packed, scale, min, bias of qkv, o,
   // gate_up, down] (an empty tensor: no q/k norm, no bias); inv_freq: float32 [head_dim / 2].
-  GeneratedDecoder(const std::vector<std::vector<at::Tensor>>& layers, const at::Tensor& final_norm,
-                   const at::Tensor& inv_freq, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
-                   int64_t head_dim, int64_t intermediate, double eps, double scale)
+  DecodeLayers(const std::vector<std::vector<at::Tensor>>& layers, const at::Tensor& final_norm,
+               const at::Tensor& inv_freq, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
+               int64_t head_dim, int64_t intermediate, double eps, double scale)
       : hidden_(hidden), H_(num_heads), KVH_(num_kv_heads), D_(head_dim), I_(intermediate),
         eps_(static_cast<float>(eps)), scale_(scale) {
     TORCH_CHECK(hidden % 32 == 0 && intermediate % 32 == 0 && head_dim % 16 == 0 && head_dim <= 256,
@@ -241,13 +241,13 @@ class GeneratedDecoder {
 
 }  // namespace
 
-void bind_generated_decoder(pybind11::module& m) {
-  pybind11::class_<GeneratedDecoder>(m, "GeneratedDecoder")
+void bind_decode_layers(pybind11::module& m) {
+  pybind11::class_<DecodeLayers>(m, "DecodeLayers")
       .def(pybind11::init<const std::vector<std::vector<at::Tensor>>&, const at::Tensor&, const at::Tensor&, int64_t,
                           int64_t, int64_t, int64_t, int64_t, double, double>())
       // no Python object is touched inside: the GIL is released (the server's event loop runs meanwhile)
-      .def("run", &GeneratedDecoder::run, "h [R, hidden] float32 through layers [begin, end), in place",
+      .def("run", &DecodeLayers::run, "h [R, hidden] float32 through layers [begin, end), in place",
            pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("final_norm", &GeneratedDecoder::final_norm, "h [R, hidden] float32 -> rms_norm(h) * w bf16",
+      .def("final_norm", &DecodeLayers::final_norm, "h [R, hidden] float32 -> rms_norm(h) * w bf16",
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,4 +1,4 @@
-// The CPU kernels' Python bindings (built by prefixcache/layers/cpu_kernels.py).
+// The CPU kernels' Python bindings (built by prefixcache/kernels/cpu_kernels.py).
 #include <torch/extension.h>
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min,
@@ -29,7 +29,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const
 at::Tensor int8_rows_to_float(const at::Tensor& acc, const at::Tensor& x_scale, const at::Tensor& w_scale,
                               const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
 
-void bind_generated_decoder(pybind11::module& m);
+void bind_decode_layers(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, "x [M, K] @ int4 grouped weight^T (+ bias) -> [M, N] (qgemm.cpp)");
@@ -59,5 +59,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiler", [] { return std::string(__VERSION__); },
         "the compiler that built these kernels (its choices, such as which products it fuses into an fma, "
         "decide bits: the cache key names it)");
-  bind_generated_decoder(m);  // generated tokens' decoder layers (generated_decoder.cpp)
+  bind_decode_layers(m);  // generated tokens' decoder layers (decode_layers.cpp)
 }

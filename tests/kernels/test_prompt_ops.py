@@ -1,4 +1,4 @@
-"""The fused element-wise ops of a bf16 model's prompt rows (layers/prompt_ops.py, csrc/prompt_ops.cpp):
+"""The fused element-wise ops of a bf16 model's prompt rows (kernels/prompt_ops.py, csrc/prompt_ops.cpp):
 RoPE + K/V write with exactly torch's bits, the residual add with torch's bits and RMSNorm / SiLU close
 to float64, a row's bits the same in any tiling and batch, and the inputs they refuse."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixcache.layers.prefill_attention import prefill_kernel_supported
-from prefixcache.layers.prompt_ops import add_rms_norm, rope_write_kv, silu_mul
+from prefixcache.kernels.prefill_attention import prefill_kernel_supported
+from prefixcache.kernels.prompt_ops import add_rms_norm, rope_write_kv, silu_mul
 from prefixcache.layers.rotary import RotaryEmbedding, apply_rotary_emb
 
 pytestmark = pytest.mark.skipif(not prefill_kernel_supported(9, 3, 64),

@@ -1,7 +1,7 @@
-"""The decoder layers of generated tokens (quantization ``"int4"``) in our C++ (``csrc/generated_decoder.cpp``).
+"""The decoder layers of generated tokens (quantization ``"int4"``) in our C++ (``kernels/csrc/decode_layers.cpp``).
 
 A step's generated rows (positions >= their request's prompt length, also when recomputed after a
-preemption: :class:`~prefixcache.layers.generated_attention.GeneratedRows`) run every layer as one call:
+preemption: :class:`~prefixcache.kernels.decode_attention.DecodeRows`) run every layer as one call:
 RMSNorm, the q|k|v, o, gate|up and down products on Q4_1's grid (``int4_mm``), RoPE, the K/V write and
 ``paged_decode_attention``, SwiGLU and the residual adds, with the residual stream in float32 from the
 embedding to the final norm. Prompt rows keep the torch layers (bf16 products, flash attention), layer by
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixcache.layers.cpu_kernels import load_cpu_kernels
-from prefixcache.layers.generated_attention import GeneratedRows
+from prefixcache.kernels.cpu_kernels import load_cpu_kernels
+from prefixcache.kernels.decode_attention import DecodeRows
 from prefixcache.layers.quant import Int4Weight
 
 
@@ -55,7 +55,7 @@ class DecoderLayerWeights:
         return out
 
 
-class GeneratedDecoder:
+class DecodeLayers:
     """Runs generated rows through the decoder layers (see the module docstring).
 
     Args:
@@ -76,11 +76,11 @@ class GeneratedDecoder:
                  num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int, eps: float,
                  scale: float) -> None:
         self.num_layers = len(layers)
-        self._impl = load_cpu_kernels().GeneratedDecoder(
+        self._impl = load_cpu_kernels().DecodeLayers(
             [w.tensors() for w in layers], final_norm.detach(), inv_freq, final_norm.shape[0], num_heads,
             num_kv_heads, head_dim, intermediate_size, eps, scale)
 
-    def run(self, hidden: torch.Tensor, rows: GeneratedRows, kv_caches: list[torch.Tensor], begin: int = 0,
+    def run(self, hidden: torch.Tensor, rows: DecodeRows, kv_caches: list[torch.Tensor], begin: int = 0,
             end: int | None = None) -> None:
         """Runs layers ``[begin, end)`` (default: all) on ``hidden`` in place, writing each row's K/V
         at its position in those layers' pools first. Releases the GIL while it runs.

@@ -1,5 +1,5 @@
 // bfloat16 <-> float32, e^x for 16 lanes, the K/V row prefetch and AMX tile instructions, shared by the CPU
-// kernels (qgemm.cpp, paged_attention.cpp, prefill_attention.cpp, generated_decoder.cpp, prompt_ops.cpp,
+// kernels (qgemm.cpp, paged_attention.cpp, prefill_attention.cpp, decode_layers.cpp, prompt_ops.cpp,
 // amx_gemm.cpp).
 #pragma once
 #include <ATen/ATen.h>

@@ -1,6 +1,6 @@
 """Attention of a step's prompt rows (prefill chunks and bf16 decodes) straight from the paged KV pool.
 
-Our kernel ``paged_prefill_attention`` (``prefixcache/layers/csrc/prefill_attention.cpp``, AVX512-BF16):
+Our kernel ``paged_prefill_attention`` (``prefixcache/kernels/csrc/prefill_attention.cpp``, AVX512-BF16):
 each sequence's new tokens attend causally to their context through its block table, in one call for
 the whole step; no keys are gathered, copied or padded. Rows (token, query head of one KV head) lie
 across vector lanes, keys are taken in blocks of 32 at fixed positions, scores and ``p @ v`` are bf16
@@ -33,7 +33,7 @@ from functools import cache
 import torch
 
 from prefixcache.kernels.cpu_features import cpu_has
-from prefixcache.layers.cpu_kernels import CpuKernelsUnavailable, amx_ready, load_cpu_kernels
+from prefixcache.kernels.cpu_kernels import CpuKernelsUnavailable, amx_ready, load_cpu_kernels
 
 MAX_HEADS_PER_KV_HEAD = 48  # rows of one work item
 MAX_HEAD_DIM = 256
