@@ -34,7 +34,7 @@ def empty_report() -> dict:
     """A :meth:`CacheInsight.report` with no prefix and no breaker, taken at no time (``time_s``
     None): the dashboard's tree while a long step holds the engine thread and none was taken yet."""
     return {"prefixes": [], "breakers": {"observed": 0, "by_kind": {}, "top": [], "count": 0, "tokens_lost": 0},
-            "zero_hits": ZeroHits().report(), "block_hits": 0, "distinct_hit_blocks": 0, "errors": 0, "time_s": None}
+            "zero_hits": ZeroHits().report(), "pins": {"budget_blocks": None, "blocks": []}, "block_hits": 0, "distinct_hit_blocks": 0, "errors": 0, "time_s": None}
 
 
 class CacheInsight:
@@ -83,7 +83,7 @@ class CacheInsight:
             max_breakers: breaker groups listed.
 
         Returns:
-            ``{"prefixes": [...], "breakers": {...}, "zero_hits": {...}, "block_hits",
+            ``{"prefixes": [...], "breakers": {...}, "zero_hits": {...}, "pins": {...}, "block_hits",
             "distinct_hit_blocks"}`` (``zero_hits``: :meth:`ZeroHits.report`).
         """
         mine = tenant_extra_key(tenant)
@@ -109,6 +109,9 @@ class CacheInsight:
                          "count": sum(v["count"] for v in tracker.by_kind(visible).values()),
                          "tokens_lost": sum(v["tokens_lost"] for v in tracker.by_kind(visible).values())},
             "zero_hits": self.zero_hits.report(visible),
+            # cache breakpoints' pinned blocks (cache/pins.py) the viewer may see, and the pool's pin budget
+            "pins": {"budget_blocks": self.engine.kv_cache_manager.pins.max_blocks,
+                     "blocks": self.engine.kv_cache_manager.pins.snapshot(lambda b: visible_key(b.extra_key))},
             "block_hits": self.usage.block_hits,
             "distinct_hit_blocks": self.usage.distinct_hit_blocks,
             "errors": self.num_errors,

@@ -26,7 +26,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from prefixcache.cache.hashing import tenant_extra_key
 from prefixcache.cache.worth import WorthInputs, estimate_worth
 from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStats, take_stats
 from prefixcache.engine.cache_insight import CacheInsight, empty_report
@@ -197,11 +196,7 @@ class DashboardState:
             EngineDeadError: the engine loop has failed.
         """
         def take(engine: LLMEngine) -> tuple[EngineStats, dict]:  # one snapshot: counters and tree agree
-            report = self.insight.report(tenant, self.previews)
-            key = None if tenant is None else tenant_extra_key(tenant)  # a viewer sees its own pins only
-            report["pins"] = engine.kv_cache_manager.pins.snapshot(
-                lambda block: key is None or block.extra_key in (key, b""))
-            return take_stats(engine), report
+            return take_stats(engine), self.insight.report(tenant, self.previews)
 
         pending = self._pending.get(tenant)
         if pending is not None and pending.done():  # finished while nobody waited: keep its tree, ask anew
@@ -258,9 +253,7 @@ class DashboardState:
             "prefixes": report["prefixes"],
             "breakers": report["breakers"],
             "zero_hits": report["zero_hits"],  # requests that served no cached token, and why (in words)
-            # cache breakpoints' pinned blocks (cache/pins.py), as of the tree
-            "pins": {"budget_blocks": self.engine.engine.kv_cache_manager.pins.max_blocks,
-                     "blocks": report.get("pins", [])},
+            "pins": report["pins"],  # cache breakpoints' pinned blocks (cache/pins.py), as of the tree
         }
 
     def _worth(self, m: EngineMetrics, report: dict) -> dict:

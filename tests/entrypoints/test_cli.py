@@ -71,7 +71,8 @@ def test_serve_help_shows_defaults_and_choices(capsys):
            "one line per finished request (default: info)" in text
     assert "--served-model-name SERVED_MODEL_NAME name clients send (default: MODEL)" in text
     assert "--model MODEL the same as the positional MODEL" in text
-    assert "--dtype {float32,bfloat16,float16} weights and KV dtype (default: float32)" in text
+    assert "--dtype {auto,float32,bfloat16,float16} weights and KV dtype; auto: this CPU's fastest format within 1 % " \
+           "perplexity of float32, with --quantization auto (docs/weight-formats-and-kernels.md) (default: auto)" in text
     assert "--port PORT TCP port, 0-65535 (default: 8000)" in text
 
 
@@ -291,7 +292,7 @@ def test_a_misspelt_flag_gets_the_closest_one_and_a_wrong_one_none(no_run, capsy
     (["cluster", "--replicas", "two"], "prefixcache cluster: error: argument --replicas: invalid int value: 'two'"),
     (["demo", "--block-size", "x"], "prefixcache demo: error: argument --block-size: invalid int value: 'x'"),
     (["bench", "--dtype", "float8"], "prefixcache bench: error: argument --dtype: invalid choice: 'float8' (choose "
-                                     "from 'float32', 'bfloat16', 'float16')"),
+                                     "from 'auto', 'float32', 'bfloat16', 'float16')"),
     (["analyze"], "prefixcache analyze: error: the following arguments are required: prompts"),
     (["fetch", "extra"], "prefixcache fetch: error: unrecognized arguments: extra"),
     (["serv"], "prefixcache: error: argument command: invalid choice: 'serv' (choose from 'demo', 'fetch', 'serve', "

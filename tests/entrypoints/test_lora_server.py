@@ -109,7 +109,8 @@ def test_malformed_adapter_stops_startup_with_one_line(smollm2, adapter_dir, tmp
     monkeypatch.setattr(launcher, "serve_http", serve_http)
     # serve's stderr log handler would outlive this test's captured stderr (and log into it closed)
     monkeypatch.setattr(server_log, "configure_logging", lambda level: None)
-    argv = ["serve", "--port", "0", "--num-blocks", "8", "--num-threads", "2", "--lora-modules", f"legal={bad}"]
+    argv = ["serve", "--port", "0", "--num-blocks", "8", "--num-threads", "2", "--lora-modules", f"legal={bad}",
+            "--dtype", "float32", "--quantization", "none"]  # the format of the model handed in (serve's default: auto)
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"prefixcache serve: error: LoRA adapter legal={bad}: lora: adapter 'legal' at "), err
