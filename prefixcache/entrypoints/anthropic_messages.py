@@ -422,6 +422,8 @@ class AnthropicServing:
             if message.role not in ("user", "assistant"):
                 raise _bad(f"messages.{i}.role: must be 'user' or 'assistant', got {clip(message.role)}")
         marked = marked_blocks(req)
+        if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:  # Anthropic's range, not OpenAI's 0..2
+            raise _bad(f"temperature: must be between 0 and 1 on the Messages API, got {req.temperature}")
         if req.tools:
             raise _bad("tools: tool use is not supported yet")
         if req.messages[-1].role != "user":

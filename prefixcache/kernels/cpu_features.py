@@ -131,7 +131,7 @@ def format_unavailable_reason(dtype: str, quantization: str) -> str | None:
     can't run at all: a user who picks it would wait tens of times longer than on float32.
     """
     have = "+".join(sorted(f for f in cpu_features() if f in _AVX512_BF16 | _EXTRA)) or "no AVX2"
-    instead = "use dtype='float32', quantization='none' (the defaults), which run on every CPU"
+    instead = "use dtype='float32', quantization='none', which run on every CPU (or auto: this CPU's fastest)"
     if quantization in _INT4_FORMATS and not cpu_has("avx512_vnni"):
         return (f"quantization={quantization!r} runs our int4 kernels, which need a CPU with AVX512-VNNI; "
                 f"this one has {have}: {instead}")

@@ -254,6 +254,8 @@ def test_bad_requests_get_anthropic_errors(server, client):
     bad = 400, "invalid_request_error"
     status, kind, message = error_of(client, extra_body={"temperature": -1})
     assert (status, kind) == bad and message.startswith("temperature")
+    assert error_of(client, extra_body={"temperature": 1.5}) == (  # Anthropic's range is 0..1, OpenAI's 0..2
+        *bad, "temperature: must be between 0 and 1 on the Messages API, got 1.5")
     status, kind, message = error_of(client, stop_sequences=[""])
     assert (status, kind) == bad and message.startswith("stop_sequences")
     assert error_of(client, model="claude-nope")[:2] == (404, "not_found_error")

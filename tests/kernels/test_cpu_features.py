@@ -80,7 +80,7 @@ def test_a_format_the_cpu_cannot_run_is_refused_by_the_config_naming_the_field(f
     with pytest.raises(InvalidInputError) as e:
         EngineConfig.from_kwargs(dtype=dtype, quantization=quantization, device="cpu")
     assert e.value.field == field and str(e.value).startswith(start)
-    assert "use dtype='float32', quantization='none' (the defaults), which run on every CPU" in str(e.value)
+    assert "use dtype='float32', quantization='none', which run on every CPU (or auto: this CPU's fastest)" in str(e.value)
     assert EngineConfig.from_kwargs(dtype=dtype, quantization=quantization, device="cuda").dtype == dtype  # not a CPU's
 
 
