@@ -32,8 +32,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         "'trace' (eviction-policy trace simulation, no model), 'restart' (TTFT after a "
                         "restart over the disk KV tier and on a replica over Redis, 3 processes, ~1 min), "
                         "'queue' (scheduling policies under a queue and memory pressure: scheduler replay, no model) "
-                        "and 'cluster' (replicas behind the SGLang gateway: cache_aware vs round_robin vs random vs "
-                        "one replica; see --cluster-*)")
+                        "'cluster' (replicas behind the SGLang gateway: cache_aware vs round_robin vs random vs "
+                        "one replica; see --cluster-*) and 'flood' (an agent's system prompt under a cache breakpoint "
+                        "against one-off prompts, per eviction policy: cache replay, no model)")
     p.add_argument("--model", default=d.model, help="built-in name, a local HF directory (config.json + "
                                                      "*.safetensors) or a local .gguf file; never downloaded from the Hub")
     p.add_argument("--num-requests", type=int, default=d.num_requests,
@@ -94,6 +95,22 @@ def run_trace_cli(out_dir: str | None, block_size: int) -> None:
             json.dump(rows, f, indent=2)
 
 
+def run_flood_cli(out_dir: str | None) -> None:
+    """``--workload flood``: cache breakpoints against an agent flood (:mod:`prefixcache.bench.flood`, no
+    model); the table on stdout, JSON and Markdown into ``out_dir``."""
+    from prefixcache.bench.flood import flood_markdown, run_flood_benchmark
+
+    rows = run_flood_benchmark()
+    table = flood_markdown(rows)
+    print(table, end="")
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "flood.json"), "w") as f:
+            json.dump(rows, f, indent=2)
+        with open(os.path.join(out_dir, "flood.md"), "w") as f:
+            f.write(table)
+
+
 def run_restart_cli(args: argparse.Namespace, num_threads: int) -> None:
     """``--workload restart``: the restart / replica TTFT (:mod:`prefixcache.bench.restart`)."""
     from prefixcache.bench.restart import RestartOptions, restart_markdown, run_restart, write_restart_outputs
@@ -139,7 +156,8 @@ TRACE = "trace"  # --workload trace: the eviction-policy simulation (no model)
 RESTART = "restart"  # --workload restart: restart / replica TTFT over the KV tiers (its own processes)
 QUEUE = "queue"  # --workload queue: the scheduling policies, scheduler replay (no model)
 CLUSTER = "cluster"  # --workload cluster: replicas behind the SGLang gateway (its own processes)
-CLI_WORKLOADS = (*WORKLOAD_NAMES, SPEED, TRACE, RESTART, QUEUE, CLUSTER)  # every name --workload accepts, besides 'all'
+FLOOD = "flood"  # --workload flood: an agent's system prompt against one-off prompts, pinned or not (no model)
+CLI_WORKLOADS = (*WORKLOAD_NAMES, SPEED, TRACE, RESTART, QUEUE, CLUSTER, FLOOD)  # every name --workload accepts, besides 'all'
 
 
 def parse_workloads(arg: str) -> tuple[str, ...]:
@@ -227,7 +245,7 @@ def check_bench_args(args: argparse.Namespace) -> tuple[str, ...]:
         with _naming_flags({"num_requests": "--num-requests", "rate_rps": "--queue-rate-rps",
                             "num_blocks": "--queue-num-blocks"}):
             queue_config(args).validate()
-    if set(names) - {TRACE, QUEUE}:  # a workload that loads the model: --block-size within its context
+    if set(names) - {TRACE, QUEUE, FLOOD}:  # a workload that loads the model: --block-size within its context
         check_engine_resources(config, pool=False)  # (the workloads size their own pools)
     if CLUSTER in names:  # its replicas' pools and weights, all on this machine (100,000 were started)
         replica = dataclasses.replace(config, num_blocks=ClusterBenchOptions.num_blocks, kv_cache_memory_bytes=None,
@@ -246,18 +264,20 @@ def run_cli(args: argparse.Namespace) -> int:
     """
     names = check_bench_args(args)
     cluster_threads = args.num_threads  # per replica; the cluster workload has its own default (1)
-    threads_note = choose_num_threads(args) if set(names) - {TRACE, QUEUE, CLUSTER} else None
+    threads_note = choose_num_threads(args) if set(names) - {TRACE, QUEUE, CLUSTER, FLOOD} else None
     if threads_note:
         print(f"prefixcache bench: {threads_note}", file=sys.stderr, flush=True)
     if TRACE in names:  # simulation only; `all` means the model workloads
         run_trace_cli(args.out, args.block_size)
+    if FLOOD in names:
+        run_flood_cli(args.out)
     if RESTART in names:  # its own processes
         run_restart_cli(args, args.num_threads)
     if QUEUE in names:
         run_queue_cli(args)
     if CLUSTER in names:  # its own processes: replicas and the gateway
         run_cluster_cli(args, cluster_threads)
-    names = tuple(n for n in names if n not in (TRACE, RESTART, QUEUE, CLUSTER))
+    names = tuple(n for n in names if n not in (TRACE, RESTART, QUEUE, CLUSTER, FLOOD))
     if not names:
         return 0
     opts = BenchOptions(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from prefixcache.cache.eviction import EVICTION_POLICIES
+from prefixcache.bench.flood import run_flood
 from prefixcache.cache.pins import CacheBreakpoint, PinResult, cache_usage, check_breakpoints
 from prefixcache.config import EngineConfig
 from prefixcache.errors import InvalidInputError
@@ -226,41 +227,13 @@ def test_max_pinned_fraction_flag():
         engine_config_from_args(parser.parse_args(["--max-pinned-fraction", "1.5"]))
 
 
-def agent_flood(policy: str, breakpoint: bool, rounds: int = 6) -> list[int]:
-    """The agent flood (issue: a long shared system prompt evicted by one-off prompts): B = 16, a
-    400-block pool; each round an agent request (a 4096-token prefix + 20 new tokens, the prefix
-    under a breakpoint or not), then three one-off 100-block prompts. The pool can't hold the
-    prefix and the flood's history together, but each one-off prompt fits beside the pinned prefix.
-    Returns each agent request's hit tokens."""
-    bs = 16
-    m = make_manager(400, bs, eviction_policy=policy, max_pinned_fraction=0.7, clock=Clock())
-    prefix = list(range(10_000, 10_000 + 256 * bs))
-    fresh = iter(range(20_000, 1_000_000))
-    hits = []
-    for r in range(rounds):
-        agent = make_request(f"a{r}", prefix + [next(fresh) for _ in range(20)], block_size=bs)
-        if breakpoint:
-            agent.cache_breakpoints = check_breakpoints([CacheBreakpoint(len(prefix))], agent.num_tokens)
-        new_blocks, num_hit = admit(m, agent)
-        assert new_blocks is not None
-        m.end_step()
-        if breakpoint:
-            m.pin_prefix(agent)
-        m.free(agent)
-        hits.append(num_hit)
-        for k in range(3):
-            flood = make_request(f"f{r}.{k}", [next(fresh) for _ in range(100 * bs)], block_size=bs)
-            assert computed(m, flood) == 0
-            m.free(flood)
-        assert len(m.pins) == (256 if breakpoint else 0)
-    return hits
-
-
 @pytest.mark.parametrize("policy", sorted(EVICTION_POLICIES))
 def test_agent_flood_breakpoint_keeps_the_system_prompt(policy):
-    """With the breakpoint every later agent request hits the whole prefix (the workload's maximum);
+    """prefixcache bench --workload flood (bench/flood.py): B = 16, a 400-block pool; each round an agent request
+    (a 4096-token prefix + 20 new tokens), then three one-off 100-block prompts; the pool can't hold the prefix
+    and a round's flood. With the breakpoint every later agent request hits the whole prefix (the maximum);
     without, LRU, LFU and TTL keep only its first 100 blocks (the cost policy keeps it all: deep,
     reused blocks are worth the most)."""
-    assert agent_flood(policy, True) == [0] + [4096] * 5
+    assert run_flood(policy, True) == [0] + [4096] * 5
     without = 4096 if policy == "cost" else 1600
-    assert agent_flood(policy, False) == [0] + [without] * 5
+    assert run_flood(policy, False) == [0] + [without] * 5
