@@ -49,7 +49,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefixcache.cache.pins import CACHE_TTLS_S, MAX_CACHE_BREAKPOINTS, CacheBreakpoint, cache_usage
 from prefixcache.engine.async_engine import EngineDeadError
-from prefixcache.entrypoints.api_errors import APIError, clip, cut, error_docs, error_json, validation_message
+from prefixcache.entrypoints.api_errors import (APIError, clip, cut, error_docs, error_json, union_paths,
+                                              validation_message)
 from prefixcache.entrypoints.protocol import Int64
 from prefixcache.entrypoints.serving_engine import OpenAIServing, lone_surrogate_field
 from prefixcache.entrypoints.serving_outputs import final_outputs, stream_text
@@ -197,6 +198,10 @@ def anthropic_error_body(status: int, message: str) -> dict:
                                        "message": cut(message, 1000)}}
 
 
+# the union fields of the body (system, content), for validation_message's "must be a string or ..." errors
+MESSAGES_UNION_PATHS = frozenset(union_paths(MessagesRequest))
+
+
 class AnthropicRoute(APIRoute):
     """A route whose errors (validation included) are answered in Anthropic's shape, not OpenAI's."""
 
@@ -210,7 +215,7 @@ class AnthropicRoute(APIRoute):
                 errors = e.errors()
                 if errors and errors[0].get("type") == "json_invalid":
                     return anthropic_error_response(400, f"malformed JSON body: {clip(errors[0].get('msg'), 200)}")
-                return anthropic_error_response(400, validation_message(errors)[0])
+                return anthropic_error_response(400, validation_message(errors, MESSAGES_UNION_PATHS)[0])
             except APIError as e:
                 return anthropic_error_response(e.status, e.message)
             except EngineDeadError as e:
@@ -279,8 +284,10 @@ def marked_blocks(req: MessagesRequest) -> list[tuple[str, int, int, float]]:
     for name, index, content in places:
         for j, block in enumerate(_blocks(content)):
             where = name if isinstance(content, str) else f"{name}.{j}"
-            if block.type != "text" or block.text is None:
+            if block.type != "text":
                 raise _bad(f"{where}.type: only text blocks are supported, got {clip(block.type)}")
+            if block.text is None:
+                raise _bad(f"{where}.text: a text block needs its text (a string)")
             if block.cache_control is not None:
                 ttl_s = _ttl_s(block.cache_control, where)
                 if not block.text:

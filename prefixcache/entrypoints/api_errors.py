@@ -103,7 +103,7 @@ def input_error(e: ValueError, prompt_field: str) -> APIError:
     return APIError(400, message, field)
 
 
-def _union_paths(model: type[BaseModel], path: tuple = ()) -> set[tuple]:
+def union_paths(model: type[BaseModel], path: tuple = ()) -> set[tuple]:
     """Paths (field names; ``"*"`` for a list index) of the fields of ``model`` and of the models
     inside it whose type is a union of two or more forms besides None: where pydantic's error
     locations carry a member's tag (``("prompt", "list[str]", 0)``) after the field."""
@@ -123,11 +123,11 @@ def _union_paths(model: type[BaseModel], path: tuple = ()) -> set[tuple]:
             if get_origin(tp) is list:
                 todo.append((get_args(tp)[0], (*at, "*")))
             elif isinstance(tp, type) and issubclass(tp, BaseModel):
-                found |= _union_paths(tp, at)
+                found |= union_paths(tp, at)
     return found
 
 
-_UNION_PATHS = frozenset(set().union(*(_union_paths(m) for m in (
+_UNION_PATHS = frozenset(set().union(*(union_paths(m) for m in (
     CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))))
 
 
@@ -149,15 +149,15 @@ def _loc(error: dict) -> list:
     return loc[1:] if loc[:1] == ["body"] else loc
 
 
-def _union_tag_at(loc: list) -> int | None:
+def _union_tag_at(loc: list, paths: frozenset[tuple]) -> int | None:
     """Index of the union member's tag in ``loc``: the first position after a union field's path."""
     for i in range(1, len(loc)):
-        if tuple("*" if isinstance(x, int) else x for x in loc[:i]) in _UNION_PATHS:
+        if tuple("*" if isinstance(x, int) else x for x in loc[:i]) in paths:
             return i
     return None
 
 
-def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
+def validation_message(errors: Sequence[dict], paths: frozenset[tuple] = _UNION_PATHS) -> tuple[str, str | None]:
     """(message, param) of pydantic's errors for a request body (FastAPI's
     ``RequestValidationError.errors()``, at least one): the first error's field, dotted with list
     indices (``stop_token_ids.1: ...``). Where that field is a union (``prompt``: a string, token
@@ -166,9 +166,10 @@ def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
     then the first failure of the member with the fewest failures (the latest first failure on a
     tie) among those the value got inside (``prompt.2: Input should be a valid integer``). Which
     fields are unions comes from the request models, so a dict key in a location (``logit_bias``'s)
-    is never taken for a member."""
+    is never taken for a member (``paths``: :func:`union_paths` of the route's request models; the OpenAI
+    routes' by default)."""
     loc = _loc(errors[0])
-    tag_at = _union_tag_at(loc)
+    tag_at = _union_tag_at(loc, paths)
     field = loc if tag_at is None else loc[:tag_at]
     param = str(field[0]) if field else None
     where = cut(".".join(str(x) for x in field) or "body")

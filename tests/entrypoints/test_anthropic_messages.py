@@ -256,6 +256,13 @@ def test_bad_requests_get_anthropic_errors(server, client):
     assert (status, kind) == bad and message.startswith("temperature")
     assert error_of(client, extra_body={"temperature": 1.5}) == (  # Anthropic's range is 0..1, OpenAI's 0..2
         *bad, "temperature: must be between 0 and 1 on the Messages API, got 1.5")
+    # a wrong type in a union field names its forms and where the value went wrong, not a made-up member
+    assert error_of(client, system=5) == (*bad, "system: must be a string or a list of ContentBlock")
+    assert error_of(client, system=[{"type": "text", "text": "x", "cache_control": "ephemeral"}]) == (
+        *bad, "system: must be a string or a list of ContentBlock; system.0.cache_control: Input should be a valid "
+              "dictionary or object to extract fields from")
+    assert error_of(client, messages=[{"role": "user", "content": [{"type": "text"}]}]) == (
+        *bad, "messages.0.content.0.text: a text block needs its text (a string)")
     status, kind, message = error_of(client, stop_sequences=[""])
     assert (status, kind) == bad and message.startswith("stop_sequences")
     assert error_of(client, model="claude-nope")[:2] == (404, "not_found_error")
