@@ -282,6 +282,8 @@ def marked_blocks(req: MessagesRequest) -> list[tuple[str, int, int, float]]:
     places = [("system", -1, req.system)]
     places += [(f"messages.{i}.content", i, m.content) for i, m in enumerate(req.messages)]
     for name, index, content in places:
+        if index >= 0 and not content:  # "" or []: Anthropic's 400 too
+            raise _bad(f"{name}: a message's content must not be empty")
         for j, block in enumerate(_blocks(content)):
             where = name if isinstance(content, str) else f"{name}.{j}"
             if block.type != "text":
@@ -293,6 +295,8 @@ def marked_blocks(req: MessagesRequest) -> list[tuple[str, int, int, float]]:
                 if not block.text:
                     raise _bad(f"{where}.cache_control: cache_control cannot be set on an empty text block")
                 found.append((where, index, j, ttl_s))
+            elif index >= 0 and not block.text:
+                raise _bad(f"{where}.text: text content blocks must be non-empty")
     if req.cache_control is not None and req.messages:  # on the last block, unless it has its own
         ttl_s = _ttl_s(req.cache_control, "")
         last, blocks = len(req.messages) - 1, _blocks(req.messages[-1].content)
@@ -300,6 +304,10 @@ def marked_blocks(req: MessagesRequest) -> list[tuple[str, int, int, float]]:
             raise _bad("cache_control: cache_control cannot be set on an empty text block (the last message's last)")
         if blocks and not any(f[1:3] == (last, len(blocks) - 1) for f in found):
             found.append(("cache_control", last, len(blocks) - 1, ttl_s))
+    for (where, *_, ttl_s), (later, *_, later_ttl_s) in zip(found, found[1:]):
+        if later_ttl_s > ttl_s:  # Anthropic: longer-lived entries come first when ttls are mixed
+            raise _bad(f"{later}.cache_control.ttl: a breakpoint with a longer ttl must come before any with a "
+                       f"shorter one ({where} has the shorter)")
     if len(found) > MAX_CACHE_BREAKPOINTS:
         raise _bad(f"cache_control: a maximum of {MAX_CACHE_BREAKPOINTS} blocks with cache_control may be "
                    f"provided, found {len(found)}")

@@ -263,6 +263,15 @@ def test_bad_requests_get_anthropic_errors(server, client):
               "dictionary or object to extract fields from")
     assert error_of(client, messages=[{"role": "user", "content": [{"type": "text"}]}]) == (
         *bad, "messages.0.content.0.text: a text block needs its text (a string)")
+    for empty in ("", []):
+        assert error_of(client, messages=[{"role": "user", "content": empty}]) == (
+            *bad, "messages.0.content: a message's content must not be empty")
+    assert error_of(client, messages=[{"role": "user", "content": [{"type": "text", "text": ""}]}]) == (
+        *bad, "messages.0.content.0.text: text content blocks must be non-empty")
+    mixed = [{"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}},
+             {"type": "text", "text": "b", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    assert error_of(client, system=mixed) == (*bad, "system.1.cache_control.ttl: a breakpoint with a longer ttl must "
+                                                    "come before any with a shorter one (system.0 has the shorter)")
     status, kind, message = error_of(client, stop_sequences=[""])
     assert (status, kind) == bad and message.startswith("stop_sequences")
     assert error_of(client, model="claude-nope")[:2] == (404, "not_found_error")
