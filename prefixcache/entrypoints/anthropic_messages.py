@@ -47,6 +47,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from prefixcache.cache.block import common_prefix_length
 from prefixcache.cache.pins import CACHE_TTLS_S, MAX_CACHE_BREAKPOINTS, CacheBreakpoint, cache_usage
 from prefixcache.engine.async_engine import EngineDeadError
 from prefixcache.entrypoints.api_errors import (APIError, clip, cut, error_docs, error_json, union_paths,
@@ -334,15 +335,6 @@ def conversation(req: MessagesRequest, cut_at: tuple[int, int] | None = None) ->
     return out
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 # ---------------------------------------------------------------------------- answers
 STOP_REASONS = {"length": "max_tokens", "abort": "end_turn"}
 
@@ -467,7 +459,7 @@ class AnthropicServing:
             if index == -2:
                 continue
             cut_ids = await self.engine.apply_chat_template(conversation(req, (index, block)), False)
-            num_tokens = common_prefix(cut_ids, prompt_ids)
+            num_tokens = common_prefix_length(cut_ids, prompt_ids)
             if num_tokens >= 1:
                 found.append(CacheBreakpoint(num_tokens, ttl_s))
         return found
