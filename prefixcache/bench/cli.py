@@ -12,7 +12,9 @@ import contextlib
 import dataclasses
 import json
 import os
+import shlex
 import sys
+import time
 
 from prefixcache.bench.options import SPEED, BenchOptions, SpeedSizes, check_positive
 from prefixcache.bench.queue import QueueConfig
@@ -31,7 +33,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         f"'{SPEED}' (side-by-side speed table vs transformers and llama.cpp, a few minutes), "
                         "'trace' (eviction-policy trace simulation, no model), 'restart' (TTFT after a "
                         "restart over the disk KV tier and on a replica over Redis, 3 processes, ~1 min), "
-                        "'queue' (scheduling policies under a queue and memory pressure: scheduler replay, no model) "
+                        "'queue' (scheduling policies under a queue and memory pressure: scheduler replay, no model), "
                         "'cluster' (replicas behind the SGLang gateway: cache_aware vs round_robin vs random vs "
                         "one replica; see --cluster-*) and 'flood' (an agent's system prompt under a cache breakpoint "
                         "against one-off prompts, per eviction policy: cache replay, no model)")
@@ -62,6 +64,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-micro", action="store_true", help="skip the hash + lookup micro-benchmark")
     p.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
     p.add_argument("--out", default=d.out, help="output directory")
+    p.add_argument("--report", default=None, metavar="PAGE",
+                   help="also put the tables this run wrote into PAGE (e.g. docs/benchmarks.md), each between its "
+                        "<!-- bench:NAME:begin/end --> markers with the machine, date, commit and command")
     p.add_argument("--kv-redis-url", default=None,
                    help="restart: the Redis of the replica phase (default: a redis-server started on loopback)")
     c = p.add_argument_group("--workload cluster (--num-requests: per system prompt, default 4; --num-threads: "
@@ -253,16 +258,35 @@ def check_bench_args(args: argparse.Namespace) -> tuple[str, ...]:
         check_kv_pool(replica, model_shape(config.model), replicas=args.cluster_replicas, flag="--cluster-replicas")
     if args.out:  # an existing file or /proc/x fails here, not after the run
         check_writable_dir(args.out, "--out")
+    if args.report is not None and (not args.out or os.path.isdir(args.report)):
+        raise ValueError("--report needs --out (the tables it copies) and a Markdown file, "
+                         f"got --report {args.report!r} --out {args.out!r}")
     return names
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """Checks the flags, then runs each workload named by ``--workload``; returns the exit status.
+    """Checks the flags, then runs each workload named by ``--workload``, then (``--report``) puts the tables
+    it wrote into the page; returns the exit status.
 
     Raises:
-        ValueError: a bad flag, named (before anything runs or loads).
+        ValueError: a bad flag, named (before anything runs or loads), or a ``--report`` page that can't be
+            written.
     """
+    started_s = time.time()
     names = check_bench_args(args)
+    status = _run_workloads(args, names)
+    if args.report is not None:
+        from prefixcache.bench.report_page import report_run
+
+        command = shlex.join(["prefixcache", *getattr(args, "argv", ["bench"])])
+        stems = report_run(args.report, args.out, started_s, command)
+        print(f"prefixcache bench: --report: {', '.join(stems) or 'no table'} written into {args.report}",
+              file=sys.stderr)
+    return status
+
+
+def _run_workloads(args: argparse.Namespace, names: tuple[str, ...]) -> int:
+    """The workloads of ``names`` (checked), in order; returns the exit status."""
     cluster_threads = args.num_threads  # per replica; the cluster workload has its own default (1)
     threads_note = choose_num_threads(args) if set(names) - {TRACE, QUEUE, CLUSTER, FLOOD} else None
     if threads_note:

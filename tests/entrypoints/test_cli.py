@@ -107,8 +107,10 @@ def test_every_flag_with_a_default_says_it_in_help():
     (["bench", "--help"], "--queue-num-blocks QUEUE_NUM_BLOCKS KV pool blocks of 16 tokens (1200 requests allocate "
                           "under 24,000: 30000 never evicts) (default: 640)"),
     (["bench", "--help"], "'queue' (scheduling policies under a queue and memory pressure: scheduler replay, no "
-                          "model) and 'cluster' (replicas behind the SGLang gateway: cache_aware vs round_robin vs "
-                          "random vs one replica; see --cluster-*) (default: all)"),
+                          "model), 'cluster' (replicas behind the SGLang gateway: cache_aware vs round_robin vs "
+                          "random vs one replica; see --cluster-*) and 'flood' (an agent's system prompt under a "
+                          "cache breakpoint against one-off prompts, per eviction policy: cache replay, no model) "
+                          "(default: all)"),
 ])
 def test_subcommand_help_documents_flags_and_defaults(capsys, argv, expected):
     code, out, _ = run_cli(argv, capsys)
@@ -132,7 +134,7 @@ def test_bench_queue_flags_set_the_replay_and_bad_values_name_the_field(capsys):
 
 def test_bench_unknown_workload_lists_every_workload(capsys):
     code, out, err = run_cli(["bench", "--workload", "foo,seed"], capsys)
-    listed = ", ".join((*WORKLOAD_NAMES, "speed", "trace", "restart", "queue", "cluster"))
+    listed = ", ".join((*WORKLOAD_NAMES, "speed", "trace", "restart", "queue", "cluster", "flood"))
     assert (code, out) == (2, "")
     assert err == f"prefixcache bench: error: --workload: unknown workload 'foo'; choose 'all' or a " \
                   f"comma-separated list of {listed}\n" + BENCH_HINT

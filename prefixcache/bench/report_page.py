@@ -1,0 +1,90 @@
+"""``prefixcache bench --report PAGE``: the tables a run wrote (``{stem}.md`` in ``--out``) replace their
+sections of a Markdown page (``docs/benchmarks.md``), so the numbers there are produced, not typed.
+
+Each section sits between ``<!-- bench:{stem}:begin -->`` and ``<!-- bench:{stem}:end -->`` and opens with the
+run's provenance: the CPU (its model name and the kernel tier, :func:`~prefixcache.kernels.cpu_features.describe_cpu`),
+the cores, the date, the commit of the code that ran (``git rev-parse --short HEAD``, ``+dirty`` over uncommitted changes) and the
+command. A page without a stem's markers gets the section appended at its end; the rest of the page is kept as
+it is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+from prefixcache.kernels.cpu_features import describe_cpu
+
+# the outputs whose Markdown a report takes ({stem}.md in --out), in the order the workloads run
+REPORT_STEMS = ("flood", "restart", "queue", "cluster", "bench")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _commit(cwd: Path) -> str:
+    """The checkout's short commit id (``+dirty`` when files differ from it), or ``"unknown"`` outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True,
+                               text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def provenance(command: str) -> str:
+    """The line that opens a section: machine, date, the commit of the code that ran, and the command."""
+    checkout = Path(__file__).resolve().parents[2]  # this package's checkout (an installed wheel: no git)
+    return (f"Machine: {_cpu_model()}, {os.cpu_count()} cores ({describe_cpu()}); date {datetime.date.today()}; "
+            f"commit {_commit(checkout)}; command: `{command}`")
+
+
+def update_section(page_text: str, stem: str, body: str) -> str:
+    """``page_text`` with ``stem``'s section (between its markers) replaced by ``body``, or appended."""
+    begin, end = f"<!-- bench:{stem}:begin -->", f"<!-- bench:{stem}:end -->"
+    section = f"{begin}\n{body.rstrip()}\n{end}"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    if pattern.search(page_text):
+        return pattern.sub(lambda _: section, page_text, count=1)
+    return page_text.rstrip("\n") + "\n\n" + section + "\n"
+
+
+def report_run(page: str | Path, out_dir: str | Path, since_s: float, command: str) -> list[str]:
+    """Puts every ``{stem}.md`` written in ``out_dir`` since ``since_s`` (a run's start, ``time.time()``) into
+    ``page``; returns the stems reported.
+
+    Raises:
+        ValueError: ``page`` can't be read or written (naming ``--report``).
+    """
+    page = Path(page)
+    try:
+        text = page.read_text(encoding="utf-8") if page.exists() else ""
+    except OSError as e:
+        raise ValueError(f"--report: cannot read {str(page)!r}: {e.strerror}") from e
+    stems = []
+    for stem in REPORT_STEMS:
+        table = Path(out_dir) / f"{stem}.md"
+        if table.is_file() and table.stat().st_mtime >= since_s:
+            text = update_section(text, stem, provenance(command) + "\n\n"
+                                  + table.read_text(encoding="utf-8"))
+            stems.append(stem)
+    try:
+        page.write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"--report: cannot write {str(page)!r}: {e.strerror}") from e
+    return stems
