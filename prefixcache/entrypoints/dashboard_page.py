@@ -119,6 +119,22 @@ def _zero_hits(z: dict) -> str:
     return "\n".join(rows)
 
 
+PINS_SHOWN = 20  # pinned blocks listed (soonest expiry first); dashboard.js shows as many
+
+
+def _pins_summary(p: dict) -> str:
+    budget = "unknown yet" if p["budget_blocks"] is None else p["budget_blocks"]
+    return f"{len(p['blocks'])} blocks pinned of a budget of {budget}"
+
+
+def _pins(p: dict) -> str:
+    rows = []
+    for b in p["blocks"][:PINS_SHOWN]:
+        cells = [b["block_id"], b["depth"], f"{b['ttl_s']:g}", f"{b['expires_in_s']:.0f}"]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
+    return "\n".join(rows)
+
+
 # (column, tier counter) of the KV tiers table; dashboard.js has the same list.
 TIER_COLUMNS = (("tier", None), ("tokens queried", "queries"), ("tokens hit", "hits"), ("bytes loaded", "bytes_loaded"),
                 ("bytes stored", "bytes_stored"), ("entries", "entries"), ("bytes held", "bytes"), ("errors", "errors"))
@@ -163,6 +179,12 @@ after it that the chain held. Keep what never changes first; move timestamps and
 Latest: <strong id="zero-explanation">{html.escape(doc['zero_hits']['explanation'] or 'none yet')}</strong></p>
 <table><thead><tr><th>reason</th><th>requests</th><th>prompt tokens</th><th>latest</th></tr></thead>
 <tbody id="zero-body">{_zero_hits(doc['zero_hits'])}</tbody></table></section>
+<section><h2>Pinned prefixes</h2>
+<p class="muted">Blocks held by cache breakpoints (Anthropic's cache_control, or LLM.generate(cache_control=...)) until
+their ttl passes without a hit, soonest expiry first (the first {PINS_SHOWN}):
+<strong id="pins-summary">{html.escape(_pins_summary(doc['pins']))}</strong>.</p>
+<table><thead><tr><th>block</th><th>depth</th><th>ttl (s)</th><th>expires in (s)</th></tr></thead>
+<tbody id="pins-body">{_pins(doc['pins'])}</tbody></table></section>
 <section><h2>Cached prefixes</h2><div id="prefixes">{_prefixes(doc['prefixes'])}</div></section>
 <script src="/dashboard/static/uPlot.iife.min.js"></script>
 <script src="/dashboard/static/dashboard.js"></script>

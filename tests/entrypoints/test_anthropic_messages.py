@@ -157,6 +157,10 @@ def test_breakpoint_pins_the_prefix_and_reports_creation_then_reads(server, clie
     assert shown["budget_blocks"] == 80  # 0.5 of the 160 blocks
     assert sorted(b["block_id"] for b in shown["blocks"]) == sorted(pins)
     assert all(0 < b["expires_in_s"] <= b["ttl_s"] for b in shown["blocks"])
+    page = httpx.get(server.base_url + "/dashboard").text  # the operator sees them on the dashboard too
+    assert f'<strong id="pins-summary">{len(pins)} blocks pinned of a budget of 80</strong>' in page
+    soonest = shown["blocks"][0]
+    assert f"<tr><td>{soonest['block_id']}</td><td>{soonest['depth']}</td><td>" in page
 
 
 def test_usage_equals_what_metrics_counts(server, client):

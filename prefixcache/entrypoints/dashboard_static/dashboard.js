@@ -99,6 +99,21 @@
     });
   }
 
+  const PINS_SHOWN = 20;  // as dashboard_page.PINS_SHOWN
+
+  function renderPins(p) {
+    const budget = p.budget_blocks == null ? "unknown yet" : p.budget_blocks;
+    document.getElementById("pins-summary").textContent =
+      p.blocks.length + " blocks pinned of a budget of " + budget;
+    const body = document.getElementById("pins-body");
+    body.replaceChildren();
+    p.blocks.slice(0, PINS_SHOWN).forEach((b) => {
+      const tr = el("tr");
+      [b.block_id, b.depth, String(b.ttl_s), b.expires_in_s.toFixed(0)].forEach((v) => tr.appendChild(el("td", String(v))));
+      body.appendChild(tr);
+    });
+  }
+
   const TIER_KEYS = ["queries", "hits", "bytes_loaded", "bytes_stored", "entries", "bytes", "errors"];
 
   function renderTiers(tiers) {
@@ -152,6 +167,7 @@
       renderPrefixes(doc.prefixes);
       renderBreakers(doc.breakers);
       renderZeroHits(doc.zero_hits);
+      renderPins(doc.pins);
       renderTiers(doc.tiers);
       renderCharts(doc.history);
       document.getElementById("status").textContent = !doc.tree_stale ? "live"
