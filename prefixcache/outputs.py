@@ -66,6 +66,8 @@ class RequestOutput:
         pinned: per cache breakpoint of the request (position order), the tokens its pin got
             within the budget (:mod:`prefixcache.cache.pins`); empty without breakpoints, and
             until the prompt is computed.
+        num_retained_tokens: with ``retain_s``, the prompt's tokens (whole blocks) kept in the disk
+            tier within its retention budget; None when not asked, and until the prompt is computed.
     """
 
     request_id: str
@@ -87,3 +89,4 @@ class RequestOutput:
     logprobs: SampleLogprobs | None = None
     cached_tier_tokens: dict[str, int] = field(default_factory=dict)
     pinned: tuple[PinResult, ...] = ()
+    num_retained_tokens: int | None = None

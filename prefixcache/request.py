@@ -135,6 +135,10 @@ class Request:
     # the budget let each pin (None until then).
     cache_breakpoints: tuple[CacheBreakpoint, ...] = field(init=False, default=())
     pinned: tuple[PinResult, ...] | None = field(init=False, default=None)
+    # Retention in the disk tier (prompt_cache_retention "24h"): seconds the prompt's full blocks
+    # are kept once computed (None: not asked), and the tokens kept within the budget (None until then).
+    retain_s: float | None = field(init=False, default=None)
+    num_retained_tokens: int | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -18,6 +18,7 @@ DEFAULT_CACHE_TTL_S = 300.0
 DEFAULT_KV_DISK_BYTES = 10 << 30
 DEFAULT_KV_REDIS_TTL_S = 3600.0
 DEFAULT_MAX_PINNED_FRACTION = 0.5  # of the pool (cache/pins.py)
+DEFAULT_MAX_RETAINED_DISK_FRACTION = 0.5  # of --kv-disk-bytes (cache/tiers/disk.py)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ class CacheConfig:
     max_pinned_fraction: float = field(default=DEFAULT_MAX_PINNED_FRACTION, metadata={
         "help": "most of the KV pool that cache breakpoints (cache_control) may pin, a fraction in [0, 1); "
                 "a request over it pins the head that fits (0: pins off)"})
+    max_retained_disk_fraction: float = field(default=DEFAULT_MAX_RETAINED_DISK_FRACTION, metadata={
+        "help": "most of --kv-disk-bytes that prompt_cache_retention '24h' may keep out of the disk tier's "
+                "eviction, a fraction in [0, 1); a request over it keeps the head that fits (0: '24h' refused)"})
 
     def validate(self) -> None:
         """Checks every field.
@@ -85,6 +89,11 @@ class CacheConfig:
                 or not 0 <= self.max_pinned_fraction < 1:
             raise InvalidInputError("max_pinned_fraction", f"max_pinned_fraction must be a number in [0, 1), "
                                                            f"got {self.max_pinned_fraction!r}")
+        if isinstance(self.max_retained_disk_fraction, bool) \
+                or not isinstance(self.max_retained_disk_fraction, (int, float)) \
+                or not 0 <= self.max_retained_disk_fraction < 1:
+            raise InvalidInputError("max_retained_disk_fraction", f"max_retained_disk_fraction must be a number in "
+                                                                  f"[0, 1), got {self.max_retained_disk_fraction!r}")
         self._validate_tiers()
 
     def _validate_tiers(self) -> None:

@@ -298,6 +298,7 @@ class AsyncLLMEngine:
         tenant: str | None = None,
         priority: int = 0,
         cache_control: Sequence[CacheBreakpoint] | None = None,
+        retain_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Adds one request per prompt, all in one call on the engine thread (so the scheduler
         sees them together, in the same step), and returns their outputs as one async stream.
@@ -311,6 +312,7 @@ class AsyncLLMEngine:
             prompts: texts or token-id lists (at least one).
             request_ids: one per prompt, distinct; default fresh ``"req-N"`` ids.
             cache_control: cache breakpoints, for every prompt (see ``LLMEngine.add_request``).
+            retain_s: keep every prompt in the disk tier this long (see ``LLMEngine.add_request``).
             (the others as :meth:`generate`; ``sampling_params`` apply to every prompt.)
 
         Raises:
@@ -335,7 +337,7 @@ class AsyncLLMEngine:
             processed = await self._call_input(self._tokenize_batch, prompts)
             await self._call(self._add_batch, processed, sampling_params, request_ids,
                              {"cache_salt": cache_salt, "stream": stream, "lora": lora, "tenant": tenant,
-                              "priority": priority, "cache_control": cache_control})
+                              "priority": priority, "cache_control": cache_control, "retain_s": retain_s})
         except BaseException as e:
             for request_id in request_ids:
                 if self._queues.get(request_id) is queue:

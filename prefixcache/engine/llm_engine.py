@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -181,6 +182,7 @@ class LLMEngine:
         tenant: str | None = None,
         priority: int = 0,
         cache_control: CacheBreakpoint | Sequence[CacheBreakpoint] | None = None,
+        retain_s: float | None = None,
     ) -> str:
         """Validates and queues a request.
 
@@ -201,6 +203,10 @@ class LLMEngine:
             cache_control: cache breakpoints: each prefix is pinned in the pool for its ttl once
                 the prompt is computed, refreshed on every hit, within ``max_pinned_fraction`` of
                 the pool (:mod:`prefixcache.cache.pins`); the output's ``pinned`` says what each got.
+            retain_s: keep the prompt's full blocks in the disk tier for this many seconds once it
+                is computed, out of the tier's size-cap eviction, within ``max_retained_disk_fraction``
+                of it (OpenAI's ``prompt_cache_retention: "24h"``); the output's
+                ``num_retained_tokens`` says how much was kept. Needs ``kv_disk_dir``.
 
         Returns:
             The request id.
@@ -209,7 +215,8 @@ class LLMEngine:
             InvalidInputError: naming the field: empty/oversized prompt, token id outside the
                 vocabulary, prompt + max_tokens beyond the context or the KV pool, bad cache_salt,
                 tenant or adapter (or any adapter with quantization 'int4' or 'int4-int8'), duplicate request_id, a ``structured_outputs`` schema or regex
-                that doesn't compile, a priority that is not a 64-bit int.
+                that doesn't compile, a priority that is not a 64-bit int, a ``retain_s`` that
+                is not a finite number > 0 or without a disk tier that retains.
         """
         check_int("priority", priority, -(2**63), 2**63 - 1)
         params = self.input_processor.check_request(sampling_params, cache_salt, tenant)
@@ -217,6 +224,8 @@ class LLMEngine:
         prompt = self.input_processor.tokenize(prompt)
         self.input_processor.check_fits(len(prompt.token_ids), params)
         breakpoints = () if cache_control is None else check_breakpoints(cache_control, len(prompt.token_ids))
+        if retain_s is not None:
+            self._check_retain(retain_s)
         if lora is not None and self.runner.model.quantization in INT4_DECODER_FORMATS:
             raise InvalidInputError("lora", f"lora: adapters need quantization 'none' or 'int8'; "
                                             f"{self.runner.model.quantization!r} runs generated tokens in fused "
@@ -234,9 +243,34 @@ class LLMEngine:
         request = self.input_processor.make_request(request_id, prompt, params, cache_salt, adapter, tenant, stream)
         request.priority = priority
         request.cache_breakpoints = breakpoints
+        request.retain_s = retain_s
         self.sample_groups.add(request_id, params.n)
         self.scheduler.add_request(request)
         return request_id
+
+    def _check_retain(self, retain_s: object) -> None:
+        """Raises :class:`InvalidInputError` (``retain_s``) unless ``retain_s`` is a finite number
+        > 0 and a tier retains (a disk tier with a retention budget)."""
+        if isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)) or not 0 < retain_s < math.inf:
+            raise InvalidInputError("retain_s", f"retain_s must be a finite number > 0, got {retain_s!r}")
+        if self.kv_tiers is None or not self.kv_tiers.retaining_tiers:
+            raise InvalidInputError("retain_s", "retain_s keeps a prompt in the disk tier: it needs kv_disk_dir "
+                                                "and max_retained_disk_fraction > 0")
+
+    def _retain(self, request: Request) -> None:
+        """Keeps the computed prompt's full blocks in the disk tier for ``request.retain_s``
+        (:meth:`KVTierStack.retain`), storing again the ones it no longer holds; sets
+        ``request.num_retained_tokens``."""
+        manager, block_size = self.kv_cache_manager, self.config.block_size
+        blocks = manager.get_blocks(request.request_id)
+        num_blocks = min(request.num_prompt_tokens // block_size, len(blocks),
+                         manager.req_to_num_cached_blocks.get(request.request_id, 0))
+        retained, missing = self.kv_tiers.retain(request, num_blocks, request.retain_s)
+        if missing:
+            keys = self.kv_tiers.entry_keys(request, 0, retained)
+            payloads = self.runner.read_blocks([blocks[i].block_id for i in missing])
+            self.kv_tiers.submit([(keys[i], p) for i, p in zip(missing, payloads)], self.kv_tiers.retaining_tiers)
+        request.num_retained_tokens = retained * block_size
 
     def _sample_id_in_use(self, request_id: str, n: int) -> str | None:
         """The first of ``request_id``'s ``n`` sample ids a request already uses, or None."""
@@ -407,6 +441,8 @@ class LLMEngine:
                 request.first_token_s = now
                 if request.cache_breakpoints:  # the prompt is computed: pin its breakpoints' prefixes
                     self.kv_cache_manager.pin_prefix(request)
+                if request.retain_s is not None and self.kv_tiers is not None:  # and keep it on disk
+                    self._retain(request)
             if request.request_id in logprobs:
                 self.output_processor.append_logprobs(request, logprobs[request.request_id])
             status = self.output_processor.check_stop(request)

@@ -127,6 +127,7 @@ class OutputProcessor:
             num_cached_prompt_logprobs=0 if request.prompt_logprobs is None else request.prompt_logprobs.num_from_cache,
             logprobs=None if request.sampling_params.logprobs is None else list(request.logprobs),
             pinned=request.pinned or (),
+            num_retained_tokens=request.num_retained_tokens,
         )
 
     def prompt_logprobs(self, request: Request) -> PromptLogprobs | None:

@@ -3,6 +3,13 @@
 The request is rendered by the model's chat template exactly as a chat completion is (system
 blocks, then the messages; each message's text blocks joined as chat joins content parts), and run
 by the same engine call, so ``cache_salt`` and the tenant isolate it as they do the OpenAI routes.
+Tools: ``tools`` (custom tools: name, description, input_schema) and ``tool_choice`` are written
+at the head of the system message in the Hermes format (a ``<tools>`` list of JSON signatures and
+the ``<tool_call>`` convention; :func:`tools_text`), the chat template having no tool support of
+its own; ``tool_use`` blocks render as ``<tool_call>`` and ``tool_result`` blocks as
+``<tool_response>``. A tool's ``cache_control`` pins the prefix through that tool's signature.
+The answer is text: a tool call the model writes is not parsed into a ``tool_use`` block.
+
 Answers are Anthropic's: a ``message`` object, or with ``stream: true`` the SSE events
 ``message_start``, ``content_block_start``, ``content_block_delta``..., ``content_block_stop``,
 ``message_delta`` (stop reason and usage), ``message_stop``.
@@ -36,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
@@ -81,11 +89,26 @@ class CacheControl(_Request):
     ttl: str | None = None
 
 
-class ContentBlock(_Request):
-    """A content block; only ``type: "text"`` is served (others are refused, naming the block)."""
+class ResultBlock(_Request):
+    """A block of a ``tool_result``'s content: only ``type: "text"`` is served."""
 
     type: str
     text: str | None = None
+
+
+class ContentBlock(_Request):
+    """A content block: ``text``; ``tool_use`` (an assistant's call: ``id``, ``name``, ``input``);
+    ``tool_result`` (the user's answer to one: ``tool_use_id``, ``content``, ``is_error``). Other
+    types are refused, naming the block."""
+
+    type: str
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list[ResultBlock] | None = None
+    is_error: bool | None = None
     cache_control: CacheControl | None = None
 
 
@@ -98,7 +121,16 @@ class ToolParam(_Request):
     name: str
     description: str | None = None
     input_schema: dict[str, Any] | None = None
+    type: str | None = None  # "custom" or absent; Anthropic's server tools (web search, ...) are refused
     cache_control: CacheControl | None = None
+
+
+class ToolChoice(_Request):
+    """``auto`` (the model decides), ``any`` (it must call one), ``tool`` (it must call ``name``), ``none``."""
+
+    type: str
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
 
 
 class Metadata(_Request):
@@ -119,6 +151,7 @@ class MessagesRequest(_Request):
     metadata: Metadata | None = None
     stream: bool | None = None
     tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = None
     cache_control: CacheControl | None = None  # a breakpoint on the last block (Anthropic's automatic caching)
     cache_salt: str | None = None  # the request's prefix-cache namespace, as on the OpenAI routes
 
@@ -274,34 +307,33 @@ def marked_blocks(req: MessagesRequest) -> list[tuple[str, int, int, float]]:
 
     Raises:
         APIError: 400 naming the block: bad cache_control, a breakpoint on an empty block, more
-            than :data:`MAX_CACHE_BREAKPOINTS`, a block that is not text.
+            than :data:`MAX_CACHE_BREAKPOINTS`, a block of a type the role can't send or missing
+            its fields, a tool_result answering no earlier tool_use.
     """
     found = []
     for t, tool in enumerate(req.tools or []):
         if tool.cache_control is not None:
             found.append((f"tools.{t}", -2, t, _ttl_s(tool.cache_control, f"tools.{t}")))
-    places = [("system", -1, req.system)]
-    places += [(f"messages.{i}.content", i, m.content) for i, m in enumerate(req.messages)]
-    for name, index, content in places:
+    places = [("system", -1, "system", req.system)]
+    places += [(f"messages.{i}.content", i, m.role, m.content) for i, m in enumerate(req.messages)]
+    tool_use_ids: set[str] = set()
+    for name, index, role, content in places:
         if index >= 0 and not content:  # "" or []: Anthropic's 400 too
             raise _bad(f"{name}: a message's content must not be empty")
         for j, block in enumerate(_blocks(content)):
             where = name if isinstance(content, str) else f"{name}.{j}"
-            if block.type != "text":
-                raise _bad(f"{where}.type: only text blocks are supported, got {clip(block.type)}")
-            if block.text is None:
-                raise _bad(f"{where}.text: a text block needs its text (a string)")
+            _check_block(block, where, role, tool_use_ids)
             if block.cache_control is not None:
                 ttl_s = _ttl_s(block.cache_control, where)
-                if not block.text:
+                if block.type == "text" and not block.text:
                     raise _bad(f"{where}.cache_control: cache_control cannot be set on an empty text block")
                 found.append((where, index, j, ttl_s))
-            elif index >= 0 and not block.text:
+            elif index >= 0 and block.type == "text" and not block.text:
                 raise _bad(f"{where}.text: text content blocks must be non-empty")
     if req.cache_control is not None and req.messages:  # on the last block, unless it has its own
         ttl_s = _ttl_s(req.cache_control, "")
         last, blocks = len(req.messages) - 1, _blocks(req.messages[-1].content)
-        if blocks and not blocks[-1].text:
+        if blocks and blocks[-1].type == "text" and not blocks[-1].text:
             raise _bad("cache_control: cache_control cannot be set on an empty text block (the last message's last)")
         if blocks and not any(f[1:3] == (last, len(blocks) - 1) for f in found):
             found.append(("cache_control", last, len(blocks) - 1, ttl_s))
@@ -315,23 +347,149 @@ def marked_blocks(req: MessagesRequest) -> list[tuple[str, int, int, float]]:
     return found
 
 
+# block types each role may send (the system prompt: text only)
+_BLOCK_TYPES = {"system": ("text",), "user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+
+
+def _check_block(block: ContentBlock, where: str, role: str, tool_use_ids: set[str]) -> None:
+    """Checks one content block's type and fields; records a tool_use's id in ``tool_use_ids``.
+
+    Raises:
+        APIError: 400 naming the block's field.
+    """
+    allowed = _BLOCK_TYPES.get(role, ("text",))
+    if block.type not in allowed:
+        place = {"system": "the system prompt", "user": "a user message"}.get(role, "an assistant message")
+        raise _bad(f"{where}.type: only {' and '.join(allowed)} blocks are supported in {place}, got {clip(block.type)}")
+    if block.type == "text" and block.text is None:
+        raise _bad(f"{where}.text: a text block needs its text (a string)")
+    if block.type == "tool_use":
+        for field, value in (("id", block.id), ("name", block.name)):
+            if not value:
+                raise _bad(f"{where}.{field}: a tool_use block needs its {field} (a non-empty string)")
+        if block.input is None:
+            raise _bad(f"{where}.input: a tool_use block needs its input (an object)")
+        tool_use_ids.add(block.id)
+    if block.type == "tool_result":
+        if not block.tool_use_id:
+            raise _bad(f"{where}.tool_use_id: a tool_result block needs the id of the tool_use it answers")
+        if block.tool_use_id not in tool_use_ids:
+            raise _bad(f"{where}.tool_use_id: no tool_use block with id {clip(block.tool_use_id)} comes before it")
+        for k, part in enumerate(block.content if isinstance(block.content, list) else ()):
+            if part.type != "text" or part.text is None:
+                raise _bad(f"{where}.content.{k}: only text blocks (with their text) are supported in a tool_result")
+
+
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+TOOL_CHOICES = ("auto", "any", "tool", "none")
+
+
+def check_tools(req: MessagesRequest) -> None:
+    """Checks ``tools`` and ``tool_choice``.
+
+    Raises:
+        APIError: 400 naming the field: a name that is not 1-64 of ``[a-zA-Z0-9_-]`` or repeats one,
+            no ``input_schema`` (or not a JSON schema object), a server tool (``type`` other than
+            ``custom``), an unknown ``tool_choice.type``, ``tool`` naming no tool, ``any``/``tool``
+            without tools.
+    """
+    names: set[str] = set()
+    for t, tool in enumerate(req.tools or []):
+        if tool.type not in (None, "custom"):
+            raise _bad(f"tools.{t}.type: only custom tools (name, description, input_schema) are supported, "
+                       f"got {clip(tool.type)}")
+        if not _TOOL_NAME.fullmatch(tool.name):
+            raise _bad(f"tools.{t}.name: must be 1 to 64 letters, digits, '_' or '-', got {clip(tool.name)}")
+        if tool.name in names:
+            raise _bad(f"tools.{t}.name: tool names must be unique, {clip(tool.name)} repeats")
+        names.add(tool.name)
+        if tool.input_schema is None:
+            raise _bad(f"tools.{t}.input_schema: Field required")
+        if tool.input_schema.get("type") != "object":
+            raise _bad(f"tools.{t}.input_schema.type: must be 'object' (a JSON schema of the tool's input)")
+    choice = req.tool_choice
+    if choice is None:
+        return
+    if choice.type not in TOOL_CHOICES:
+        raise _bad(f"tool_choice.type: must be one of {', '.join(TOOL_CHOICES)}, got {clip(choice.type)}")
+    if choice.type in ("any", "tool") and not names:
+        raise _bad(f"tool_choice: type {choice.type!r} needs tools")
+    if choice.type == "tool" and choice.name not in names:
+        raise _bad(f"tool_choice.name: must name one of the tools, got {clip(choice.name)}")
+
+
+# ---------------------------------------------------------------------------- rendering
+# Tools go at the head of the system message (Anthropic's prefix order: tools, system, messages),
+# in the Hermes format most instruction-tuned models were trained on, so that the same tool list
+# renders the same tokens whatever the template; calls and results as <tool_call> / <tool_response>.
+_TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+               "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n")
+_TOOLS_TAIL = ("</tools>\n\nFor each function call, return a json object with function name and arguments "
+               "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+               '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def tools_text(req: MessagesRequest, upto: int | None = None) -> str:
+    """The tool section of the system message ("" without tools); with ``upto``, cut after the
+    first ``upto`` tools (a tool breakpoint's prefix)."""
+    tools = req.tools or []
+    if not tools:
+        return ""
+    lines = "".join(json.dumps({"name": t.name, "description": t.description or "", "parameters": t.input_schema},
+                               ensure_ascii=False) + "\n" for t in tools[:upto])
+    return _TOOLS_HEAD + lines + ("" if upto is not None else _TOOLS_TAIL)
+
+
+def tool_choice_text(req: MessagesRequest) -> str:
+    """The instruction ``tool_choice`` adds at the end of the system message ("" for auto): after
+    the system text, so that changing it leaves the tools' and the system's prefixes cached."""
+    choice = req.tool_choice
+    if not req.tools or choice is None:
+        return ""
+    text = {"auto": "", "any": "You must call at least one of the tools.",
+            "tool": f"You must call the tool {choice.name}.", "none": "Do not call any tool; answer in text."}[choice.type]
+    if choice.disable_parallel_tool_use and choice.type != "none":
+        text = (text + " " if text else "") + "Call at most one tool."
+    return text
+
+
+def block_text(block: ContentBlock) -> str:
+    """One content block as the prompt renders it: a text block's text; a tool_use as a
+    ``<tool_call>`` of its name and input (JSON); a tool_result as a ``<tool_response>`` of its
+    text (``Error:`` first when ``is_error``)."""
+    if block.type == "tool_use":
+        call = json.dumps({"name": block.name, "arguments": block.input}, ensure_ascii=False)
+        return f"<tool_call>\n{call}\n</tool_call>"
+    if block.type == "tool_result":
+        content = block.content
+        text = content if isinstance(content, str) else "".join(p.text or "" for p in content or ())
+        return f"<tool_response>\n{'Error: ' if block.is_error else ''}{text}\n</tool_response>"
+    return block.text or ""
+
+
 def conversation(req: MessagesRequest, cut_at: tuple[int, int] | None = None) -> list[dict[str, str]]:
-    """The ``{role, content}`` dicts the chat template renders: the system blocks as one system
-    message, then each message with its text blocks joined (as chat joins content parts). With
-    ``cut_at = (message index, block index)`` (-1: the system prompt) it ends after that block."""
+    """The ``{role, content}`` dicts the chat template renders: one system message (the tools,
+    then the system blocks, then the tool_choice instruction, apart by blank lines), then each
+    message with its blocks joined (text blocks as chat joins content parts). With ``cut_at =
+    (message index, block index)`` (-1: the system prompt, -2: the tools) it ends after that block."""
+    if cut_at is not None and cut_at[0] == -2:
+        return [{"role": "system", "content": tools_text(req, cut_at[1] + 1)}]
     out = []
     system = _blocks(req.system)
-    if system:
+    if system or req.tools:
         last = len(system) if cut_at is None or cut_at[0] != -1 else cut_at[1] + 1
-        out.append({"role": "system", "content": "".join(b.text or "" for b in system[:last])})
+        parts = [tools_text(req), "".join(b.text or "" for b in system[:last])]
+        if cut_at is None or cut_at[0] != -1:
+            parts.append(tool_choice_text(req))
+        out.append({"role": "system", "content": "\n\n".join(p for p in parts if p)})
         if cut_at is not None and cut_at[0] == -1:
             return out
     for i, message in enumerate(req.messages):
         blocks = _blocks(message.content)
         if cut_at is not None and i == cut_at[0]:
-            out.append({"role": message.role, "content": "".join(b.text or "" for b in blocks[: cut_at[1] + 1])})
+            out.append({"role": message.role, "content": "".join(block_text(b) for b in blocks[: cut_at[1] + 1])})
             return out
-        out.append({"role": message.role, "content": "".join(b.text or "" for b in blocks)})
+        out.append({"role": message.role, "content": "".join(block_text(b) for b in blocks)})
     return out
 
 
@@ -431,8 +589,7 @@ class AnthropicServing:
         marked = marked_blocks(req)
         if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:  # Anthropic's range, not OpenAI's 0..2
             raise _bad(f"temperature: must be between 0 and 1 on the Messages API, got {req.temperature}")
-        if req.tools:
-            raise _bad("tools: tool use is not supported yet")
+        check_tools(req)
         if req.messages[-1].role != "user":
             raise _bad(f"messages.{len(req.messages) - 1}.role: the last message must be the user's "
                        "(a prefilled assistant turn is not supported yet)")
@@ -453,11 +610,9 @@ class AnthropicServing:
     async def breakpoints(self, req: MessagesRequest, marked: list[tuple[str, int, int, float]],
                           prompt_ids: list[int]) -> list[CacheBreakpoint]:
         """Each breakpoint's position in tokens: the tokens the conversation cut after its block
-        shares with the whole prompt (a tool's: none yet, tools are refused)."""
+        (or tool) shares with the whole prompt."""
         found = []
         for _, index, block, ttl_s in marked:
-            if index == -2:
-                continue
             cut_ids = await self.engine.apply_chat_template(conversation(req, (index, block)), False)
             num_tokens = common_prefix_length(cut_ids, prompt_ids)
             if num_tokens >= 1:

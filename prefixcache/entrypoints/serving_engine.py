@@ -19,13 +19,14 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from prefixcache.engine.async_engine import AsyncLLMEngine
 from prefixcache.engine.detokenizer import TokenDecoder
 from prefixcache.entrypoints.api_errors import APIError, clip, cut, input_error
-from prefixcache.entrypoints.cache_retention import check_prompt_cache_retention
+from prefixcache.entrypoints.cache_retention import check_prompt_cache_retention, retained_tokens_header
 from prefixcache.entrypoints.protocol import (
     UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
@@ -220,8 +221,18 @@ class OpenAIServing:
             raise APIError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
         if req.prompt_logprobs is not None and req.stream:  # as vLLM: they come whole, after the prompt
             raise APIError(400, "prompt_logprobs is not available with stream: true", "prompt_logprobs")
-        check_prompt_cache_retention(req.prompt_cache_retention, self.engine.engine.config.kv_disk_dir is not None)
+        self.retain_s(req)
         return self.lora_for(req.model), req.model or self.served_model_name
+
+    def retain_s(self, req: AnyRequest) -> float | None:
+        """Seconds to keep the request's prompts in the disk tier (``prompt_cache_retention``).
+
+        Raises:
+            APIError: 400 (``prompt_cache_retention``), see :func:`check_prompt_cache_retention`.
+        """
+        tiers = self.engine.engine.kv_tiers
+        return check_prompt_cache_retention(req.prompt_cache_retention, self.engine.engine.config.kv_disk_dir is not None,
+                                            tiers is not None and bool(tiers.retaining_tiers))
 
     def lora_for(self, model: str | None) -> LoRARequest | None:
         """The request's adapter (None for the base model).
@@ -294,7 +305,7 @@ class OpenAIServing:
         try:
             stream = await self.engine.generate_batch(prompts, params, cache_salt=req.cache_salt, request_ids=ids,
                                                       stream=bool(req.stream), lora=lora, tenant=tenant,
-                                                      priority=req.priority or 0)
+                                                      priority=req.priority or 0, retain_s=self.retain_s(req))
         except ValueError as e:
             if isinstance(e, InvalidInputError) and e.field == "structured_outputs":  # a schema that doesn't compile
                 name = structured_output_field(req)
@@ -318,7 +329,8 @@ class OpenAIServing:
             answer = make_response(outs, head["created"])
             if details:
                 answer.sglext = SGLangExtensions(cached_tokens_details=cached_tokens_details(per_prompt(outs)))
-            return answer
+            retained = retained_tokens_header(outs, self.engine.engine.config.block_size)
+            return JSONResponse(jsonable_encoder(answer), headers=retained) if retained else answer
         options = req.stream_options
         with_usage = bool(options is not None and options.include_usage)
         continuous = with_usage and bool(options.continuous_usage_stats)  # vLLM's: only with include_usage

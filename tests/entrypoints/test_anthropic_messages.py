@@ -280,8 +280,8 @@ def test_bad_requests_get_anthropic_errors(server, client):
     assert (status, kind) == bad and message.startswith("stop_sequences")
     assert error_of(client, model="claude-nope")[:2] == (404, "not_found_error")
     image = [{"role": "user", "content": [{"type": "image", "source": {}}]}]
-    assert error_of(client, messages=image) == (*bad, "messages.0.content.0.type: only text blocks are supported, "
-                                                      "got 'image'")
+    assert error_of(client, messages=image) == (*bad, "messages.0.content.0.type: only text and tool_result blocks "
+                                                      "are supported in a user message, got 'image'")
     assert error_of(client, messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]) == (
         *bad, "messages.1.role: the last message must be the user's (a prefilled assistant turn is not supported yet)")
     r = httpx.post(server.base_url + "/v1/messages", json={"model": MODEL, "messages": [

@@ -46,6 +46,20 @@ class KVTier(ABC):
     def remove(self, name: str) -> None:
         """Removes an entry (a bad one); a missing entry is fine."""
 
+    # Whether :meth:`retain` keeps anything (a tier with a size cap it can hold entries against).
+    retains: bool = False
+
+    def retain(self, names: Sequence[str], ttl_s: float, entry_bytes: Sequence[int]) -> int:
+        """Keeps the entries ``names`` (a chain, head first; stored or still to be stored) for
+        ``ttl_s`` seconds whatever the tier's own eviction, within its retention budget; returns
+        how many from the head it keeps (``entry_bytes``: each entry's size). A tier without
+        retention keeps none."""
+        return 0
+
+    def holds(self, names: Sequence[str]) -> list[bool]:
+        """Whether the tier holds each entry, as far as it knows without reading it."""
+        return [False] * len(names)
+
     def usage(self) -> dict[str, int]:
         """What the tier holds, where it knows (``{"entries": ..., "bytes": ...}``); else empty."""
         return {}

@@ -135,14 +135,24 @@ def encode_entry(key: EntryKey, layout: KVBlockLayout, payload: bytes) -> bytes:
     """
     if len(payload) != layout.payload_bytes:
         raise ValueError(f"payload is {len(payload)} bytes, the layout needs {layout.payload_bytes}")
-    header = json.dumps({
+    header = _header(key, layout, xxhash.xxh3_64_hexdigest(payload))
+    return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header + payload
+
+
+def entry_bytes(key: EntryKey, layout: KVBlockLayout) -> int:
+    """The size in bytes of the entry :func:`encode_entry` makes for ``key`` (whatever the payload:
+    its checksum is always 16 hex digits)."""
+    return _PREFIX.size + len(_header(key, layout, "0" * 16)) + layout.payload_bytes
+
+
+def _header(key: EntryKey, layout: KVBlockLayout, checksum: str) -> bytes:
+    return json.dumps({
         "block_hash": key.block_hash.hex(), "parent_hash": key.parent_hash.hex(),
         "prefix_digest": key.prefix_digest.hex(), "root_digest": key.root_digest.hex(),
         "extra_digest": key.extra_digest.hex(), "depth": key.depth, "token_ids": list(key.token_ids),
-        "dtype": layout.dtype, "shape": list(layout.shape), "payload_bytes": len(payload),
-        "checksum": xxhash.xxh3_64_hexdigest(payload),
+        "dtype": layout.dtype, "shape": list(layout.shape), "payload_bytes": layout.payload_bytes,
+        "checksum": checksum,
     }, separators=(",", ":")).encode()
-    return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header + payload
 
 
 def decode_entry(blob: bytes | bytearray | memoryview, key: EntryKey, layout: KVBlockLayout) -> memoryview:

@@ -18,6 +18,10 @@ Data path (the cache manager drives it, see ``KVCacheManager.admit``)::
   never waits for a tier.
 - Promotion: blocks loaded from a lower tier (Redis) are queued for the tiers above it (the local
   disk) the same way, so the next restart of this replica finds them locally.
+- Retention (OpenAI's ``prompt_cache_retention: "24h"``): once a request's prompt is computed,
+  :meth:`KVTierStack.retain` marks its full blocks' entries in the tiers that retain (the disk
+  tier) for ``ttl_s``, within their budget; blocks those tiers neither hold nor have queued (pool
+  hits whose entries the size cap removed earlier) are returned for the engine to store again.
 - A tier that raises (Redis stopped, a full disk) is counted (``errors``), logged once, and rested
   for ``retry_s`` seconds: lookups skip it and stores to it are dropped, so requests go on with the
   pool (and the other tiers) alone.
@@ -49,7 +53,8 @@ from typing import TYPE_CHECKING
 from prefixcache.cache.tiers.base import KVTier
 from prefixcache.errors import InvalidInputError
 from prefixcache.cache.tiers.entry import (
-    FORMAT_VERSION, EntryError, EntryKey, KVBlockLayout, decode_entry, encode_entry, prefix_digests, sha256,
+    FORMAT_VERSION, EntryError, EntryKey, KVBlockLayout, decode_entry, encode_entry, entry_bytes, prefix_digests,
+    sha256,
 )
 
 if TYPE_CHECKING:
@@ -138,6 +143,7 @@ class KVTierStack:
         self._resting_until = {t.name: None for t in tiers}  # None: healthy
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, max_queued_bytes // layout.payload_bytes))
+        self._queued: dict[str, int] = {}  # entry name -> times it waits in the queue now
         self._writer = threading.Thread(target=self._write_loop, name="prefixcache-kv-tier-writer", daemon=True)
         self._writer.start()
 
@@ -257,18 +263,28 @@ class KVTierStack:
 
     # -- store ----------------------------------------------------------------------------------
 
-    def submit(self, entries: list[tuple[EntryKey, bytes]]) -> None:
-        """Queues computed blocks (their keys and K/V payloads) for every tier; never blocks."""
-        self._enqueue(entries, self.tiers)
+    def submit(self, entries: list[tuple[EntryKey, bytes]], tiers: list[KVTier] | None = None) -> None:
+        """Queues computed blocks (their keys and K/V payloads) for ``tiers`` (default: every
+        tier); never blocks."""
+        self._enqueue(entries, self.tiers if tiers is None else tiers)
 
     def _enqueue(self, entries: list[tuple[EntryKey, bytes]], tiers: list[KVTier]) -> None:
         for key, payload in entries:
             try:
+                with self._lock:  # counted first: the writer may take the entry at once
+                    self._queued[key.name] = self._queued.get(key.name, 0) + 1
                 self._queue.put_nowait((key, payload, tiers))
             except queue.Full:
                 with self._lock:
+                    self._unqueued(key.name)
                     for tier in tiers:
                         self.stats[tier.name].store_drops += 1
+
+    def _unqueued(self, name: str) -> None:
+        """One queued copy of entry ``name`` is gone (stored or dropped). Under the lock."""
+        left = self._queued.pop(name) - 1
+        if left:
+            self._queued[name] = left
 
     def _write_loop(self) -> None:
         while True:
@@ -280,7 +296,45 @@ class KVTierStack:
             except Exception:  # never let one entry stop the writer
                 logger.exception("kv tier writer: could not store an entry")
             finally:
+                if item is not None:
+                    with self._lock:
+                        self._unqueued(item[0].name)
                 self._queue.task_done()
+
+    # -- retention ------------------------------------------------------------------------------
+
+    @property
+    def retaining_tiers(self) -> list[KVTier]:
+        """The tiers that can keep entries against their own eviction (the disk tier)."""
+        return [t for t in self.tiers if t.retains]
+
+    def retain(self, request: Request, num_blocks: int, ttl_s: float) -> tuple[int, list[int]]:
+        """Keeps the entries of the request's blocks ``[0, num_blocks)`` (its computed prompt's
+        full blocks) in every retaining tier for ``ttl_s`` seconds, within their budgets.
+
+        Returns:
+            ``(retained, missing)``: how many blocks from the head every retaining tier keeps (0
+            without one), and the indices among those of the blocks no retaining tier holds and
+            none waits in the writer's queue for (their entries were removed before): the caller
+            stores them again (:meth:`submit` to :attr:`retaining_tiers`). Never raises for a
+            tier's fault (it then keeps nothing).
+        """
+        tiers = [t for t in self.retaining_tiers if not self._is_resting(t)]
+        if num_blocks <= 0 or not tiers:
+            return 0, []
+        keys = self.entry_keys(request, 0, num_blocks)
+        names, sizes = [k.name for k in keys], [entry_bytes(k, self.layout) for k in keys]
+        retained, held = num_blocks, [False] * num_blocks
+        for tier in tiers:
+            try:
+                retained = min(retained, tier.retain(names, ttl_s, sizes))
+                held = [a or b for a, b in zip(held, tier.holds(names))]
+            except Exception as e:
+                self._fail(tier, "retain", e)
+                return 0, []
+        with self._lock:
+            missing = [i for i in range(retained) if not held[i] and names[i] not in self._queued]
+        return retained, missing
 
     def _write(self, key: EntryKey, payload: bytes, tiers: list[KVTier]) -> None:
         blob = encode_entry(key, self.layout, payload)
@@ -372,7 +426,8 @@ def make_kv_tiers(config: CacheConfig, layout: KVBlockLayout) -> KVTierStack | N
         from prefixcache.cache.tiers.disk import DiskTier
 
         try:
-            tiers.append(DiskTier(config.kv_disk_dir, namespace, config.kv_disk_bytes))
+            retained = int(config.max_retained_disk_fraction * config.kv_disk_bytes)
+            tiers.append(DiskTier(config.kv_disk_dir, namespace, config.kv_disk_bytes, retained))
         except OSError as e:
             raise InvalidInputError("kv_disk_dir", f"kv_disk_dir: cannot create or use the directory "
                                                    f"{config.kv_disk_dir!r} ({e.strerror or e})") from None
