@@ -5,6 +5,8 @@
 # `prefixcache cluster` starts and its tests run).
 # torch==2.13.0 is pinned first: on this kind of machine pip takes its CPU build from local disk;
 # elsewhere it comes from PyPI.
+# PREFIXCACHE_FIELD_TOOLS=1 also creates the field's load generators' venvs (.venv-field/: GuideLLM, SGLang's
+# bench_serving, NVIDIA AIPerf, from PyPI, side by side in about 3 minutes) for their tests and --workload field.
 # PREFIXCACHE_LLAMACPP=1 also installs the `llamacpp` extra (llama-cpp-python, the speed benchmark's
 # llama.cpp baseline): it compiles llama.cpp, which needs cmake and a C++ compiler and takes minutes.
 set -euo pipefail
@@ -51,6 +53,11 @@ step "building the CPU kernels (prefixcache/kernels/csrc, about a minute where t
 python -m prefixcache.kernels.cpu_kernels || echo "setup.sh: the CPU kernels did not build; float32 still runs" >&2
 # int8's exact AVX2 product (used where the CPU has AVX2 but no VNNI; built wherever AVX2 runs, for its tests)
 python -m prefixcache.kernels.avx2_kernels || echo "setup.sh: the AVX2 int8 kernel did not build" >&2
+if [ "${PREFIXCACHE_FIELD_TOOLS:-0}" = "1" ]; then
+    step "creating the field tools' venvs in .venv-field (PREFIXCACHE_FIELD_TOOLS=1; GuideLLM, SGLang, AIPerf, minutes) ..."
+    python -m prefixcache bench --install-field-tools all \
+        || echo "setup.sh: a field tool did not install; its tests will be skipped, naming it" >&2
+fi
 step "fetching the default model into ${PREFIXCACHE_HOME:-~/.cache/prefixcache} (once) ..."
 python -m prefixcache fetch
 step "done: .venv/bin/prefixcache demo"

@@ -14,6 +14,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 import time
 
 from prefixcache.bench.options import SPEED, BenchOptions, SpeedSizes, check_positive
@@ -36,7 +37,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         "'queue' (scheduling policies under a queue and memory pressure: scheduler replay, no model), "
                         "'cluster' (replicas behind the SGLang gateway: cache_aware vs round_robin vs random vs "
                         "one replica; see --cluster-*) and 'flood' (an agent's system prompt under a cache breakpoint "
-                        "against one-off prompts, per eviction policy: cache replay, no model)")
+                        "against one-off prompts, per eviction policy: cache replay, no model) and 'field' (GuideLLM, "
+                        "SGLang's bench_serving and AIPerf, whichever --install-field-tools installed, against "
+                        "`prefixcache serve` and, when installed, llama.cpp's server; --num-requests default 20)")
     p.add_argument("--model", default=d.model, help="built-in name, a local HF directory (config.json + "
                                                      "*.safetensors) or a local .gguf file; never downloaded from the Hub")
     p.add_argument("--num-requests", type=int, default=d.num_requests,
@@ -53,7 +56,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         f"caching-on runs time slower than off is repeated to {MIN_CONFIRMING_REPEATS})")
     p.add_argument("--cold-samples", type=int, default=d.cold_samples, help="requests timed alone on an empty cache")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
-    p.add_argument("--skip-llamacpp", action="store_true", help="speed: skip the llama.cpp baseline")
+    p.add_argument("--skip-llamacpp", action="store_true", help="speed and field: skip the llama.cpp baseline")
     p.add_argument("--speed-long", action="store_true",
                    help="speed: also measure long context (8,000-token prefill, decode at 8k; a few minutes more)")
     p.add_argument("--dtype", default=None, choices=EngineConfig.choices("dtype"),
@@ -67,6 +70,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", default=None, metavar="PAGE",
                    help="also put the tables this run wrote into PAGE (e.g. docs/benchmarks.md), each between its "
                         "<!-- bench:NAME:begin/end --> markers with the machine, date, commit and command")
+    p.add_argument("--install-field-tools", nargs="?", const="all", default=None, metavar="TOOLS",
+                   help="create the venvs of the field's load generators ('all' or a comma list of guidellm, sglang, "
+                        "aiperf; from PyPI, a few minutes) for --workload field, then exit")
     p.add_argument("--kv-redis-url", default=None,
                    help="restart: the Redis of the replica phase (default: a redis-server started on loopback)")
     c = p.add_argument_group("--workload cluster (--num-requests: per system prompt, default 4; --num-threads: "
@@ -162,7 +168,8 @@ RESTART = "restart"  # --workload restart: restart / replica TTFT over the KV ti
 QUEUE = "queue"  # --workload queue: the scheduling policies, scheduler replay (no model)
 CLUSTER = "cluster"  # --workload cluster: replicas behind the SGLang gateway (its own processes)
 FLOOD = "flood"  # --workload flood: an agent's system prompt against one-off prompts, pinned or not (no model)
-CLI_WORKLOADS = (*WORKLOAD_NAMES, SPEED, TRACE, RESTART, QUEUE, CLUSTER, FLOOD)  # every name --workload accepts, besides 'all'
+FIELD = "field"  # --workload field: the field's load generators against `prefixcache serve` (their own processes)
+CLI_WORKLOADS = (*WORKLOAD_NAMES, SPEED, TRACE, RESTART, QUEUE, CLUSTER, FLOOD, FIELD)  # every name --workload accepts, besides 'all'
 
 
 def parse_workloads(arg: str) -> tuple[str, ...]:
@@ -273,6 +280,8 @@ def run_cli(args: argparse.Namespace) -> int:
             written.
     """
     started_s = time.time()
+    if getattr(args, "install_field_tools", None) is not None:
+        return _install_field_tools(args.install_field_tools)
     names = check_bench_args(args)
     status = _run_workloads(args, names)
     if args.report is not None:
@@ -285,10 +294,43 @@ def run_cli(args: argparse.Namespace) -> int:
     return status
 
 
+def _install_field_tools(arg: str) -> int:
+    """``--install-field-tools``: the named tools' venvs (:mod:`prefixcache.bench.field`); returns the exit status.
+
+    Raises:
+        ValueError: an unknown tool name.
+    """
+    from prefixcache.bench.field import TOOLS, install_tools
+
+    tools = list(TOOLS) if arg.strip() == "all" else [t.strip() for t in arg.split(",") if t.strip()]
+    unknown = [t for t in tools if t not in TOOLS]
+    if unknown or not tools:
+        raise ValueError(f"--install-field-tools: unknown tool {', '.join(map(repr, unknown)) or repr(arg)}; "
+                         f"choose 'all' or a comma-separated list of {', '.join(TOOLS)}")
+    install_tools(tools, log=lambda s: print(s, file=sys.stderr, flush=True))
+    return 0
+
+
+def run_field_cli(args: argparse.Namespace, num_threads: int | None) -> None:
+    """``--workload field``: :mod:`prefixcache.bench.field`; field.json and field.md into ``--out``."""
+    from pathlib import Path
+
+    from prefixcache.bench.field import FieldWorkload, field_markdown, run_field_bench, write_field_outputs
+
+    workload = FieldWorkload(num_requests=args.num_requests or FieldWorkload.num_requests, max_tokens=args.max_tokens)
+    out = Path(args.out or tempfile.mkdtemp(prefix="prefixcache-field-"))
+    result = run_field_bench(args.model, workload, num_threads or 2, out / "field-runs",
+                             log=lambda s: print(s, file=sys.stderr, flush=True), with_llama_cpp=not args.skip_llamacpp)
+    if args.out:
+        for path in write_field_outputs(result, args.out):
+            print(f"wrote {path}", file=sys.stderr)
+    print(field_markdown(result))
+
+
 def _run_workloads(args: argparse.Namespace, names: tuple[str, ...]) -> int:
     """The workloads of ``names`` (checked), in order; returns the exit status."""
     cluster_threads = args.num_threads  # per replica; the cluster workload has its own default (1)
-    threads_note = choose_num_threads(args) if set(names) - {TRACE, QUEUE, CLUSTER, FLOOD} else None
+    threads_note = choose_num_threads(args) if set(names) - {TRACE, QUEUE, CLUSTER, FLOOD, FIELD} else None
     if threads_note:
         print(f"prefixcache bench: {threads_note}", file=sys.stderr, flush=True)
     if TRACE in names:  # simulation only; `all` means the model workloads
@@ -301,7 +343,9 @@ def _run_workloads(args: argparse.Namespace, names: tuple[str, ...]) -> int:
         run_queue_cli(args)
     if CLUSTER in names:  # its own processes: replicas and the gateway
         run_cluster_cli(args, cluster_threads)
-    names = tuple(n for n in names if n not in (TRACE, RESTART, QUEUE, CLUSTER, FLOOD))
+    if FIELD in names:  # its own processes: the servers and the tools
+        run_field_cli(args, args.num_threads)
+    names = tuple(n for n in names if n not in (TRACE, RESTART, QUEUE, CLUSTER, FLOOD, FIELD))
     if not names:
         return 0
     opts = BenchOptions(

@@ -20,7 +20,7 @@ from pathlib import Path
 from prefixcache.kernels.cpu_features import describe_cpu
 
 # the outputs whose Markdown a report takes ({stem}.md in --out), in the order the workloads run
-REPORT_STEMS = ("flood", "restart", "queue", "cluster", "bench")
+REPORT_STEMS = ("flood", "restart", "queue", "cluster", "field", "bench")
 
 
 def _cpu_model() -> str:
