@@ -1,15 +1,21 @@
 """Builds and loads our AVX2 kernels (``csrc/``): ``int8_gemm_avx2`` (int8_gemm_avx2.cpp), quantization="int8"'s
 exact int8 × int8 → int32 product on CPUs with AVX2 and FMA but without AVX512-VNNI or AMX-INT8, where
 ``torch._int_mm`` has no fast exact kernel (a reference loop runs on a Zen 3; oneDNN's AVX2 int8 kernel, which
-``ONEDNN_MAX_CPU_ISA=AVX2`` forces on a bigger CPU, saturates its u8 × s8 pairs and gets sums wrong).
+``ONEDNN_MAX_CPU_ISA=AVX2`` forces on a bigger CPU, saturates its u8 × s8 pairs and gets sums wrong); and the AVX2
+build of the int4 formats' generated-token kernels: ``int4_mm``, ``int8_mm`` (qgemm.cpp, ``vpmaddubsw`` sums
+with no int16 saturation), ``paged_decode_attention`` (paged_attention.cpp's float32 form) and ``DecodeLayers``
+(decode_layers.cpp), from the same sources as :mod:`prefixcache.kernels.cpu_kernels`' AVX-512 build and with the
+same bits (the sources' headers say why), plus their plain-loop references (``int4_mm_reference``,
+``int8_mm_reference``). :func:`prefixcache.kernels.cpu_kernels.load_int4_kernels` picks between the builds.
 
 The sums are exact, so they equal ``torch._int_mm``'s bit for bit and a row's result never depends on the other
 rows of its call (the formula and its no-saturation bound are in the source's header). The weight is packed once,
 at quantization (:func:`pack_weight`, ``Int8Weight.avx2_packed``), and each call streams the packed panels.
 
-Compiled with ``-mavx2 -mfma`` only (it runs on any AVX2 CPU, a Zen 3 included), as its own extension, once per
-machine into torch's extension cache like :mod:`prefixcache.kernels.cpu_kernels`; ``python -m
-prefixcache.kernels.avx2_kernels`` builds it (scripts/setup.sh).
+Compiled with ``-mavx2 -mfma -mf16c`` only (it runs on any AVX2 CPU, a Zen 3 included), as its own extension, once
+per machine into torch's extension cache like :mod:`prefixcache.kernels.cpu_kernels`; ``python -m
+prefixcache.kernels.avx2_kernels`` builds it (scripts/setup.sh). At load it is told the tier
+:func:`~prefixcache.kernels.cpu_features.kernel_tier` chose (``set_kernel_tier``).
 """
 
 from __future__ import annotations
@@ -24,15 +30,20 @@ from types import ModuleType
 import torch
 
 from prefixcache.kernels.build import extension_name
-from prefixcache.kernels.cpu_features import cpu_has, describe_cpu
+from prefixcache.kernels.cpu_features import TIERS, cpu_has, describe_cpu, kernel_tier
 
 __all__ = ["Avx2KernelsUnavailable", "int8_gemm_avx2", "int8_linear_avx2", "load_avx2_kernels", "pack_weight",
            "uses_avx2_int8_gemm"]
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "int8_gemm_avx2.cpp"]
+_SOURCES = [_CSRC / name for name in ("int8_gemm_avx2.cpp", "qgemm.cpp", "paged_attention.cpp", "decode_layers.cpp",
+                                      "bindings_avx2.cpp")]
 # -fopenmp: ATen's parallel_for is inline OpenMP; the process's libgomp is torch's (same soname), one thread pool.
-# -ffp-contract=off: the rescale's multiply and add stay two roundings (torch's), never one fma.
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
+# GCC's default contraction (a product and a sum into one fma), as in the AVX-512 build: the shared sources
+# (qgemm.cpp, paged_attention.cpp, decode_layers.cpp) fuse the same scalar products and sums in both builds
+# (int8_gemm_avx2.cpp keeps its rescale unfused by itself).
+# -fvisibility=hidden: this build defines the same C++ names as the AVX-512 one (int4_mm, ...); each library
+# binds its own calls to its own definitions whatever else the process loaded.
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fvisibility=hidden"]
 PANEL = 16  # outputs per packed panel
 PAIR = 2  # inputs per int32 lane
 
@@ -46,27 +57,29 @@ def load_avx2_kernels() -> ModuleType:
     """The compiled extension (built on first use).
 
     Raises:
-        Avx2KernelsUnavailable: the CPU (as capped by ``PREFIXCACHE_KERNELS``) lacks AVX2 or FMA, or the build
-            failed (the compiler's message).
+        Avx2KernelsUnavailable: the CPU (as capped by ``PREFIXCACHE_KERNELS``) lacks AVX2, FMA or F16C, or the
+            build failed (the compiler's message).
     """
-    if not cpu_has("avx2", "fma"):
-        raise Avx2KernelsUnavailable(f"our AVX2 kernels need AVX2 and FMA; {describe_cpu()}")
+    if not cpu_has(*TIERS["avx2"]):
+        raise Avx2KernelsUnavailable(f"our AVX2 kernels need AVX2, FMA and F16C; {describe_cpu()}")
     from torch.utils.cpp_extension import load
 
     venv_bin = str(Path(sys.executable).parent)  # ninja from the venv, also when it is not on PATH
     if shutil.which("ninja") is None and venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     try:
-        return load(name=extension_name("prefixcache_avx2_kernels", _SOURCES), sources=[str(s) for s in _SOURCES],
-                    extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        module = load(name=extension_name("prefixcache_avx2_kernels", _SOURCES), sources=[str(s) for s in _SOURCES],
+                      extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         raise Avx2KernelsUnavailable(f"building the AVX2 kernels (prefixcache/kernels/csrc) failed: {e}") from e
+    module.set_kernel_tier(list(TIERS).index(kernel_tier()))  # every C++ dispatch honours the cap (isa_tier.h)
+    return module
 
 
 def uses_avx2_int8_gemm() -> bool:
     """Whether int8 products run :func:`int8_gemm_avx2` here: the CPU has AVX2 and FMA but neither of the
     features behind ``torch._int_mm``'s fast kernels (AVX512-VNNI, AMX-INT8), and the extension loads."""
-    if cpu_has("avx512_vnni") or cpu_has("amx_int8") or not cpu_has("avx2", "fma"):
+    if cpu_has("avx512_vnni") or cpu_has("amx_int8") or not cpu_has(*TIERS["avx2"]):
         return False
     try:
         load_avx2_kernels()
@@ -134,7 +147,7 @@ def main() -> int:
         load_avx2_kernels()
     except Avx2KernelsUnavailable as e:
         print(f"avx2_kernels: not built: {str(e).splitlines()[0]}")
-        return 1 if cpu_has("avx2", "fma") else 0
+        return 1 if cpu_has(*TIERS["avx2"]) else 0
     print(f"avx2_kernels: built ({describe_cpu()})")
     return 0
 

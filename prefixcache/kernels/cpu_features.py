@@ -7,7 +7,7 @@ Tiers, each a superset of the one before (ggml's and vLLM's CPU backends draw th
 tier            features (Linux ``/proc/cpuinfo`` names)                what it adds
 ==============  =====================================================  ==========================================
 ``reference``   none                                                   torch's float32 path: runs everywhere
-``avx2``        avx2, fma, f16c                                        (torch's float32 kernels use them)
+``avx2``        avx2, fma, f16c                                        our AVX2 build: int8 product, int4 decoder
 ``avx512``      + avx512f, avx512bw, avx512vl, avx512dq, avx512_vnni   oneDNN's bf16 and int8 products; our int4
 ``avx512_bf16`` + avx512_bf16                                          our bf16 attention and prompt kernels
 ``amx``         + amx_tile, amx_bf16, amx_int8                         our AMX-BF16 GEMM and attention forms
@@ -46,6 +46,10 @@ _BF16_PRODUCTS = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"a
 # (a 2,183-token SmolLM2 prompt took 292 s on a Zen 3, float32 9.5 s), so int8 is refused there.
 _INT8_PRODUCTS = (frozenset({"avx512_vnni"}), frozenset({"amx_int8"}))
 _INT4_FORMATS = ("int4", "int4-int8")  # the formats whose generated tokens run our int4 decoder
+# Our int4 decoder has an AVX512-VNNI build and an AVX2 + FMA + F16C one (the same bits): either tier runs it.
+# int4-int8's prompt rows run W8A8 products, on oneDNN (VNNI, AMX-INT8) or, on AVX2, on our exact AVX2 kernel;
+# int4's prompt rows run bf16 products, oneDNN's prepacked ones where _BF16_PRODUCTS, else torch's plain bf16
+# matmul (layers/lora.py's fallback).
 
 
 @cache
@@ -132,10 +136,12 @@ def format_unavailable_reason(dtype: str, quantization: str) -> str | None:
     """
     have = "+".join(sorted(f for f in cpu_features() if f in _AVX512_BF16 | _EXTRA)) or "no AVX2"
     instead = "use dtype='float32', quantization='none', which run on every CPU (or auto: this CPU's fastest)"
-    if quantization in _INT4_FORMATS and not cpu_has("avx512_vnni"):
-        return (f"quantization={quantization!r} runs our int4 kernels, which need a CPU with AVX512-VNNI; "
-                f"this one has {have}: {instead}")
-    if quantization in ("int8", "int4-int8") and not _has_any(_INT8_PRODUCTS):
+    if quantization in _INT4_FORMATS:
+        if not cpu_has(*TIERS["avx2"]):
+            return (f"quantization={quantization!r} runs our int4 kernels, which need a CPU with AVX2, FMA and "
+                    f"F16C; this one has {have}: {instead}")
+        return None  # bf16 prompt products fall back to torch's plain ones; int8's run our AVX2 kernel (above)
+    if quantization == "int8" and not _has_any(_INT8_PRODUCTS):
         return (f"quantization={quantization!r} needs fast int8 products (AVX512-VNNI or AMX-INT8, oneDNN's "
                 f"kernels behind torch._int_mm); without them a prompt takes ~30x longer than in float32. "
                 f"This CPU has {have}: {instead}")

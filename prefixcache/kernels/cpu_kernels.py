@@ -14,7 +14,16 @@ each gives a row the same bits in any batch are in each source's header.
 The extension is compiled once per machine with torch's C++ extension builder (g++ and ninja, about
 a minute) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``); ``scripts/setup.sh`` builds it, later loads take about a second. It
-needs a CPU with AVX512-VNNI (the int4 format's only requirement beyond torch).
+needs a CPU with AVX512-VNNI (``TIERS["avx512"]``); at load it is told the tier
+:func:`~prefixcache.kernels.cpu_features.kernel_tier` chose (``set_kernel_tier``, csrc/isa_tier.h), so its
+own choices (the AVX512-BF16 attention form, AMX) honour ``PREFIXCACHE_KERNELS`` too.
+
+The int4 formats' generated-token kernels (``int4_mm``, ``int8_mm``, ``paged_decode_attention``,
+``DecodeLayers``) are built from the same sources a second time, for AVX2 + FMA + F16C, in
+:mod:`prefixcache.kernels.avx2_kernels`; :func:`load_int4_kernels` picks the best build this CPU (as capped)
+runs, ggml's way: one source per op family, a plain-loop reference beside the ISA forms (``int4_mm_reference``,
+``int8_mm_reference``), each build with its own flags, one run-time choice. A build the compiler can't make is
+lost alone, with one line (``main``), never the other.
 """
 
 from __future__ import annotations
@@ -27,9 +36,10 @@ from pathlib import Path
 from types import ModuleType
 
 from prefixcache.kernels.build import extension_name
-from prefixcache.kernels.cpu_features import cpu_has, describe_cpu
+from prefixcache.kernels.cpu_features import TIERS, cpu_has, describe_cpu, kernel_tier
 
-__all__ = ["CpuKernelsUnavailable", "amx_ready", "kernels_compiler", "load_cpu_kernels"]
+__all__ = ["CpuKernelsUnavailable", "amx_ready", "int4_kernels_build", "kernels_compiler", "load_cpu_kernels",
+           "load_int4_kernels"]
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("qgemm.cpp", "paged_attention.cpp", "prefill_attention.cpp", "decode_layers.cpp",
                                       "prompt_ops.cpp", "amx_gemm.cpp", "int8_rows.cpp", "bindings.cpp")]
@@ -50,7 +60,7 @@ def load_cpu_kernels() -> ModuleType:
     """
     if _LOADED:
         return _LOADED[0]
-    if not cpu_has("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"):
+    if not cpu_has(*TIERS["avx512"]):
         raise CpuKernelsUnavailable(f"our CPU kernels need AVX512-VNNI; {describe_cpu()} (float32 runs on torch's own "
                                     f"kernels)")
     from torch.utils.cpp_extension import load
@@ -63,8 +73,48 @@ def load_cpu_kernels() -> ModuleType:
                       extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         raise CpuKernelsUnavailable(f"building the CPU kernels (prefixcache/kernels/csrc) failed: {e}") from e
+    module.set_kernel_tier(list(TIERS).index(kernel_tier()))  # every C++ dispatch honours the cap (isa_tier.h)
     _LOADED.append(module)
     return module
+
+
+@cache
+def int4_kernels_build() -> str:
+    """Which build :func:`load_int4_kernels` returns here: ``"avx512"`` (this module's extension, where the CPU
+    as capped has ``TIERS["avx512"]`` and it builds), ``"avx2"`` (:mod:`prefixcache.kernels.avx2_kernels`' build of
+    the same sources, where it has ``TIERS["avx2"]``), or ``""`` (neither: the int4 formats don't run here)."""
+    try:
+        load_cpu_kernels()
+        return "avx512"
+    except CpuKernelsUnavailable:
+        pass
+    from prefixcache.kernels.avx2_kernels import Avx2KernelsUnavailable, load_avx2_kernels
+
+    try:
+        load_avx2_kernels()
+        return "avx2"
+    except Avx2KernelsUnavailable:
+        return ""
+
+
+def load_int4_kernels() -> ModuleType:
+    """The int4 formats' generated-token kernels (``int4_mm``, ``int8_mm``, ``paged_decode_attention``,
+    ``paged_decode_attention_float32``, ``DecodeLayers`` and the ``*_reference`` loops) in the best build this
+    CPU (as capped by ``PREFIXCACHE_KERNELS``) runs (:func:`int4_kernels_build`). Both builds give the same bits
+    wherever the attention takes the same form (the AVX2 build has only the float32 form, which a CPU without
+    AVX512-BF16, or capped below it, runs in the AVX-512 build too).
+
+    Raises:
+        CpuKernelsUnavailable: the CPU lacks AVX2 + FMA + F16C, or neither build builds.
+    """
+    build = int4_kernels_build()
+    if build == "avx512":
+        return load_cpu_kernels()
+    if build == "avx2":
+        from prefixcache.kernels.avx2_kernels import load_avx2_kernels
+
+        return load_avx2_kernels()
+    raise CpuKernelsUnavailable(f"the int4 kernels need AVX2 + FMA + F16C (and a build of them); {describe_cpu()}")
 
 
 @cache
@@ -86,9 +136,10 @@ def kernels_compiler() -> str:
     build. Part of the cache key wherever they compute K/V (:func:`prefixcache.layers.attention.kv_numerics`):
     the same sources can round differently under another compiler (GCC fuses a product and a sum written as
     two intrinsics into one fma, ``-ffp-contract=fast``, and its choices vary by version), so replicas
-    sharing a KV tier reuse each other's blocks only when built alike."""
+    sharing a KV tier reuse each other's blocks only when built alike. Where only the AVX2 build runs (it computes
+    int4's generated K/V there), that build's compiler."""
     try:
-        return str(load_cpu_kernels().compiler())
+        return str(load_int4_kernels().compiler())
     except CpuKernelsUnavailable:
         return ""
 

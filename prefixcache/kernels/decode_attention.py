@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixcache.kernels.cpu_features import cpu_has
-from prefixcache.kernels.cpu_kernels import load_cpu_kernels
+from prefixcache.kernels.cpu_kernels import load_int4_kernels
 
 
 @dataclass(slots=True)
@@ -80,7 +80,7 @@ def decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tens
     Returns:
         shape = [num_rows, num_heads, head_dim] bfloat16.
     """
-    kernels = load_cpu_kernels()
+    kernels = load_int4_kernels()  # AVX-512 or AVX2 build; the AVX2 one has only the float32 form
     float32_form = float32_form or not cpu_has("avx512_bf16")  # also where PREFIXCACHE_KERNELS caps the tier
     fn = kernels.paged_decode_attention_float32 if float32_form else kernels.paged_decode_attention
     return fn(q.contiguous(), k_slots, v_slots, rows.block_table, rows.context_lens, rows.block_size, scale)

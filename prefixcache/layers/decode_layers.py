@@ -10,7 +10,10 @@ layer before the generated rows' same layer, so a recomputed generated row finds
 Why: a one-row decode step ran ~60 torch ops per layer around the 4-bit products; their dispatch took
 as long as the products (``tools/profile_step.py``). Every step is per row (each row's sum of squares
 in a fixed order, the kernels row-invariant), so a generated token gets the same bits alone, beside other
-decodes, beside prompt rows and in a recompute: cache on and off still agree.
+decodes, beside prompt rows and in a recompute: cache on and off still agree. The C++ runs in the best build
+the CPU (as ``PREFIXCACHE_KERNELS`` caps it) allows, AVX512-VNNI or AVX2 + FMA
+(:func:`~prefixcache.kernels.cpu_kernels.load_int4_kernels`), with the same bits wherever the attention takes
+the same form (the AVX2 build runs its float32 form, as a CPU without AVX512-BF16 does).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixcache.kernels.cpu_kernels import load_cpu_kernels
+from prefixcache.kernels.cpu_kernels import load_int4_kernels
 from prefixcache.kernels.decode_attention import DecodeRows
 from prefixcache.layers.quant import Int4Weight
 
@@ -76,9 +79,10 @@ class DecodeLayers:
                  num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int, eps: float,
                  scale: float) -> None:
         self.num_layers = len(layers)
-        self._impl = load_cpu_kernels().DecodeLayers(
-            [w.tensors() for w in layers], final_norm.detach(), inv_freq, final_norm.shape[0], num_heads,
-            num_kv_heads, head_dim, intermediate_size, eps, scale)
+        # the C++ constructor's arguments, kept for building the decoder in another build (tests compare builds)
+        self._args = ([w.tensors() for w in layers], final_norm.detach(), inv_freq, final_norm.shape[0], num_heads,
+                      num_kv_heads, head_dim, intermediate_size, eps, scale)
+        self._impl = load_int4_kernels().DecodeLayers(*self._args)
 
     def run(self, hidden: torch.Tensor, rows: DecodeRows, kv_caches: list[torch.Tensor], begin: int = 0,
             end: int | None = None) -> None:

@@ -22,7 +22,8 @@ the problem that per-tensor activation scales or batch-size-dependent float kern
 llama.cpp's block formats: layer weights on Q4_1's grid (4 bits per weight, a scale and a min per 32
 input features), the lm_head on Q8_0's (8 bits, a scale per 32), activations quantized per row and
 per 32 features to int8, each group's sum exact in int32 and the groups added in a fixed order
-(``kernels/csrc/qgemm.cpp``, built by :mod:`prefixcache.kernels.cpu_kernels`), in the layers of
+(``kernels/csrc/qgemm.cpp``, built for AVX512-VNNI by :mod:`prefixcache.kernels.cpu_kernels` and for AVX2 by
+:mod:`prefixcache.kernels.avx2_kernels`, the same bits; ``load_int4_kernels`` picks), in the layers of
 :mod:`prefixcache.layers.decode_layers`; its prompt tokens stay bf16 (and their logits rows:
 :class:`RowSplit`). ``quantization="int4-int8"`` runs int4's generated tokens and this module's W8A8
 products for every other row (its prompt rows' logits on the int8 lm_head).
@@ -39,7 +40,7 @@ import torch
 
 from prefixcache.config import QUANTIZATIONS
 from prefixcache.kernels.avx2_kernels import int8_gemm_avx2, int8_linear_avx2, pack_weight, uses_avx2_int8_gemm
-from prefixcache.kernels.cpu_kernels import CpuKernelsUnavailable, load_cpu_kernels
+from prefixcache.kernels.cpu_kernels import CpuKernelsUnavailable, load_cpu_kernels, load_int4_kernels
 
 __all__ = ["INT4_GROUP", "INT4_OUTPUT_KEY", "QUANTIZATIONS", "GroupInt8Weight", "Int4Weight", "Int8Weight",
            "group_int8_linear", "int4_linear", "int8_linear", "int8_product", "int8_rows_to_float_torch",
@@ -257,7 +258,7 @@ INT4_OUTPUT_KEY = b"int4-generated:decoder-f32-residual|decode-attention:bf16-ke
 
 @dataclass(slots=True)
 class Int4Weight:
-    """A linear layer's weight in 4 bits, for ``int4_mm`` of :mod:`prefixcache.kernels.cpu_kernels`.
+    """A linear layer's weight in 4 bits, for ``int4_mm`` (:func:`~prefixcache.kernels.cpu_kernels.load_int4_kernels`).
 
     ``w[n, k] = q[n, k] * scale[n // 16, k // 32, n % 16] + min[n // 16, k // 32, n % 16]`` with ``q``
     in 0..15: an asymmetric grid per group of :data:`INT4_GROUP` input features (llama.cpp's Q4_1:
@@ -286,8 +287,8 @@ class GroupInt8Weight:
         packed: shape = [out_features // 16, in_features // 4, 64] int8: for a block of 16 outputs and
             4 inputs, byte ``4 j + i`` is ``q[j, i]``.
         scale: shape = [out_features // 16, in_features // 32, 16] float16.
-        correction: the same shape, int32: ``-128 * sum(q)`` over the group (the kernel multiplies
-            ``q`` with activations offset by +128).
+        correction: the same shape, int32: ``-128 * sum(q)`` over the group (the AVX-512 kernel multiplies
+            ``q`` with activations offset by +128; the AVX2 one keeps them signed and doesn't read it).
     """
 
     packed: torch.Tensor
@@ -361,7 +362,8 @@ def _by_block(t: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tens
 def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     """``x @ w^T + b`` with the 4-bit weight and int8 activations (``int4_mm``: each row quantized
     per group of 32 inputs, exact int32 sums per group; llama.cpp's Q4_1 x Q8_1 dot product). A
-    row's bits do not depend on what shares its call (``tests/layers/test_quant_int4.py``). Reads an
+    row's bits do not depend on what shares its call (``tests/layers/test_quant_int4.py``), nor on which build
+    runs it (AVX512-VNNI or AVX2: :func:`~prefixcache.kernels.cpu_kernels.load_int4_kernels`). Reads an
     eighth of float32's weight bytes; ``benchmarks/int4_linear.py`` times it against bf16.
 
     Args:
@@ -370,7 +372,7 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     Returns:
         shape = [num_tokens, out_features], x's dtype.
     """
-    return load_cpu_kernels().int4_mm(x, weight.packed, weight.scale, weight.min, weight.bias, x.dtype)
+    return load_int4_kernels().int4_mm(x, weight.packed, weight.scale, weight.min, weight.bias, x.dtype)
 
 
 def group_int8_linear(x: torch.Tensor, weight: GroupInt8Weight, out_dtype: torch.dtype) -> torch.Tensor:
@@ -383,7 +385,7 @@ def group_int8_linear(x: torch.Tensor, weight: GroupInt8Weight, out_dtype: torch
     Returns:
         shape = [num_tokens, out_features], ``out_dtype``.
     """
-    return load_cpu_kernels().int8_mm(x, weight.packed, weight.scale, weight.correction, None, out_dtype)
+    return load_int4_kernels().int8_mm(x, weight.packed, weight.scale, weight.correction, None, out_dtype)
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.config import INT4_DECODER_FORMATS, W8A8_FORMATS
-from prefixcache.kernels.cpu_kernels import load_cpu_kernels
+from prefixcache.kernels.cpu_kernels import load_int4_kernels
 from prefixcache.kernels.prefill_attention import paged_prefill_attention, prefill_kernel_supported
 from prefixcache.kernels.prompt_ops import add_rms_norm, rope_write_kv, silu_mul
 from prefixcache.layers.attention import Attention, AttentionMetadata, build_attention_metadata
@@ -436,7 +436,7 @@ class LlamaForCausalLM(nn.Module):
         if int4 and self.lm_head.weight.dtype != torch.bfloat16:
             raise ValueError(f"quantization {scheme!r} needs a bfloat16 model, got {self.lm_head.weight.dtype}")
         if int4:
-            load_cpu_kernels()  # now, with its reason, rather than at the first generated token
+            load_int4_kernels()  # now, with its reason, rather than at the first generated token
         for layer in self.model.layers:
             layer.self_attn.quantize(scheme)
             layer.mlp.quantize(scheme)

@@ -33,8 +33,9 @@ def fake_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("flags,runs", [
-    (ZEN3, [("float32", "none")]),
-    (SKYLAKE_SP, [("float32", "none"), ("bfloat16", "none")]),
+    (frozenset(), [("float32", "none")]),
+    (ZEN3, [("float32", "none"), ("bfloat16", "int4"), ("bfloat16", "int4-int8")]),  # the int4 decoder's AVX2 build
+    (SKYLAKE_SP, [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int4"), ("bfloat16", "int4-int8")]),
     (ZEN4, FORMATS),
     (SAPPHIRE_RAPIDS, FORMATS),
 ])
@@ -72,11 +73,11 @@ def test_the_cap_only_takes_features_away(fake_cpu):
     ("bfloat16", "none", "dtype", "dtype='bfloat16' needs a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT"),
     ("float32", "int8", "quantization", "quantization='int8' needs fast int8 products (AVX512-VNNI or AMX-INT8"),
     ("bfloat16", "int4", "quantization", "quantization='int4' runs our int4 kernels, which need a CPU with "
-                                         "AVX512-VNNI; this one has avx2+f16c+fma: use dtype='float32'"),
+                                         "AVX2, FMA and F16C; this one has no AVX2: use dtype='float32'"),
 ])
 def test_a_format_the_cpu_cannot_run_is_refused_by_the_config_naming_the_field(fake_cpu, dtype, quantization, field,
                                                                                start):
-    fake_cpu(ZEN3)
+    fake_cpu(frozenset() if quantization == "int4" else ZEN3)
     with pytest.raises(InvalidInputError) as e:
         EngineConfig.from_kwargs(dtype=dtype, quantization=quantization, device="cpu")
     assert e.value.field == field and str(e.value).startswith(start)

@@ -92,7 +92,7 @@ def test_int8_linear_runs_the_kernel_where_the_cpu_lacks_fast_int8_products(monk
 
 
 def test_the_kernel_is_chosen_only_without_vnni_or_amx_int8(monkeypatch):
-    for flags, used in (({"avx2", "fma"}, True), ({"avx2", "fma", "avx512_vnni"}, False),
-                        ({"avx2", "fma", "amx_int8"}, False), ({"avx2"}, False)):
+    for flags, used in (({"avx2", "fma", "f16c"}, True), ({"avx2", "fma", "f16c", "avx512_vnni"}, False),
+                        ({"avx2", "fma", "f16c", "amx_int8"}, False), ({"avx2"}, False)):
         monkeypatch.setattr(avx2_kernels, "cpu_has", lambda *names, flags=flags: set(names) <= flags)
         assert avx2_kernels.uses_avx2_int8_gemm() is used, flags

@@ -1,7 +1,7 @@
 """quantization="int4": generated tokens run through layers/decode_layers.py (kernels/csrc/decode_layers.cpp)
 on tiny random Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norm) checkpoints: the same bits alone, beside
 other decodes, beside prompt rows and recomputed in a prefill chunk; close to float32 math over the
-same 4-bit weights."""
+same 4-bit weights; the same bits from its AVX2 and AVX-512 builds."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from prefixcache.layers.attention import build_attention_metadata
 from prefixcache.models.loader import load_model
 from prefixcache.runner.kv_pool import allocate_kv_caches
 
-pytestmark = pytest.mark.requires_isa("avx512")  # our C++ kernels (prefixcache.kernels.cpu_kernels)
+pytestmark = pytest.mark.requires_isa("avx2")  # the decoder's AVX2 or AVX-512 build (cpu_kernels.load_int4_kernels)
 
 BLOCK = 4
 
@@ -134,3 +134,38 @@ def test_generated_rows_follow_the_float_model_over_the_same_4bit_weights(tiny_d
     for p in range(40):
         g, w = got[("a", p)].float(), want[("a", p)].float()
         assert (g - w).norm() / w.norm() < 0.04, p  # measured 0.9-2.7 % (bf16 q, K, V, attention out, output)
+
+
+@pytest.mark.requires_isa("avx512")  # both builds
+def test_the_decoder_gives_the_same_bits_in_its_avx2_and_avx512_builds(tiny_dir):
+    """Four generated rows (40 keys in scattered blocks, 1, 13, 29) through every layer and the final norm in each
+    build, the AVX-512 one told the tier below AVX512-BF16 (its attention then takes the float32 form, the AVX2
+    build's only one): the same residual stream, the same K/V written, the same final norm."""
+    from prefixcache.kernels.avx2_kernels import load_avx2_kernels
+    from prefixcache.kernels.cpu_features import TIERS, kernel_tier
+    from prefixcache.kernels.cpu_kernels import load_cpu_kernels
+
+    loaded = load_model(str(tiny_dir), load_tokenizer=False, dtype=torch.bfloat16, quantization="int4")
+    cfg, args = loaded.config, loaded.model.model.decode_layers._args
+    g = torch.Generator().manual_seed(5)
+    pools = [torch.randn(2, 40, BLOCK, cfg.num_key_value_heads, cfg.head_dim, generator=g).to(torch.bfloat16)
+             for _ in range(cfg.num_hidden_layers)]
+    hidden = torch.randn(4, cfg.hidden_size, generator=g)
+    table = torch.stack([torch.randperm(40, generator=g)[:10] for _ in range(4)]).to(torch.int32).contiguous()
+    lens = torch.tensor([40, 1, 13, 29], dtype=torch.int32)
+    avx512 = load_cpu_kernels()
+    avx512.set_kernel_tier(list(TIERS).index("avx512"))
+    try:
+        results = []
+        for kernels in (load_avx2_kernels(), avx512):
+            impl = kernels.DecodeLayers(*args)
+            h, kv = hidden.clone(), [p.clone() for p in pools]
+            impl.run(h, table, lens, BLOCK, kv, 0, cfg.num_hidden_layers)
+            results.append((h, kv, impl.final_norm(h)))
+    finally:
+        avx512.set_kernel_tier(list(TIERS).index(kernel_tier()))
+    (h2, kv2, out2), (h5, kv5, out5) = results
+    assert not torch.equal(h2, hidden) and torch.isfinite(h2).all()
+    assert torch.equal(h2.view(torch.int32), h5.view(torch.int32))
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(kv2, kv5))
+    assert torch.equal(out2.view(torch.int16), out5.view(torch.int16))

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <immintrin.h>
 
+#include "prefetch.h"  // prefetch_t0, prefetch_kv_rows (ISA-neutral: also in the AVX2 build)
+
 inline __m512 load_bf16(const at::BFloat16* p) {  // 16 bf16 -> float32, exact
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
@@ -41,27 +43,6 @@ inline __m512 exp512(__m512 x) {  // e^x = 2^n e^r, |r| <= ln2 / 2, degree-6 Tay
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
-}
-
-// prefetcht0 that the compiler keeps: GCC deletes a loop whose only effects are _mm_prefetch calls once
-// nothing in it can trap (found when this loop lost its per-key division: no prefetch left in the build).
-inline void prefetch_t0(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
-
-// Asks for the K and V rows of keys [begin, end) of one sequence (its block table row `table`, kv head at
-// element offset head_offset within a slot's row of row_stride elements) to be brought into L1 ahead of
-// their use: a long context's K/V is out of cache (a decode step ran every other layer since; a prompt item
-// streams all of it), and one kv head's rows lie row_stride elements apart, a stride the hardware
-// prefetcher follows poorly. row_bytes: bytes of one head's row (2 D for bf16).
-inline void prefetch_kv_rows(const at::BFloat16* k, const at::BFloat16* v, const int32_t* table, int64_t block_size,
-                             int64_t row_stride, int64_t head_offset, int64_t row_bytes, int64_t begin, int64_t end) {
-  if (begin >= end) return;
-  for (int64_t pos = begin, block = begin / block_size, offset = begin % block_size; pos < end; ++pos) {
-    const int64_t slot = static_cast<int64_t>(table[block]) * block_size + offset;  // one division, not one per key
-    const char* kr = reinterpret_cast<const char*>(k + slot * row_stride + head_offset);
-    const char* vr = reinterpret_cast<const char*>(v + slot * row_stride + head_offset);
-    for (int64_t b = 0; b < row_bytes; b += 64) prefetch_t0(kr + b), prefetch_t0(vr + b);
-    if (++offset == block_size) offset = 0, ++block;
-  }
 }
 
 // AMX tiles by inline asm rather than GCC's intrinsics, so that (1) the compiler sees each instruction's

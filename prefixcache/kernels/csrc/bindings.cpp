@@ -1,10 +1,18 @@
 // The CPU kernels' Python bindings (built by prefixcache/kernels/cpu_kernels.py).
 #include <torch/extension.h>
 
+#include "isa_tier.h"
+
+int prefixcache_kernel_tier = kTierAmx;
+
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min,
                    const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& corr,
                    const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
+at::Tensor int4_mm_reference(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                             const at::Tensor& min, const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
+at::Tensor int8_mm_reference(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                             const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_slots, const at::Tensor& v_slots,
                                   const at::Tensor& block_table, const at::Tensor& context_lens, int64_t block_size,
                                   double scale);
@@ -34,6 +42,10 @@ void bind_decode_layers(pybind11::module& m);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, "x [M, K] @ int4 grouped weight^T (+ bias) -> [M, N] (qgemm.cpp)");
   m.def("int8_mm", &int8_mm, "x [M, K] @ int8 grouped weight^T (+ bias) -> [M, N] (qgemm.cpp)");
+  m.def("int4_mm_reference", &int4_mm_reference, "int4_mm's rule in plain loops: its bits (qgemm.cpp)");
+  m.def("int8_mm_reference", &int8_mm_reference, "int8_mm's rule in plain loops: its bits (qgemm.cpp)");
+  m.def("set_kernel_tier", [](int64_t tier) { prefixcache_kernel_tier = static_cast<int>(tier); },
+        "the highest tier (index in cpu_features.TIERS) any C++ dispatch may take (isa_tier.h)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "q [R, H, D] over each row's context in the paged pool -> [R, H, D] (paged_attention.cpp)");
   m.def("paged_decode_attention_float32", &paged_decode_attention_float32,

@@ -17,11 +17,16 @@
 // is row-invariant (qgemm.cpp, paged_attention.cpp): a row's bits depend only on its token, position
 // and context, never on the other rows of the step or the number of threads. This replaces ~60 torch
 // ops per layer (their dispatch was half of a one-row decode step's time).
+//
+// Built once per ISA like qgemm.cpp (AVX512-VNNI in cpu_kernels.py's extension, AVX2 + FMA + F16C in
+// avx2_kernels.py's), written against vec16.h: both builds run the same float operations per lane and the
+// same reduction trees, so a generated row gets the same bits from either build wherever its attention takes
+// the same form (the AVX2 build has only the float32 form: paged_attention.cpp).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include "avx512.h"
+#include "vec16.h"
 
 #include <cmath>
 #include <vector>
@@ -66,20 +71,19 @@ Int4Linear int4_linear(const std::vector<at::Tensor>& w, size_t i, int64_t out_f
 }
 
 // rms_norm of n floats (n % 16 == 0: hidden, head_dim) times a float32 weight: sum of squares in 16 lanes in index
-// order, then _mm512_reduce_add_ps (a fixed pattern), then x * (1 / sqrt(mean + eps)) * w.
+// order, then v16_reduce_add (_mm512_reduce_add_ps's fixed pattern), then x * (1 / sqrt(mean + eps)) * w.
 void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps) {
-  __m512 acc = _mm512_setzero_ps();
+  vec16 acc = v16_zero();
   for (int64_t i = 0; i < n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
+    const vec16 v = v16_load(x + i);
+    acc = v16_fmadd(v, v, acc);
   }
-  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + eps));
-  for (int64_t i = 0; i < n; i += 16)
-    _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), r), _mm512_loadu_ps(w + i)));
+  const vec16 r = v16_set1(1.f / std::sqrt(v16_reduce_add(acc) / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += 16) v16_store(y + i, v16_mul(v16_mul(v16_load(x + i), r), v16_load(w + i)));
 }
 
 void add_to(float* h, const float* d, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(h + i, _mm512_add_ps(_mm512_loadu_ps(h + i), _mm512_loadu_ps(d + i)));
+  for (int64_t i = 0; i < n; i += 16) v16_store(h + i, v16_add(v16_load(h + i), v16_load(d + i)));
 }
 
 class DecodeLayers {
@@ -144,7 +148,7 @@ class DecodeLayers {
     std::vector<float> y(hidden_);
     for (int64_t r = 0; r < h.size(0); ++r) {
       rms_norm(h.data_ptr<float>() + r * hidden_, final_norm_.data_ptr<float>(), y.data(), hidden_, eps_);
-      for (int64_t i = 0; i < hidden_; i += 16) store_bf16(out.data_ptr<at::BFloat16>() + r * hidden_ + i, _mm512_loadu_ps(y.data() + i));
+      for (int64_t i = 0; i < hidden_; i += 16) v16_store_bf16(out.data_ptr<at::BFloat16>() + r * hidden_ + i, v16_load(y.data() + i));
     }
     return out;
   }
@@ -206,10 +210,10 @@ class DecodeLayers {
       float* row = qkv.data_ptr<float>() + r * qkv_dim;
       const float* cs = cos_sin.data_ptr<float>() + r * D_;
       for (int64_t j = 0; j < H_ + KVH_; ++j) norm_and_rope(row + j * D_, j < H_ ? w.q_norm : w.k_norm, cs);
-      for (int64_t i = 0; i < H_ * D_; i += 16) store_bf16(q.data_ptr<at::BFloat16>() + r * H_ * D_ + i, _mm512_loadu_ps(row + i));
+      for (int64_t i = 0; i < H_ * D_; i += 16) v16_store_bf16(q.data_ptr<at::BFloat16>() + r * H_ * D_ + i, v16_load(row + i));
       for (int64_t i = 0; i < KVH_ * D_; i += 16) {
-        store_bf16(kp + slots[r] * KVH_ * D_ + i, _mm512_loadu_ps(row + H_ * D_ + i));
-        store_bf16(vp + slots[r] * KVH_ * D_ + i, _mm512_loadu_ps(row + (H_ + KVH_) * D_ + i));
+        v16_store_bf16(kp + slots[r] * KVH_ * D_ + i, v16_load(row + H_ * D_ + i));
+        v16_store_bf16(vp + slots[r] * KVH_ * D_ + i, v16_load(row + (H_ + KVH_) * D_ + i));
       }
     }
     const at::Tensor attn = paged_decode_attention(q, k_slots, v_slots, block_table, context_lens, block_size, scale_);
@@ -223,9 +227,9 @@ class DecodeLayers {
     for (int64_t r = 0; r < R; ++r) {
       const float* g = gate_up.data_ptr<float>() + r * 2 * I_;
       for (int64_t i = 0; i < I_; i += 16) {  // silu(gate) * up = gate / (1 + e^-gate) * up
-        const __m512 gv = _mm512_loadu_ps(g + i);
-        const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        _mm512_storeu_ps(act.data_ptr<float>() + r * I_ + i, _mm512_mul_ps(silu, _mm512_loadu_ps(g + I_ + i)));
+        const vec16 gv = v16_load(g + i);
+        const vec16 silu = v16_div(gv, v16_add(v16_set1(1.f), v16_exp(v16_sub(v16_zero(), gv))));
+        v16_store(act.data_ptr<float>() + r * I_ + i, v16_mul(silu, v16_load(g + I_ + i)));
       }
     }
     const at::Tensor down = w.down(act);  // [R, hidden]

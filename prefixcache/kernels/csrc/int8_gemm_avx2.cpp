@@ -1,5 +1,5 @@
 // quantization="int8"'s product on AVX2 + FMA CPUs (no AVX512-VNNI, no AMX-INT8), where torch._int_mm has no
-// fast kernel: acc[m, n] = sum_k x[m, k] * w[k, n] in int32, exactly (built by prefixcache/kernels/avx2_kernels.py).
+// fast kernel: acc[m, n] = sum_k x[m, k] * w[k, n] in int32, exactly (built by prefixcache/kernels/avx2_kernels.py; bound in bindings_avx2.cpp).
 //
 // Exactness: the int8 operands are widened to int16 (x once per call, w as a panel is read) and multiplied by
 //   vpmaddwd(x[k, k+1], w[k..k+1, n])   int16 x int16, a pair summed into one int32 lane: |sum| <= 2 * 128^2
@@ -28,8 +28,9 @@ constexpr int64_t kRows = 6;                // rows per micro-kernel
 constexpr int64_t kChunkBytes = 256 << 10;  // a row chunk's int16 copy: L2-sized
 
 // The panel's epilogue: int32 sums as they are, or y = float(acc) * x_scale[row] * w_scale[n] (+ bias[n]),
-// rounded after each operation (quant.int8_rows_to_float_torch's order; this file is built without contraction
-// into fma, so the bits are that function's).
+// rounded after each operation (quant.int8_rows_to_float_torch's order: an empty asm on the product keeps the
+// compiler, which contracts a product and a sum into one fma by default, from fusing it with the bias add, so the
+// bits are that function's).
 struct Rescale {
   const float* x_scale;  // [M] (the call's rows), or nullptr: int32 out
   const float* w_scale;  // this panel's 16 (zero-padded past N)
@@ -63,6 +64,7 @@ inline void panel_rows(const int16_t* x, int64_t ld, const int8_t* w, int64_t kq
       if (e.x_scale != nullptr) {
         __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(e.x_scale[row0 + r]));
         y = _mm256_mul_ps(y, _mm256_loadu_ps(e.w_scale + 8 * h));
+        asm("" : "+x"(y));  // y rounded before the bias add: never fused into one fma (see Rescale)
         if (e.bias != nullptr) y = _mm256_add_ps(y, _mm256_loadu_ps(e.bias + 8 * h));
         v = _mm256_castps_si256(y);
       }
@@ -158,10 +160,4 @@ at::Tensor int8_linear_avx2(const at::Tensor& x, const at::Tensor& packed, const
   gemm(x, packed, N, Rescale{x_scale.data_ptr<float>(), w_scale.data_ptr<float>(),
                              bias.has_value() ? bias->data_ptr<float>() : nullptr}, out.data_ptr());
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_gemm_avx2", &int8_gemm_avx2, "x [M, K] int8 @ packed int8 weight [K, N] -> [M, N] int32, exact");
-  m.def("int8_linear_avx2", &int8_linear_avx2,
-        "int8_gemm_avx2 * x_scale [M, 1] * w_scale [N] (+ bias) -> [M, N] float32 (int8_rows_to_float_torch's bits)");
 }

@@ -35,7 +35,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include "avx512.h"
+#include "isa_tier.h"
+#include "vec16.h"
 
 #include <algorithm>
 #include <atomic>
@@ -77,22 +78,6 @@ void prefetch_keys(const Args& a, const int32_t* table_row, int64_t kh, int64_t 
   prefetch_kv_rows(a.k, a.v, table_row, a.block_size, a.KVH * a.D, kh * a.D, a.D * 2, begin, end);
 }
 
-// 16 vectors -> their 16 horizontal sums, in order. Every vector's lanes are added in the same
-// pattern whatever its position: ((l0 + l2) + (l1 + l3)) within each 128-bit quarter, then the
-// quarters (q0 + q1) + (q2 + q3).
-inline __m512 hsum16(const __m512 (&x)[16]) {
-  __m512 t[8], u[4], w[2];
-  for (int j = 0; j < 8; ++j)
-    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * j], x[2 * j + 1]), _mm512_unpackhi_ps(x[2 * j], x[2 * j + 1]));
-  for (int j = 0; j < 4; ++j) {
-    const __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
-    u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int j = 0; j < 2; ++j)
-    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88), _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
-
 // Keys [k_begin, k_end) of row r, kv head kh: the unnormalized output, the max and the sum to `part`
 // ([G][D] accumulators, then [G] maxima, then [G] sums). kV = head_dim / 16 and kG = query heads per
 // kv head as compile-time constants keep query and accumulators in registers (SmolLM2's shape and a
@@ -101,16 +86,16 @@ template <int kV, int kG>
 void attend_segment(const Args& a, int64_t r, int64_t kh, int64_t k_begin, int64_t k_end, float* part) {
   constexpr int kVN = kV ? kV : kMaxVec, kGN = kG ? kG : kMaxGroup;
   const int64_t V = kV ? kV : a.D / 16, G = kG ? kG : a.H / a.KVH;
-  __m512 q[kGN][kVN], acc[kGN][kVN];
+  vec16 q[kGN][kVN], acc[kGN][kVN];
   float m[kGN], l[kGN];
   bool bad[kGN] = {};  // a NaN or +inf score at one of the row's keys: its output is NaN (see below)
   for (int64_t g = 0; g < G; ++g) {
     const at::BFloat16* qp = a.q + (r * a.H + kh * G + g) * a.D;
-    for (int64_t i = 0; i < V; ++i) q[g][i] = load_bf16(qp + 16 * i), acc[g][i] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < V; ++i) q[g][i] = v16_load_bf16(qp + 16 * i), acc[g][i] = v16_zero();
     m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
   }
   const int64_t row_stride = a.KVH * a.D;
-  const __m512 scale = _mm512_set1_ps(a.scale);
+  const vec16 scale = v16_set1(a.scale);
   const int32_t* table_row = a.table + r * a.max_blocks;
   prefetch_keys(a, table_row, kh, k_begin, std::min(k_begin + kAhead, k_end));
   for (int64_t start = k_begin, n = 0; start < k_end; start += n) {  // pieces of <= 16 keys inside one pool block
@@ -120,47 +105,45 @@ void attend_segment(const Args& a, int64_t r, int64_t kh, int64_t k_begin, int64
     const int64_t slot = static_cast<int64_t>(table_row[block]) * a.block_size + offset;
     const at::BFloat16* kp = a.k + slot * row_stride + kh * a.D;
     const at::BFloat16* vp = a.v + slot * row_stride + kh * a.D;
-    __m512 dots[kGN][kPiece];  // per head and key: the 16 lane partial sums of q . k
+    vec16 dots[kGN][kPiece];  // per head and key: the 16 lane partial sums of q . k
     for (int64_t t = 0; t < kPiece; ++t) {
       if (t < n) {
-        __m512 kv[kVN];
-        for (int64_t i = 0; i < V; ++i) kv[i] = load_bf16(kp + t * row_stride + 16 * i);
+        vec16 kv[kVN];
+        for (int64_t i = 0; i < V; ++i) kv[i] = v16_load_bf16(kp + t * row_stride + 16 * i);
         for (int64_t g = 0; g < G; ++g) {
-          __m512 d = _mm512_mul_ps(q[g][0], kv[0]);
-          for (int64_t i = 1; i < V; ++i) d = _mm512_fmadd_ps(q[g][i], kv[i], d);
+          vec16 d = v16_mul(q[g][0], kv[0]);
+          for (int64_t i = 1; i < V; ++i) d = v16_fmadd(q[g][i], kv[i], d);
           dots[g][t] = d;
         }
       } else {
-        for (int64_t g = 0; g < G; ++g) dots[g][t] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < G; ++g) dots[g][t] = v16_zero();
       }
     }
-    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     alignas(64) float p[kGN][kPiece];
     for (int64_t g = 0; g < G; ++g) {
-      const __m512 sg = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
-                                           _mm512_mul_ps(hsum16(dots[g]), scale));
-      bad[g] |= (_mm512_mask_cmp_ps_mask(valid, sg, sg, _CMP_UNORD_Q) |
-                 _mm512_mask_cmp_ps_mask(valid, sg, _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_EQ_OQ)) != 0;
-      const float m_new = std::max(m[g], _mm512_reduce_max_ps(sg));
+      const vec16 sg = v16_first_or(v16_mul(v16_hsum16(dots[g]), scale), static_cast<int>(n),
+                                    -std::numeric_limits<float>::infinity());
+      bad[g] |= v16_first_nan_or_inf(sg, static_cast<int>(n));
+      const float m_new = std::max(m[g], v16_reduce_max(sg));
       const float alpha = m[g] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[g] - m_new);
-      const __m512 pg = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sg, _mm512_set1_ps(m_new))));
-      _mm512_store_ps(p[g], pg);
-      l[g] = l[g] * alpha + _mm512_reduce_add_ps(pg);
+      const vec16 pg = v16_first_or(v16_exp(v16_sub(sg, v16_set1(m_new))), static_cast<int>(n), 0.f);
+      v16_store_aligned(p[g], pg);
+      l[g] = l[g] * alpha + v16_reduce_add(pg);
       m[g] = m_new;
-      const __m512 av = _mm512_set1_ps(alpha);
-      for (int64_t i = 0; i < V; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], av);
+      const vec16 av = v16_set1(alpha);
+      for (int64_t i = 0; i < V; ++i) acc[g][i] = v16_mul(acc[g][i], av);
     }
     for (int64_t t = 0; t < n; ++t) {
-      __m512 vv[kVN];
-      for (int64_t i = 0; i < V; ++i) vv[i] = load_bf16(vp + t * row_stride + 16 * i);
+      vec16 vv[kVN];
+      for (int64_t i = 0; i < V; ++i) vv[i] = v16_load_bf16(vp + t * row_stride + 16 * i);
       for (int64_t g = 0; g < G; ++g) {
-        const __m512 pt = _mm512_set1_ps(p[g][t]);
-        for (int64_t i = 0; i < V; ++i) acc[g][i] = _mm512_fmadd_ps(pt, vv[i], acc[g][i]);
+        const vec16 pt = v16_set1(p[g][t]);
+        for (int64_t i = 0; i < V; ++i) acc[g][i] = v16_fmadd(pt, vv[i], acc[g][i]);
       }
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    for (int64_t i = 0; i < V; ++i) _mm512_storeu_ps(part + g * a.D + 16 * i, acc[g][i]);
+    for (int64_t i = 0; i < V; ++i) v16_store(part + g * a.D + 16 * i, acc[g][i]);
     // a bad row's sum is NaN, so its merged output is NaN (the exp clamp would otherwise hide the NaN)
     part[G * a.D + g] = m[g], part[G * a.D + G + g] = bad[g] ? std::numeric_limits<float>::quiet_NaN() : l[g];
   }
@@ -173,19 +156,19 @@ void merge_row(const Args& a, int64_t r, int64_t kh, const float* parts, int64_t
   for (int64_t g = 0; g < G; ++g) {
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t s = 0; s < num_segments; ++s) top = std::max(top, parts[s * part_size + G * a.D + g]);
-    __m512 out[kMaxVec];
-    for (int64_t i = 0; i < V; ++i) out[i] = _mm512_setzero_ps();
+    vec16 out[kMaxVec];
+    for (int64_t i = 0; i < V; ++i) out[i] = v16_zero();
     float den = 0.f;
     for (int64_t s = 0; s < num_segments; ++s) {
       const float* part = parts + s * part_size;
       const float w = std::exp(part[G * a.D + g] - top);
       den += w * part[G * a.D + G + g];
-      const __m512 wv = _mm512_set1_ps(w);
-      for (int64_t i = 0; i < V; ++i) out[i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(part + g * a.D + 16 * i), out[i]);
+      const vec16 wv = v16_set1(w);
+      for (int64_t i = 0; i < V; ++i) out[i] = v16_fmadd(wv, v16_load(part + g * a.D + 16 * i), out[i]);
     }
-    const __m512 inv = _mm512_set1_ps(1.f / den);
+    const vec16 inv = v16_set1(1.f / den);
     at::BFloat16* op = a.out + (r * a.H + kh * G + g) * a.D;
-    for (int64_t i = 0; i < V; ++i) store_bf16(op + 16 * i, _mm512_mul_ps(out[i], inv));
+    for (int64_t i = 0; i < V; ++i) v16_store_bf16(op + 16 * i, v16_mul(out[i], inv));
   }
 }
 
@@ -205,6 +188,8 @@ RowFn row_function(int64_t V, int64_t G) {
 }  // namespace
 
 // ---- The AVX512-BF16 form (header, second part): keys in lanes, bf16 dot products, shared key blocks prepared once.
+// Only in the AVX-512 build (the AVX2 build runs the float32 form above for every row).
+#if defined(__AVX512F__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512bf16,fma")
 
@@ -497,6 +482,7 @@ void launch(const Args& a, int64_t R) {
 }  // namespace bf16dp
 
 #pragma GCC pop_options
+#endif  // __AVX512F__
 
 namespace {
 
@@ -533,7 +519,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_slots, cons
          table, lens, out.data_ptr<at::BFloat16>(), H, KVH, D, block_table.size(1),
          block_size, static_cast<float>(scale)};
   std::vector<uint8_t> is_long, is_short;  // which form each row takes (kBf16MaxContext); sized only for the bf16 form
-  if (allow_bf16 && __builtin_cpu_supports("avx512bf16") && D % 32 == 0) {  // the model key names this form (header)
+#if defined(__AVX512F__)
+  // the CPU's AVX512-BF16 as PREFIXCACHE_KERNELS caps it (isa_tier.h); the model key names this form (header)
+  if (allow_bf16 && __builtin_cpu_supports("avx512bf16") && tier_allows(kTierAvx512Bf16) && D % 32 == 0) {
     is_long.resize(R), is_short.resize(R);
     int64_t num_long = 0;
     for (int64_t r = 0; r < R; ++r) is_long[r] = lens[r] > kBf16MaxContext, is_short[r] = !is_long[r], num_long += is_long[r];
@@ -544,6 +532,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_slots, cons
     if (num_long == 0) return out;
     a.skip = is_short.data();  // the long rows: the float32 form below
   }
+#else
+  (void)allow_bf16;
+#endif
   // Work items (kv head, segment, row), in that order: rows over the same blocks run back to back.
   int64_t num_segments = 1;
   for (int64_t r = 0; r < R; ++r) num_segments = std::max<int64_t>(num_segments, (lens[r] + kSegment - 1) / kSegment);

@@ -28,6 +28,7 @@
 #include <immintrin.h>
 
 #include "avx512.h"
+#include "isa_tier.h"
 
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -546,7 +547,7 @@ bool amx_bf16_ready() {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
     const bool amx_tile = (edx >> 24) & 1, amx_bf16 = (edx >> 22) & 1;
-    if (!amx_tile || !amx_bf16 || !__builtin_cpu_supports("avx512bf16")) return false;
+    if (!amx_tile || !amx_bf16 || !__builtin_cpu_supports("avx512bf16") || !tier_allows(kTierAmx)) return false;
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
@@ -557,7 +558,8 @@ bool amx_bf16_ready() {
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_slots, const at::Tensor& v_slots,
                                    const at::Tensor& block_table, const at::Tensor& query_start,
                                    const at::Tensor& num_computed, int64_t block_size, double scale, bool amx) {
-  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "paged_prefill_attention needs a CPU with AVX512-BF16");
+  TORCH_CHECK(__builtin_cpu_supports("avx512bf16") && tier_allows(kTierAvx512Bf16),
+              "paged_prefill_attention needs a CPU with AVX512-BF16 (and PREFIXCACHE_KERNELS allowing it)");
   TORCH_CHECK(!amx || amx_bf16_ready(), "paged_prefill_attention(amx=True) needs AMX-BF16 tiles (amx_bf16_ready())");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "q must be contiguous bf16 [T, H, D]");
   TORCH_CHECK(k_slots.dim() == 3 && k_slots.scalar_type() == at::kBFloat16 && k_slots.is_contiguous() &&

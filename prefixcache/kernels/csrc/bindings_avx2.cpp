@@ -1,0 +1,45 @@
+// The AVX2 kernels' Python bindings (built by prefixcache/kernels/avx2_kernels.py with -mavx2 -mfma -mf16c only,
+// so that every function runs on an AVX2 CPU without AVX-512): int8's exact product (int8_gemm_avx2.cpp) and the
+// int4 formats' generated-token kernels in their AVX2 build (qgemm.cpp, paged_attention.cpp's float32 form,
+// decode_layers.cpp), the same names and bits as cpu_kernels.py's AVX-512 build.
+#include <torch/extension.h>
+
+#include "isa_tier.h"
+
+int prefixcache_kernel_tier = kTierAmx;
+
+at::Tensor int8_gemm_avx2(const at::Tensor& x, const at::Tensor& packed, int64_t N);
+at::Tensor int8_linear_avx2(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& x_scale,
+                            const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias);
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min,
+                   const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& corr,
+                   const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
+at::Tensor int4_mm_reference(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                             const at::Tensor& min, const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
+at::Tensor int8_mm_reference(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                             const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_slots, const at::Tensor& v_slots,
+                                  const at::Tensor& block_table, const at::Tensor& context_lens, int64_t block_size,
+                                  double scale);
+at::Tensor paged_decode_attention_float32(const at::Tensor& q, const at::Tensor& k_slots, const at::Tensor& v_slots,
+                                          const at::Tensor& block_table, const at::Tensor& context_lens,
+                                          int64_t block_size, double scale);
+void bind_decode_layers(pybind11::module& m);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_gemm_avx2", &int8_gemm_avx2, "x [M, K] int8 @ packed int8 weight [K, N] -> [M, N] int32, exact");
+  m.def("int8_linear_avx2", &int8_linear_avx2,
+        "int8_gemm_avx2 * x_scale [M, 1] * w_scale [N] (+ bias) -> [M, N] float32 (int8_rows_to_float_torch's bits)");
+  m.def("int4_mm", &int4_mm, "x [M, K] @ int4 grouped weight^T (+ bias) -> [M, N] (qgemm.cpp, AVX2)");
+  m.def("int8_mm", &int8_mm, "x [M, K] @ int8 grouped weight^T (+ bias) -> [M, N] (qgemm.cpp, AVX2)");
+  m.def("int4_mm_reference", &int4_mm_reference, "int4_mm's rule in plain loops: its bits (qgemm.cpp)");
+  m.def("int8_mm_reference", &int8_mm_reference, "int8_mm's rule in plain loops: its bits (qgemm.cpp)");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "q [R, H, D] over each row's context in the paged pool -> [R, H, D] (paged_attention.cpp: its float32 form)");
+  m.def("paged_decode_attention_float32", &paged_decode_attention_float32, "the same (the only form of this build)");
+  m.def("set_kernel_tier", [](int64_t tier) { prefixcache_kernel_tier = static_cast<int>(tier); },
+        "the highest tier (index in cpu_features.TIERS) any C++ dispatch may take (isa_tier.h)");
+  m.def("compiler", [] { return std::string(__VERSION__); }, "the compiler that built these kernels");
+  bind_decode_layers(m);  // generated tokens' decoder layers (decode_layers.cpp)
+}
