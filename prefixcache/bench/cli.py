@@ -36,10 +36,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         "restart over the disk KV tier and on a replica over Redis, 3 processes, ~1 min), "
                         "'queue' (scheduling policies under a queue and memory pressure: scheduler replay, no model), "
                         "'cluster' (replicas behind the SGLang gateway: cache_aware vs round_robin vs random vs "
-                        "one replica; see --cluster-*) and 'flood' (an agent's system prompt under a cache breakpoint "
+                        "one replica; see --cluster-*), 'flood' (an agent's system prompt under a cache breakpoint "
                         "against one-off prompts, per eviction policy: cache replay, no model) and 'field' (GuideLLM, "
                         "SGLang's bench_serving and AIPerf, whichever --install-field-tools installed, against "
-                        "`prefixcache serve` and, when installed, llama.cpp's server; --num-requests default 20)")
+                        "`prefixcache serve` and, when installed, llama.cpp's server; 20 requests unless --num-requests)")
     p.add_argument("--model", default=d.model, help="built-in name, a local HF directory (config.json + "
                                                      "*.safetensors) or a local .gguf file; never downloaded from the Hub")
     p.add_argument("--num-requests", type=int, default=d.num_requests,

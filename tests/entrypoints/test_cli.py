@@ -108,9 +108,11 @@ def test_every_flag_with_a_default_says_it_in_help():
                           "under 24,000: 30000 never evicts) (default: 640)"),
     (["bench", "--help"], "'queue' (scheduling policies under a queue and memory pressure: scheduler replay, no "
                           "model), 'cluster' (replicas behind the SGLang gateway: cache_aware vs round_robin vs "
-                          "random vs one replica; see --cluster-*) and 'flood' (an agent's system prompt under a "
+                          "random vs one replica; see --cluster-*), 'flood' (an agent's system prompt under a "
                           "cache breakpoint against one-off prompts, per eviction policy: cache replay, no model) "
-                          "(default: all)"),
+                          "and 'field' (GuideLLM, SGLang's bench_serving and AIPerf, whichever "
+                          "--install-field-tools installed, against `prefixcache serve` and, when installed, "
+                          "llama.cpp's server; 20 requests unless --num-requests) (default: all)"),
 ])
 def test_subcommand_help_documents_flags_and_defaults(capsys, argv, expected):
     code, out, _ = run_cli(argv, capsys)
@@ -134,7 +136,7 @@ def test_bench_queue_flags_set_the_replay_and_bad_values_name_the_field(capsys):
 
 def test_bench_unknown_workload_lists_every_workload(capsys):
     code, out, err = run_cli(["bench", "--workload", "foo,seed"], capsys)
-    listed = ", ".join((*WORKLOAD_NAMES, "speed", "trace", "restart", "queue", "cluster", "flood"))
+    listed = ", ".join((*WORKLOAD_NAMES, "speed", "trace", "restart", "queue", "cluster", "flood", "field"))
     assert (code, out) == (2, "")
     assert err == f"prefixcache bench: error: --workload: unknown workload 'foo'; choose 'all' or a " \
                   f"comma-separated list of {listed}\n" + BENCH_HINT
@@ -176,7 +178,8 @@ def test_hub_id_explains_local_directory_or_gguf_and_loads_nothing(no_model_load
     assert err == (f"prefixcache {argv[0]}: error: model '{HUB_ID}' looks like a Hugging Face Hub id, and no local path has that "
                    "name; prefixcache never downloads from the Hub. Download it yourself where the network is "
                    f"reachable (e.g. `huggingface-cli download {HUB_ID} --local-dir DIR`) and pass DIR (config.json "
-                   "+ *.safetensors), or pass a local .gguf file, or use the built-in 'smollm2-135m'\n"
+                   "+ *.safetensors), or pass a local .gguf file, or use a built-in model ('smollm2-135m', "
+                   "'gemma3-270m')\n"
                    f"run 'prefixcache {argv[0]} --help' for all options\n")
     assert time.monotonic() - start < 5
 
@@ -188,7 +191,7 @@ def test_a_local_directory_named_like_a_hub_id_is_used(tmp_path, monkeypatch):
     (d / "model.safetensors").write_bytes(b"")
     monkeypatch.chdir(tmp_path)
     check_model_arg(HUB_ID)  # exists here: a path, not a Hub id
-    with pytest.raises(ValueError, match=r"^model 'missing-dir' is neither the built-in name"):
+    with pytest.raises(ValueError, match=r"^model 'missing-dir' is neither a built-in name"):
         check_model_arg("missing-dir")
     (d / "model.safetensors").unlink()
     with pytest.raises(ValueError, match=r"has no \*\.safetensors weights"):
@@ -197,7 +200,7 @@ def test_a_local_directory_named_like_a_hub_id_is_used(tmp_path, monkeypatch):
 
 def test_serve_checks_the_model_path_before_binding_or_loading(no_model_load, tmp_path, capsys):
     code, _, err = run_cli(["serve", "--port", "0", str(tmp_path / "nothing")], capsys)
-    assert code == 2 and err.startswith(f"prefixcache serve: error: model '{tmp_path / 'nothing'}' is neither the "
+    assert code == 2 and err.startswith(f"prefixcache serve: error: model '{tmp_path / 'nothing'}' is neither a "
                                         "built-in")
 
 
