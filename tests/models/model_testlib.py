@@ -84,7 +84,8 @@ class PagedDriver:
         seqs = [(self.num_computed[s], len(toks), self.block_tables[s]) for s, toks in batch]
         model = self.loaded.model  # the metadata the runner builds for this model
         md, positions = build_attention_metadata(seqs, self.block_size, "cpu", batch_invariant=model.batch_invariant,
-                                                 dtype=self.kv_caches[0].dtype, paged_kernel=model.paged_attention)
+                                                 dtype=self.kv_caches[0].dtype, paged_kernel=model.paged_attention,
+                                                 sliding_window=self.loaded.config.sliding_window)
         input_ids = torch.tensor([t for _, toks in batch for t in toks], dtype=torch.int64)
         with torch.inference_mode():
             model = self.loaded.model

@@ -37,7 +37,8 @@ def test_unsupported_architecture_names_it(tmp_path, tiny_llama_dir):
     config_path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="GPTNeoXForCausalLM.*LlamaForCausalLM"):
         load_model(str(tmp_path / "m"), load_tokenizer=False)
-    assert supported_architectures() == ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+    assert supported_architectures() == ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                         "Gemma3ForCausalLM"]
     with pytest.raises(ValueError, match="supported: LlamaForCausalLM"):
         resolve_model_class("MistralForCausalLM")
 

@@ -1,0 +1,225 @@
+"""Gemma 3 text decoder (``Gemma3ForCausalLM``) reading and writing K/V in the paged pool.
+
+What differs from the Llama family (:mod:`prefixcache.models.llama`), all following transformers'
+``modeling_gemma3.py`` op for op so that float32 logits agree with it to float rounding:
+
+- layers of two kinds, ``config.layer_types``: local ("sliding_attention", 5 of every 6 in the
+  released checkpoints) attend to the last ``sliding_window`` positions only, the query's own
+  included (the metadata's ``sliding`` part, :func:`~prefixcache.layers.attention.build_attention_metadata`);
+  global ("full_attention") ones to the whole context. Each kind has its own RoPE base
+  (``rope_local_theta`` and ``rope_theta``).
+- Gemma's RMSNorm, ``x_normed * (1 + weight)`` in float32 (:class:`~prefixcache.layers.norm.GemmaRMSNorm`),
+  on q and k per head before RoPE, and four per layer: before and after attention, before and after the MLP.
+- GeGLU MLP, ``down(gelu_tanh(gate(x)) * up(x))``.
+- the embedding multiplied by sqrt(hidden_size) rounded to the weight dtype (as transformers'
+  ``Gemma3TextScaledWordEmbedding`` does), the attention scale ``query_pre_attn_scalar ** -0.5``,
+  and the final logits soft-capped when ``final_logit_softcapping`` is set.
+
+Every layer keeps its whole context's K/V in the pool under the request's one block table; a local
+layer's window is a mask over it (reading only the blocks the window reaches in a decode). Runs in
+float32 with no weight quantization and no LoRA; anything else is refused when loading.
+
+Parameter names equal the HF checkpoint names (``model.layers.N.self_attn.q_norm.weight``, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixcache.layers.attention import Attention, AttentionMetadata
+from prefixcache.layers.norm import GemmaRMSNorm
+from prefixcache.layers.rotary import RotaryEmbedding, apply_rotary_emb
+from prefixcache.models.config import ModelConfig
+
+SLIDING = "sliding_attention"  # layer_types' name of a local (windowed) layer
+
+
+class Gemma3Attention(nn.Module):
+    """Projections, per-head q/k norm, RoPE and paged attention of one layer."""
+
+    def __init__(self, config: ModelConfig, is_sliding: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.is_sliding = is_sliding
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        scalar = config.query_pre_attn_scalar or config.head_dim
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=scalar**-0.5)
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+                md: AttentionMetadata) -> torch.Tensor:
+        """Args: x shape = [num_tokens, hidden_size]; cos_sin each [num_tokens, 1, head_dim] (this
+        layer kind's RoPE); md the metadata of this layer kind. Returns: [num_tokens, hidden_size]."""
+        num_tokens = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim))  # [T, heads, hd]
+        k = self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim))  # [T, kv_heads, hd]
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, hd]
+        cos, sin = cos_sin
+        q = apply_rotary_emb(q, cos, sin)
+        k = apply_rotary_emb(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, kv_cache, md))  # attn: [T, heads * hd]
+
+
+class Gemma3MLP(nn.Module):
+    """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x shape = [num_tokens, hidden_size]. Returns: the same shape."""
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """Attention then MLP, each between a pre- and a post-norm, each with a residual add."""
+
+    def __init__(self, config: ModelConfig, is_sliding: bool) -> None:
+        super().__init__()
+        self.is_sliding = is_sliding
+        self.self_attn = Gemma3Attention(config, is_sliding)
+        self.mlp = Gemma3MLP(config)
+        eps = config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps=eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps=eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps=eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps=eps)
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+                md: AttentionMetadata) -> torch.Tensor:
+        """Args: x shape = [num_tokens, hidden_size]. Returns: the same shape."""
+        attn = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, md)
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    """Scaled embedding, decoder layers and final norm (``model.*`` in the checkpoint)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        kinds = config.layer_types or ("full_attention",) * config.num_hidden_layers
+        self.layers = nn.ModuleList([Gemma3DecoderLayer(config, kind == SLIDING) for kind in kinds])
+        self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, None)
+        self.rotary_emb_local = RotaryEmbedding(config.head_dim, config.rope_local_theta or config.rope_theta, None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """See :meth:`Gemma3ForCausalLM.forward`."""
+        if md.sliding is None and any(layer.is_sliding for layer in self.layers):
+            raise RuntimeError("Gemma 3's local layers need the window's metadata: build_attention_metadata("
+                               "..., sliding_window=config.sliding_window)")
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        # sqrt(hidden) rounded to the weight dtype first, as transformers' Gemma3TextScaledWordEmbedding
+        hidden = hidden * torch.tensor(self.hidden_size**0.5, dtype=hidden.dtype)
+        cos_sin_global = self.rotary_emb(positions, hidden.dtype)  # once per step, shared by the layers of a kind
+        cos_sin_local = self.rotary_emb_local(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            if layer.is_sliding:
+                hidden = layer(hidden, cos_sin_local, kv_cache, md.sliding)
+            else:
+                hidden = layer(hidden, cos_sin_global, kv_cache, md)
+        return self.norm(hidden)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """Causal LM for Gemma 3 text checkpoints (float32, no weight quantization, no LoRA).
+
+    Args:
+        config: The parsed model config (``ModelConfig._from_gemma3``). With ``tie_word_embeddings``
+            (every Gemma 3), ``lm_head.weight`` is the embedding parameter itself (call
+            ``tie_weights()`` again after replacing parameters, e.g. ``to_empty``).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.quantization = "none"
+        self.calibration_ids: list[int] | None = None  # set by the loader; unused (no int8 format)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Makes lm_head share the embedding weight when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def quantize(self, scheme: str) -> None:
+        """Checks the weight format: only float32 weights with ``"none"`` run (the loader calls this
+        after casting the weights).
+
+        Raises:
+            ValueError: naming ``quantization`` (anything but ``"none"``) or ``dtype`` (anything but
+                float32).
+        """
+        if scheme != "none":
+            raise ValueError(f"quantization {scheme!r} is not supported for Gemma3ForCausalLM; use quantization='none'")
+        dtype = self.lm_head.weight.dtype
+        if dtype != torch.float32:
+            raise ValueError(f"dtype {str(dtype).removeprefix('torch.')!r} is not supported for Gemma3ForCausalLM; "
+                             "use dtype='float32'")
+        self.quantization = scheme
+
+    @property
+    def quantization_key(self) -> str:
+        """What the weights depend on beyond the float weights (nothing: no derived format)."""
+        return ""
+
+    @property
+    def batch_invariant(self) -> bool:
+        """False: float32's GEMMs round by batch size (MKL), as for the Llama family's float32
+        (``LlamaForCausalLM.batch_invariant``); a batch agrees with a sequence alone to float rounding."""
+        return False
+
+    @property
+    def paged_attention(self) -> bool:
+        """False: attention runs torch's kernels over the pool (our paged kernel is bf16 only)."""
+        return False
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                kv_caches: list[torch.Tensor], lora: object | None = None) -> torch.Tensor:
+        """Runs the new tokens of a batch through the decoder, writing their K/V into the pool.
+
+        Args:
+            input_ids: int64, shape = [num_tokens].
+            positions: int64, shape = [num_tokens] (from ``build_attention_metadata``).
+            attn_metadata: The step's metadata, built with ``sliding_window=config.sliding_window``
+                (its ``sliding`` part serves the local layers).
+            kv_caches: One pool tensor per layer, each
+                shape = [2, num_blocks, block_size, num_kv_heads, head_dim].
+            lora: must be None (no LoRA for this model).
+
+        Returns:
+            Final hidden states, shape = [num_tokens, hidden_size].
+
+        Raises:
+            RuntimeError: a LoRA batch, or metadata without its ``sliding`` part.
+        """
+        if lora is not None:
+            raise RuntimeError("Gemma3ForCausalLM runs no LoRA adapter")
+        return self.model(input_ids, positions, attn_metadata, kv_caches)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Args: hidden_states shape = [n, hidden_size]. Returns: float32 logits, shape = [n, vocab_size],
+        soft-capped (``cap * tanh(logits / cap)``) when the config sets ``final_logit_softcapping``."""
+        logits = self.lm_head(hidden_states)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
