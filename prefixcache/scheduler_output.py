@@ -66,6 +66,10 @@ class ScheduledSeq:
     # and min_tokens read them; None where the caller has none (treated as empty).
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
+    # A model with several KV-cache groups (prefixcache/cache/kv_cache_groups.py): every group's block
+    # table, group 0 first (== block_ids), each as long as block_ids, block 0 where a sliding group
+    # released the block (outside every window this step reads). None with one group.
+    group_block_ids: list[list[int]] | None = None
 
 
 @dataclass(slots=True)

@@ -42,6 +42,10 @@ class KVCacheBlock:
         num_cached_children: cached blocks whose live parent is this block.
         prompt_logprobs: its tokens' prompt logprobs and its last hidden state, when the request
             that computed it asked for prompt logprobs; cleared with the rest of the content.
+        group_id: the KV-cache group whose layers' K/V it holds since it was last allocated
+            (:mod:`prefixcache.cache.kv_cache_groups`; always 0 for a one-group model). A block of
+            another group than 0 is cached with ``parent`` = the group-0 block of the same position
+            of the same prefix (its *anchor*), not the previous block of its own group.
     """
 
     block_id: int
@@ -58,6 +62,7 @@ class KVCacheBlock:
     cached_s: float = 0.0
     num_cached_children: int = 0
     prompt_logprobs: BlockPromptLogprobs | None = None
+    group_id: int = 0
 
     def __repr__(self) -> str:
         cached = f", hash={self.block_hash.hex()[:8]}" if self.block_hash is not None else ""

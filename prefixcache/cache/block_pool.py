@@ -41,11 +41,28 @@ Invariants (checked by ``tests/cache/test_state_machine.py`` after every step):
 - With ``lru`` (the default) the free blocks are in LRU order: freed blocks go to the tail,
   eviction takes from the head. Callers free a request's blocks tail first, so a prefix's tail is
   evicted before its head. Other policies: see :mod:`prefixcache.cache.eviction`.
+
+KV-cache groups (:mod:`prefixcache.cache.kv_cache_groups`; a one-group model never has a block of
+another group, and everything below is then inert): a block of group ``g > 0`` is cached under
+:func:`~prefixcache.cache.kv_cache_groups.group_block_hash` with ``parent`` = its *anchor*, the
+cached group-0 block of the same position of the same prefix, so :func:`follows` verifies it against
+the request's verified group-0 block there, and it needs no block of its own group before it (a
+sliding group's early blocks are gone while its later ones are hit). Such a block is *attached* to
+its anchor, not a child of it: it does not count in ``num_cached_children`` (it never keeps its
+anchor from eviction), it is not in ``cached_children`` (partial hits are group 0's) and KV events
+and ``changed_hashes`` report group 0 only. When an anchor is evicted its attached blocks can never
+be hit again (their parent's generation moved); those waiting in the retained queue are evicted with
+it and handed out first.
+- Retention: :meth:`BlockPool.free_blocks` with ``retain=True`` keeps free cached blocks (a sliding
+  group's window at the end of a cached prefix) in a queue of their own, least recently freed first,
+  evicted only when the eviction policy holds no free block any more. Free blocks = the policy's +
+  the retained ones.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -116,6 +133,12 @@ class BlockPool:
         # Hashes that entered or left the cache map since the last take_changed_hashes(); None until
         # a consumer (the cache-aware scheduler's match-length cache) calls track_changed_hashes().
         self.changed_hashes: set[BlockHash] | None = None
+        # Free cached blocks freed with retention (block id -> block), least recently freed first:
+        # evicted after every block the policy holds (KV-cache groups: a sliding window kept with
+        # the end of its prefix). Always empty for a one-group model.
+        self.retained: OrderedDict[int, KVCacheBlock] = OrderedDict()
+        # Anchor block id -> {block id: block} of the blocks of other groups cached on it.
+        self._attached: dict[int, dict[int, KVCacheBlock]] = {}
 
     def _make_evictor(self, free_blocks: Iterable[KVCacheBlock]) -> EvictionPolicy:
         return make_eviction_policy(self.config.eviction_policy, free_blocks, self.clock, self.config,
@@ -231,28 +254,34 @@ class BlockPool:
 
     # -- allocation -----------------------------------------------------------------------------
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Takes ``num_blocks`` free blocks in the policy's order, evicting cached ones.
+    def get_new_blocks(self, num_blocks: int, group_id: int = 0) -> list[KVCacheBlock]:
+        """Takes ``num_blocks`` free blocks in the policy's order, evicting cached ones; the
+        retained blocks only once the policy holds none.
 
         Args:
             num_blocks: number of blocks wanted, ``>= 0``.
+            group_id: the KV-cache group whose K/V they will hold.
 
         Returns:
-            The blocks, each with ``ref_cnt == 1`` and no hash.
+            The blocks, each with ``ref_cnt == 1``, no hash and ``group_id`` set.
 
         Raises:
             ValueError: ``num_blocks`` is negative or exceeds the free blocks.
         """
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        if num_blocks > len(self.evictor):
-            raise ValueError(f"cannot get {num_blocks} blocks: only {len(self.evictor)} free")
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"cannot get {num_blocks} blocks: only {self.get_num_free_blocks()} free")
         blocks = []
         for _ in range(num_blocks):
-            block, reason = self.evictor.choose_victim()
+            if len(self.evictor):
+                block, reason = self.evictor.choose_victim()
+            else:
+                block, reason = self.retained.popitem(last=False)[1], self.evictor.name
             self.num_allocation_evictions += block.block_hash is not None
             self._evict(block, reason)
             block.ref_cnt = 1
+            block.group_id = group_id
             blocks.append(block)
         return blocks
 
@@ -260,19 +289,26 @@ class BlockPool:
         """Adds one reference to each block (a cache hit); a free block leaves the free blocks."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.evictor.on_touch(block)
+                self._take_free(block)
             block.ref_cnt += 1
+
+    def _take_free(self, block: KVCacheBlock) -> None:
+        """Removes a free block from the retained queue or the policy, whichever holds it."""
+        if self.retained.pop(block.block_id, None) is None:
+            self.evictor.on_touch(block)
 
     def record_hits(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Tells the eviction policy that these cached blocks served a request."""
         for block in blocks:
             self.evictor.on_hit(block)
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], retain: bool = False) -> None:
         """Drops one reference from each block; blocks reaching 0 become free, in this order.
 
         Args:
             ordered_blocks: blocks in eviction order, i.e. a request's blocks tail first.
+            retain: the cached ones go to the retained queue (evicted after every other free
+                block) instead of the eviction policy.
 
         Raises:
             ValueError: a block has no reference to drop.
@@ -282,7 +318,10 @@ class BlockPool:
                 raise ValueError(f"block {block.block_id} freed with ref_cnt {block.ref_cnt}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.evictor.on_free(block)
+                if retain and block.block_hash is not None:
+                    self.retained[block.block_id] = block
+                else:
+                    self.evictor.on_free(block)
 
     # -- caching --------------------------------------------------------------------------------
 
@@ -325,6 +364,18 @@ class BlockPool:
         block.block_hash, block.token_ids, block.extra_key = block_hash, token_ids, extra_key
         block.token_bytes = pack_token_ids(token_ids)
         block.cached_s = self.clock()
+        if block.group_id:  # attached to its anchor (module docstring)
+            if parent is None:
+                raise ValueError(f"cannot cache {block}: a block of group {block.group_id} needs its anchor")
+            block.parent, block.parent_generation, block.root_key = parent, parent.generation, None
+            block.depth = parent.depth + 1  # after its anchor in every depth order
+            self._attached.setdefault(parent.block_id, {})[block.block_id] = block
+            same_hash = self.cached_block_hash_to_block.setdefault(block_hash, {})
+            same_hash[block.block_id] = block
+            self._index_sole_copy(block_hash, same_hash)
+            self.num_cached_blocks += 1
+            self.evictor.on_cache(block)
+            return block
         if parent is None:
             block.parent, block.parent_generation, block.root_key, block.depth = None, 0, root_key, 0
             key: int | bytes = root_key
@@ -384,8 +435,9 @@ class BlockPool:
                 stale.add(block.block_id)
         num_evicted = 0
         for block in reversed(cached):  # children before parents
-            if block.block_id in stale and block.ref_cnt == 0 and block.num_cached_children == 0:
-                self.evictor.on_touch(block)
+            if (block.block_id in stale and block.ref_cnt == 0 and block.num_cached_children == 0
+                    and block.block_hash is not None):  # (an attached block may have gone with its anchor)
+                self._take_free(block)
                 self._evict(block, "invalidated", notify=False)  # its parent is stale too, comes later
                 self.evictor.on_free_first(block)
                 num_evicted += 1
@@ -404,7 +456,7 @@ class BlockPool:
                 continue
             free = block.ref_cnt == 0
             if free:
-                self.evictor.on_touch(block)
+                self._take_free(block)
             self._evict(block, reason)
             if free:
                 self.evictor.on_free(block)
@@ -418,11 +470,13 @@ class BlockPool:
             ``True`` if the cache was reset; ``False`` (and nothing changed) if any block has
             ``ref_cnt > 0``, since a running request's blocks must keep their content.
         """
-        if len(self.evictor) != self.num_blocks:
+        if self.get_num_free_blocks() != self.num_blocks:
             return False
-        order = self.evictor.get_all_free_blocks()
+        order = self.evictor.get_all_free_blocks() + list(self.retained.values())
+        self.retained.clear()
         for block in self.blocks:
             self._clear(block, notify=False, record=False)
+        self._attached.clear()
         self.cached_block_hash_to_block.clear()
         self.sole_cached_block.clear()
         self.cached_children.clear()
@@ -440,10 +494,18 @@ class BlockPool:
             self.sole_cached_block.pop(block_hash, None)
 
     def _evict(self, block: KVCacheBlock, reason: str, notify: bool = True) -> None:
-        """Evicts a block leaving the cache for reuse, counting it (by reason and age) if cached."""
-        if block.block_hash is not None:
-            self.eviction_stats.record(reason, self.clock() - block.cached_s)
-            self._clear(block, notify)
+        """Evicts a block leaving the cache for reuse, counting it (by reason and age) if cached.
+        Its attached blocks in the retained queue (never hit-able again) go with it, to the front of
+        the free blocks."""
+        if block.block_hash is None:
+            return
+        self.eviction_stats.record(reason, self.clock() - block.cached_s)
+        attached = self._attached.pop(block.block_id, None)
+        self._clear(block, notify)
+        for other in (attached or {}).values():
+            if self.retained.pop(other.block_id, None) is not None:
+                self._evict(other, reason)
+                self.evictor.on_free_first(other)
 
     def _clear(self, block: KVCacheBlock, notify: bool = True, record: bool = True) -> None:
         """Removes a cached block from the maps, forgets its content and bumps its generation.
@@ -456,26 +518,34 @@ class BlockPool:
         """
         if block.block_hash is None:
             return
-        if self.changed_hashes is not None:
+        primary = block.group_id == 0
+        if self.changed_hashes is not None and primary:
             self.changed_hashes.add(block.block_hash)
         same_hash = self.cached_block_hash_to_block[block.block_hash]
         del same_hash[block.block_id]
         self._index_sole_copy(block.block_hash, same_hash)
         if not same_hash:
             del self.cached_block_hash_to_block[block.block_hash]
-            if record and self.kv_events is not None:
+            if record and self.kv_events is not None and primary:
                 self.kv_events.block_removed(block.block_hash)
         parent = block.parent
-        key = (block.root_key if parent is None else parent.block_id, block.token_ids[0])
-        siblings = self.cached_children.get(key)
-        if siblings is not None and siblings.get(block.block_id) is block:
-            del siblings[block.block_id]
-            if not siblings:
-                del self.cached_children[key]
-        if parent is not None and block.parent_generation == parent.generation:
-            parent.num_cached_children -= 1
-            if notify and parent.num_cached_children == 0 and parent.ref_cnt == 0:
-                self.evictor.on_leaf(parent)
+        if not primary:  # attached to its anchor: no child of it
+            attached = self._attached.get(parent.block_id) if block.parent_generation == parent.generation else None
+            if attached is not None and attached.get(block.block_id) is block:
+                del attached[block.block_id]
+                if not attached:
+                    del self._attached[parent.block_id]
+        else:
+            key = (block.root_key if parent is None else parent.block_id, block.token_ids[0])
+            siblings = self.cached_children.get(key)
+            if siblings is not None and siblings.get(block.block_id) is block:
+                del siblings[block.block_id]
+                if not siblings:
+                    del self.cached_children[key]
+            if parent is not None and block.parent_generation == parent.generation:
+                parent.num_cached_children -= 1
+                if notify and parent.num_cached_children == 0 and parent.ref_cnt == 0:
+                    self.evictor.on_leaf(parent)
         block.num_cached_children = 0
         block.depth = 0
         block.block_hash = None
@@ -507,8 +577,8 @@ class BlockPool:
     # -- accounting -----------------------------------------------------------------------------
 
     def get_num_free_blocks(self) -> int:
-        """Free blocks, cached or not (all can be allocated)."""
-        return len(self.evictor)
+        """Free blocks, cached or not, retained or not (all can be allocated)."""
+        return len(self.evictor) + len(self.retained)
 
     @property
     def cached_bytes(self) -> int:
@@ -517,19 +587,19 @@ class BlockPool:
 
     def get_usage(self) -> float:
         """Fraction of blocks in use by requests, in ``[0, 1]``."""
-        return (self.num_blocks - len(self.evictor)) / self.num_blocks
+        return (self.num_blocks - self.get_num_free_blocks()) / self.num_blocks
 
     def dump(self) -> str:
         """A multi-line picture of the pool for debugging: free blocks, in-use and cached blocks."""
         in_use = [b for b in self.blocks if b.ref_cnt > 0]
         lines = [
             f"BlockPool: {self.num_blocks} blocks, {len(in_use)} in use, "
-            f"{len(self.evictor)} free, {self.num_cached_blocks} cached, "
+            f"{self.get_num_free_blocks()} free, {self.num_cached_blocks} cached, "
             f"{self.eviction_stats.num_evictions} evictions",
             "  free (evict first -> last): "
             + " ".join(
                 f"{b.block_id}{'*' if b.block_hash is not None else ''}"
-                for b in self.evictor.get_all_free_blocks()
+                for b in [*self.evictor.get_all_free_blocks(), *self.retained.values()]
             ),
             "  in use: " + " ".join(f"{b.block_id}(ref={b.ref_cnt})" for b in in_use),
             "  cached:",
@@ -542,7 +612,7 @@ class BlockPool:
 
     def __repr__(self) -> str:
         return (
-            f"BlockPool(num_blocks={self.num_blocks}, free={len(self.evictor)}, "
+            f"BlockPool(num_blocks={self.num_blocks}, free={self.get_num_free_blocks()}, "
             f"cached={self.num_cached_blocks}, evictions={self.eviction_stats.num_evictions})"
         )
 

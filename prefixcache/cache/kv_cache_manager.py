@@ -49,6 +49,41 @@ Invariants:
 - A partial hit's source is cached in an earlier step (its K/V is written) and stays pinned
   (``ref_cnt`` held) from its admission until ``end_step``, so nothing evicts it before the copy.
   The copied tokens plus the full hits still leave the last prompt token to compute.
+
+KV-cache groups (``kv_cache_groups``, :mod:`prefixcache.cache.kv_cache_groups`; vLLM v1's hybrid
+allocator): with one group (every full-attention model) nothing below applies and every block id is
+what it was before groups. With more, ``req_to_blocks`` is group 0's table (full attention) and
+``req_to_group_blocks[id][g - 1]`` group ``g``'s, as long, block ``i`` of each holding the same tokens;
+an entry is ``None`` (a null block: the runner passes block id 0, which no query reads) where a
+sliding group no longer needs the block. One pool serves all groups (a block holds one group's
+layers). Each group's full blocks are cached under
+:func:`~prefixcache.cache.kv_cache_groups.group_block_hash` with group 0's block of the same position
+as parent (its anchor, see :mod:`prefixcache.cache.block_pool`)::
+
+    group 0 (full)     | b0 | b1 | b2 | b3 | b4 | b5 |    every block of the context
+    group g (window 8) |null|null| s2 | s3 | s4 | s5 |    blocks 0-1 released: next token at 21,
+                                                           block_size 4, reads keys 14..21
+
+- Hit length (:meth:`_hybrid_hits`, vLLM's ``HybridKVCacheCoordinator``): the longest block-aligned
+  ``L <= `` group 0's verified hit such that each full group has its blocks of ``[0, L)`` and each
+  sliding group the blocks covering ``[L - window + 1, L)`` cached, each verified against group 0's
+  hit block of its position; each group proposes its longest such ``L`` no longer than the current
+  one (a sliding group scanning right to left for a run of ``ceil((window - 1) / block_size)``
+  blocks, vLLM's ``SlidingWindowManager.find_longest_cache_hit``), until none lowers it.
+- Release (:meth:`remove_skipped_blocks`, vLLM's ``remove_skipped_blocks``): a sliding group's
+  blocks wholly before ``num_computed_tokens - window + 1`` are freed (still hit-able until evicted)
+  and their entries become ``None``, after every step (the scheduler calls it, as it calls
+  ``end_step``), so a running sequence holds at most ``window`` + 2 blocks' worth of tokens per
+  sliding group between steps.
+- Retention (so hits don't collapse when the pool fills; vLLM's hybrid-SWA hits fell to 0 % without
+  it): a sliding group's block freed among the last ``ceil(window / block_size) + 1`` blocks before
+  the end of a cached prefix of its request (the end of its sequence when it is freed, the end of its
+  cache hit, the end of its prompt: where a later request's hit ends) goes to the pool's retained
+  queue, evicted after every other free block; its other released blocks are freed as usual. The
+  idea is SGLang's SWA radix cache's (a prefix's sliding-window part is evicted on its own, and a
+  match needs the window before its end) kept within one pool and one eviction order.
+- Partial-block reuse and KV tiers are group 0's only: with several groups there are no partial
+  hits, and tiers are refused when the manager is built.
 """
 
 from __future__ import annotations
@@ -61,6 +96,7 @@ from typing import TYPE_CHECKING
 from prefixcache.cache.block import KVCacheBlock, matching_token_blocks, verified_chain_length
 from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.config import CacheConfig
+from prefixcache.cache.kv_cache_groups import KVCacheGroup, KVCacheGroups, group_block_hash, single_group
 from prefixcache.cache.metrics import PrefixCacheSnapshot, PrefixCacheStats
 from prefixcache.cache.pins import PinResult, PinTable, pinned_budget
 from prefixcache.scheduler_output import CopyOp, LoadOp
@@ -71,7 +107,11 @@ if TYPE_CHECKING:
     from prefixcache.prompt_logprobs import BlockPromptLogprobs
     from prefixcache.request import Request
 
-__all__ = ["Admission", "CopyOp", "KVCacheManager", "PartialHit"]
+__all__ = ["Admission", "CopyOp", "KVCacheManager", "NULL_BLOCK_ID", "PartialHit"]
+
+# The block id the runner gets where a group's table entry is None (a released sliding-window block):
+# the block tables' padding id; no query reads it (it lies outside every window).
+NULL_BLOCK_ID = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +141,11 @@ class Admission:
     num_tier_tokens: int = 0
 
 
+def _held(tables: Sequence[Sequence[KVCacheBlock | None]] | None) -> list[KVCacheBlock]:
+    """The blocks of some groups' tables, without the released (``None``) entries."""
+    return [b for table in tables or () for b in table if b is not None]
+
+
 class KVCacheManager:
     """Allocates KV-cache blocks to requests and finds their cached prefixes.
 
@@ -110,9 +155,11 @@ class KVCacheManager:
         bytes_per_block: KV bytes of one block over all layers (for ``cost`` and ``cached_bytes``).
         clock: current time in seconds (``time.monotonic``; a virtual clock in simulations).
         tiers: KV tiers below the pool, or ``None``.
+        kv_cache_groups: the model's KV-cache groups; ``None``: one group of full attention.
 
     Raises:
-        ValueError: ``num_blocks < 1``; InvalidInputError: a bad config field.
+        ValueError: ``num_blocks < 1``, or KV tiers with more than one group; InvalidInputError: a
+            bad config field.
     """
 
     def __init__(
@@ -123,9 +170,24 @@ class KVCacheManager:
         bytes_per_block: int = 0,
         clock: Callable[[], float] = time.monotonic,
         tiers: KVTierStack | None = None,
+        kv_cache_groups: KVCacheGroups | None = None,
     ) -> None:
         config = config or CacheConfig()
         config.validate()
+        self.kv_cache_groups = kv_cache_groups or single_group(1)
+        self.is_hybrid = self.kv_cache_groups.is_hybrid
+        if self.is_hybrid and tiers is not None:
+            raise ValueError("KV tiers (kv_disk_dir, kv_redis_url) are not yet supported for sliding-window "
+                             "models (a model with more than one KV-cache group)")
+        self._extra_groups: tuple[KVCacheGroup, ...] = self.kv_cache_groups.groups[1:]
+        # Groups 1.. (hybrid models only): request id -> one table per group, as long as
+        # req_to_blocks[id]; None where a sliding group released the block.
+        self.req_to_group_blocks: dict[str, list[list[KVCacheBlock | None]]] = {}
+        # (group id, block index) -> the cached block the request holds in place of its own copy
+        # until end_step (req_to_pinned's rule, per group).
+        self.req_to_group_pinned: dict[str, dict[tuple[int, int], KVCacheBlock]] = {}
+        # request id -> (its cache hit's end, its prompt's end), in full blocks: retention points.
+        self._retain_points: dict[str, tuple[int, int]] = {}
         self.config = config
         self.block_size = config.block_size
         self.enable_caching = config.enable_prefix_caching
@@ -183,24 +245,33 @@ class KVCacheManager:
         else:  # a hit must also serve the block's prompt logprobs (prefixcache/prompt_logprobs.py)
             n = next((i for i, b in enumerate(hits) if b.prompt_logprobs is None), len(hits))
             hits, num_hit, partial = hits[:n], n * self.block_size, None
+        group_hits = None
+        if self.is_hybrid:  # what every group serves
+            hits, group_hits = self._hybrid_hits(request, hits)
+            num_hit = len(hits) * self.block_size
         num_tier = len(tier_load.payloads) * self.block_size if tier_load is not None else 0
         num_partial = partial.num_tokens if partial is not None else 0
         num_new = min(request.num_tokens - num_hit - num_tier - num_partial, token_budget)
-        new_blocks = self.allocate_slots(request, num_tier + num_new + num_lookahead_tokens, hits, num_hit, partial)
+        new_blocks = self.allocate_slots(request, num_tier + num_new + num_lookahead_tokens, hits, num_hit, partial,
+                                         group_hits)
         if new_blocks is None and partial is not None:
             # The partial hit's source is pinned while its tokens are copied, so it is one block the
             # allocation can't take: a prompt that needs the whole pool never fit with it (and waited
             # forever). Without it the tokens are computed instead.
             partial, num_partial = None, 0
             num_new = min(request.num_tokens - num_hit - num_tier, token_budget)
-            new_blocks = self.allocate_slots(request, num_tier + num_new + num_lookahead_tokens, hits, num_hit)
+            new_blocks = self.allocate_slots(request, num_tier + num_new + num_lookahead_tokens, hits, num_hit,
+                                             new_group_blocks=group_hits)
         if new_blocks is None and not self.req_to_blocks and self.pins.yield_all():
             # Nothing runs and pins hold the room this request needs: they yield (cache/pins.py).
             partial, num_partial = None, 0
             num_new = min(request.num_tokens - num_hit - num_tier, token_budget)
-            new_blocks = self.allocate_slots(request, num_tier + num_new + num_lookahead_tokens, hits, num_hit)
+            new_blocks = self.allocate_slots(request, num_tier + num_new + num_lookahead_tokens, hits, num_hit,
+                                             new_group_blocks=group_hits)
         if new_blocks is None:
             return None
+        if self.is_hybrid:
+            self._retain_points[request.request_id] = (len(hits), request.num_prompt_tokens // self.block_size)
         self.pins.refresh(hits)
         if num_tier:
             self._add_load_ops(new_blocks, tier_load.payloads)
@@ -321,6 +392,68 @@ class KVCacheManager:
         chain.reverse()
         return chain, len(chain) * bs
 
+    def _hybrid_hits(
+        self, request: Request, hits: list[KVCacheBlock]
+    ) -> tuple[list[KVCacheBlock], list[list[KVCacheBlock | None]]]:
+        """Cuts group 0's verified hits to what every group serves (the module docstring's hit rule).
+
+        Args:
+            request: the request being admitted.
+            hits: group 0's verified hit blocks (any head of them is a hit too).
+
+        Returns:
+            ``(hits[:n], tables)``: ``tables[g - 1]`` is group ``g``'s ``n`` entries, ``None`` before
+            the window a sliding group needs at ``n * block_size``. No ref count changes.
+        """
+        bs, pool = self.block_size, self.block_pool
+        found: dict[tuple[int, int], KVCacheBlock | None] = {}
+
+        def cached(group: KVCacheGroup, i: int) -> KVCacheBlock | None:
+            key = (group.group_id, i)
+            if key not in found:  # verified against group 0's hit of the same position, its anchor
+                found[key] = pool.get_cached_block(
+                    group_block_hash(request.block_hashes[i], group.group_id),
+                    request.all_token_ids[i * bs : (i + 1) * bs], hits[i], request.root_key,
+                    request.block_extra_key(i))
+            return found[key]
+
+        n, changed = len(hits), True
+        while changed:  # to the fixed point: each group's answer only lowers n
+            changed = False
+            for group in self._extra_groups:
+                m = self._group_hit_length(group, n, cached)
+                if m < n:
+                    n, changed = m, True
+        tables = []
+        for group in self._extra_groups:
+            start = group.num_skipped_blocks(n * bs, bs)
+            tables.append([None] * start + [cached(group, i) for i in range(start, n)])
+        return hits[:n], tables
+
+    def _group_hit_length(
+        self, group: KVCacheGroup, n: int, cached: Callable[[KVCacheGroup, int], KVCacheBlock | None]
+    ) -> int:
+        """The longest ``m <= n`` (in blocks) that ``group`` serves: a full group, every block of
+        ``[0, m)`` cached; a sliding one, the ``num_window_blocks`` before ``m`` (or all of ``[0, m)``
+        when fewer), found right to left as vLLM's ``SlidingWindowManager`` does."""
+        need = group.num_window_blocks(self.block_size)
+        if need is None:
+            m = 0
+            while m < n and cached(group, m) is not None:
+                m += 1
+            return m
+        if need == 0:
+            return n
+        run = 0
+        for i in range(n - 1, -1, -1):
+            if cached(group, i) is None:
+                run = 0
+                continue
+            run += 1
+            if run >= need:
+                return i + run
+        return run  # a run from block 0, shorter than the window: all it needs
+
     def get_partial_hit(
         self, request: Request, computed_blocks: Sequence[KVCacheBlock]
     ) -> PartialHit | None:
@@ -337,7 +470,7 @@ class KVCacheManager:
         Returns:
             The partial hit, or ``None`` (also when caching or partial reuse is off).
         """
-        if not (self.enable_caching and self.enable_partial_block_reuse):
+        if not (self.enable_caching and self.enable_partial_block_reuse) or self.is_hybrid:
             return None
         start = len(computed_blocks) * self.block_size
         end = min(start + self.block_size - 1, request.num_tokens - 1)
@@ -361,6 +494,7 @@ class KVCacheManager:
         new_computed_blocks: Sequence[KVCacheBlock] = (),
         num_new_computed_tokens: int = 0,
         partial_hit: PartialHit | None = None,
+        new_group_blocks: Sequence[Sequence[KVCacheBlock | None]] | None = None,
     ) -> list[KVCacheBlock] | None:
         """Adds blocks for ``num_new_tokens`` more tokens, taking the cache hits first.
 
@@ -383,6 +517,7 @@ class KVCacheManager:
                 after the full hits and before ``num_new_tokens``; its block is pinned until
                 :meth:`end_step` and a :class:`CopyOp` into the first new block is appended to
                 ``pending_copy_ops``.
+            new_group_blocks: groups ``1..``'s hits (:meth:`_hybrid_hits`); each gets as many new blocks.
 
         A running request whose next token lands in a block it shares with a forked sequence
         (``ref_cnt > 1``) first gets a private copy of that block (copy-on-write: one more block,
@@ -397,21 +532,20 @@ class KVCacheManager:
                 blocks, or ``num_new_computed_tokens`` inconsistent with the hits.
         """
         req_blocks = self.req_to_blocks.get(request.request_id)
-        num_partial = self._check_allocation(
-            request, req_blocks, num_new_tokens, new_computed_blocks, num_new_computed_tokens, partial_hit
-        )
+        num_partial = self._check_allocation(request, req_blocks, num_new_tokens, new_computed_blocks,
+                                             num_new_computed_tokens, partial_hit, new_group_blocks)
         num_total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_partial + num_new_tokens
         num_required = -(-num_total_tokens // self.block_size)
         num_held = len(req_blocks) if req_blocks else 0
         num_new_blocks = max(0, num_required - num_held - len(new_computed_blocks))
-        # Hits (and a partial-hit source) that sit among the free blocks stop being allocatable
-        # once touched.
-        pinned = [*new_computed_blocks, *([partial_hit.block] if partial_hit else [])]
+        # Hits (and a partial-hit source) among the free blocks stop being allocatable once touched.
+        pinned = [*new_computed_blocks, *([partial_hit.block] if partial_hit else []), *_held(new_group_blocks)]
         num_free_hits = sum(1 for b in pinned if b.ref_cnt == 0)
         # Copy-on-write: the block receiving this step's first token is shared with a fork.
         cow_index = request.num_computed_tokens // self.block_size
         cow = bool(req_blocks) and num_new_tokens > 0 and cow_index < num_held and req_blocks[cow_index].ref_cnt > 1
-        if num_new_blocks + cow > self.block_pool.get_num_free_blocks() - num_free_hits:
+        num_group_blocks = self._num_group_blocks_needed(request, num_new_blocks, num_new_tokens > 0)
+        if num_new_blocks + cow + num_group_blocks > self.block_pool.get_num_free_blocks() - num_free_hits:
             return None
 
         if cow:
@@ -425,6 +559,7 @@ class KVCacheManager:
             req_blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
+        self._allocate_group_blocks(request, num_new_blocks, new_group_blocks, num_new_tokens > 0)
         if partial_hit is not None:
             self._pinned_sources.append(partial_hit.block)
             self.pending_copy_ops.append(CopyOp(partial_hit.block.block_id, new_blocks[0].block_id, num_partial))
@@ -440,11 +575,18 @@ class KVCacheManager:
         new_computed_blocks: Sequence[KVCacheBlock],
         num_new_computed_tokens: int,
         partial_hit: PartialHit | None,
+        new_group_blocks: Sequence[Sequence[KVCacheBlock | None]] | None = None,
     ) -> int:
         """Validates :meth:`allocate_slots`' arguments; returns the partial hit's token count."""
         rid = request.request_id
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if self.is_hybrid and new_computed_blocks and new_group_blocks is None:
+            raise ValueError("new_group_blocks are needed with cache hits when there are several KV-cache groups")
+        if new_group_blocks is not None and (len(new_group_blocks) != len(self._extra_groups) or any(
+                len(hits) != len(new_computed_blocks) for hits in new_group_blocks)):
+            raise ValueError(f"new_group_blocks must hold {len(self._extra_groups)} lists of "
+                             f"{len(new_computed_blocks)} entries (one per KV-cache group after group 0)")
         if new_computed_blocks:
             if req_blocks:
                 raise ValueError(f"request {rid!r} already has blocks; cache hits are for admission")
@@ -466,10 +608,45 @@ class KVCacheManager:
             )
         return partial_hit.num_tokens
 
-    def _copy_on_write(self, request: Request, req_blocks: list[KVCacheBlock], index: int) -> None:
-        """Gives the request a private copy of its shared block ``index`` (written slots copied)."""
+    def _num_group_blocks_needed(self, request: Request, num_new_blocks: int, writes: bool) -> int:
+        """Free blocks groups 1.. take besides their hits: ``num_new_blocks`` each, and (``writes``) a
+        copy-on-write of the block receiving the next token where it is shared; 0 with one group."""
+        if not self.is_hybrid:
+            return 0
+        num = num_new_blocks * len(self._extra_groups)  # (their hits are counted with group 0's)
+        cow_index = request.num_computed_tokens // self.block_size
+        for table in self.req_to_group_blocks.get(request.request_id, []) if writes else []:
+            if cow_index < len(table) and table[cow_index] is not None and table[cow_index].ref_cnt > 1:
+                num += 1
+        return num
+
+    def _allocate_group_blocks(
+        self, request: Request, num_new_blocks: int, hits: Sequence[Sequence[KVCacheBlock | None]] | None,
+        writes: bool,
+    ) -> None:
+        """Groups 1..'s part of :meth:`allocate_slots` once it is known to fit and their hits are
+        touched (with group 0's, before any block is allocated: a hit among the free blocks must not
+        be handed out): copy-on-write of the block receiving the next token, the hits, ``num_new_blocks``
+        new blocks each. No-op with one group."""
+        if not self.is_hybrid:
+            return
+        hits = hits if hits is not None else [() for _ in self._extra_groups]
+        rid = request.request_id
+        tables = self.req_to_group_blocks.get(rid)
+        if tables is None:
+            tables = self.req_to_group_blocks[rid] = [[] for _ in self._extra_groups]
+        cow_index = request.num_computed_tokens // self.block_size
+        for group, table, group_hits in zip(self._extra_groups, tables, hits):
+            if writes and cow_index < len(table) and table[cow_index] is not None and table[cow_index].ref_cnt > 1:
+                self._copy_on_write(request, table, cow_index, group.group_id)
+            table.extend(group_hits)
+            table.extend(self.block_pool.get_new_blocks(num_new_blocks, group.group_id))
+
+    def _copy_on_write(self, request: Request, req_blocks: list[KVCacheBlock], index: int, group_id: int = 0) -> None:
+        """Gives the request a private copy of its shared block ``index`` of group ``group_id``'s
+        table ``req_blocks`` (written slots copied)."""
         shared = req_blocks[index]
-        (copy,) = self.block_pool.get_new_blocks(1)
+        (copy,) = self.block_pool.get_new_blocks(1, group_id)
         req_blocks[index] = copy
         # Drop this request's reference now, so the last holder writes in place. Even if the
         # source reaches ref_cnt 0 and is reallocated this step, its copy runs first: the runner
@@ -490,6 +667,7 @@ class KVCacheManager:
             return
         pinned = self.req_to_pinned.get(rid, {})
         parent = None if num_cached == 0 else pinned.get(num_cached - 1, req_blocks[num_cached - 1])
+        anchors = [] if self.is_hybrid else None
         for i in range(num_cached, num_full):
             block = req_blocks[i]
             if block.block_hash is None:
@@ -508,7 +686,31 @@ class KVCacheManager:
                     pinned[i] = cached
                     block = cached
             parent = block
+            if anchors is not None:
+                anchors.append(block)
         self.req_to_num_cached_blocks[rid] = num_full
+        if anchors:
+            self._cache_group_blocks(request, num_cached, anchors)
+
+    def _cache_group_blocks(self, request: Request, first: int, anchors: list[KVCacheBlock]) -> None:
+        """Caches groups 1..'s blocks ``first ..`` that became full, each on group 0's cached block of
+        its position (``anchors``); an equal block cached before stands for the request's own until
+        :meth:`end_step`, as in group 0."""
+        rid, bs = request.request_id, self.block_size
+        for group, table in zip(self._extra_groups, self.req_to_group_blocks[rid]):
+            for i, anchor in enumerate(anchors, start=first):
+                block = table[i]
+                if block is None or block.block_hash is not None:  # released, or a hit
+                    continue
+                cached = self.block_pool.cache_block(
+                    block, group_block_hash(request.block_hashes[i], group.group_id),
+                    request.all_token_ids[i * bs : (i + 1) * bs], anchor, request.root_key, request.block_extra_key(i))
+                if cached is block:
+                    self._cached_this_step[block.block_id] = block.generation
+                else:
+                    self.block_pool.record_hits([cached])
+                    self.block_pool.touch([cached])
+                    self.req_to_group_pinned.setdefault(rid, {})[(group.group_id, i)] = cached
 
     # -- step and request lifecycle -------------------------------------------------------------
 
@@ -527,6 +729,14 @@ class KVCacheManager:
                 table[i] = cached
             self.block_pool.free_blocks(own)
         self.req_to_pinned.clear()
+        for rid, group_pinned in self.req_to_group_pinned.items():
+            tables = self.req_to_group_blocks[rid]
+            own = []
+            for (group_id, i), cached in sorted(group_pinned.items(), key=lambda item: -item[0][1]):
+                own.append(tables[group_id - 1][i])
+                tables[group_id - 1][i] = cached
+            self.block_pool.free_blocks(own)
+        self.req_to_group_pinned.clear()
         sources, self._pinned_sources = self._pinned_sources, []
         self.block_pool.free_blocks(sources)
         self._cached_this_step.clear()
@@ -570,6 +780,16 @@ class KVCacheManager:
             self.block_pool.touch(pinned.values())
             self.req_to_pinned[child.request_id] = dict(pinned)
         self.req_to_num_cached_blocks[child.request_id] = self.req_to_num_cached_blocks[parent.request_id]
+        if self.is_hybrid:
+            tables = self.req_to_group_blocks.get(parent.request_id, [])
+            self.block_pool.touch(b for table in tables for b in table if b is not None)
+            self.req_to_group_blocks[child.request_id] = [list(table) for table in tables]
+            group_pinned = self.req_to_group_pinned.get(parent.request_id)
+            if group_pinned:
+                self.block_pool.touch(group_pinned.values())
+                self.req_to_group_pinned[child.request_id] = dict(group_pinned)
+            if parent.request_id in self._retain_points:
+                self._retain_points[child.request_id] = self._retain_points[parent.request_id]
         self.num_cow_forks += 1
 
     def free(self, request: Request) -> None:
@@ -579,6 +799,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.req_to_num_cached_blocks.pop(request.request_id, None)
         pinned = self.req_to_pinned.pop(request.request_id, None)
+        if self.is_hybrid:
+            self._free_hybrid(request.request_id, blocks or [], pinned or {})
+            return
         if not blocks:
             return
         if pinned:
@@ -590,6 +813,64 @@ class KVCacheManager:
             self.block_pool.free_blocks(ordered)
         else:
             self.block_pool.free_blocks(reversed(blocks))
+
+    def _free_hybrid(self, rid: str, blocks: list[KVCacheBlock], pinned: dict[int, KVCacheBlock]) -> None:
+        """free() with several groups: tail first, each position's blocks of the other groups right
+        before group 0's (evicted no later than their anchor); a sliding group's blocks still held (the
+        window at the end of the request's cached prefix) go to the retained queue."""
+        tables = self.req_to_group_blocks.pop(rid, None) or [[] for _ in self._extra_groups]
+        group_pinned = self.req_to_group_pinned.pop(rid, {})
+        self._retain_points.pop(rid, None)
+        ordered, retained = [], []
+        for i in range(len(blocks) - 1, -1, -1):
+            for group, table in zip(self._extra_groups, tables):
+                block = table[i] if i < len(table) else None
+                if block is None:
+                    continue
+                out = retained if group.is_sliding else ordered
+                out.append(block)
+                if (group.group_id, i) in group_pinned:
+                    out.append(group_pinned[(group.group_id, i)])
+            ordered.append(blocks[i])
+            if i in pinned:
+                ordered.append(pinned[i])
+        self.block_pool.free_blocks(ordered)
+        self.block_pool.free_blocks(retained, retain=True)
+
+    def remove_skipped_blocks(self, request: Request) -> int:
+        """Releases the sliding groups' blocks no query of the request reads again: those wholly
+        before ``request.num_computed_tokens - window + 1`` (their entries become ``None``). A block
+        among the last ``ceil(window / block_size) + 1`` before the request's cache-hit end or prompt
+        end goes to the retained queue (see the module docstring), the others are freed as usual,
+        tail first. Call after each step; no-op with one group.
+
+        Returns:
+            The number of blocks released.
+        """
+        tables = self.req_to_group_blocks.get(request.request_id)
+        if not tables:
+            return 0
+        hit_end, prompt_end = self._retain_points.get(request.request_id, (0, 0))
+        group_pinned = self.req_to_group_pinned.get(request.request_id, {})
+        num_released = 0
+        for group, table in zip(self._extra_groups, tables):
+            num_skipped = min(group.num_skipped_blocks(request.num_computed_tokens, self.block_size), len(table))
+            keep = group.num_retained_blocks(self.block_size)
+            normal, retained = [], []
+            for i in range(num_skipped - 1, -1, -1):
+                block = table[i]
+                if block is None:  # released before, with everything before it
+                    break
+                table[i] = None
+                out = retained if hit_end - keep <= i < hit_end or prompt_end - keep <= i < prompt_end else normal
+                out.append(block)
+                pinned = group_pinned.pop((group.group_id, i), None)
+                if pinned is not None:
+                    out.append(pinned)
+            self.block_pool.free_blocks(normal)
+            self.block_pool.free_blocks(retained, retain=True)
+            num_released += len(normal) + len(retained)
+        return num_released
 
     def store_prompt_logprobs(self, request: Request, block_index: int, data: BlockPromptLogprobs) -> bool:
         """Keeps a prompt block's prompt logprobs with the cached block that now holds its K/V.
@@ -618,8 +899,17 @@ class KVCacheManager:
         return list(self.req_to_blocks.get(request_id, ()))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table as block ids; ``[]`` for an unknown request."""
+        """The request's block table as block ids (group 0's); ``[]`` for an unknown request."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block table of every KV-cache group, group 0 first, each as long as group 0's,
+        :data:`NULL_BLOCK_ID` where a sliding group released the block; ``[[]]`` (one group) or ``[]``
+        entries for an unknown request."""
+        out = [self.get_block_ids(request_id)]
+        for table in self.req_to_group_blocks.get(request_id, [[] for _ in self._extra_groups]):
+            out.append([NULL_BLOCK_ID if b is None else b.block_id for b in table])
+        return out
 
     # -- cache control --------------------------------------------------------------------------
 
@@ -664,9 +954,24 @@ class KVCacheManager:
         for bp in request.cache_breakpoints:
             num_blocks = min(bp.num_tokens // self.block_size, num_cached, len(blocks))
             num_pinned = self.pins.pin(blocks[:num_blocks], bp.ttl_s) if self.enable_caching else 0
+            if self.is_hybrid and num_pinned:
+                num_pinned = self._pin_group_blocks(request.request_id, num_pinned, bp.ttl_s)
             results.append(PinResult(bp, num_pinned * self.block_size))
         request.pinned = tuple(results)
         return request.pinned
+
+    def _pin_group_blocks(self, rid: str, num_blocks: int, ttl_s: float) -> int:
+        """Pins, beside group 0's first ``num_blocks``, what the other groups need for a hit there: a
+        full group's blocks of ``[0, num_blocks)``, a sliding group's window before it, if the request
+        still holds them (cached). Returns how many leading blocks are hit-able with the pins: those of
+        group 0, or 0 when a group's part could not be pinned (a window released, or the budget)."""
+        bs = self.block_size
+        for group, table in zip(self._extra_groups, self.req_to_group_blocks.get(rid, [])):
+            start = group.num_skipped_blocks(num_blocks * bs, bs)
+            needed = table[start:num_blocks]
+            if any(b is None or b.block_hash is None for b in needed) or self.pins.pin(needed, ttl_s) < len(needed):
+                return 0
+        return num_blocks
 
     def make_snapshot(self) -> PrefixCacheSnapshot:
         """The cache's counters and the pool's state, frozen."""

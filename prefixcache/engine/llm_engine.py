@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from prefixcache.cache.config import check_int
+from prefixcache.cache.kv_cache_groups import check_kv_tiers_supported
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVEventRecorder
 from prefixcache.cache.metrics import PrefixCacheSnapshot
@@ -50,7 +51,8 @@ from prefixcache.layers.sampler import TokenLogprobs
 from prefixcache.models.loader import LoadedModel, load_model
 from prefixcache.outputs import RequestOutput
 from prefixcache.request import Request, RequestStatus
-from prefixcache.runner.kv_pool import kv_block_layout, kv_cache_bytes_per_block, num_blocks_for_memory
+from prefixcache.runner.kv_pool import (kv_block_layout, kv_cache_bytes_per_block, kv_cache_groups_of,
+                                        num_blocks_for_memory)
 from prefixcache.runner.model_runner import ModelRunner, ModelRunnerOutput
 from prefixcache.sampling_params import SamplingParams
 from prefixcache.scheduler_output import SchedulerOutput
@@ -118,20 +120,25 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         mcfg = self.loaded.config
         self.max_model_len = config.max_model_len or self.loaded.max_model_len
+        # One block holds the K/V of one KV-cache group's layers (every layer for the Llama family).
+        self.kv_cache_groups = kv_cache_groups_of(self.loaded.model, mcfg)
+        layers_per_block = self.kv_cache_groups.layers_per_group
         self.kv_cache_bytes_per_block = kv_cache_bytes_per_block(
-            mcfg.num_hidden_layers, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, self.loaded.dtype
+            layers_per_block, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, self.loaded.dtype
         )
         self.num_blocks = config.num_blocks or num_blocks_for_memory(
-            config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES, mcfg.num_hidden_layers,
+            config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES, layers_per_block,
             config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, self.loaded.dtype,
         )
         self._check_pool_fits()
+        check_kv_tiers_supported(self.kv_cache_groups, config.kv_disk_dir, config.kv_redis_url)
         self.kv_tiers = make_kv_tiers(config, kv_block_layout(
             mcfg.num_hidden_layers, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, self.loaded.dtype))
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config, bytes_per_block=self.kv_cache_bytes_per_block,
-                                               tiers=self.kv_tiers)
+                                               tiers=self.kv_tiers, kv_cache_groups=self.kv_cache_groups)
         self.scheduler = Scheduler(self.kv_cache_manager, config)
-        self.runner = ModelRunner(self.loaded, self.num_blocks, config.block_size, self.device, config.seed)
+        self.runner = ModelRunner(self.loaded, self.num_blocks, config.block_size, self.device, config.seed,
+                                  self.kv_cache_groups)
         self.input_processor = InputProcessor(config, self.loaded, self.max_model_len, self.num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids, self.max_model_len)
         self.lora_manager = LoRAManager(self.loaded.model, self.kv_cache_manager)

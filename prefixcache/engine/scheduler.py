@@ -32,6 +32,11 @@ the runner samples ``n`` tokens from its last logits and :meth:`update_from_outp
 ``n - 1`` samples, sharing its blocks (copy-on-write, see ``KVCacheManager.fork``). From then on
 each sample is an ordinary running request. Such a request is admitted only when its ``n`` seats
 fit under ``max_num_seqs`` (or nothing else runs).
+
+A model with several KV-cache groups (sliding-window layers): each scheduled sequence carries every
+group's block table (``ScheduledSeq.group_block_ids``), and after each step a request's
+sliding-window blocks that no query of it reads again are released
+(``KVCacheManager.remove_skipped_blocks``).
 """
 
 from __future__ import annotations
@@ -196,11 +201,14 @@ class Scheduler:
                 (sample_request_id(request.group_id, i), params)
                 for i, params in enumerate(request.fork_params, start=1)
             ]
+        kv = self.kv_cache_manager
+        group_block_ids = kv.get_group_block_ids(request.request_id) if kv.is_hybrid else None
         return ScheduledSeq(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new],
             num_computed_tokens=start,
-            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            block_ids=group_block_ids[0] if group_block_ids else kv.get_block_ids(request.request_id),
+            group_block_ids=group_block_ids,
             sampling_params=request.sampling_params if completes else None,
             lora=request.lora,
             forks=forks,
@@ -234,11 +242,14 @@ class Scheduler:
         Returns:
             The requests that received a new token (the caller checks their stop conditions).
         """
-        self.kv_cache_manager.end_step()  # the step's K/V is written: unpin partial-hit sources
+        kv = self.kv_cache_manager
+        kv.end_step()  # the step's K/V is written: unpin partial-hit sources
         updated = []
         for seq in scheduler_output.seqs:
             request = self.requests[seq.request_id]
             request.num_computed_tokens += len(seq.token_ids)
+            if kv.is_hybrid:  # sliding-window blocks no query of it reads again
+                kv.remove_skipped_blocks(request)
             token = sampled.get(seq.request_id)
             if token is not None:
                 children = self._fork(request, seq.forks) if seq.forks else []

@@ -1,14 +1,41 @@
-"""The paged KV pool: one preallocated tensor per layer.
+"""The paged KV pool: one preallocated tensor per layer of a KV-cache group.
 
-Layout of each layer's tensor: shape = [2, num_blocks, block_size, num_kv_heads, head_dim], index 0 holds
+Layout of each tensor: shape = [2, num_blocks, block_size, num_kv_heads, head_dim], index 0 holds
 K and index 1 holds V. Token slot `slot = block_id * block_size + offset` addresses
 `kv_cache[:, block_id, offset]`; viewed flat, `kv_cache[0].view(num_blocks * block_size, ...)` is indexed
 by the slot directly.
+
+With one KV-cache group (the Llama family) there is one tensor per layer. With several
+(:mod:`prefixcache.cache.kv_cache_groups`: sliding-window layers kept apart) there are
+`layers_per_group` tensors: a block holds the K/V of one group's layers while allocated, layer L in
+tensor `layer_to_group[L][1]`; so every `num_layers` argument below is `layers_per_group`.
 """
 
 import torch
 
+from prefixcache.cache.kv_cache_groups import (KVCacheGroups, layer_specs_from_config, make_kv_cache_groups,
+                                              single_group)
 from prefixcache.cache.tiers.entry import KVBlockLayout
+
+
+def kv_cache_groups_of(model: torch.nn.Module, config: object) -> KVCacheGroups:
+    """The KV-cache groups a loaded model runs with.
+
+    A model that takes per-group attention metadata (class attribute ``uses_kv_cache_groups =
+    True``, see :mod:`prefixcache.layers.grouped_attention`) gets the groups its config's
+    ``layer_types`` / ``sliding_window`` declare; any other model one group of every layer (all its
+    layers keep the whole context, as the Llama family's do).
+
+    Args:
+        model: the loaded model.
+        config: its ``ModelConfig`` (``num_hidden_layers``, optionally ``layer_types``, ``sliding_window``).
+
+    Raises:
+        ValueError: malformed ``layer_types`` (see ``layer_specs_from_config``).
+    """
+    if getattr(model, "uses_kv_cache_groups", False):
+        return make_kv_cache_groups(layer_specs_from_config(config))
+    return single_group(config.num_hidden_layers)
 
 
 def kv_cache_bytes_per_block(
