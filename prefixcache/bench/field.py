@@ -111,6 +111,7 @@ def install_tool(tool: str, log: Callable[[str], None] = print) -> float:
 def install_tools(tools: list[str], log: Callable[[str], None] = print) -> dict[str, float]:
     """Installs ``tools`` side by side (pip waits on downloads more than on the CPU); returns the seconds each
     took. Raises the first failure after all have finished."""
+    tools = list(dict.fromkeys(tools))  # a tool named twice: one install, not two racing on one venv
     with ThreadPoolExecutor(max_workers=len(tools) or 1) as pool:
         futures = {t: pool.submit(install_tool, t, log) for t in tools}
     return {t: f.result() for t, f in futures.items()}

@@ -339,7 +339,8 @@ def marked_blocks(req: MessagesRequest) -> list[tuple[str, int, int, float]]:
             found.append(("cache_control", last, len(blocks) - 1, ttl_s))
     for (where, *_, ttl_s), (later, *_, later_ttl_s) in zip(found, found[1:]):
         if later_ttl_s > ttl_s:  # Anthropic: longer-lived entries come first when ttls are mixed
-            raise _bad(f"{later}.cache_control.ttl: a breakpoint with a longer ttl must come before any with a "
+            at = later if later == "cache_control" else f"{later}.cache_control"  # the top level's is itself
+            raise _bad(f"{at}.ttl: a breakpoint with a longer ttl must come before any with a "
                        f"shorter one ({where} has the shorter)")
     if len(found) > MAX_CACHE_BREAKPOINTS:
         raise _bad(f"cache_control: a maximum of {MAX_CACHE_BREAKPOINTS} blocks with cache_control may be "
@@ -369,6 +370,7 @@ def _check_block(block: ContentBlock, where: str, role: str, tool_use_ids: set[s
                 raise _bad(f"{where}.{field}: a tool_use block needs its {field} (a non-empty string)")
         if block.input is None:
             raise _bad(f"{where}.input: a tool_use block needs its input (an object)")
+        _check_json(block.input, f"{where}.input")
         tool_use_ids.add(block.id)
     if block.type == "tool_result":
         if not block.tool_use_id:
@@ -378,6 +380,15 @@ def _check_block(block: ContentBlock, where: str, role: str, tool_use_ids: set[s
         for k, part in enumerate(block.content if isinstance(block.content, list) else ()):
             if part.type != "text" or part.text is None:
                 raise _bad(f"{where}.content.{k}: only text blocks (with their text) are supported in a tool_result")
+
+
+def _check_json(value: dict[str, Any], where: str) -> None:
+    """Refuses an object the prompt can't render as JSON: NaN or Infinity (which Python's parser
+    takes) would be written into the prompt as non-JSON, as the OpenAI routes refuse them too."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except ValueError as e:
+        raise _bad(f"{where}: is not JSON data: {e}") from e
 
 
 _TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -407,6 +418,7 @@ def check_tools(req: MessagesRequest) -> None:
             raise _bad(f"tools.{t}.input_schema: Field required")
         if tool.input_schema.get("type") != "object":
             raise _bad(f"tools.{t}.input_schema.type: must be 'object' (a JSON schema of the tool's input)")
+        _check_json(tool.input_schema, f"tools.{t}.input_schema")
     choice = req.tool_choice
     if choice is None:
         return

@@ -90,3 +90,11 @@ def test_field_markdown_has_one_table_per_tool_and_says_what_was_skipped():
     assert "| prefixcache | 20/20 | 600 / 2,600 | 190 / 340 | 9.6 | 2.40 | 80.0% | 75.1% | 4,911 | 4,911 |" in text
     assert "**GuideLLM**: not run: guidellm is not installed" in text
     assert "llama.cpp server: not run: not installed" in text
+
+
+def test_a_tool_named_twice_is_installed_once(monkeypatch):
+    # `--install-field-tools sglang,sglang`: two installs at once would both rmtree and rebuild one venv
+    calls = []
+    monkeypatch.setattr(field, "install_tool", lambda tool, log: calls.append(tool) or 1.0)
+    assert field.install_tools(["sglang", "aiperf", "sglang"]) == {"sglang": 1.0, "aiperf": 1.0}
+    assert sorted(calls) == ["aiperf", "sglang"]

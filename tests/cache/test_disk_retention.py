@@ -84,3 +84,21 @@ def test_without_a_budget_nothing_is_retained(tmp_path):
     assert not disk.retains and stack.retaining_tiers == []
     assert stack.retain(make_request(range(9)), 2, DAY_S) == (0, [])
     assert disk.usage() == {"entries": 0, "bytes": 0}
+
+
+def test_a_directory_removed_while_running_drops_the_marks_of_its_entries(tmp_path):
+    # the marks of stored entries went with the directory: they must not hold the budget for 24 h
+    import shutil
+    requests = one_block_requests(3)
+    size = entry_bytes(stack_of().entry_keys(requests[0], 0, 1)[0], LAYOUT)
+    disk = DiskTier(tmp_path, "ns", max_bytes=10 * size, max_retained_bytes=2 * size)
+    stack = stack_of(disk)
+    for r in requests[:2]:
+        store_chain(stack, r, 1)
+        assert stack.retain(r, 1, DAY_S)[0] == 1
+    assert disk.usage()["retained_bytes"] == 2 * size
+    shutil.rmtree(tmp_path / "ns")
+    store_chain(stack, requests[2], 1)  # the store finds the directory gone and starts a new index
+    assert disk.usage() == {"entries": 1, "bytes": size, "retained_entries": 0, "retained_bytes": 0}
+    assert disk.retained_until(requests[0].block_hashes[0].hex()) is None
+    assert stack.retain(requests[2], 1, DAY_S)[0] == 1  # the budget is free again

@@ -145,3 +145,32 @@ def test_bad_tools_get_anthropic_errors_naming_the_field(server, client):
                 {"role": "user", "content": "Go on."}]
     assert error_of(client, messages=no_input) == (
         "messages.1.content.0.input: a tool_use block needs its input (an object)")
+
+
+def test_non_json_numbers_and_a_top_level_ttl_order_error_name_the_field():
+    # no server: the checks run on the parsed body. NaN / Infinity parse (Python's json) but are not
+    # JSON, and would be rendered into the prompt as such; the top-level breakpoint is "cache_control".
+    from prefixcache.entrypoints.anthropic_messages import MessagesRequest, check_tools, marked_blocks
+    from prefixcache.entrypoints.api_errors import APIError
+
+    def message_of(check, body):
+        req = MessagesRequest.model_validate({"model": MODEL, "max_tokens": 4, **body})
+        with pytest.raises(APIError) as e:
+            check(req)
+        assert e.value.status == 400
+        return e.value.message
+
+    hi = [{"role": "user", "content": "Hi"}]
+    nan_schema = [{"name": "a", "input_schema": {"type": "object", "x": float("nan")}}]
+    assert message_of(check_tools, {"messages": hi, "tools": nan_schema}) == (
+        "tools.0.input_schema: is not JSON data: Out of range float values are not JSON compliant")
+    inf_input = hi + [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "a",
+                                                         "input": {"k": [float("inf")]}}]},
+                      {"role": "user", "content": "Go on."}]
+    assert message_of(marked_blocks, {"messages": inf_input}).startswith(
+        "messages.1.content.0.input: is not JSON data: Out of range float values")
+    tools = [{"name": "a", "input_schema": {"type": "object"}, "cache_control": {"type": "ephemeral"}}]
+    assert message_of(marked_blocks, {"messages": hi, "tools": tools,
+                                      "cache_control": {"type": "ephemeral", "ttl": "1h"}}) == (
+        "cache_control.ttl: a breakpoint with a longer ttl must come before any with a shorter one "
+        "(tools.0 has the shorter)")

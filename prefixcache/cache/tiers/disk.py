@@ -144,6 +144,8 @@ class DiskTier(KVTier):
                 self._sizes.clear()
                 self._depths.clear()
                 self._total_bytes = 0
+                for kept in self._kept:  # their entries are gone: so are their marks (as _forget)
+                    self._drop_mark(kept)
                 self._kept.clear()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{name}.{os.getpid()}.{threading.get_ident()}.tmp")
