@@ -139,7 +139,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache_manager, config)
         self.runner = ModelRunner(self.loaded, self.num_blocks, config.block_size, self.device, config.seed,
                                   self.kv_cache_groups)
-        self.input_processor = InputProcessor(config, self.loaded, self.max_model_len, self.num_blocks)
+        self.input_processor = InputProcessor(config, self.loaded, self.max_model_len, self._request_blocks())
         self.output_processor = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids, self.max_model_len)
         self.lora_manager = LoRAManager(self.loaded.model, self.kv_cache_manager)
         self.sample_groups = SampleGroups()
@@ -149,6 +149,16 @@ class LLMEngine:
         # CacheInsight); on the engine thread, so a hook must be quick and must not raise.
         self.finish_hooks: list[Callable[[Request], None]] = []
         self.kv_event_recorder, self.kv_event_publisher = self._start_kv_events()
+
+    def _request_blocks(self) -> int:
+        """The pool blocks one request's full-attention context may count on (what the input checks
+        size ``max_tokens`` against): all of them with one KV-cache group; with sliding groups, less
+        the ``ceil(window / block_size) + 2`` blocks each of them holds for a running request at
+        most (its window, the block being filled, one new block), so that a request that passes the
+        checks always runs to the end instead of waiting for room forever. At least 1."""
+        bs = self.config.block_size
+        sliding = sum(g.num_retained_blocks(bs) + 1 for g in self.kv_cache_groups.groups if g.is_sliding)
+        return max(1, self.num_blocks - sliding)
 
     def _check_pool_fits(self) -> None:
         """Refuses, before anything is allocated, a block larger than the model's context and a KV

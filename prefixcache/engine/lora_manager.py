@@ -19,6 +19,19 @@ from prefixcache.errors import InvalidInputError
 from prefixcache.layers.lora import LoRAAdapter, LoRARequest, load_lora_adapter
 
 
+def check_lora_supported(model: nn.Module) -> None:
+    """Refuses any adapter for a model whose forward pass adds no LoRA delta (class attribute
+    ``supports_lora = False``), here rather than in a step: the request (or the server's
+    ``--lora-modules`` at startup, which loads every adapter through :meth:`LoRAManager.get`) fails.
+
+    Raises:
+        InvalidInputError: (field ``lora``) naming the model class.
+    """
+    if not getattr(model, "supports_lora", True):
+        raise InvalidInputError("lora", f"lora: {type(model).__name__} does not support LoRA adapters; "
+                                        "send the request without one")
+
+
 class LoRAManager:
     """Loads and caches the adapters requests name.
 
@@ -37,9 +50,11 @@ class LoRAManager:
         """The loaded adapter for ``lora``, (re)loaded when its files are new or changed on disk.
 
         Raises:
-            InvalidInputError: (field ``lora``) not a LoRARequest, an unreadable directory, or an
-                adapter that can't be loaded for this model.
+            InvalidInputError: (field ``lora``) a model that runs no adapter (``supports_lora``
+                False: Gemma 3), not a LoRARequest, an unreadable directory, or an adapter that can't
+                be loaded for this model.
         """
+        check_lora_supported(self.model)
         if not isinstance(lora, LoRARequest):
             raise InvalidInputError("lora", f"lora must be a LoRARequest, got {type(lora).__name__}")
         path = Path(lora.lora_path).expanduser().resolve()

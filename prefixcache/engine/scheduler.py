@@ -36,7 +36,9 @@ fit under ``max_num_seqs`` (or nothing else runs).
 A model with several KV-cache groups (sliding-window layers): each scheduled sequence carries every
 group's block table (``ScheduledSeq.group_block_ids``), and after each step a request's
 sliding-window blocks that no query of it reads again are released
-(``KVCacheManager.remove_skipped_blocks``).
+(``KVCacheManager.remove_skipped_blocks``). A prefill chunk that doesn't fit the pool is halved
+until it does before anyone is preempted or admission stops: every group takes the chunk's blocks
+and the sliding ones give most back only after the step.
 """
 
 from __future__ import annotations
@@ -107,6 +109,9 @@ class Scheduler:
                 left = budget - decodes - (0 if remaining <= short else reserve)
                 num_new = min(remaining, max(left, budget // 2, 1))
             while kv.allocate_slots(request, num_new) is None:
+                if kv.is_hybrid and num_new > 1 and remaining > 1:  # a smaller chunk first (see _admit)
+                    num_new //= 2
+                    continue
                 victim = self._preempt_newest()
                 out.preempted_req_ids.append(victim.request_id)
                 if victim is request:
@@ -144,7 +149,6 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admits waiting requests in the policy's order while budget, seats and the pool allow."""
-        kv = self.kv_cache_manager
         # Seats: a request with n samples will run as n sequences once its prompt is done.
         seats = len(self.running) + sum(len(r.fork_params) for r in self.running.values())
         admitted = []
@@ -154,7 +158,7 @@ class Scheduler:
             need = 1 + len(request.fork_params)
             if self.running and seats + need > self.max_num_seqs:  # (alone, it may exceed)
                 break
-            admission = kv.admit(request, budget)
+            admission = self._admit(request, budget)
             if admission is None:
                 break
             seats += need
@@ -169,6 +173,23 @@ class Scheduler:
         for request in admitted:
             del self.waiting[request.request_id]
             self.policy.on_remove(request)
+
+    def _admit(self, request: Request, budget: int):
+        """``kv.admit(request, budget)``; with several KV-cache groups, on failure again with half
+        the budget, down to one token. Every group allocates a prefill chunk's blocks before the
+        sliding groups release what their window left behind (after the step), so a long prompt in
+        one chunk can need the pool several times over while it fits in smaller chunks; with one
+        group a smaller chunk never fits where a larger one did not (the hit is the same).
+
+        Returns:
+            The :class:`~prefixcache.cache.kv_cache_manager.Admission`, or None (nothing changed).
+        """
+        kv = self.kv_cache_manager
+        admission = kv.admit(request, budget)
+        while admission is None and kv.is_hybrid and budget > 1:
+            budget //= 2
+            admission = kv.admit(request, budget)
+        return admission
 
     def _take_cached_prompt_logprobs(self, request: Request, num_hit_tokens: int) -> None:
         """Fills a prompt-logprobs request's entries from its cache-hit blocks (each has them:

@@ -15,9 +15,17 @@ What differs from the Llama family (:mod:`prefixcache.models.llama`), all follow
   ``Gemma3TextScaledWordEmbedding`` does), the attention scale ``query_pre_attn_scalar ** -0.5``,
   and the final logits soft-capped when ``final_logit_softcapping`` is set.
 
-Every layer keeps its whole context's K/V in the pool under the request's one block table; a local
-layer's window is a mask over it (reading only the blocks the window reaches in a decode). Runs in
-float32 with no weight quantization and no LoRA; anything else is refused when loading.
+KV-cache groups (``uses_kv_cache_groups``, :mod:`prefixcache.cache.kv_cache_groups`): the engine cuts
+the layers into a full-attention group and sliding groups, each with its own block tables, and hands
+the model a :class:`~prefixcache.layers.grouped_attention.GroupedAttentionMetadata`; a local layer's
+table keeps only the blocks its window reaches (released ones are block 0, never read). Given one
+:class:`~prefixcache.layers.attention.AttentionMetadata` instead (built with ``sliding_window``), every
+layer reads the one block table and the window is a mask over it (the one-group path tests use).
+
+Batch-invariant: every projection and the lm_head run as float32 GEMM calls of exactly
+:data:`GEMM_TILE` rows (:class:`TiledLinear`), so a token's bits do not depend on its batch. Runs in
+float32 with no weight quantization and no LoRA; anything else is refused (LoRA when a request or the
+server names an adapter, the rest when loading).
 
 Parameter names equal the HF checkpoint names (``model.layers.N.self_attn.q_norm.weight``, ...).
 """
@@ -29,11 +37,50 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.layers.attention import Attention, AttentionMetadata
+from prefixcache.layers.grouped_attention import GroupedAttentionMetadata
 from prefixcache.layers.norm import GemmaRMSNorm
 from prefixcache.layers.rotary import RotaryEmbedding, apply_rotary_emb
 from prefixcache.models.config import ModelConfig
 
 SLIDING = "sliding_attention"  # layer_types' name of a local (windowed) layer
+
+# Rows of every float32 GEMM call (the last tile zero-padded). MKL's sgemm gives a row other bits
+# for another number of rows in the call (the Llama family's 2-32-row tiles of
+# ``layers.lora.row_tiled_linear`` hold for oneDNN's bf16 GEMM only: in float32 a row differs between
+# a 2-row and a 17-row call), but the same bits in every call of one fixed row count, whatever its
+# position and the other rows. 16 rows: a 1,500-row product takes 2-5x a plain call's time and a
+# one-row decode product 3-7x (padded to 16), against 32 rows' 1.7-3x and 5-10x (2 shared cores,
+# AVX-512; Gemma 3 270M's shapes).
+GEMM_TILE = 16
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` as calls of exactly :data:`GEMM_TILE` rows, the last tile padded with zero rows,
+    so each row's bits are the same in any batch.
+
+    Args:
+        x: shape = [num_tokens, in_features].
+        weight: shape = [out_features, in_features]; bias: [out_features] or None.
+
+    Returns:
+        shape = [num_tokens, out_features].
+    """
+    n = x.shape[0]
+    padded = -(-n // GEMM_TILE) * GEMM_TILE
+    if padded != n:
+        x = torch.cat([x, x.new_zeros(padded - n, x.shape[1])])
+    if padded == GEMM_TILE:
+        return F.linear(x, weight, bias)[:n]
+    tiles = [F.linear(x[i : i + GEMM_TILE], weight, bias) for i in range(0, padded, GEMM_TILE)]
+    return torch.cat(tiles)[:n]
+
+
+class TiledLinear(nn.Linear):
+    """``nn.Linear`` whose product is :func:`tiled_linear` (same parameters and checkpoint names)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x shape = [num_tokens, in_features]. Returns: [num_tokens, out_features]."""
+        return tiled_linear(x, self.weight, self.bias)
 
 
 class Gemma3Attention(nn.Module):
@@ -46,10 +93,10 @@ class Gemma3Attention(nn.Module):
         self.head_dim = config.head_dim
         self.is_sliding = is_sliding
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_proj = TiledLinear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = TiledLinear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = TiledLinear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = TiledLinear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         scalar = config.query_pre_attn_scalar or config.head_dim
@@ -74,9 +121,9 @@ class Gemma3MLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = TiledLinear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = TiledLinear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = TiledLinear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x shape = [num_tokens, hidden_size]. Returns: the same shape."""
@@ -118,10 +165,11 @@ class Gemma3Model(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, None)
         self.rotary_emb_local = RotaryEmbedding(config.head_dim, config.rope_local_theta or config.rope_theta, None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                md: AttentionMetadata | GroupedAttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """See :meth:`Gemma3ForCausalLM.forward`."""
-        if md.sliding is None and any(layer.is_sliding for layer in self.layers):
+        grouped = isinstance(md, GroupedAttentionMetadata)
+        if not grouped and md.sliding is None and any(layer.is_sliding for layer in self.layers):
             raise RuntimeError("Gemma 3's local layers need the window's metadata: build_attention_metadata("
                                "..., sliding_window=config.sliding_window)")
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
@@ -129,16 +177,25 @@ class Gemma3Model(nn.Module):
         hidden = hidden * torch.tensor(self.hidden_size**0.5, dtype=hidden.dtype)
         cos_sin_global = self.rotary_emb(positions, hidden.dtype)  # once per step, shared by the layers of a kind
         cos_sin_local = self.rotary_emb_local(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            if layer.is_sliding:
-                hidden = layer(hidden, cos_sin_local, kv_cache, md.sliding)
+        if not grouped and len(kv_caches) != len(self.layers):
+            raise ValueError(f"one-group metadata needs one pool tensor per layer ({len(self.layers)}), "
+                             f"got {len(kv_caches)}")
+        for i, layer in enumerate(self.layers):
+            cos_sin = cos_sin_local if layer.is_sliding else cos_sin_global
+            if grouped:  # the layer's group's tables (its window's metadata for a local layer)
+                layer_md, kv_cache = md.for_layer(i, kv_caches)
             else:
-                hidden = layer(hidden, cos_sin_global, kv_cache, md)
+                layer_md, kv_cache = (md.sliding if layer.is_sliding else md), kv_caches[i]
+            hidden = layer(hidden, cos_sin, kv_cache, layer_md)
         return self.norm(hidden)
 
 
 class Gemma3ForCausalLM(nn.Module):
     """Causal LM for Gemma 3 text checkpoints (float32, no weight quantization, no LoRA).
+
+    Class attributes: ``uses_kv_cache_groups`` (the runner passes per-group metadata, local layers
+    keep only their window's blocks), ``supports_lora`` False (the engine refuses adapters, naming
+    ``lora``).
 
     Args:
         config: The parsed model config (``ModelConfig._from_gemma3``). With ``tie_word_embeddings``
@@ -146,11 +203,14 @@ class Gemma3ForCausalLM(nn.Module):
             ``tie_weights()`` again after replacing parameters, e.g. ``to_empty``).
     """
 
+    uses_kv_cache_groups = True
+    supports_lora = False
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.model = Gemma3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = TiledLinear(config.hidden_size, config.vocab_size, bias=False)
         self.quantization = "none"
         self.calibration_ids: list[int] | None = None  # set by the loader; unused (no int8 format)
         self.tie_weights()
@@ -178,14 +238,29 @@ class Gemma3ForCausalLM(nn.Module):
 
     @property
     def quantization_key(self) -> str:
-        """What the weights depend on beyond the float weights (nothing: no derived format)."""
-        return ""
+        """What K/V depends on beyond the weights' files and the dtype, in the cache key's model part
+        (``InputProcessor.model_key``): the local layers' attention rule.
+
+        The window changes which keys a local layer reads, not how a K/V row is computed from its
+        layer's input. But that input, at every layer after the first local one, is the output of
+        earlier layers' attention, which read the window: so K/V of layer >= 1 at position ``p``
+        depends on the window size and on its convention (keys ``p - window + 1 .. p``, the query
+        itself included: transformers' ``sliding_window_overlay``), and cached K/V computed under
+        another window or convention must never be served. The weights' fingerprint covers
+        config.json (hence ``sliding_window`` and ``layer_types`` as read from the files); the key
+        names the value the forward pass actually runs with and the convention, which code, not the
+        files, decides.
+        """
+        cfg = self.config
+        kinds = ",".join("L" if kind == SLIDING else "G" for kind in (cfg.layer_types or ()))
+        return f"sliding_window={cfg.sliding_window}|keys=p-w+1..p|layers={kinds}"
 
     @property
     def batch_invariant(self) -> bool:
-        """False: float32's GEMMs round by batch size (MKL), as for the Llama family's float32
-        (``LlamaForCausalLM.batch_invariant``); a batch agrees with a sequence alone to float rounding."""
-        return False
+        """True: every GEMM runs in calls of :data:`GEMM_TILE` rows (:class:`TiledLinear`), the
+        rest is row-wise, and the attention metadata pads as ``prefixcache.layers.attention`` says for
+        a batch-invariant model; a token's logits have the same bits alone and in any batch."""
+        return True
 
     @property
     def paged_attention(self) -> bool:
@@ -199,17 +274,19 @@ class Gemma3ForCausalLM(nn.Module):
         Args:
             input_ids: int64, shape = [num_tokens].
             positions: int64, shape = [num_tokens] (from ``build_attention_metadata``).
-            attn_metadata: The step's metadata, built with ``sliding_window=config.sliding_window``
-                (its ``sliding`` part serves the local layers).
-            kv_caches: One pool tensor per layer, each
-                shape = [2, num_blocks, block_size, num_kv_heads, head_dim].
+            attn_metadata: The step's metadata: per KV-cache group (``GroupedAttentionMetadata``, the
+                runner's), or one built with ``sliding_window=config.sliding_window`` (its ``sliding``
+                part serves the local layers).
+            kv_caches: The pool's tensors, each shape = [2, num_blocks, block_size, num_kv_heads,
+                head_dim]: ``layers_per_group`` of them with grouped metadata, one per layer without.
             lora: must be None (no LoRA for this model).
 
         Returns:
             Final hidden states, shape = [num_tokens, hidden_size].
 
         Raises:
-            RuntimeError: a LoRA batch, or metadata without its ``sliding`` part.
+            RuntimeError: a LoRA batch, or one-group metadata without its ``sliding`` part.
+            ValueError: one-group metadata with a pool tensor count other than the layers'.
         """
         if lora is not None:
             raise RuntimeError("Gemma3ForCausalLM runs no LoRA adapter")
@@ -218,7 +295,7 @@ class Gemma3ForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Args: hidden_states shape = [n, hidden_size]. Returns: float32 logits, shape = [n, vocab_size],
         soft-capped (``cap * tanh(logits / cap)``) when the config sets ``final_logit_softcapping``."""
-        logits = self.lm_head(hidden_states)
+        logits = self.lm_head(hidden_states)  # tiled: the same bits in any batch
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -9,8 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from prefixcache.layers.attention import build_attention_metadata
+from prefixcache.layers.grouped_attention import GroupedAttentionMetadata
 from prefixcache.models.loader import LoadedModel
-from prefixcache.runner.kv_pool import allocate_kv_caches
+from prefixcache.runner.kv_pool import allocate_kv_caches, kv_cache_groups_of
 
 TINY_COMMON = dict(
     vocab_size=256,
@@ -52,40 +53,79 @@ class PagedDriver:
     """Runs our model over a paged pool with random non-contiguous block tables.
 
     Each sequence id gets its own blocks, drawn from a shuffled pool; `step` runs one batched forward.
+    A model with KV-cache groups (``uses_kv_cache_groups``, Gemma 3) gets what the runner gives it:
+    ``layers_per_group`` pool tensors, one block table per group (``group_tables``; group 0's is
+    ``block_tables``) and a ``GroupedAttentionMetadata``; after each step a sliding group's blocks
+    outside every later window become block 0 in its table, as the engine's released blocks do.
+    ``grouped=False`` runs such a model on one table and one tensor per layer instead.
     """
 
     loaded: LoadedModel
     block_size: int = 4
     num_blocks: int = 96
     seed: int = 0
+    grouped: bool | None = None  # None: as the model asks (uses_kv_cache_groups)
     kv_caches: list[torch.Tensor] = field(init=False)
     free_blocks: list[int] = field(init=False)
     block_tables: dict[str, list[int]] = field(default_factory=dict)
+    group_tables: dict[str, list[list[int]]] = field(default_factory=dict)
     num_computed: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         cfg = self.loaded.config
         dtype = next(self.loaded.model.parameters()).dtype
+        if self.grouped is None:
+            self.grouped = bool(getattr(self.loaded.model, "uses_kv_cache_groups", False))
+        self.groups = kv_cache_groups_of(self.loaded.model, cfg) if self.grouped else None
+        num_tensors = self.groups.layers_per_group if self.grouped else cfg.num_hidden_layers
         self.kv_caches = allocate_kv_caches(
-            cfg.num_hidden_layers, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, "cpu"
+            num_tensors, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, "cpu"
         )
+        self._allocated: dict[str, list[list[int]]] = {}  # every group's blocks, released ones included
         self.free_blocks = list(range(self.num_blocks))
         random.Random(self.seed).shuffle(self.free_blocks)
 
     def add(self, seq_id: str, num_tokens: int, shared_blocks: list[int] = (), num_computed: int = 0) -> None:
-        """Registers a sequence with room for `num_tokens`, optionally starting with shared (cached) blocks."""
+        """Registers a sequence with room for `num_tokens`, optionally starting with shared (cached)
+        blocks: group 0's, a prefix of another sequence's table (every group's then shared)."""
         num_blocks = -(-num_tokens // self.block_size)
-        own = [self.free_blocks.pop() for _ in range(num_blocks - len(shared_blocks))]
-        self.block_tables[seq_id] = list(shared_blocks) + own
+        n_shared = len(shared_blocks)
+        if not self.grouped:
+            own = [self.free_blocks.pop() for _ in range(num_blocks - n_shared)]
+            self.block_tables[seq_id] = list(shared_blocks) + own
+        else:
+            source = next((s for s, t in self.block_tables.items() if t[:n_shared] == list(shared_blocks)), None)
+            assert n_shared == 0 or source is not None, "shared_blocks must be a prefix of a sequence's table"
+            # a released block keeps its K/V here (the driver never reuses a block), as a cached one does
+            self._allocated[seq_id] = [
+                (self._allocated[source][g][:n_shared] if n_shared else [])
+                + [self.free_blocks.pop() for _ in range(num_blocks - n_shared)]
+                for g in range(self.groups.num_groups)]
+            self.group_tables[seq_id] = [list(t) for t in self._allocated[seq_id]]
+            self.block_tables[seq_id] = self.group_tables[seq_id][0]
         self.num_computed[seq_id] = num_computed
+
+    def metadata(self, seqs: list[tuple[str, int]]):
+        """The runner's metadata for (seq_id, num_new_tokens) pairs: ``(metadata, positions)``."""
+        model = self.loaded.model
+
+        def build(table_of, window):
+            return build_attention_metadata(
+                [(self.num_computed[s], n, table_of(s)) for s, n in seqs], self.block_size, "cpu",
+                batch_invariant=model.batch_invariant, dtype=self.kv_caches[0].dtype,
+                paged_kernel=model.paged_attention, sliding_window=window)
+
+        if not self.grouped:
+            return build(lambda s: self.block_tables[s], self.loaded.config.sliding_window)
+        per_group, positions = [], None
+        for group in self.groups.groups:
+            md, positions = build(lambda s: self.group_tables[s][group.group_id], group.spec.window)
+            per_group.append(md.sliding if group.is_sliding else md)
+        return GroupedAttentionMetadata(per_group, self.groups.layer_to_group), positions
 
     def step(self, batch: list[tuple[str, list[int]]]) -> dict[str, torch.Tensor]:
         """One forward over the new tokens of each (seq_id, token_ids); returns float32 logits per seq."""
-        seqs = [(self.num_computed[s], len(toks), self.block_tables[s]) for s, toks in batch]
-        model = self.loaded.model  # the metadata the runner builds for this model
-        md, positions = build_attention_metadata(seqs, self.block_size, "cpu", batch_invariant=model.batch_invariant,
-                                                 dtype=self.kv_caches[0].dtype, paged_kernel=model.paged_attention,
-                                                 sliding_window=self.loaded.config.sliding_window)
+        md, positions = self.metadata([(s, len(toks)) for s, toks in batch])
         input_ids = torch.tensor([t for _, toks in batch for t in toks], dtype=torch.int64)
         with torch.inference_mode():
             model = self.loaded.model
@@ -95,7 +135,17 @@ class PagedDriver:
             out[s] = logits[start : start + len(toks)]
             start += len(toks)
             self.num_computed[s] += len(toks)
+            self._release(s)
         return out
+
+    def _release(self, seq_id: str) -> None:
+        """Sliding groups' blocks no later query of the sequence reads: block 0 in their tables."""
+        if not self.grouped:
+            return
+        for group in self.groups.groups:
+            skipped = group.num_skipped_blocks(self.num_computed[seq_id], self.block_size)
+            table = self.group_tables[seq_id][group.group_id]
+            table[:skipped] = [0] * min(skipped, len(table))
 
 
 def chunked_then_decoded(loaded, ids: list[int], seed: int = 3) -> tuple[torch.Tensor, list[int]]:

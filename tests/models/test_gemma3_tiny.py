@@ -58,7 +58,7 @@ def test_config_parsed(tiny_gemma):
 def test_prefill_past_the_window_matches_transformers(tiny_gemma, n):
     ref, loaded = tiny_gemma
     ids = random_ids(n, seed=1)
-    driver = PagedDriver(loaded, num_blocks=100)
+    driver = PagedDriver(loaded, num_blocks=4 * 76)  # 4 KV-cache groups (1 full, 3 sliding)
     driver.add("a", len(ids))
     torch.testing.assert_close(driver.step([("a", ids)])["a"], reference_logits(ref, ids), atol=ATOL, rtol=0)
 
