@@ -1,5 +1,5 @@
 """Times a bf16 SmolLM2's 30 layers of linear products (q|k|v, o, gate|up, down; weights prepacked) for a
-step of M rows: oneDNN's prepacked product in row tiles of <= 128 rows (layers/lora.py's row_tiles, how
+step of M rows: oneDNN's prepacked product in row tiles of <= 128 rows (layers/linear.py's row_tiles, how
 a batch-invariant model calls it) vs our AMX kernel in one call (kernels/amx_gemm.py). Best of --repeats.
 
     .venv/bin/python benchmarks/amx_linear.py [--num-threads 2] [--repeats 3]
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from prefixcache.kernels.amx_gemm import amx_gemm_supported, amx_linear, pack_weight
-from prefixcache.layers.lora import PrepackedWeight, row_tiled_linear
+from prefixcache.layers.linear import PrepackedWeight, row_tiled_linear
 
 SHAPES = {"q|k|v": (576, 960), "o": (576, 576), "gate|up": (576, 3072), "down": (1536, 576)}  # (in, out)
 LAYERS = 30

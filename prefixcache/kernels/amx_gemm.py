@@ -2,7 +2,7 @@
 
 A row's output bits depend only on that row and the weight (the kernel sums each element over the input
 features in blocks of 32, in order, one ``TDPBF16PS`` tile product per block), so unlike oneDNN's bf16
-GEMM, which :func:`prefixcache.layers.lora.row_tiles` must call in tiles of 2 to 128 rows to get the same,
+GEMM, which :func:`prefixcache.layers.linear.row_tiles` must call in tiles of 2 to 128 rows to get the same,
 any number of rows runs as one call and the weight is read once per call. The kernel keeps a column
 pair's weights in L1 over the row chunks, 6 feature blocks at a time (the same bits: each element is
 still summed over its feature blocks in order), because a tile load costs about as much as a tile

@@ -49,7 +49,7 @@ _INT4_FORMATS = ("int4", "int4-int8")  # the formats whose generated tokens run 
 # Our int4 decoder has an AVX512-VNNI build and an AVX2 + FMA + F16C one (the same bits): either tier runs it.
 # int4-int8's prompt rows run W8A8 products, on oneDNN (VNNI, AMX-INT8) or, on AVX2, on our exact AVX2 kernel;
 # int4's prompt rows run bf16 products, oneDNN's prepacked ones where _BF16_PRODUCTS, else torch's plain bf16
-# matmul (layers/lora.py's fallback).
+# matmul (layers/linear.py's fallback).
 
 
 @cache

@@ -3,7 +3,7 @@
 Between its GEMMs a decoder layer runs, in torch ops, the residual add, RMSNorm (a float32 copy, the
 norm, a bf16 copy, the weight product), RoPE on q and k (a roll, two products, a sum), the K/V pool
 write, SiLU and its product with ``up``, and a ``torch.cat`` of every row-tiled GEMM's tiles
-(:func:`prefixcache.layers.lora.row_tiles`): ~15 passes over the rows per layer, ~15 % of a cold
+(:func:`prefixcache.layers.linear.row_tiles`): ~15 passes over the rows per layer, ~15 % of a cold
 2,178-token prefill of SmolLM2 (``tools/profile_step.py --dtype bfloat16 --prefill-tokens 2178``).
 These three calls make one pass each and read the GEMMs' tiles in place:
 

@@ -80,7 +80,7 @@ KV_SPLIT = 512  # keys per block of torch's CPU flash-attention kernel (batch-in
 MIN_Q_ROWS = 4  # a call of 1 to 3 query rows takes another GEMM path (other rounding)
 Q_ROW_QUANTUM = 16  # rows of the GEMMs' sub-blocks: a 2- or 3-row tail after them rounds differently too
 # Part of every cache key (engine.input_processor.model_key): names the rules that decide the bits of
-# every K/V the pool holds (the padding above, layers.lora.row_tiled_linear's row counts); changed with
+# every K/V the pool holds (the padding above, layers.linear.row_tiled_linear's row counts); changed with
 # them, so a disk or Redis tier filled under an older rule is never read as if computed now
 # (query rows padded to 4..16 or a multiple of 16; no one-row GEMM call).
 KV_NUMERICS = "attention-rows:4-16-x16|gemm-rows:2+"

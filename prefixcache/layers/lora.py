@@ -28,11 +28,6 @@ from safetensors import SafetensorError
 from torch import nn
 
 from prefixcache.errors import InvalidInputError, clip
-from prefixcache.kernels.amx_gemm import (GATE_UP, SILU_MUL, amx_gemm_supported, amx_linear, amx_packable,
-                                          interleave_gate_up, pack_weight)
-from prefixcache.kernels.cpu_features import format_unavailable_reason
-from prefixcache.layers.quant import (Int8Weight, int8_product,
-                                     stacked_weight_and_bias)
 
 TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _UNSUPPORTED_OPTIONS = ("use_dora", "rank_pattern", "alpha_pattern", "layer_replication", "modules_to_save",
@@ -245,170 +240,32 @@ def load_lora_adapter(path: str | Path, model: nn.Module, name: str = "") -> LoR
     return LoRAAdapter(name=name, digest=digest, rank=rank, scaling=scaling, weights=weights)
 
 
-ROW_TILE = 32  # rows per plain bf16 GEMM call of a batch-invariant model (see row_tiled_linear)
-PREPACKED_ROW_TILE = 128  # rows per call with a PrepackedWeight (see PrepackedWeight)
-
-
-class PrepackedWeight:
-    """oneDNN's reordered copy of one or more bfloat16 weights stacked by output rows (q, k, v →
-    qkv), made once and re-made when one of them changes; where the CPU has AMX-BF16, our AMX kernel's
-    packed copy instead (``amx``: :mod:`prefixcache.kernels.amx_gemm`, whose rows never depend on the
-    call's other rows, so :func:`row_tiles` makes one call).
-
-    torch's plain bf16 ``F.linear`` on the CPU reorders the weight into oneDNN's blocked layout on
-    every call, and a row-tiled prefill makes one call per tile. The prepacked product
-    (``torch.ops.mkldnn._reorder_linear_weight`` once, then ``_linear_pointwise``: what
-    torch.compile's CPU backend (inductor) emits for bf16 linears) skips it, and a fused qkv or
-    gate_up matrix makes one call where there were three or two. A row gets the same bits in
-    every call of 2 to 128 rows (1 and 2 threads), on every SmolLM2 shape, fused ones and the lm_head included (the
-    1536 -> 576 down_proj differs from 160 rows on, and in a one-row call), so the row-tiled path
-    calls it with 2 to :data:`PREPACKED_ROW_TILE` rows and stays batch-invariant
-    (``tests/engine/test_bf16_engine.py``'s row-tiled tests). The copy costs the weights' size again
-    in memory.
-
-    Args:
-        modules: the linear layers whose weights (and biases) are stacked, in output order.
-        allow_amx: False keeps oneDNN's product also where our AMX kernel runs (A/B measurements).
-    """
-
-    def __init__(self, modules: list[nn.Linear], allow_amx: bool = True, gate_up: bool = False) -> None:
-        self.modules, self.allow_amx = modules, allow_amx  # allow_amx=False: oneDNN's (A/B probes)
-        self.gate_up = gate_up  # [gate; up]: on AMX, packed interleaved so silu_linear can fuse silu(gate) * up
-        self.interleaved = False
-        self._key: tuple | None = None  # (data_ptr, _version) of every weight and bias packed
-        self._packed: torch.Tensor | None = None
-        self._bias: torch.Tensor | None = None
-        # our AMX kernel instead of oneDNN where it runs (a row's bits then independent of the call's rows);
-        # decided again by each pack, from the weights packed
-        self.amx = allow_amx and amx_gemm_supported() and all(amx_packable(m.weight) for m in modules)
-        self.out_features = sum(m.weight.shape[0] for m in modules)
-
-    def pack(self) -> torch.Tensor:
-        """The packed copy, made now unless the one held is of the modules' current bits."""
-        # the modules' parameter dicts read directly: nn.Module's attribute lookup made this check ~14 us of
-        # each of a step's ~120 calls (a Parameter is the only thing a parameter's name can be set to)
-        key = tuple((p.data_ptr(), p._version) for m in self.modules for name in ("weight", "bias")
-                    if (p := m._parameters.get(name)) is not None)
-        if key != self._key:  # first use, or a weight was replaced or written in place
-            weight, self._bias = stacked_weight_and_bias(self.modules)  # [sum(out), in], [sum(out)] | None
-            self.amx = self.allow_amx and amx_gemm_supported() and amx_packable(weight)
-            self.out_features = weight.shape[0]
-            self.interleaved = self.amx and self.gate_up and self.out_features % 32 == 0
-            if self.interleaved:
-                weight, self._bias = interleave_gate_up(weight, self._bias)
-            self._packed = pack_weight(weight) if self.amx else torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-            self._key = key
-        return self._packed
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """The stacked product of a bfloat16 ``x`` [rows, in]: [rows, sum(out_features)]."""
-        packed = self.pack()
-        if self.amx:
-            return amx_linear(x, packed, self._bias, self.out_features, GATE_UP if self.interleaved else 0)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self._bias, "none", [], "")
-
-    def silu_linear(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up of a gate|up weight's product, fused into the AMX kernel's store: [rows, out / 2]
-        bf16, the bits of ``prompt_ops.silu_mul`` on :meth:`linear`'s output; None where it doesn't run
-        (oneDNN, or a width that doesn't interleave)."""
-        packed = self.pack()
-        if not self.interleaved:
-            return None
-        return amx_linear(x, packed, self._bias, self.out_features, SILU_MUL)
-
-
-def prepacked_linear_supported() -> bool:
-    """Whether oneDNN's prepacked bf16 linear ops run here: a torch build with mkldnn, on a CPU whose features
-    its bf16 path needs (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere ``_reorder_linear_weight`` raises, and a
-    bf16 model keeps torch's plain product)."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and format_unavailable_reason("bfloat16", "none") is None)
-
-
-def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
-                     packed: PrepackedWeight | None = None) -> torch.Tensor:
-    """``F.linear`` in calls of 2 to :data:`ROW_TILE` rows (:data:`PREPACKED_ROW_TILE` with
-    ``packed``), so each row's bits do not depend on how many rows share the call.
-
-    torch's plain bf16 GEMM on the CPU (oneDNN) gives a row the same bits for every call of 2 to 32 rows, and other
-    bits beyond 32 (another kernel blocking), for every projection shape of the model and the
-    lm_head; the prepacked product for 2 to 128 rows (:class:`PrepackedWeight`). A call of one row
-    takes another kernel whose sums differ for the 1536-input down_proj (~1 row in 10 with SiLU-like
-    activations, enough for a bf16 decode alone and in a batch to diverge), so a
-    single row runs as two (itself twice) and a last tile of one row is taken with the row before it.
-    Where a prepacked weight runs on our AMX kernel (:mod:`prefixcache.kernels.amx_gemm`: a row's bits
-    never depend on the call's rows), all rows go in one call.
-
-    Args:
-        x: shape = [num_tokens, in_features].
-        weight: shape = [out_features, in_features] (ignored with ``packed``).
-        bias: shape = [out_features] or None (ignored with ``packed``).
-        packed: the prepacked weight (bfloat16 only): each call uses it.
-
-    Returns:
-        shape = [num_tokens, out_features].
-    """
-    tiles = row_tiles(x, weight, bias, packed)
-    return tiles[0] if len(tiles) == 1 else torch.cat(tiles)
-
-
-def row_tiles(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
-              packed: PrepackedWeight | None = None) -> list[torch.Tensor]:
-    """:func:`row_tiled_linear`'s calls' outputs, not concatenated: row tiles of [num_tokens,
-    out_features] in order (:mod:`prefixcache.kernels.prompt_ops` reads them in place)."""
-    if packed is not None and packed.amx:  # any number of rows in one call (amx_gemm.py)
-        return [packed.linear(x)]
-    if packed is None:
-        linear, tile = (lambda rows: F.linear(rows, weight, bias)), ROW_TILE
-    else:
-        linear, tile = packed.linear, PREPACKED_ROW_TILE
-    n = x.shape[0]
-    if n == 1:
-        return [linear(x.expand(2, -1).contiguous())[:1]]
-    if n <= tile:
-        return [linear(x)]
-    tiles = [linear(x[i : i + tile]) for i in range(0, n - 1 if n % tile == 1 else n, tile)]
-    if n % tile == 1:  # the last row with its predecessor: no one-row call
-        tiles.append(linear(x[n - 2 :])[1:])
-    return tiles
-
-
 class LoRALinear(nn.Linear):
     """``nn.Linear`` that adds each request's LoRA delta to its own token range.
 
     ``module_name`` (set by the model after construction) is this layer's checkpoint path, the key
-    into ``LoRAAdapter.weights``. ``int8`` (set by the model's ``quantize``) replaces the float
-    product with the exact W8A8 one of :mod:`prefixcache.layers.quant`; the float ``weight`` stays
-    (adapters and weight replacement read it), the int8 copy is what the forward pass reads.
+    into ``LoRAAdapter.weights``. The base product is the model's linear method's
+    (:mod:`prefixcache.layers.linear`), which passes its float product in as ``linear`` and calls
+    :meth:`add_lora` on the column slices of a stacked product; the float ``weight`` stays here
+    (adapters and weight replacement read it).
     """
 
     module_name: str = ""
-    int8: Int8Weight | None = None
-    row_tiled: bool = False  # float products in calls of <= ROW_TILE rows (a batch-invariant bf16 model)
-    packed: PrepackedWeight | None = None  # the row-tiled product's prepacked weight (bf16: oneDNN's or AMX)
 
-    def tiles(self, x: torch.Tensor, lora: LoRABatch | None = None) -> list[torch.Tensor]:
-        """:meth:`forward` as row tiles (:func:`row_tiles`; one tile unless prepacked and LoRA-free)."""
-        if self.packed is not None and self.int8 is None and lora is None:
-            return row_tiles(x, None, packed=self.packed)
-        return [self(x, lora)]
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None, linear=F.linear) -> torch.Tensor:
+        """Args: x shape = [num_tokens, in_features]; ``linear(x, weight, bias)`` the float product
+        (``F.linear``, or a batch-invariant one). Returns: shape = [num_tokens, out_features]."""
+        return self.add_lora(linear(x, self.weight, self.bias), x, lora, linear)
 
-    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        """Args: x shape = [num_tokens, in_features]. Returns: shape = [num_tokens, out_features]."""
-        if self.int8 is None:
-            y = (row_tiled_linear(x, self.weight, self.bias, self.packed) if self.row_tiled
-                 else F.linear(x, self.weight, self.bias))
-        else:
-            y = int8_product(x, self.int8, x.dtype)
-        return self.add_lora(y, x, lora)
-
-    def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora: LoRABatch | None, linear=F.linear) -> torch.Tensor:
         """Adds, in place, each segment's adapter delta for this module to ``y``.
 
         Args:
             y: this layer's base output, shape = [num_tokens, out_features] (may be a column slice
                 of a fused projection's output).
             x: its input, shape = [num_tokens, in_features].
+            linear: the float product ``linear(x, weight)`` the adapter's A and B run with (the
+                model's, so a batch-invariant model's deltas are too).
         """
         if lora is None:
             return y
@@ -416,6 +273,5 @@ class LoRALinear(nn.Linear):
             ab = adapter.weights.get(self.module_name)
             if ab is not None:
                 a, b = ab
-                linear = row_tiled_linear if self.row_tiled else F.linear
                 y[start:end] += adapter.scaling * linear(linear(x[start:end], a), b)  # [n, out]
         return y

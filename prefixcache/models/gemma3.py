@@ -46,7 +46,7 @@ SLIDING = "sliding_attention"  # layer_types' name of a local (windowed) layer
 
 # Rows of every float32 GEMM call (the last tile zero-padded). MKL's sgemm gives a row other bits
 # for another number of rows in the call (the Llama family's 2-32-row tiles of
-# ``layers.lora.row_tiled_linear`` hold for oneDNN's bf16 GEMM only: in float32 a row differs between
+# ``layers.linear.row_tiled_linear`` hold for oneDNN's bf16 GEMM only: in float32 a row differs between
 # a 2-row and a 17-row call), but the same bits in every call of one fixed row count, whatever its
 # position and the other rows. 16 rows: a 1,500-row product takes 2-5x a plain call's time and a
 # one-row decode product 3-7x (padded to 16), against 32 rows' 1.7-3x and 5-10x (2 shared cores,

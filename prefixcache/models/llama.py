@@ -15,31 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixcache.config import INT4_DECODER_FORMATS, W8A8_FORMATS
-from prefixcache.kernels.cpu_kernels import load_int4_kernels
+from prefixcache.config import W8A8_FORMATS
 from prefixcache.kernels.prefill_attention import paged_prefill_attention, prefill_kernel_supported
 from prefixcache.kernels.prompt_ops import add_rms_norm, rope_write_kv, silu_mul
 from prefixcache.layers.attention import Attention, AttentionMetadata, build_attention_metadata
 from prefixcache.layers.decode_layers import DecodeLayers, DecoderLayerWeights
-from prefixcache.layers.lora import (LoRABatch, LoRALinear, PrepackedWeight, prepacked_linear_supported,
-                                    row_tiled_linear, row_tiles)
+from prefixcache.layers.linear import DENSE, LinearMethod, StackedLinear, linear_method
+from prefixcache.layers.lora import LoRABatch, LoRALinear
 from prefixcache.layers.norm import RMSNorm
-from prefixcache.layers.quant import (
-    QUANTIZATIONS,
-    SMOOTH_ALPHA,
-    GroupInt8Weight,
-    Int4Weight,
-    Int8Weight,
-    recording_activation_amax,
-    smooth_factors,
-    group_int8_linear,
-    int8_product,
-    quantize_weight,
-    quantize_weight_group_int8,
-    quantize_weight_int4,
-    split_rows,
-    stacked_weight_and_bias,
-)
+from prefixcache.layers.quant import SMOOTH_ALPHA, Int8Weight, group_int8_linear, recording_activation_amax, split_rows
 from prefixcache.layers.rotary import RotaryEmbedding, apply_rotary_emb
 from prefixcache.models.config import ModelConfig
 
@@ -66,47 +50,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = None
             self.k_norm = None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
-        self.qkv_int8: Int8Weight | None = None  # q, k, v in one int8 matrix, set by `quantize`
-        self.qkv_packed: PrepackedWeight | None = None  # q, k, v in one prepacked bf16 matrix (set_row_tiling)
-        self.qkv_int4: Int4Weight | None = None  # q, k, v in one int4 matrix (quantization "int4": generated rows)
-        self.o_int4: Int4Weight | None = None  # o_proj's int4 matrix (quantization "int4": generated rows)
-
-    def quantize(self, scheme: str) -> None:
-        """Sets (``"int8"``, ``"int4"``, ``"int4-int8"``: both) or clears (``"none"``) the quantized
-        weights of the four projections."""
-        int4 = scheme in INT4_DECODER_FORMATS
-        self.qkv_int4 = _fused_int4([self.q_proj, self.k_proj, self.v_proj]) if int4 else None
-        self.o_int4 = _fused_int4([self.o_proj]) if int4 else None
-        self.set_int8(scheme in W8A8_FORMATS)
-
-    def set_int8(self, on: bool, act_amax: dict[int, torch.Tensor] | None = None) -> None:
-        """Sets (``on``) or clears the int8 weights: q|k|v as one matrix (their own copies would only
-        take memory), o_proj's; smoothed (:func:`~prefixcache.layers.quant.smooth_factors`) by the
-        calibration maxima ``act_amax`` (by ``id`` of the unsmoothed weights) when given."""
-        old_qkv, old_o = self.qkv_int8, self.o_proj.int8
-        for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
-            proj.int8 = None
-        self.qkv_int8 = _int8([self.q_proj, self.k_proj, self.v_proj], old_qkv, act_amax) if on else None
-        self.o_proj.int8 = _int8([self.o_proj], old_o, act_amax) if on else None
-
-    def _fused_qkv(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The fused q|k|v product, [T, (heads + 2 kv_heads) * hd] (prepacked bf16 or int8); None when
-        q, k, v run as separate modules."""
-        if self.qkv_packed is not None:
-            return row_tiled_linear(x, None, packed=self.qkv_packed)
-        if self.qkv_int8 is not None:
-            return int8_product(x, self.qkv_int8, x.dtype)
-        return None
-
-    def _qkv(self, x: torch.Tensor, qkv: torch.Tensor | None,
-             lora: LoRABatch | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v projections (of the fused product ``qkv`` when there is one, LoRA deltas added):
-        [T, heads * hd], [T, kv_heads * hd], [T, kv_heads * hd]."""
-        if qkv is None:
-            return self.q_proj(x, lora), self.k_proj(x, lora), self.v_proj(x, lora)
-        kv_dim = self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([self.num_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
-        return self.q_proj.add_lora(q, x, lora), self.k_proj.add_lora(k, x, lora), self.v_proj.add_lora(v, x, lora)
+        self.qkv = StackedLinear([self.q_proj, self.k_proj, self.v_proj])  # q|k|v: one product where the method stacks
+        self.o = StackedLinear([self.o_proj])
 
     def forward(
         self,
@@ -121,34 +66,27 @@ class LlamaAttention(nn.Module):
         Returns:
             shape = [num_tokens, hidden_size].
         """
-        return self.o_proj(self._attend(hidden_states, cos_sin, kv_cache, attn_metadata, lora), lora)
+        return self.o(self._attend(hidden_states, cos_sin, kv_cache, attn_metadata, lora), lora)
 
     def forward_fused(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                       md: AttentionMetadata, lora: LoRABatch | None) -> list[torch.Tensor]:
         """:meth:`forward` on the paged kernel with :mod:`prefixcache.kernels.prompt_ops`: RoPE and the
         K/V write in one pass over the q|k|v product's row tiles (the same bits as the torch ops: LoRA
         and Qwen3's q/k norm keep them). Returns o_proj's row tiles, [num_tokens, hidden_size] in all."""
-        qkv = self._qkv_tiles(x) if lora is None and self.q_norm is None else None
+        qkv = self.qkv.stacked_tiles(x) if lora is None and self.q_norm is None else None
         if qkv is None:
             out = self._attend(x, cos_sin, kv_cache, md, lora)
         else:
             q = rope_write_kv(qkv, *cos_sin, kv_cache, md.slot_mapping, self.num_heads, self.num_kv_heads)
             out = paged_prefill_attention(q, kv_cache, md.paged, self.attn.scale).view(x.shape[0], -1)
-        return self.o_proj.tiles(out, lora)
-
-    def _qkv_tiles(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        """The fused q|k|v product as row tiles; None when q, k, v run as separate modules."""
-        if self.qkv_packed is not None:
-            return row_tiles(x, None, packed=self.qkv_packed)
-        qkv = self._fused_qkv(x)
-        return None if qkv is None else [qkv]
+        return self.o.tiles(out, lora)
 
     def _attend(self, hidden_states: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata, lora: LoRABatch | None) -> torch.Tensor:
         """Projections, RoPE, K/V write and attention: [num_tokens, heads * head_dim]."""
         num_tokens, heads, kv_heads, hd = hidden_states.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = cos_sin
-        qkv = self._fused_qkv(hidden_states)  # [T, (heads + 2 kv_heads) * hd] or None
+        qkv = self.qkv.stacked(hidden_states)  # [T, (heads + 2 kv_heads) * hd], or None: q, k, v one by one
         if qkv is not None and lora is None and self.q_norm is None:
             # q and k are adjacent columns of the fused product: RoPE over both in one call (element-wise,
             # the same bits as two calls)
@@ -156,7 +94,7 @@ class LlamaAttention(nn.Module):
             q, k = qk[:, :heads], qk[:, heads:]  # [T, heads, hd], [T, kv_heads, hd]
             v = qkv[:, (heads + kv_heads) * hd :].view(num_tokens, kv_heads, hd)  # [T, kv_heads, hd]
         else:
-            q, k, v = self._qkv(hidden_states, qkv, lora)
+            q, k, v = self.qkv.split(hidden_states, lora, qkv)
             q = q.view(num_tokens, heads, hd)  # [T, heads, hd]
             k = k.view(num_tokens, kv_heads, hd)  # [T, kv_heads, hd]
             v = v.view(num_tokens, kv_heads, hd)  # [T, kv_heads, hd]
@@ -176,83 +114,22 @@ class LlamaMLP(nn.Module):
         self.gate_proj = LoRALinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.up_proj = LoRALinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = LoRALinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-        self.gate_up_int8: Int8Weight | None = None  # gate and up in one int8 matrix, set by `quantize`
-        self.gate_up_packed: PrepackedWeight | None = None  # gate and up, prepacked bf16 (set_row_tiling)
-        self.gate_up_int4: Int4Weight | None = None  # gate and up in one int4 matrix (quantization "int4")
-        self.down_int4: Int4Weight | None = None  # down_proj's int4 matrix (quantization "int4")
-
-    def quantize(self, scheme: str) -> None:
-        """Sets (``"int8"``, ``"int4"``, ``"int4-int8"``: both) or clears (``"none"``) the quantized
-        weights of the three projections."""
-        int4 = scheme in INT4_DECODER_FORMATS
-        self.gate_up_int4 = _fused_int4([self.gate_proj, self.up_proj]) if int4 else None
-        self.down_int4 = _fused_int4([self.down_proj]) if int4 else None
-        self.set_int8(scheme in W8A8_FORMATS)
-
-    def set_int8(self, on: bool, act_amax: dict[int, torch.Tensor] | None = None) -> None:
-        """As :meth:`LlamaAttention.set_int8`: gate|up as one matrix, down_proj's."""
-        old_gate_up, old_down = self.gate_up_int8, self.down_proj.int8
-        for proj in (self.gate_proj, self.up_proj, self.down_proj):
-            proj.int8 = None
-        self.gate_up_int8 = _int8([self.gate_proj, self.up_proj], old_gate_up, act_amax) if on else None
-        self.down_proj.int8 = _int8([self.down_proj], old_down, act_amax) if on else None
+        self.gate_up = StackedLinear([self.gate_proj, self.up_proj], gate_up=True)
+        self.down = StackedLinear([self.down_proj])
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """Args: x shape = [num_tokens, hidden_size]. Returns: shape = [num_tokens, hidden_size]."""
-        if self.gate_up_int8 is None and self.gate_up_packed is None:
-            gate, up = self.gate_proj(x, lora), self.up_proj(x, lora)
-        else:
-            gate_up = self._gate_up(x)  # [T, 2 * intermediate]
-            gate, up = gate_up.chunk(2, dim=-1)
-            gate, up = self.gate_proj.add_lora(gate, x, lora), self.up_proj.add_lora(up, x, lora)
-        return self.down_proj(F.silu(gate) * up, lora)
+        gate, up = self.gate_up.split(x, lora)
+        return self.down(F.silu(gate) * up, lora)
 
     def forward_fused(self, x: torch.Tensor, lora: LoRABatch | None) -> list[torch.Tensor]:
         """:meth:`forward` with :func:`~prefixcache.kernels.prompt_ops.silu_mul` over gate|up's row
-        tiles. Returns down_proj's row tiles, [num_tokens, hidden_size] in all."""
-        if self.gate_up_packed is not None and lora is None:
-            act = self.gate_up_packed.silu_linear(x)  # AMX: silu(gate) * up in the product's store, same bits
-            if act is not None:
-                return self.down_proj.tiles(act, lora)
-            gate_up = row_tiles(x, None, packed=self.gate_up_packed)
-        elif self.gate_up_int8 is None and self.gate_up_packed is None:
-            gate_up = [torch.cat([self.gate_proj(x, lora), self.up_proj(x, lora)], dim=-1)]
-        else:
-            fused = self._gate_up(x)  # [T, 2 * intermediate]
-            gate, up = fused.chunk(2, dim=-1)
-            self.gate_proj.add_lora(gate, x, lora)  # in place, on fused's columns
-            self.up_proj.add_lora(up, x, lora)
-            gate_up = [fused]
-        return self.down_proj.tiles(silu_mul(gate_up), lora)
-
-    def _gate_up(self, x: torch.Tensor) -> torch.Tensor:
-        """The fused gate|up product, [T, 2 * intermediate]: int8, or prepacked bf16."""
-        if self.gate_up_packed is None:
-            return int8_product(x, self.gate_up_int8, x.dtype)
-        return row_tiled_linear(x, None, packed=self.gate_up_packed)
-
-
-def _int8(modules: list[nn.Linear], old: Int8Weight | None, act_amax: dict[int, torch.Tensor] | None) -> Int8Weight:
-    """One int8 weight of the modules' weights stacked by output rows (exact: each output row is
-    quantized alone), smoothed by the maxima ``act_amax[id(old)]`` where there are some."""
-    weight, bias = stacked_weight_and_bias(modules)
-    amax = None if act_amax is None or old is None else act_amax.get(id(old))
-    return quantize_weight(weight, bias, _smoothing(amax, weight))
-
-
-def _smoothing(amax: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor | None:
-    """:func:`~prefixcache.layers.quant.smooth_factors` of a matrix whose calibration maxima are all
-    finite; None (no smoothing) without maxima or with a NaN / infinity among them (an input that
-    overflowed in calibration would make every multiplier 0 or NaN)."""
-    if amax is None or not bool(torch.isfinite(amax).all()):
-        return None
-    return smooth_factors(amax, weight)
-
-
-def _fused_int4(modules: list[nn.Linear]) -> Int4Weight:
-    """One int4 weight of the modules' weights stacked by output rows (exact: groups run along the
-    input features, so each output row is quantized alone)."""
-    return quantize_weight_int4(*stacked_weight_and_bias(modules))
+        tiles (or silu(gate) * up fused into the product where the linear method can). Returns
+        down_proj's row tiles, [num_tokens, hidden_size] in all."""
+        act = self.gate_up.silu_linear(x) if lora is None else None  # the bits of silu_mul on its product
+        if act is None:
+            act = silu_mul(self.gate_up.tiles(x, lora))
+        return self.down.tiles(act, lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -314,8 +191,8 @@ class LlamaModel(nn.Module):
             input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
             q_norm=None if layer.self_attn.q_norm is None else layer.self_attn.q_norm.weight,
             k_norm=None if layer.self_attn.k_norm is None else layer.self_attn.k_norm.weight,
-            qkv=layer.self_attn.qkv_int4, o=layer.self_attn.o_int4, gate_up=layer.mlp.gate_up_int4,
-            down=layer.mlp.down_int4) for layer in self.layers]
+            qkv=layer.self_attn.qkv.decode_weight, o=layer.self_attn.o.decode_weight,
+            gate_up=layer.mlp.gate_up.decode_weight, down=layer.mlp.down.decode_weight) for layer in self.layers]
         self.decode_layers = DecodeLayers(
             layers, self.norm.weight, self.rotary_emb.inv_freq, num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
@@ -396,10 +273,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.lm_head_packed: PrepackedWeight | None = None  # set_row_tiling: bf16's prepacked lm_head
-        self.lm_head_int8: Int8Weight | None = None
-        self.lm_head_q8: GroupInt8Weight | None = None  # int4(-int8): generated rows' lm_head on Q8_0's grid
+        self.head = StackedLinear([self.lm_head], logits=True)
         self.quantization = "none"
+        self.linear_method: LinearMethod = DENSE  # set by quantize, from the dtype, quantization and CPU
         # int8, int4-int8: SmoothQuant's smoothing, calibrated by a prefill of calibration_ids (the loader sets
         # them from a fixed text; None: CALIBRATION_LENGTH fixed pseudo-random ids); False only in A/B probes
         self.int8_smoothing = True
@@ -430,30 +306,27 @@ class LlamaForCausalLM(nn.Module):
             RuntimeError: int4 on a model shape the generated rows' decoder can't run (see
                 :class:`~prefixcache.layers.decode_layers.DecodeLayers`).
         """
-        if scheme not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {scheme!r}")
-        int4 = scheme in INT4_DECODER_FORMATS
-        if int4 and self.lm_head.weight.dtype != torch.bfloat16:
-            raise ValueError(f"quantization {scheme!r} needs a bfloat16 model, got {self.lm_head.weight.dtype}")
-        if int4:
-            load_int4_kernels()  # now, with its reason, rather than at the first generated token
-        for layer in self.model.layers:
-            layer.self_attn.quantize(scheme)
-            layer.mlp.quantize(scheme)
+        method = linear_method(self.lm_head.weight.dtype, scheme)
+        self.linear_method = method
+        for group in self.linear_groups():
+            group.set_method(method)
         self.model.decode_layers = None
-        if int4:
+        if method.decodes:
             self.model.build_decode_layers(self.config)
-        self.lm_head_int8 = quantize_weight(self.lm_head.weight) if scheme in W8A8_FORMATS else None
-        self.lm_head_q8 = quantize_weight_group_int8(self.lm_head.weight) if int4 else None
         self.quantization = scheme
-        self.set_row_tiling()
         self._int8_key = ""
-        if scheme in W8A8_FORMATS and self.int8_smoothing:
+        if method.smoothed and self.int8_smoothing:
             try:
                 self._smooth_int8()
             except BaseException:  # no half-smoothed model under the unsmoothed key: back to the plain rule
                 self._set_int8_weights()
                 raise
+
+    def linear_groups(self) -> list[StackedLinear]:
+        """Every linear product, in a fixed order: per layer q|k|v, o, gate|up, down; then lm_head."""
+        groups = [g for layer in self.model.layers
+                  for g in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down)]
+        return groups + [self.head]
 
     @property
     def quantization_key(self) -> str:
@@ -496,17 +369,12 @@ class LlamaForCausalLM(nn.Module):
     def _set_int8_weights(self, act_amax: dict[int, torch.Tensor] | None = None) -> None:
         """Re-derives every int8 matrix from the float weights: smoothed by the calibration maxima
         ``act_amax`` (by ``id`` of the current int8 weights) where given, else the plain rule."""
-        for layer in self.model.layers:
-            layer.self_attn.set_int8(True, act_amax)
-            layer.mlp.set_int8(True, act_amax)
-        amax = None if act_amax is None else act_amax.get(id(self.lm_head_int8))
-        self.lm_head_int8 = quantize_weight(self.lm_head.weight, None, _smoothing(amax, self.lm_head.weight))
+        for group in self.linear_groups():
+            self.linear_method.calibrate(group, act_amax)
 
     def _int8_weights(self) -> list[Int8Weight]:
         """Every int8 matrix, in a fixed order (per layer q|k|v, o, gate|up, down; then lm_head)."""
-        layers = [(layer.self_attn.qkv_int8, layer.self_attn.o_proj.int8, layer.mlp.gate_up_int8,
-                   layer.mlp.down_proj.int8) for layer in self.model.layers]
-        return [w for ws in layers for w in ws] + [self.lm_head_int8]
+        return [self.linear_method.int8_weight(group) for group in self.linear_groups()]
 
     def forward(
         self,
@@ -537,24 +405,21 @@ class LlamaForCausalLM(nn.Module):
         int4 (int4-int8): rows of generated tokens (the running :class:`~prefixcache.layers.quant.RowSplit`,
         which the runner sets for the logits rows) use the Q8_0 lm_head, the others (a prompt's last
         token, prompt logprobs) the bf16 (int8) one, as generated and prompt rows run different layers."""
-        if self.lm_head_q8 is not None:  # int4: generated tokens' rows (the running RowSplit) on Q8_0's grid
-            return split_rows(hidden_states, self._dense_logits,
-                              lambda rows: group_int8_linear(rows, self.lm_head_q8, torch.float32))
-        return self._dense_logits(hidden_states)
+        if self.head.decode_weight is None:
+            return self._dense_logits(hidden_states)
+        # int4: generated tokens' rows (the running RowSplit) on Q8_0's grid
+        return split_rows(hidden_states, self._dense_logits,
+                          lambda rows: group_int8_linear(rows, self.head.decode_weight, torch.float32))
 
     def _dense_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits of prompt rows (every row but int4's generated ones), float32 [n, vocab_size]."""
-        if self.lm_head_int8 is not None:
-            return int8_product(hidden_states, self.lm_head_int8, torch.float32)
-        if self.batch_invariant:
-            return row_tiled_linear(hidden_states, self.lm_head.weight, self.lm_head.bias, self.lm_head_packed).float()
-        return self.lm_head(hidden_states).float()
+        return self.head(hidden_states, out_dtype=torch.float32)
 
     @property
     def batch_invariant(self) -> bool:
         """Whether a token's result has the same bits in any batch: the int8 format (exact integer
         GEMMs) and bfloat16 (its GEMMs run in calls of <= ROW_TILE rows, see
-        :func:`~prefixcache.layers.lora.row_tiled_linear`, or on our AMX kernel, whose rows are
+        :func:`~prefixcache.layers.linear.row_tiled_linear`, or on our AMX kernel, whose rows are
         independent by construction); the attention metadata then pads as
         ``prefixcache.layers.attention`` says. float32's GEMMs round by batch size (MKL), so it
         keeps the cheaper untiled calls and agrees with a batch only to float rounding."""
@@ -570,25 +435,3 @@ class LlamaForCausalLM(nn.Module):
         return (self.batch_invariant and self.lm_head.weight.dtype == torch.bfloat16
                 and self.lm_head.weight.device.type == "cpu"
                 and prefill_kernel_supported(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim))
-
-    def set_row_tiling(self) -> None:
-        """Makes every float projection row-tiled iff the model is bfloat16 (call after a dtype
-        change), with oneDNN's prepacked weights where this torch has them: q, k, v as one matrix,
-        gate and up as one (LoRA deltas are added to their column slices)."""
-        tiled = self.quantization not in W8A8_FORMATS and self.lm_head.weight.dtype == torch.bfloat16
-        pack = tiled and prepacked_linear_supported()
-        packs = []
-        for module in self.modules():
-            if isinstance(module, LoRALinear):
-                module.row_tiled, module.packed = tiled, None
-        for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_packed = PrepackedWeight([attn.q_proj, attn.k_proj, attn.v_proj]) if pack else None
-            mlp.gate_up_packed = PrepackedWeight([mlp.gate_proj, mlp.up_proj], gate_up=True) if pack else None
-            if pack:
-                attn.o_proj.packed, mlp.down_proj.packed = PrepackedWeight([attn.o_proj]), PrepackedWeight([mlp.down_proj])
-                packs += [attn.qkv_packed, mlp.gate_up_packed, attn.o_proj.packed, mlp.down_proj.packed]
-        self.lm_head_packed = PrepackedWeight([self.lm_head]) if pack else None
-        if pack and self.lm_head.weight.device.type != "meta":
-            for packed in packs + [self.lm_head_packed]:
-                packed.pack()  # now, not in the first request (~0.5 s for SmolLM2)

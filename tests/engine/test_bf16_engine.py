@@ -1,7 +1,7 @@
 """bfloat16 end to end on the default model: batch-invariant, so cache on == cache off exactly.
 
 Its GEMMs run in calls of <= 32 rows (oneDNN gives a row the same bits for any such call; see
-``prefixcache.layers.lora.row_tiled_linear``) and its attention pads as the int8 format's does.
+``prefixcache.layers.linear.row_tiled_linear``) and its attention pads as the int8 format's does.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _in_pairs(linear, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("out_features,in_features", [(1536, 576), (576, 1536)])  # up/gate and down shapes
 def test_row_tiled_linear_gives_each_row_the_same_bits_in_any_call(out_features, in_features):
-    from prefixcache.layers.lora import ROW_TILE, row_tiled_linear
+    from prefixcache.layers.linear import ROW_TILE, row_tiled_linear
 
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(out_features, in_features, generator=g) * 0.05).bfloat16()
@@ -87,7 +87,7 @@ def test_prepacked_fused_linear_gives_each_row_the_same_bits_in_any_call(shapes,
     PREPACKED_ROW_TILE rows: every row has the same bits for calls of any size and any offset, alone
     included (what keeps bf16's fused, 128-row prefill and its decodes batch-invariant), and each
     column slice has the separate modules' shapes."""
-    from prefixcache.layers.lora import PREPACKED_ROW_TILE, PrepackedWeight, prepacked_linear_supported, row_tiled_linear
+    from prefixcache.layers.linear import PREPACKED_ROW_TILE, PrepackedWeight, prepacked_linear_supported, row_tiled_linear
 
     if not prepacked_linear_supported():
         pytest.skip("this torch build has no oneDNN prepacked linear")

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from prefixcache.kernels.amx_gemm import amx_gemm_supported, amx_linear, amx_packable, pack_weight
-from prefixcache.layers.lora import PrepackedWeight, row_tiles
+from prefixcache.layers.linear import PrepackedWeight, row_tiles
 
 pytestmark = pytest.mark.skipif(not amx_gemm_supported(), reason="needs a CPU with AMX-BF16 tiles")
 

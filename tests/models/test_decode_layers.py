@@ -112,15 +112,15 @@ def test_generated_rows_follow_the_float_model_over_the_same_4bit_weights(tiny_d
             param.copy_(dict(loaded.model.named_parameters())[name].float())
         for ours, theirs in zip(loaded.model.model.layers, ref.model.model.layers):
             attn, ref_attn = ours.self_attn, theirs.self_attn
-            qkv = _dequantized(attn.qkv_int4)
+            qkv = _dequantized(attn.qkv.decode_weight)
             sizes = [m.weight.shape[0] for m in (ref_attn.q_proj, ref_attn.k_proj, ref_attn.v_proj)]
             for m, w in zip((ref_attn.q_proj, ref_attn.k_proj, ref_attn.v_proj), qkv.split(sizes)):
                 m.weight.copy_(w)
-            ref_attn.o_proj.weight.copy_(_dequantized(attn.o_int4))
-            gate, up = _dequantized(ours.mlp.gate_up_int4).chunk(2)
+            ref_attn.o_proj.weight.copy_(_dequantized(attn.o.decode_weight))
+            gate, up = _dequantized(ours.mlp.gate_up.decode_weight).chunk(2)
             theirs.mlp.gate_proj.weight.copy_(gate)
             theirs.mlp.up_proj.weight.copy_(up)
-            theirs.mlp.down_proj.weight.copy_(_dequantized(ours.mlp.down_int4))
+            theirs.mlp.down_proj.weight.copy_(_dequantized(ours.mlp.down.decode_weight))
     for name, module in ref.model.named_modules():  # the kernels' int8 activations, per row and 32 inputs
         if name.endswith("_proj"):
             module.register_forward_pre_hook(lambda _, args: (_on_int8_grid(args[0]), *args[1:]))

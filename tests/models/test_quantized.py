@@ -76,16 +76,16 @@ def test_int8_mixed_batch_is_bitwise_each_alone(tiny_pair):
 def test_replace_weights_requantizes(tiny_pair):
     _, int8 = tiny_pair
     name = "model.layers.0.mlp.down_proj.weight"
-    before = int8.model.model.layers[0].mlp.down_proj.int8.qweight.clone()
+    before = int8.model.model.layers[0].mlp.down.weight.qweight.clone()
     new = torch.full_like(dict(int8.model.named_parameters())[name], 0.5)
     int8.model.int8_smoothing = False  # the plain per-channel rule: every weight the row's max
     int8.replace_weights({name: new})
-    after = int8.model.model.layers[0].mlp.down_proj.int8
+    after = int8.model.model.layers[0].mlp.down.weight
     assert not torch.equal(after.qweight, before) and after.act_mul is None
     assert after.qweight.unique().tolist() == [127] and torch.allclose(after.scale, torch.tensor(0.5 / 127))
     int8.model.int8_smoothing = True
     int8.replace_weights({name: new})  # smoothed: q * scale / s gives the new weight back within half a step
-    after = int8.model.model.layers[0].mlp.down_proj.int8
+    after = int8.model.model.layers[0].mlp.down.weight
     restored = after.qweight.t().float() * after.scale[:, None] * after.act_mul[None, :]
     assert after.act_mul.unique().numel() > 1
     half_step = 0.5 * after.scale[:, None] * after.act_mul[None, :]  # [out, in]: the step is per row of W * s
@@ -161,13 +161,13 @@ def test_int8_calibration_skips_ids_the_model_lacks_and_non_finite_maxima(tiny_l
     loaded.model.quantize("int8")
     assert loaded.model.quantization_key == key != random_key  # the same three ids calibrated
     layers = loaded.model.model.layers
-    down = layers[0].mlp.down_proj.int8
+    down = layers[0].mlp.down.weight
     import prefixcache.models.llama as llama
 
     recording = quant.recording_activation_amax
     monkeypatch.setattr(llama, "recording_activation_amax", lambda: _all_inf_amax(down, recording))
     loaded.model.quantize("int8")  # a maximum that is not finite after all: that matrix stays unsmoothed
-    assert all(layer.mlp.down_proj.int8.act_mul is None and layer.mlp.gate_up_int8.act_mul is not None
+    assert all(layer.mlp.down.weight.act_mul is None and layer.mlp.gate_up.weight.act_mul is not None
                for layer in layers)
 
     def failing(*a, **k):
@@ -176,7 +176,7 @@ def test_int8_calibration_skips_ids_the_model_lacks_and_non_finite_maxima(tiny_l
     monkeypatch.setattr(loaded.model, "_dense_logits", failing)
     with pytest.raises(RuntimeError, match="calibration failed"):
         loaded.model.quantize("int8")
-    assert loaded.model.quantization_key == "" and layers[0].self_attn.qkv_int8.act_mul is None
+    assert loaded.model.quantization_key == "" and layers[0].self_attn.qkv.weight.act_mul is None
 
 
 @pytest.mark.requires_isa("avx2")  # int4's C++ decoder (its AVX2 or AVX-512 build)
@@ -184,13 +184,13 @@ def test_int4_runs_without_oneDNNs_prepacked_linear(tiny_llama_dir, monkeypatch)
     """Generated rows run the C++ decoder whatever torch offers; prompt rows fall back to the plain
     row-tiled products (before 2026-12-01 int4 was refused here: its row split lived in the fused
     prepacked products)."""
-    import prefixcache.models.llama as llama
+    import prefixcache.layers.linear as linear
 
     bf16 = load_model(str(tiny_llama_dir), load_tokenizer=False, dtype=torch.bfloat16)
-    monkeypatch.setattr(llama, "prepacked_linear_supported", lambda: False)
+    monkeypatch.setattr(linear, "prepacked_linear_supported", lambda: False)
     bf16.model.quantize("int4")
     assert bf16.model.model.decode_layers is not None
-    assert bf16.model.model.layers[0].self_attn.qkv_packed is None and bf16.model.lm_head_packed is None
+    assert bf16.model.model.layers[0].self_attn.qkv.weight is None and bf16.model.head.weight is None
 
 
 @pytest.mark.requires_isa("avx2")  # int4's C++ decoder (its AVX2 or AVX-512 build)

@@ -10,7 +10,7 @@
 // Batch invariance: an output element is its row of x times its column of W, summed in an order fixed by K
 // alone; a tile product's element depends only on its own A row and B column, so a row gets the same bits in
 // a call of any number of rows, in any work item, on any thread. (oneDNN's bf16 GEMM does not promise that:
-// its kernel and blocking follow M, hence layers/lora.py's row tiles where this kernel does not run.)
+// its kernel and blocking follow M, hence layers/linear.py's row tiles where this kernel does not run.)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -1,5 +1,5 @@
 // The element-wise ops of a bf16 model's prompt rows between its GEMMs, fused: each reads the row tiles
-// of the GEMM before it in place (layers/lora.py's row_tiles, instead of torch.cat of them) and makes one
+// of the GEMM before it in place (layers/linear.py's row_tiles, instead of torch.cat of them) and makes one
 // pass over its rows. Used wherever the paged prompt kernel runs (prefill_attention.cpp); per row:
 //
 //   add_rms_norm:  h = bf16(residual + x)       (x alone in the first layer)
