@@ -41,7 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-POLICIES = ("cache_aware", "round_robin", "random")
+# manual: the gateway routes by the X-SMG-Routing-Key request header (sticky per key), never by the
+# body, so OpenAI's prompt_cache_key reaches it only when the client copies it into that header
+POLICIES = ("cache_aware", "round_robin", "random", "manual")
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 LOOPBACK = "127.0.0.1"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _PR_SET_PDEATHSIG = 1
@@ -317,7 +320,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     c = parser.add_argument_group("cluster")
     c.add_argument("--replicas", type=int, default=2, help="prefixcache serve processes (default: %(default)s)")
     c.add_argument("--router-policy", default="cache_aware", choices=POLICIES,
-                   help="the gateway's routing policy (default: %(default)s)")
+                   help="the gateway's routing policy; manual: requests carrying the same "
+                        f"{ROUTING_KEY_HEADER} header land on the same replica (with the OpenAI SDK send "
+                        f"extra_headers={{\"{ROUTING_KEY_HEADER}\": prompt_cache_key}}) (default: %(default)s)")
     c.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                    help="one more sglang_router.launch_router argument, e.g. --router-arg=--cache-threshold "
                         "--router-arg=0.5 (repeatable)")

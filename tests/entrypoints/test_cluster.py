@@ -1,11 +1,11 @@
 """``prefixcache cluster``: 2 real ``prefixcache serve`` replicas behind the real SGLang model
 gateway (sglang-router), on loopback.
 
-The module's cluster serves the routing, honesty and failover tests in order (the last kills a
-replica). What the gateway's ``cache_aware`` policy does (sglang-router 0.3.2): a request whose
-text matches a worker's tree by more than ``--cache-threshold`` (0.3 of its characters) goes to
-that worker; otherwise to the least loaded one (ties: the first). So a second system prompt is
-sent while the first one's request runs, to land on the other replica.
+The module's cluster serves the routing, honesty, ``manual`` policy and failover tests in order
+(the last kills a replica). What the gateway's ``cache_aware`` policy does (sglang-router 0.3.2): a
+request whose text matches a worker's tree by more than ``--cache-threshold`` (0.3 of its
+characters) goes to that worker; otherwise to the least loaded one (ties: the first). So a second
+system prompt is sent while the first one's request runs, to land on the other replica.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.entrypoints.cluster import Cluster, ClusterOptions, ClusterStartError, add_cli_args, healthy_workers
-from prefixcache.entrypoints.cluster import serve_argv
+from prefixcache.entrypoints.cluster import ROUTING_KEY_HEADER, serve_argv
 from prefixcache.entrypoints.cli_args import add_cli_args as add_serve_args
 
 MODEL = "smollm2-135m"
@@ -130,6 +130,34 @@ def test_streamed_usage_through_the_gateway_is_the_replicas_count(cluster):
     _, usage, delta = served(cluster, send)
     assert usage["prompt_tokens_details"]["cached_tokens"] == delta["hits"] > 0
     assert usage["prompt_tokens"] == delta["queries"]
+
+
+@pytest.mark.slow
+def test_manual_policy_keeps_each_routing_key_on_one_replica(cluster):
+    """The gateway reads the key from the header only (the client copies ``prompt_cache_key``
+    there). Under ``manual`` a request without the header goes to a random replica, so 12 requests
+    that stay on their key's replica (chance: 1 in 1024) are the header's doing."""
+    import openai
+
+    policy = cluster.options.policy
+    try:
+        cluster.switch_policy("manual")
+        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def send(key: str, question: str) -> dict:
+            response = client.chat.completions.create(
+                model=MODEL, messages=messages(SYSTEMS[0], question), max_tokens=2, temperature=0,
+                prompt_cache_key=key, extra_headers={ROUTING_KEY_HEADER: key})
+            return response.usage.model_dump()
+
+        homes: dict[str, list[int]] = {"A": [], "B": []}
+        for i in range(6):  # interleaved, A B A B ...
+            for key in homes:
+                k, _, _ = served(cluster, lambda: send(key, QUESTIONS[i % len(QUESTIONS)]))
+                homes[key].append(k)
+        assert all(len(set(h)) == 1 for h in homes.values()), homes
+    finally:
+        cluster.switch_policy(policy)  # the tests below expect the module's cache_aware gateway
 
 
 @pytest.mark.slow
