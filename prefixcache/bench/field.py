@@ -279,13 +279,19 @@ def start_llama_cpp(gguf: Path, model_name: str, num_threads: int, n_ctx: int = 
 
 # ------------------------------------------------------------------------------------------ the tools
 
-def _tool_argv(tool: str, url: str, model: str, tokenizer: Path, w: FieldWorkload, out: Path) -> tuple[list[str], dict]:
-    """The tool's command line (as a user would type it) and the environment it needs."""
+def _tool_argv(tool: str, url: str, model: str, tokenizer: Path, w: FieldWorkload, out: Path,
+               controls: bool = True) -> tuple[list[str], dict]:
+    """The tool's command line (as a user would type it) and the environment it needs.
+
+    ``controls``: the server answers ``/health`` and the cache-flush routes (``/flush_cache``,
+    ``/reset_prefix_cache``) the tools call; llama.cpp's Python server has neither, so against it
+    GuideLLM skips its health probe and SGLang and AIPerf don't flush (a fresh server is the cold start).
+    """
     b = tool_bin(tool)
     if tool == "guidellm":
         data = {"kind": "synthetic_text", "prompt_tokens": w.question_tokens, "output_tokens": w.max_tokens,
                 "prefix_buckets": [{"prefix_count": w.groups, "prefix_tokens": w.prefix_tokens}]}
-        return ([str(b / "guidellm"), "run", "--backend", f"kind=openai_http,target={url},model={model}",
+        return ([str(b / "guidellm"), "run", "--backend", f"kind=openai_http,target={url},model={model}" + ("" if controls else ",validate_backend=false"),
                  "--profile", f"kind=concurrent,streams={w.concurrency}",
                  "--constraint", f"kind=max_requests,count={w.num_requests}",
                  "--tokenizer", f"kind=huggingface_auto,model={tokenizer}", "--data", json.dumps(data),
@@ -298,7 +304,7 @@ def _tool_argv(tool: str, url: str, model: str, tokenizer: Path, w: FieldWorkloa
                  "--gsp-num-groups", str(w.groups), "--gsp-prompts-per-group", str(-(-w.num_requests // w.groups)),
                  "--gsp-system-prompt-len", str(w.prefix_tokens), "--gsp-question-len", str(w.question_tokens),
                  "--gsp-output-len", str(w.max_tokens), "--num-prompts", str(w.num_requests),
-                 "--max-concurrency", str(w.concurrency), "--seed", str(w.seed), "--cache-report", "--flush-cache",
+                 "--max-concurrency", str(w.concurrency), "--seed", str(w.seed), "--cache-report", *(["--flush-cache"] if controls else []),
                  "--disable-tqdm", "--output-file", str(out / "sglang.jsonl")],
                 {"HF_HUB_OFFLINE": "1"})
     # AIPerf: HF_HUB_OFFLINE=1 makes it ignore a local tokenizer path, so it is left unset (the path is
@@ -308,7 +314,7 @@ def _tool_argv(tool: str, url: str, model: str, tokenizer: Path, w: FieldWorkloa
              "--shared-system-prompt-length", str(w.prefix_tokens), "--prompt-input-tokens-mean", str(w.question_tokens),
              "--prompt-input-tokens-stddev", "0", "--prompt-output-tokens-mean", str(w.max_tokens),
              "--prompt-output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true", "--random-seed", str(w.seed),
-             "--reset-kv-cache", "--ui-type", "none", "--workers-max", "2", "--artifact-dir", str(out / "aiperf")],
+             *(["--reset-kv-cache"] if controls else []), "--ui-type", "none", "--workers-max", "2", "--artifact-dir", str(out / "aiperf")],
             {"HF_HUB_OFFLINE": ""})
 
 
@@ -377,7 +383,7 @@ def run_tool(tool: str, server: ServerProcess, workload: FieldWorkload, tokenize
     out = Path(out_dir) / f"{tool}-{server.name.replace(' ', '-').replace('.', '')}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    argv, env = _tool_argv(tool, server.url, model_name, tokenizer, workload, out)
+    argv, env = _tool_argv(tool, server.url, model_name, tokenizer, workload, out, server.has_metrics)
     env = {k: v for k, v in {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1", "NO_COLOR": "1", **env}.items() if v}
     if server.has_metrics:
         httpx.post(server.url + "/flush_cache", timeout=60).raise_for_status()
@@ -440,7 +446,10 @@ def run_field_bench(model: str, workload: FieldWorkload, num_threads: int, out_d
         for start in servers:
             server = start()
             try:
-                for tool in tools:
+                for i, tool in enumerate(tools):
+                    if i and not server.has_metrics:  # no cache-flush route: a fresh server is its cold start
+                        server.stop()
+                        server = start()
                     log(f"prefixcache bench: field: {tool} against {server.name} ...")
                     run = run_tool(tool, server, workload, tokenizer, out_dir, model)
                     log(f"prefixcache bench: field: {tool} exit {run.exit_code}, {run.succeeded}/{run.requests} ok, "
