@@ -1,5 +1,5 @@
 import sys
 
-from prefixcache.entrypoints.cli import main
+from prefixcache.entrypoints.cli.main import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
 """This machine's memory as a KV pool may use it: physical memory, or a container's smaller limit.
 
 Read by the engine before it allocates its pool and by the command line's checks before a model
-loads (``entrypoints/preflight.py``); torch only for a pool that may go to CUDA.
+loads (``entrypoints/cli/preflight.py``); torch only for a pool that may go to CUDA.
 """
 
 from __future__ import annotations

@@ -189,7 +189,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         has_level = any(f == "--log-level" or f.startswith("--log-level=") for f in flags)
-        self.cmd = [sys.executable, "-m", "prefixcache.entrypoints.cli", "serve", model, *flags,
+        self.cmd = [sys.executable, "-m", "prefixcache.entrypoints.cli.main", "serve", model, *flags,
                     "--host", "127.0.0.1", "--port", str(self.port), *([] if has_level else ["--log-level", "warning"])]
         self.proc: subprocess.Popen | None = None
 

@@ -46,7 +46,7 @@ from prefixcache.bench.report import pyplot, write_result_files
 from prefixcache.bench.restart import HASH_SEED
 from prefixcache.bench.texts import SUPPORT_POLICY
 from prefixcache.config import DEFAULT_MODEL
-from prefixcache.entrypoints.cluster import Cluster, ClusterOptions
+from prefixcache.entrypoints.cli.cluster import Cluster, ClusterOptions
 from prefixcache.sample_texts import QUESTIONS, SYSTEM_PROMPT
 
 POLICIES = ("cache_aware", "round_robin", "random")

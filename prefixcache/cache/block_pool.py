@@ -585,6 +585,32 @@ class BlockPool:
         """KV bytes held by cached blocks (in use or free)."""
         return self.num_cached_blocks * self.bytes_per_block
 
+    def group_block_counts(self, num_groups: int) -> list[dict[str, int]]:
+        """Per KV-cache group, the blocks holding its layers' K/V now: ``in_use`` (``ref_cnt > 0``),
+        ``cached`` (in the hash map, in use or free), ``cached_free`` (cached with ``ref_cnt == 0``:
+        hit-able until evicted) and ``retained`` (of those, freed with retention). A free block
+        without a hash belongs to no group (its ``group_id`` is a leftover), so the ``in_use`` sum
+        to the pool's blocks in use and the ``cached`` to ``num_cached_blocks``.
+
+        One pass over the pool, ``O(num_blocks)``: for a status page, not for every step.
+
+        Raises:
+            ValueError: ``num_groups < 1``.
+        """
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        counts = [{"in_use": 0, "cached": 0, "cached_free": 0, "retained": 0} for _ in range(num_groups)]
+        for block in self.blocks:
+            c = counts[block.group_id]
+            if block.ref_cnt > 0:
+                c["in_use"] += 1
+            if block.block_hash is not None:
+                c["cached"] += 1
+                c["cached_free"] += block.ref_cnt == 0
+        for block in self.retained.values():
+            counts[block.group_id]["retained"] += 1
+        return counts
+
     def get_usage(self) -> float:
         """Fraction of blocks in use by requests, in ``[0, 1]``."""
         return (self.num_blocks - self.get_num_free_blocks()) / self.num_blocks

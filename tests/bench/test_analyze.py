@@ -14,7 +14,7 @@ import json
 import pytest
 
 from prefixcache.bench.analyze import analyze, read_prompts
-from prefixcache.entrypoints.cli import main
+from prefixcache.entrypoints.cli.main import main
 
 BS = 16
 SYSTEM = ("You are the support assistant of the ACME online store. Answer in two sentences, politely, and "

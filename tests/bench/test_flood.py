@@ -7,7 +7,7 @@ import json
 import pytest
 
 from prefixcache.bench.flood import FloodOptions, run_flood
-from prefixcache.entrypoints import cli
+import prefixcache.entrypoints.cli.main as cli
 
 
 def test_bench_flood_writes_each_policy_with_and_without_the_breakpoint(tmp_path, capsys):

@@ -7,7 +7,7 @@ import datetime
 import os
 
 from prefixcache.bench.report_page import update_section
-from prefixcache.entrypoints import cli
+import prefixcache.entrypoints.cli.main as cli
 from prefixcache.kernels.cpu_features import describe_cpu
 
 

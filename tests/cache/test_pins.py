@@ -216,7 +216,7 @@ def test_max_pinned_fraction_is_validated():
 def test_max_pinned_fraction_flag():
     import argparse
 
-    from prefixcache.entrypoints.cli_args import add_cli_args, engine_config_from_args
+    from prefixcache.entrypoints.cli.serve import add_cli_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)

@@ -1,15 +1,15 @@
 """The flag tables in docs/ are generated from the argparse parsers
-(:mod:`prefixcache.entrypoints.flag_docs`); this fails when a committed table differs from what the
+(:mod:`prefixcache.entrypoints.cli.flag_docs`); this fails when a committed table differs from what the
 parsers give today, and says which command rewrites it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from prefixcache.entrypoints.flag_docs import SUBCOMMANDS, flag_table, render, stale_pages
+from prefixcache.entrypoints.cli.flag_docs import SUBCOMMANDS, flag_table, render, stale_pages
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-REGENERATE = ".venv/bin/python -m prefixcache.entrypoints.flag_docs"
+REGENERATE = ".venv/bin/python -m prefixcache.entrypoints.cli.flag_docs"
 
 
 def test_committed_flag_tables_match_the_parsers():

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefixcache.config import EngineConfig
 from prefixcache.engine.async_engine import EngineStats
 from prefixcache.engine.llm_engine import LLMEngine
-from prefixcache.entrypoints.metrics import ServerMetrics
+from prefixcache.entrypoints.openai.metrics import ServerMetrics
 from prefixcache.models.fetch import default_model_dir
 from prefixcache.models.loader import load_model
 from prefixcache.sampling_params import SamplingParams

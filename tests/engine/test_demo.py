@@ -1,6 +1,6 @@
 """The seed demo's report on the real model (issue 2's "done when" numbers)."""
 
-from prefixcache.entrypoints.demo import run_demo
+from prefixcache.entrypoints.cli.demo import run_demo
 
 
 def test_demo_report(smollm2):
@@ -18,7 +18,7 @@ def test_demo_report(smollm2):
 
 def test_demo_progress_path_generates_what_generate_does(smollm2):
     """The demo drives the engine itself (to count tokens for its bar): same tokens as ``LLM.chat``."""
-    from prefixcache.entrypoints.demo import conversations, generate_with_progress
+    from prefixcache.entrypoints.cli.demo import conversations, generate_with_progress
     from prefixcache.llm import LLM
     from prefixcache.sampling_params import SamplingParams
 

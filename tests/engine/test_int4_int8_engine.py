@@ -99,7 +99,7 @@ def test_int4_int8_is_keyed_apart_and_refuses_lora(smollm2_int4_int8, tmp_path):
     with pytest.raises(InvalidInputError, match="lora: adapters need quantization 'none' or 'int8'; 'int4-int8'"):
         combo.engine.add_request([1, 2, 3], GREEDY, lora=LoRARequest("mine", str(tmp_path)))
     assert not combo.engine.scheduler.requests
-    from prefixcache.entrypoints.openai_server import build_app
+    from prefixcache.entrypoints.openai.api_server import build_app
 
     with pytest.raises(ValueError, match="lora_modules: adapters need quantization 'none' or 'int8'; 'int4-int8'"):
         build_app(combo.engine, "m", lora_modules={"mine": str(tmp_path)})  # not a server that 400s each use

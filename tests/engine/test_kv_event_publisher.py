@@ -109,7 +109,7 @@ def test_taken_port_is_an_error_naming_kv_events_config(make_llm):
 def test_cli_flag_parses_vllm_json():
     import argparse
 
-    from prefixcache.entrypoints.cli_args import add_engine_args, engine_config_from_args
+    from prefixcache.entrypoints.cli.serve import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     parser.add_argument("model", nargs="?", default="smollm2-135m")

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from prefixcache.config import EngineConfig
 from prefixcache.engine.input_processor import InputProcessor, ProcessedPrompt, kv_blocks_needed, max_tokens_that_fit
 from prefixcache.engine.output_processor import OutputProcessor
-from prefixcache.entrypoints.serving_outputs import stop_prefix_hold
+from prefixcache.entrypoints.openai.serving_outputs import stop_prefix_hold
 from prefixcache.errors import InvalidInputError
 from prefixcache.request import Request, RequestStatus
 from prefixcache.sampling_params import SamplingParams

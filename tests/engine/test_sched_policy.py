@@ -355,7 +355,7 @@ def test_serve_flags_set_the_policy_and_bounds():
     import argparse
 
     from prefixcache.config import EngineConfig
-    from prefixcache.entrypoints.cli_args import add_cli_args, engine_config_from_args
+    from prefixcache.entrypoints.cli.serve import add_cli_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)

@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefixcache.config import EngineConfig
 from prefixcache.engine.async_engine import AsyncLLMEngine
 from prefixcache.engine.llm_engine import LLMEngine
-from prefixcache.entrypoints.launcher import HTTPOptions, Server, uvicorn_config
-from prefixcache.entrypoints.openai_server import build_app
+from prefixcache.entrypoints.openai.api_server import build_app
+from prefixcache.entrypoints.openai.launcher import HTTPOptions, Server, uvicorn_config
 
 MODEL = "smollm2-135m"
 
@@ -94,3 +94,20 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def anthropic_server(smollm2):
+    """The server of the ``POST /v1/messages`` tests, one per test module so each module's pin counts
+    start from an empty pin table. Partial-block reuse is off so cached counts are whole blocks; the
+    pin cap is set (half the pool) so the pin counts asserted don't follow a change of its default."""
+    s = start_server(smollm2, enable_partial_block_reuse=False, max_pinned_fraction=0.5)
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def anthropic_client(anthropic_server):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=anthropic_server.base_url, api_key="unused", max_retries=0, timeout=60)

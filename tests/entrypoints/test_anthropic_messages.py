@@ -23,18 +23,6 @@ SYSTEM = (
 KEYS = {"key-acme": "acme", "key-globex": "globex"}
 
 
-@pytest.fixture(scope="module")
-def server(smollm2):
-    s = start_server(smollm2, enable_partial_block_reuse=False, max_pinned_fraction=0.5)
-    yield s
-    stop_server(s)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
-
-
 def ids_of(server, conversation, generation_prompt=True):
     return server.engine.engine.apply_chat_template(conversation, add_generation_prompt=generation_prompt)
 
@@ -67,23 +55,24 @@ def system_blocks(text, ttl=None):
     return [{"type": "text", "text": text, "cache_control": control}]
 
 
-def test_message_equals_the_chat_route_and_usage_adds_up(server, client):
+def test_message_equals_the_chat_route_and_usage_adds_up(anthropic_server, anthropic_client):
     question = "When does the museum open?"
-    msg = create(client, model=MODEL, max_tokens=8, system="First test. " + SYSTEM,
+    msg = create(anthropic_client, model=MODEL, max_tokens=8, system="First test. " + SYSTEM,
                                  messages=[{"role": "user", "content": question}], extra_body={"cache_salt": "t1"})
-    chat = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+    chat_client = openai.OpenAI(base_url=anthropic_server.base_url + "/v1", api_key="unused", max_retries=0)
+    chat = chat_client.chat.completions.create(
         model=MODEL, max_tokens=8, temperature=0, extra_body={"cache_salt": "t1-chat"},
         messages=[{"role": "system", "content": "First test. " + SYSTEM}, {"role": "user", "content": question}])
     assert msg.type == "message" and msg.role == "assistant" and msg.model == MODEL
     assert msg.id.startswith("msg_")
     assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == chat.choices[0].message.content
     assert msg.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
-    n = len(ids_of(server, [{"role": "system", "content": "First test. " + SYSTEM},
-                            {"role": "user", "content": question}]))
+    n = len(ids_of(anthropic_server, [{"role": "system", "content": "First test. " + SYSTEM},
+                                      {"role": "user", "content": question}]))
     assert n == chat.usage.prompt_tokens
     assert usage_tuple(msg.usage) == (n, 0, 0, chat.usage.completion_tokens)
     # content as text blocks renders the same prompt: a hit on every full block but the last token's
-    again = create(client, model=MODEL, max_tokens=8,
+    again = create(anthropic_client, model=MODEL, max_tokens=8,
                                    system=[{"type": "text", "text": "First test. "}, {"type": "text", "text": SYSTEM}],
                                    messages=[{"role": "user", "content": [{"type": "text", "text": question}]}],
                                    extra_body={"cache_salt": "t1"})
@@ -91,11 +80,11 @@ def test_message_equals_the_chat_route_and_usage_adds_up(server, client):
     assert usage_tuple(again.usage) == (n - (n - 1) // B * B, (n - 1) // B * B, 0, msg.usage.output_tokens)
 
 
-def test_stream_events_and_final_usage(server, client):
+def test_stream_events_and_final_usage(anthropic_server, anthropic_client):
     kwargs = dict(model=MODEL, max_tokens=12, system="Stream test. " + SYSTEM,
                   messages=[{"role": "user", "content": "Is the lighthouse gallery open?"}])
-    whole = create(client, **kwargs, extra_body={"cache_salt": "s1"})
-    events = list(create(client, **kwargs, stream=True, extra_body={"cache_salt": "s2"}))
+    whole = create(anthropic_client, **kwargs, extra_body={"cache_salt": "s1"})
+    events = list(create(anthropic_client, **kwargs, stream=True, extra_body={"cache_salt": "s2"}))
     types = [e.type for e in events]
     assert types[:2] == ["message_start", "content_block_start"]
     assert types[-3:] == ["content_block_stop", "message_delta", "message_stop"]
@@ -104,7 +93,7 @@ def test_stream_events_and_final_usage(server, client):
     assert events[-2].delta.stop_reason == whole.stop_reason
     start_usage = events[0].message.usage
     assert (start_usage.input_tokens, start_usage.cache_read_input_tokens) == (whole.usage.input_tokens, 0)
-    with create(client, **kwargs, helper=True, extra_body={"cache_salt": "s1"}) as stream:
+    with create(anthropic_client, **kwargs, helper=True, extra_body={"cache_salt": "s1"}) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == final.content[0].text == whole.content[0].text
@@ -112,30 +101,30 @@ def test_stream_events_and_final_usage(server, client):
     assert usage_tuple(final.usage) == (n - (n - 1) // B * B, (n - 1) // B * B, 0, whole.usage.output_tokens)
 
 
-def test_stop_sequences_at_the_start_and_max_tokens(server, client):
+def test_stop_sequences_at_the_start_and_max_tokens(anthropic_server, anthropic_client):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name three colors."}])
-    free = create(client, **kwargs, max_tokens=10)
+    free = create(anthropic_client, **kwargs, max_tokens=10)
     assert free.stop_reason == "max_tokens" and free.usage.output_tokens == 10
     stop = free.content[0].text[:3]
     for stream in (False, True):
         if stream:
-            with create(client, **kwargs, helper=True, max_tokens=10, stop_sequences=[stop]) as s:
+            with create(anthropic_client, **kwargs, helper=True, max_tokens=10, stop_sequences=[stop]) as s:
                 out = s.get_final_message()
         else:
-            out = create(client, **kwargs, max_tokens=10, stop_sequences=[stop])
+            out = create(anthropic_client, **kwargs, max_tokens=10, stop_sequences=[stop])
         assert (out.content[0].text, out.stop_reason, out.stop_sequence) == ("", "stop_sequence", stop)
 
 
-def test_breakpoint_pins_the_prefix_and_reports_creation_then_reads(server, client):
+def test_breakpoint_pins_the_prefix_and_reports_creation_then_reads(anthropic_server, anthropic_client):
     system = "Breakpoint test. " + SYSTEM
     q1, q2 = "When do tours start?", "Are tickets free for children?"
-    full1 = ids_of(server, [{"role": "system", "content": system}, {"role": "user", "content": q1}])
-    full2 = ids_of(server, [{"role": "system", "content": system}, {"role": "user", "content": q2}])
-    cut = ids_of(server, [{"role": "system", "content": system}], generation_prompt=False)
+    full1 = ids_of(anthropic_server, [{"role": "system", "content": system}, {"role": "user", "content": q1}])
+    full2 = ids_of(anthropic_server, [{"role": "system", "content": system}, {"role": "user", "content": q2}])
+    cut = ids_of(anthropic_server, [{"role": "system", "content": system}], generation_prompt=False)
     pinned = common(cut, full1) // B * B
     assert pinned >= 4 * B
-    before = pinned_blocks(server)
-    raw = create(client.messages.with_raw_response,
+    before = pinned_blocks(anthropic_server)
+    raw = create(anthropic_client.messages.with_raw_response,
         model=MODEL, max_tokens=4, system=system_blocks(system, "1h"),
         messages=[{"role": "user", "content": q1}], extra_body={"cache_salt": "bp"})
     first = raw.parse()
@@ -144,32 +133,32 @@ def test_breakpoint_pins_the_prefix_and_reports_creation_then_reads(server, clie
     assert first.usage.cache_creation.ephemeral_1h_input_tokens == pinned
     assert first.usage.cache_creation.ephemeral_5m_input_tokens == 0
     assert first.usage.model_extra["pinned_input_tokens"] == pinned
-    assert pinned_blocks(server) == before + pinned // B
-    second = create(client, model=MODEL, max_tokens=4, system=system_blocks(system),
+    assert pinned_blocks(anthropic_server) == before + pinned // B
+    second = create(anthropic_client, model=MODEL, max_tokens=4, system=system_blocks(system),
                                     messages=[{"role": "user", "content": q2}], extra_body={"cache_salt": "bp"})
     read = min(common(full1, full2), len(full2) - 1) // B * B
     assert read >= pinned
     assert usage_tuple(second.usage)[:3] == (len(full2) - read, read, 0)
-    assert pinned_blocks(server) == before + pinned // B  # the same prefix: refreshed, not pinned twice
-    pins = server.engine.engine.kv_cache_manager.pins.pins
+    assert pinned_blocks(anthropic_server) == before + pinned // B  # the same prefix: refreshed, not pinned twice
+    pins = anthropic_server.engine.engine.kv_cache_manager.pins.pins
     assert max(p.ttl_s for p in pins.values()) == 3600.0
-    shown = httpx.get(server.base_url + "/v1/cache/stats").json()["pins"]  # the dashboard's data
+    shown = httpx.get(anthropic_server.base_url + "/v1/cache/stats").json()["pins"]  # the dashboard's data
     assert shown["budget_blocks"] == 80  # 0.5 of the 160 blocks
     assert sorted(b["block_id"] for b in shown["blocks"]) == sorted(pins)
     assert all(0 < b["expires_in_s"] <= b["ttl_s"] for b in shown["blocks"])
-    page = httpx.get(server.base_url + "/dashboard").text  # the operator sees them on the dashboard too
+    page = httpx.get(anthropic_server.base_url + "/dashboard").text  # the operator sees them on the dashboard too
     assert f'<strong id="pins-summary">{len(pins)} blocks pinned of a budget of 80</strong>' in page
     soonest = shown["blocks"][0]
     assert f"<tr><td>{soonest['block_id']}</td><td>{soonest['depth']}</td><td>" in page
 
 
-def test_usage_equals_what_metrics_counts(server, client):
-    before = server.metrics()
+def test_usage_equals_what_metrics_counts(anthropic_server, anthropic_client):
+    before = anthropic_server.metrics()
     system = "Metrics test. " + SYSTEM
-    usages = [create(client, model=MODEL, max_tokens=3, system=system_blocks(system),
+    usages = [create(anthropic_client, model=MODEL, max_tokens=3, system=system_blocks(system),
                                      messages=[{"role": "user", "content": q}]).usage
               for q in ("Who runs the museum?", "Is it open on Monday?", "How long is a tour?")]
-    after = server.metrics()
+    after = anthropic_server.metrics()
 
     def delta(name):
         return after[name] - before.get(name, 0)
@@ -181,12 +170,12 @@ def test_usage_equals_what_metrics_counts(server, client):
     assert usages[0].cache_creation_input_tokens > 0 and usages[1].cache_read_input_tokens > 0
 
 
-def test_c25_salt_applies_on_messages(server, client):
+def test_c25_salt_applies_on_messages(anthropic_server, anthropic_client):
     system = "Salt test. " + SYSTEM
 
     def cached(salt):
         extra = None if salt is None else {"cache_salt": salt}
-        usage = create(client, model=MODEL, max_tokens=2, system=system, extra_body=extra,
+        usage = create(anthropic_client, model=MODEL, max_tokens=2, system=system, extra_body=extra,
                        messages=[{"role": "user", "content": "Hello there"}]).usage
         return usage.cache_read_input_tokens
 
@@ -235,60 +224,66 @@ def error_of(client, **kwargs):
     return e.value.status_code, e.value.body["error"]["type"], e.value.body["error"]["message"]
 
 
-def test_bad_cache_control_gets_anthropic_errors_naming_the_field(server, client):
+def test_bad_cache_control_gets_anthropic_errors_naming_the_field(anthropic_server, anthropic_client):
     bad = 400, "invalid_request_error"
-    assert error_of(client, system=[{"type": "text", "text": "x", "cache_control": {"type": "persistent"}}]) == (
+    persistent = [{"type": "text", "text": "x", "cache_control": {"type": "persistent"}}]
+    assert error_of(anthropic_client, system=persistent) == (
         *bad, "system.0.cache_control.type: must be 'ephemeral', got 'persistent'")
-    assert error_of(client, system=[{"type": "text", "text": "x", "cache_control": {"type": "ephemeral",
-                                                                                     "ttl": "10m"}}]) == (
+    ten_minutes = [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "10m"}}]
+    assert error_of(anthropic_client, system=ten_minutes) == (
         *bad, "system.0.cache_control.ttl: must be '5m' or '1h', got '10m'")
     five = [{"type": "text", "text": f"part {i}", "cache_control": {"type": "ephemeral"}} for i in range(5)]
-    assert error_of(client, system=five) == (
+    assert error_of(anthropic_client, system=five) == (
         *bad, "cache_control: a maximum of 4 blocks with cache_control may be provided, found 5")
     empty = [{"role": "user", "content": [{"type": "text", "text": "", "cache_control": {"type": "ephemeral"}}]}]
-    assert error_of(client, messages=empty) == (
+    assert error_of(anthropic_client, messages=empty) == (
         *bad, "messages.0.content.0.cache_control: cache_control cannot be set on an empty text block")
     tool = [{"name": "t", "input_schema": {"type": "object"}, "cache_control": {"type": "nope"}}]
-    assert error_of(client, tools=tool) == (*bad, "tools.0.cache_control.type: must be 'ephemeral', got 'nope'")
-    engine = server.engine.engine  # nothing leaked: every block is free or pinned
-    assert engine.kv_cache_manager.num_free_blocks + pinned_blocks(server) == engine.num_blocks
+    assert error_of(anthropic_client, tools=tool) == (
+        *bad, "tools.0.cache_control.type: must be 'ephemeral', got 'nope'")
+    engine = anthropic_server.engine.engine  # nothing leaked: every block is free or pinned
+    assert engine.kv_cache_manager.num_free_blocks + pinned_blocks(anthropic_server) == engine.num_blocks
 
 
-def test_bad_requests_get_anthropic_errors(server, client):
+def test_bad_requests_get_anthropic_errors(anthropic_server, anthropic_client):
     bad = 400, "invalid_request_error"
-    status, kind, message = error_of(client, extra_body={"temperature": -1})
+    status, kind, message = error_of(anthropic_client, extra_body={"temperature": -1})
     assert (status, kind) == bad and message.startswith("temperature")
-    assert error_of(client, extra_body={"temperature": 1.5}) == (  # Anthropic's range is 0..1, OpenAI's 0..2
+    assert error_of(anthropic_client, extra_body={"temperature": 1.5}) == (  # Anthropic's range is 0..1, OpenAI's 0..2
         *bad, "temperature: must be between 0 and 1 on the Messages API, got 1.5")
     # a wrong type in a union field names its forms and where the value went wrong, not a made-up member
-    assert error_of(client, system=5) == (*bad, "system: must be a string or a list of ContentBlock")
-    assert error_of(client, system=[{"type": "text", "text": "x", "cache_control": "ephemeral"}]) == (
+    assert error_of(anthropic_client, system=5) == (*bad, "system: must be a string or a list of ContentBlock")
+    assert error_of(anthropic_client, system=[{"type": "text", "text": "x", "cache_control": "ephemeral"}]) == (
         *bad, "system: must be a string or a list of ContentBlock; system.0.cache_control: Input should be a valid "
               "dictionary or object to extract fields from")
-    assert error_of(client, messages=[{"role": "user", "content": [{"type": "text"}]}]) == (
+    assert error_of(anthropic_client, messages=[{"role": "user", "content": [{"type": "text"}]}]) == (
         *bad, "messages.0.content.0.text: a text block needs its text (a string)")
     for empty in ("", []):
-        assert error_of(client, messages=[{"role": "user", "content": empty}]) == (
+        assert error_of(anthropic_client, messages=[{"role": "user", "content": empty}]) == (
             *bad, "messages.0.content: a message's content must not be empty")
-    assert error_of(client, messages=[{"role": "user", "content": [{"type": "text", "text": ""}]}]) == (
+    assert error_of(anthropic_client, messages=[{"role": "user", "content": [{"type": "text", "text": ""}]}]) == (
         *bad, "messages.0.content.0.text: text content blocks must be non-empty")
     mixed = [{"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}},
              {"type": "text", "text": "b", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
-    assert error_of(client, system=mixed) == (*bad, "system.1.cache_control.ttl: a breakpoint with a longer ttl must "
-                                                    "come before any with a shorter one (system.0 has the shorter)")
-    status, kind, message = error_of(client, stop_sequences=[""])
+    assert error_of(anthropic_client, system=mixed) == (
+        *bad, "system.1.cache_control.ttl: a breakpoint with a longer ttl must come before any with a shorter one "
+              "(system.0 has the shorter)")
+    status, kind, message = error_of(anthropic_client, stop_sequences=[""])
     assert (status, kind) == bad and message.startswith("stop_sequences")
-    assert error_of(client, model="claude-nope")[:2] == (404, "not_found_error")
+    assert error_of(anthropic_client, model="claude-nope")[:2] == (404, "not_found_error")
     image = [{"role": "user", "content": [{"type": "image", "source": {}}]}]
-    assert error_of(client, messages=image) == (*bad, "messages.0.content.0.type: only text and tool_result blocks "
-                                                      "are supported in a user message, got 'image'")
-    assert error_of(client, messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]) == (
+    assert error_of(anthropic_client, messages=image) == (
+        *bad, "messages.0.content.0.type: only text and tool_result blocks are supported in a user message, "
+              "got 'image'")
+    prefilled = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    assert error_of(anthropic_client, messages=prefilled) == (
         *bad, "messages.1.role: the last message must be the user's (a prefilled assistant turn is not supported yet)")
-    r = httpx.post(server.base_url + "/v1/messages", json={"model": MODEL, "messages": [
+    r = httpx.post(anthropic_server.base_url + "/v1/messages", json={"model": MODEL, "messages": [
         {"role": "user", "content": "Hi"}]})
     assert r.status_code == 400 and r.json() == {"type": "error", "error": {
         "type": "invalid_request_error", "message": "max_tokens: Field required"}}
-    r = httpx.post(server.base_url + "/v1/messages", content=b"{nope", headers={"content-type": "application/json"})
+    r = httpx.post(anthropic_server.base_url + "/v1/messages", content=b"{nope",
+                   headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("malformed JSON body")
-    ok = create(client, model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    ok = create(anthropic_client, model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
     assert ok.usage.output_tokens == 2

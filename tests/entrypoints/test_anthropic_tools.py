@@ -10,7 +10,7 @@ import json
 import anthropic
 import pytest
 
-from tests.entrypoints.conftest import MODEL, start_server, stop_server
+from tests.entrypoints.conftest import MODEL
 from tests.entrypoints.test_anthropic_messages import common, create, ids_of, pinned_blocks, usage_tuple
 
 B = 16
@@ -37,45 +37,33 @@ def system_text(tools=TOOLS, system=SYSTEM, choice=""):
     return "\n\n".join(p for p in (HEAD + "".join(signature(t) + "\n" for t in tools) + TAIL, system, choice) if p)
 
 
-@pytest.fixture(scope="module")
-def server(smollm2):
-    s = start_server(smollm2, enable_partial_block_reuse=False, max_pinned_fraction=0.5)
-    yield s
-    stop_server(s)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
-
-
-def test_tools_render_into_the_prompt_and_a_tool_breakpoint_pins_through_them(server, client):
+def test_tools_render_into_the_prompt_and_a_tool_breakpoint_pins_through_them(anthropic_server, anthropic_client):
     tools = [TOOLS[0], {**TOOLS[1], "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
     question = {"role": "user", "content": "What time is it in Lisbon?"}
-    full = ids_of(server, [{"role": "system", "content": system_text()}, question])
-    cut = ids_of(server, [{"role": "system", "content": HEAD + "".join(signature(t) + "\n" for t in TOOLS)}],
+    full = ids_of(anthropic_server, [{"role": "system", "content": system_text()}, question])
+    cut = ids_of(anthropic_server, [{"role": "system", "content": HEAD + "".join(signature(t) + "\n" for t in TOOLS)}],
                  generation_prompt=False)
     pinned = common(cut, full) // B * B
     assert pinned >= 8 * B  # the tool signatures are most of the prompt
-    before = pinned_blocks(server)
-    raw = create(client.messages.with_raw_response, model=MODEL, max_tokens=4, tools=tools, system=SYSTEM,
+    before = pinned_blocks(anthropic_server)
+    raw = create(anthropic_client.messages.with_raw_response, model=MODEL, max_tokens=4, tools=tools, system=SYSTEM,
                  messages=[question], extra_body={"cache_salt": "tools"})
     msg = raw.parse()
     assert [b.type for b in msg.content] == ["text"]  # a tool call the model writes stays text
     assert usage_tuple(msg.usage) == (len(full) - pinned, 0, pinned, msg.usage.output_tokens)
     assert msg.usage.cache_creation.ephemeral_1h_input_tokens == pinned
     assert raw.headers["x-prefixcache-pinned-tokens"] == f"{pinned}/{pinned}"
-    assert pinned_blocks(server) == before + pinned // B
+    assert pinned_blocks(anthropic_server) == before + pinned // B
     other = {"role": "user", "content": "Is it raining in Oslo?"}  # the same tools, another question
-    again = create(client, model=MODEL, max_tokens=4, tools=tools, system=SYSTEM, messages=[other],
+    again = create(anthropic_client, model=MODEL, max_tokens=4, tools=tools, system=SYSTEM, messages=[other],
                    extra_body={"cache_salt": "tools"})
-    full2 = ids_of(server, [{"role": "system", "content": system_text()}, other])
+    full2 = ids_of(anthropic_server, [{"role": "system", "content": system_text()}, other])
     read = min(common(full, full2), len(full2) - 1) // B * B
     assert read >= pinned
     assert usage_tuple(again.usage) == (len(full2) - read, read, 0, again.usage.output_tokens)
 
 
-def test_tool_use_and_tool_result_blocks_and_tool_choice(server, client):
+def test_tool_use_and_tool_result_blocks_and_tool_choice(anthropic_server, anthropic_client):
     messages = [
         {"role": "user", "content": "What's the weather in Paris?"},
         {"role": "assistant", "content": [
@@ -92,20 +80,20 @@ def test_tool_use_and_tool_result_blocks_and_tool_choice(server, client):
                                          '{"city": "Paris"}}\n</tool_call>'},
         {"role": "user", "content": "<tool_response>\n18 C, sunny\n</tool_response>Summarise it."},
     ]
-    n = len(ids_of(server, rendered))
+    n = len(ids_of(anthropic_server, rendered))
     kwargs = dict(model=MODEL, max_tokens=6, tools=TOOLS, system=SYSTEM, messages=messages)
-    msg = create(client, **kwargs, tool_choice={"type": "tool", "name": "get_time"},
+    msg = create(anthropic_client, **kwargs, tool_choice={"type": "tool", "name": "get_time"},
                  extra_body={"cache_salt": "use"})
     assert usage_tuple(msg.usage) == (n, 0, 0, msg.usage.output_tokens)
-    with create(client, **kwargs, helper=True, tool_choice={"type": "tool", "name": "get_time"},
+    with create(anthropic_client, **kwargs, helper=True, tool_choice={"type": "tool", "name": "get_time"},
                 extra_body={"cache_salt": "use"}) as stream:
         final = stream.get_final_message()
     assert final.content[0].text == msg.content[0].text
     assert final.usage.cache_read_input_tokens == (n - 1) // B * B
     # another tool_choice changes only the system message's tail: the tools and system stay cached
-    auto = create(client, **kwargs, tool_choice={"type": "auto"}, extra_body={"cache_salt": "use"})
-    auto_ids = ids_of(server, [{**rendered[0], "content": system_text()}, *rendered[1:]])
-    assert auto.usage.cache_read_input_tokens == common(auto_ids, ids_of(server, rendered)) // B * B >= 8 * B
+    auto = create(anthropic_client, **kwargs, tool_choice={"type": "auto"}, extra_body={"cache_salt": "use"})
+    auto_ids = ids_of(anthropic_server, [{**rendered[0], "content": system_text()}, *rendered[1:]])
+    assert auto.usage.cache_read_input_tokens == common(auto_ids, ids_of(anthropic_server, rendered)) // B * B >= 8 * B
     assert auto.usage.input_tokens == len(auto_ids) - auto.usage.cache_read_input_tokens
 
 
@@ -117,41 +105,42 @@ def error_of(client, **kwargs):
     return e.value.body["error"]["message"]
 
 
-def test_bad_tools_get_anthropic_errors_naming_the_field(server, client):
+def test_bad_tools_get_anthropic_errors_naming_the_field(anthropic_server, anthropic_client):
     schema = {"type": "object"}
-    assert error_of(client, tools=[{"name": "get weather", "input_schema": schema}]) == (
+    assert error_of(anthropic_client, tools=[{"name": "get weather", "input_schema": schema}]) == (
         "tools.0.name: must be 1 to 64 letters, digits, '_' or '-', got 'get weather'")
-    assert error_of(client, tools=[{"name": "a", "input_schema": schema}, {"name": "a", "input_schema": schema}]) == (
+    twice = [{"name": "a", "input_schema": schema}, {"name": "a", "input_schema": schema}]
+    assert error_of(anthropic_client, tools=twice) == (
         "tools.1.name: tool names must be unique, 'a' repeats")
-    assert error_of(client, tools=[{"name": "a"}]) == "tools.0.input_schema: Field required"
-    assert error_of(client, tools=[{"name": "a", "input_schema": {"type": "string"}}]) == (
+    assert error_of(anthropic_client, tools=[{"name": "a"}]) == "tools.0.input_schema: Field required"
+    assert error_of(anthropic_client, tools=[{"name": "a", "input_schema": {"type": "string"}}]) == (
         "tools.0.input_schema.type: must be 'object' (a JSON schema of the tool's input)")
-    assert error_of(client, tools=[{"type": "web_search_20250305", "name": "web_search"}]) == (
+    assert error_of(anthropic_client, tools=[{"type": "web_search_20250305", "name": "web_search"}]) == (
         "tools.0.type: only custom tools (name, description, input_schema) are supported, got 'web_search_20250305'")
     tools = [{"name": "a", "input_schema": schema}]
-    assert error_of(client, tools=tools, tool_choice={"type": "sometimes"}) == (
+    assert error_of(anthropic_client, tools=tools, tool_choice={"type": "sometimes"}) == (
         "tool_choice.type: must be one of auto, any, tool, none, got 'sometimes'")
-    assert error_of(client, tools=tools, tool_choice={"type": "tool", "name": "b"}) == (
+    assert error_of(anthropic_client, tools=tools, tool_choice={"type": "tool", "name": "b"}) == (
         "tool_choice.name: must name one of the tools, got 'b'")
-    assert error_of(client, tool_choice={"type": "any"}) == "tool_choice: type 'any' needs tools"
+    assert error_of(anthropic_client, tool_choice={"type": "any"}) == "tool_choice: type 'any' needs tools"
     orphan = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": "x"}]}]
-    assert error_of(client, messages=orphan) == (
+    assert error_of(anthropic_client, messages=orphan) == (
         "messages.0.content.0.tool_use_id: no tool_use block with id 'toolu_9' comes before it")
     misplaced = [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "a", "input": {}}]}]
-    assert error_of(client, messages=misplaced) == (
+    assert error_of(anthropic_client, messages=misplaced) == (
         "messages.0.content.0.type: only text and tool_result blocks are supported in a user message, got 'tool_use'")
     no_input = [{"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "a"}]},
                 {"role": "user", "content": "Go on."}]
-    assert error_of(client, messages=no_input) == (
+    assert error_of(anthropic_client, messages=no_input) == (
         "messages.1.content.0.input: a tool_use block needs its input (an object)")
 
 
 def test_non_json_numbers_and_a_top_level_ttl_order_error_name_the_field():
     # no server: the checks run on the parsed body. NaN / Infinity parse (Python's json) but are not
     # JSON, and would be rendered into the prompt as such; the top-level breakpoint is "cache_control".
-    from prefixcache.entrypoints.anthropic_messages import MessagesRequest, check_tools, marked_blocks
-    from prefixcache.entrypoints.api_errors import APIError
+    from prefixcache.entrypoints.anthropic.serving_messages import MessagesRequest, check_tools, marked_blocks
+    from prefixcache.entrypoints.openai.api_errors import APIError
 
     def message_of(check, body):
         req = MessagesRequest.model_validate({"model": MODEL, "max_tokens": 4, **body})

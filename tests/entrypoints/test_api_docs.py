@@ -16,7 +16,7 @@ import shutil
 import httpx
 import pytest
 
-from prefixcache.entrypoints.api_docs import CONTENT_SECURITY_POLICY
+from prefixcache.entrypoints.openai.api_docs import CONTENT_SECURITY_POLICY
 from tests.entrypoints.conftest import start_server, stop_server
 
 KEY = "sk-docs-test"

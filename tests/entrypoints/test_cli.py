@@ -19,8 +19,8 @@ import prefixcache
 from prefixcache.bench.workloads import WORKLOAD_NAMES
 from prefixcache.cache.eviction import EVICTION_POLICIES
 from prefixcache.engine import llm_engine
-from prefixcache.entrypoints import cli
-from prefixcache.entrypoints.cli_args import add_cli_args, check_serve_args
+import prefixcache.entrypoints.cli.main as cli
+from prefixcache.entrypoints.cli.serve import add_cli_args, check_serve_args
 from prefixcache.models.model_path import check_model_arg
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,7 +49,7 @@ def no_model_load(monkeypatch):
 
     monkeypatch.setattr(llm_engine, "LLMEngine", load)
     monkeypatch.setattr("prefixcache.models.loader.load_model", load)
-    monkeypatch.setattr("prefixcache.entrypoints.demo.load_model", load)
+    monkeypatch.setattr("prefixcache.entrypoints.cli.demo.load_model", load)
 
 
 # ---------------------------------------------------------------------------- --version, --help
@@ -109,10 +109,12 @@ def test_every_flag_with_a_default_says_it_in_help():
     (["bench", "--help"], "'queue' (scheduling policies under a queue and memory pressure: scheduler replay, no "
                           "model), 'cluster' (replicas behind the SGLang gateway: cache_aware vs round_robin vs "
                           "random vs one replica; see --cluster-*), 'flood' (an agent's system prompt under a "
-                          "cache breakpoint against one-off prompts, per eviction policy: cache replay, no model) "
-                          "and 'field' (GuideLLM, SGLang's bench_serving and AIPerf, whichever "
+                          "cache breakpoint against one-off prompts, per eviction policy: cache replay, no model), "
+                          "'field' (GuideLLM, SGLang's bench_serving and AIPerf, whichever "
                           "--install-field-tools installed, against `prefixcache serve` and, when installed, "
-                          "llama.cpp's server; 20 requests unless --num-requests) (default: all)"),
+                          "llama.cpp's server; 20 requests unless --num-requests) and 'memory' (each weight "
+                          "format's resident memory in a `prefixcache serve` with its 1 GiB KV pool, a process "
+                          "each; 1 thread unless --num-threads) (default: all)"),
 ])
 def test_subcommand_help_documents_flags_and_defaults(capsys, argv, expected):
     code, out, _ = run_cli(argv, capsys)
@@ -136,7 +138,7 @@ def test_bench_queue_flags_set_the_replay_and_bad_values_name_the_field(capsys):
 
 def test_bench_unknown_workload_lists_every_workload(capsys):
     code, out, err = run_cli(["bench", "--workload", "foo,seed"], capsys)
-    listed = ", ".join((*WORKLOAD_NAMES, "speed", "trace", "restart", "queue", "cluster", "flood", "field"))
+    listed = ", ".join((*WORKLOAD_NAMES, "speed", "trace", "restart", "queue", "cluster", "flood", "field", "memory"))
     assert (code, out) == (2, "")
     assert err == f"prefixcache bench: error: --workload: unknown workload 'foo'; choose 'all' or a " \
                   f"comma-separated list of {listed}\n" + BENCH_HINT
@@ -401,7 +403,7 @@ def test_bench_out_at_a_file_exits_at_once_in_a_real_process(tmp_path):
 
 
 def test_run_demo_checks_its_engine_options_before_loading(no_model_load):
-    from prefixcache.entrypoints.demo import run_demo
+    from prefixcache.entrypoints.cli.demo import run_demo
     from prefixcache.errors import InvalidInputError
 
     with pytest.raises(InvalidInputError, match=r"^num_threads must be an integer >= 1, got 0$") as e:
@@ -437,7 +439,7 @@ def test_bare_prefixcache_prints_the_overview_like_pip(no_run, capsys):
 def test_version_help_and_flag_checks_import_neither_torch_nor_transformers(argv):
     """They answer in a fraction of a second (`--version` took 3 s and `bench --workload foo` 10 s
     when they imported torch): the model's libraries are imported when a command runs."""
-    code = ("import sys\nfrom prefixcache.entrypoints import cli\ntry:\n    cli.main(sys.argv[1:])\n"
+    code = ("import sys\nimport prefixcache.entrypoints.cli.main as cli\ntry:\n    cli.main(sys.argv[1:])\n"
             "except SystemExit:\n    pass\nprint(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.stdout.splitlines()[-1] == "[]", proc.stderr

@@ -22,9 +22,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixcache.entrypoints.cluster import Cluster, ClusterOptions, ClusterStartError, add_cli_args, healthy_workers
-from prefixcache.entrypoints.cluster import ROUTING_KEY_HEADER, serve_argv
-from prefixcache.entrypoints.cli_args import add_cli_args as add_serve_args
+from prefixcache.entrypoints.cli.cluster import (ROUTING_KEY_HEADER, Cluster, ClusterOptions, ClusterStartError,
+                                                 add_cli_args, healthy_workers, serve_argv)
+from prefixcache.entrypoints.cli.serve import add_cli_args as add_serve_args
 
 MODEL = "smollm2-135m"
 BLOCK = 16
@@ -277,7 +277,7 @@ def test_a_busy_gateway_port_starts_nothing():
 
 
 def test_kv_events_on_several_replicas_are_refused():
-    from prefixcache.entrypoints.cluster import run_cli
+    from prefixcache.entrypoints.cli.cluster import run_cli
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)

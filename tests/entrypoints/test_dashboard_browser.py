@@ -12,7 +12,7 @@ import shutil
 import httpx
 import pytest
 
-from prefixcache.entrypoints.dashboard import DashboardOptions
+from prefixcache.entrypoints.dashboard.state import DashboardOptions
 from tests.entrypoints.conftest import MODEL, start_server, stop_server
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -64,6 +64,10 @@ def test_dashboard_in_headless_chromium(smollm2, tmp_path):
                 " && document.querySelector('#hits').textContent === h",
                 arg=[str(after["prefix_cache_queries"]), str(after["prefix_cache_hits"])], timeout=15000)
             assert page.text_content("#finished") == "3"
+            (group,) = _stats(s.base_url)["kv_groups"]  # SmolLM2: one group, every layer; its cached
+            assert group["cached"] > 0 and group["label"] == "full attention"  # blocks grew after the load
+            page.wait_for_function("c => document.querySelector('#groups-body td:nth-child(5)').textContent === c",
+                                   arg=str(group["cached"]), timeout=15000)
             assert page.text_content("#status") == "live"
             page.wait_for_selector("#chart-hits canvas", timeout=15000)  # uPlot drew the history
             page.wait_for_selector("#prefixes ul.tree li .preview", timeout=15000)

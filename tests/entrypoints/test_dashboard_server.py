@@ -13,8 +13,8 @@ import threading
 import httpx
 import pytest
 
-from prefixcache.entrypoints import dashboard
-from prefixcache.entrypoints.dashboard import DashboardOptions
+import prefixcache.entrypoints.dashboard.state as dashboard
+from prefixcache.entrypoints.dashboard.state import DashboardOptions
 from tests.entrypoints.conftest import MODEL, start_server, stop_server
 
 SYSTEM = ("You are the support assistant of the ACME online store. Answer in two sentences, politely, and only "
@@ -238,7 +238,7 @@ def test_evictions_by_reason_equal_metrics_and_history(smollm2):
 def test_serve_flag_dashboard_previews():
     import argparse
 
-    from prefixcache.entrypoints.cli_args import _PREVIEWS, add_cli_args
+    from prefixcache.entrypoints.cli.serve import _PREVIEWS, add_cli_args
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
@@ -273,7 +273,7 @@ def test_tier_numbers_equal_metrics(smollm2, tmp_path):
 def test_a_preview_renders_its_characters_escaped_for_html_not_as_json_escapes():
     """The first render showed "\\ud83d\\ude00" for an emoji (json.dumps' ASCII escapes) until the
     page's first poll redrew it; markup stays escaped."""
-    from prefixcache.entrypoints.dashboard_page import _node
+    from prefixcache.entrypoints.dashboard.routes import _node
 
     node = {"start": 0, "end": 16, "tokens": 16, "hits": 1, "served_tokens": 16, "last_use_s_ago": 0.5,
             "preview": 'Hi 😀 <script>alert("x")</script>', "children": []}

@@ -10,9 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from prefixcache.cache.block_pool import BlockPool
+from prefixcache.cache.kv_cache_groups import single_group
 from prefixcache.engine.cache_insight import empty_report
-from prefixcache.entrypoints import dashboard
-from prefixcache.entrypoints.dashboard import DashboardState
+import prefixcache.entrypoints.dashboard.state as dashboard
+from prefixcache.entrypoints.dashboard.state import DashboardState
 
 
 class HeldEngine:
@@ -20,7 +22,9 @@ class HeldEngine:
     ``get_stats`` never waits, as AsyncLLMEngine's."""
 
     def __init__(self) -> None:
-        self.engine = SimpleNamespace(config=SimpleNamespace(block_size=16), finish_hooks=[])
+        self.engine = SimpleNamespace(config=SimpleNamespace(block_size=16), finish_hooks=[],
+                                      kv_cache_groups=single_group(2),  # a snapshot lists the pool's groups
+                                      kv_cache_manager=SimpleNamespace(block_pool=BlockPool(4)))
         self.step_done = asyncio.Event()
         self.num_inspects = 0
 

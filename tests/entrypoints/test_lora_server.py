@@ -10,7 +10,7 @@ import torch
 from tests.entrypoints.conftest import MODEL, start_server, stop_server
 
 from prefixcache import LLM, LoRARequest, SamplingParams
-from prefixcache.entrypoints.cli_args import parse_lora_modules
+from prefixcache.entrypoints.cli.serve import parse_lora_modules
 
 peft = pytest.importorskip("peft")
 
@@ -97,7 +97,8 @@ def test_malformed_adapter_stops_startup_with_one_line(smollm2, adapter_dir, tmp
     """`prefixcache serve --lora-modules legal=DIR` with a malformed adapter_config.json exits 2 with
     `prefixcache serve: error: LoRA adapter legal=...: lora: ...`, as a rank mismatch does (not a traceback)."""
     from prefixcache.engine import llm_engine
-    from prefixcache.entrypoints import cli, launcher, server_log
+    import prefixcache.entrypoints.cli.main as cli
+    from prefixcache.entrypoints.openai import launcher, server_log
 
     bad = malformed_copy(adapter_dir, tmp_path / "bad-adapter", config)
     real_engine = llm_engine.LLMEngine

@@ -12,10 +12,10 @@ import pytest
 from prefixcache.bench import cli as bench_cli
 from prefixcache.bench import runner
 from prefixcache.engine import llm_engine
-from prefixcache.entrypoints import cli
-from prefixcache.entrypoints import demo as demo_module
-from prefixcache.entrypoints import num_threads
-from prefixcache.entrypoints.num_threads import choose_num_threads, default_num_threads
+import prefixcache.entrypoints.cli.demo as demo_module
+import prefixcache.entrypoints.cli.main as cli
+from prefixcache.entrypoints.cli import num_threads
+from prefixcache.entrypoints.cli.num_threads import choose_num_threads, default_num_threads
 
 
 @pytest.mark.parametrize("cpu_count,busy,expected", [

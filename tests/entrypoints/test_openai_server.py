@@ -322,7 +322,7 @@ def test_non_streaming_client_disconnect_aborts(server):
 def test_eviction_metrics_by_reason_render():
     from prefixcache.engine.async_engine import EngineStats
     from prefixcache.engine.llm_engine import EngineMetrics
-    from prefixcache.entrypoints.metrics import ServerMetrics
+    from prefixcache.entrypoints.openai.metrics import ServerMetrics
 
     m = EngineMetrics(num_requests=1, num_hit_requests=1, prefix_cache_queries=10, prefix_cache_hits=5,
                       num_evictions=3, num_blocks_total=8, num_blocks_in_use=2, num_blocks_cached=3,

@@ -8,7 +8,7 @@ import json
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixcache.entrypoints.metrics import VLLM_ALIASES
+from prefixcache.entrypoints.openai.metrics import VLLM_ALIASES
 from tests.entrypoints.conftest import MODEL, start_server, stop_server
 
 # A long shared system prompt (several 16-token blocks), then distinct questions.

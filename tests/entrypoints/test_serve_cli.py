@@ -21,11 +21,11 @@ import pytest
 from prefixcache.config import EngineConfig
 from prefixcache.kernels.cpu_features import auto_format, cpu_has, format_unavailable_reason
 from prefixcache.engine import llm_engine
-from prefixcache.entrypoints import cli
+import prefixcache.entrypoints.cli.main as cli
 from prefixcache import host_memory
-from prefixcache.entrypoints.cli_args import add_cli_args, check_serve_args, engine_config_from_args, flag_name
-from prefixcache.entrypoints.preflight import ModelShape, check_writable_dir, kv_block_bytes, model_shape
-from prefixcache.entrypoints.openai_server import build_app
+from prefixcache.entrypoints.cli.preflight import ModelShape, check_writable_dir, kv_block_bytes, model_shape
+from prefixcache.entrypoints.cli.serve import add_cli_args, check_serve_args, engine_config_from_args, flag_name
+from prefixcache.entrypoints.openai.api_server import build_app
 from tests.entrypoints.conftest import MODEL
 
 REPO = Path(__file__).resolve().parents[2]
@@ -274,7 +274,7 @@ def test_cluster_checks_all_replicas_pools_together(no_model_load, tiny_model, m
 def test_bench_cluster_checks_its_replicas_before_starting_any(capsys):
     """`bench --workload cluster --cluster-replicas 100000` started replicas one after another
     (192 processes, load average 194) until stopped; now refused before anything starts."""
-    from prefixcache.entrypoints.preflight import model_shape
+    from prefixcache.entrypoints.cli.preflight import model_shape
 
     shape = model_shape("smollm2-135m")
     if shape is None:
@@ -548,7 +548,7 @@ def test_the_server_logger_follows_the_stderr_of_its_latest_configure(monkeypatc
     import io
     import logging
 
-    from prefixcache.entrypoints.server_log import configure_logging, logger
+    from prefixcache.entrypoints.openai.server_log import configure_logging, logger
 
     root = logging.getLogger("prefixcache")
     monkeypatch.setattr(root, "handlers", list(root.handlers))

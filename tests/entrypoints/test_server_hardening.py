@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from prefixcache.entrypoints.api_errors import MAX_MESSAGE_CHARS, error_body
+from prefixcache.entrypoints.openai.api_errors import MAX_MESSAGE_CHARS, error_body
 from tests.entrypoints.conftest import MODEL, start_server, stop_server
 
 LIMIT = 64 * 1024  # body limit of the limited server, bytes
@@ -199,7 +199,7 @@ def sse_data(r: httpx.Response) -> list[str]:
 
 
 def test_exception_while_streaming_ends_the_stream_with_an_error_event(limited, monkeypatch):
-    import prefixcache.entrypoints.serving_outputs as serving_outputs
+    import prefixcache.entrypoints.openai.serving_outputs as serving_outputs
 
     def boom(*args, **kwargs):
         raise RuntimeError("boom")

@@ -12,7 +12,7 @@ import httpx
 
 from prefixcache.config import EngineConfig
 from prefixcache.engine.llm_engine import LLMEngine
-from prefixcache.entrypoints.server_log import request_line, startup_lines
+from prefixcache.entrypoints.openai.server_log import request_line, startup_lines
 from prefixcache.kernels.cpu_features import describe_cpu
 from prefixcache.kernels.cpu_kernels import amx_ready
 from prefixcache.outputs import RequestOutput

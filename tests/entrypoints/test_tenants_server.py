@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from prefixcache.engine.llm_engine import LLMEngine
-from prefixcache.entrypoints.cli_args import add_cli_args, parse_tenant_args
-from prefixcache.entrypoints.openai_server import build_app
+from prefixcache.entrypoints.cli.serve import add_cli_args, parse_tenant_args
+from prefixcache.entrypoints.openai.api_server import build_app
 from tests.entrypoints.conftest import MODEL, start_server, stop_server
 
 SYSTEM = (

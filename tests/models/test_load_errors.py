@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from prefixcache.entrypoints import cli
+import prefixcache.entrypoints.cli.main as cli
 from prefixcache.models import fetch
 
 DEFAULT_GGUF = fetch.default_gguf_path()  # the default model's own GGUF, read only

@@ -58,11 +58,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prefixcache.cache.block import common_prefix_length
 from prefixcache.cache.pins import CACHE_TTLS_S, MAX_CACHE_BREAKPOINTS, CacheBreakpoint, cache_usage
 from prefixcache.engine.async_engine import EngineDeadError
-from prefixcache.entrypoints.api_errors import (APIError, clip, cut, error_docs, error_json, union_paths,
-                                              validation_message)
-from prefixcache.entrypoints.protocol import Int64
-from prefixcache.entrypoints.serving_engine import OpenAIServing, lone_surrogate_field
-from prefixcache.entrypoints.serving_outputs import final_outputs, stream_text
+from prefixcache.entrypoints.openai.api_errors import (APIError, clip, cut, error_docs, error_json, union_paths,
+                                                     validation_message)
+from prefixcache.entrypoints.openai.protocol import Int64
+from prefixcache.entrypoints.openai.serving_engine import OpenAIServing, lone_surrogate_field
+from prefixcache.entrypoints.openai.serving_outputs import final_outputs, stream_text
 from prefixcache.errors import InvalidInputError
 from prefixcache.outputs import RequestOutput
 from prefixcache.sampling_params import SamplingParams

@@ -13,8 +13,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from prefixcache.engine.detokenizer import TokenDecoder
-from prefixcache.entrypoints.api_errors import APIError
-from prefixcache.entrypoints.protocol import (
+from prefixcache.entrypoints.openai.api_errors import APIError
+from prefixcache.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -24,8 +24,8 @@ from prefixcache.entrypoints.protocol import (
     ResponseMessage,
     TopLogprob,
 )
-from prefixcache.entrypoints.serving_engine import OpenAIServing
-from prefixcache.entrypoints.serving_outputs import clamp_logprob, prompt_logprobs_json, usage
+from prefixcache.entrypoints.openai.serving_engine import OpenAIServing
+from prefixcache.entrypoints.openai.serving_outputs import clamp_logprob, prompt_logprobs_json, usage
 from prefixcache.errors import counted
 from prefixcache.outputs import RequestOutput
 

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from prefixcache.entrypoints.api_errors import error_body, error_json, error_response
+from prefixcache.entrypoints.openai.api_errors import error_body, error_json, error_response
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20  # ~4x the largest servable request: 128K tokens as JSON ids (~1 MiB) or text (~3 MiB)
 LINGER_S = 2.0  # at most this long, a closed connection's late request bytes are read and dropped

@@ -17,8 +17,8 @@ from starlette.responses import HTMLResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from prefixcache.engine.tenancy import validate_tenant
-from prefixcache.entrypoints.api_errors import error_response
-from prefixcache.entrypoints.dashboard_page import COOKIE_NAME, LOGIN_PAGE
+from prefixcache.entrypoints.dashboard.routes import COOKIE_NAME, LOGIN_PAGE
+from prefixcache.entrypoints.openai.api_errors import error_response
 
 # What an HTTP Authorization header can carry: printable ASCII, inner single spaces.
 _HEADER_SAFE_KEY = re.compile(r"[\x21-\x7e]+(?: +[\x21-\x7e]+)*")

@@ -10,6 +10,8 @@
 - TTFT of finished requests, cold (no cached token) and warm, as ``/metrics`` observes it: count and
   sum since start, p50/p99 over the last ``ttft_window`` of each kind;
 - the prefix tree and the cache breakers from :class:`~prefixcache.engine.cache_insight.CacheInsight`;
+- the pool's blocks per KV-cache group (:func:`kv_group_stats`: full attention, or a sliding window
+  of W keys), taken with the tree;
 - the "worth enabling" verdict (:func:`prefixcache.cache.worth.estimate_worth`) from the live traffic:
   cold prefill speed = prompt tokens / TTFT of cold requests; request rate over the history window.
 
@@ -196,7 +198,8 @@ class DashboardState:
             EngineDeadError: the engine loop has failed.
         """
         def take(engine: LLMEngine) -> tuple[EngineStats, dict]:  # one snapshot: counters and tree agree
-            return take_stats(engine), self.insight.report(tenant, self.previews)
+            return take_stats(engine), {**self.insight.report(tenant, self.previews),
+                                        "kv_groups": kv_group_stats(engine)}
 
         pending = self._pending.get(tenant)
         if pending is not None and pending.done():  # finished while nobody waited: keep its tree, ask anew
@@ -254,6 +257,7 @@ class DashboardState:
             "breakers": report["breakers"],
             "zero_hits": report["zero_hits"],  # requests that served no cached token, and why (in words)
             "pins": report["pins"],  # cache breakpoints' pinned blocks (cache/pins.py), as of the tree
+            "kv_groups": report.get("kv_groups", []),  # blocks per KV-cache group, as of the tree
         }
 
     def _worth(self, m: EngineMetrics, report: dict) -> dict:
@@ -272,6 +276,27 @@ class DashboardState:
             kv_bytes_held=m.cached_bytes,
         )
         return {**estimate_worth(inputs).to_dict(), "inputs": inputs.__dict__}
+
+
+def kv_group_stats(engine: LLMEngine) -> list[dict]:
+    """The pool's blocks per KV-cache group (:mod:`prefixcache.cache.kv_cache_groups`), group 0 first;
+    call on the engine thread, between steps.
+
+    Each entry: ``group_id``; ``kind`` (``"full_attention"`` / ``"sliding_attention"``) and ``window``
+    (keys a sliding layer's query reads, ``None`` for full); ``label`` (``"full attention"`` or
+    ``"sliding window W"``); ``layers`` (the model's layer indices whose K/V its blocks hold); and
+    :meth:`~prefixcache.cache.block_pool.BlockPool.group_block_counts`' ``in_use``, ``cached``,
+    ``cached_free``, ``retained`` (blocks). A model whose layers are all full has one group, whose
+    counts are the pool's. Free blocks without a hash belong to no group: they are the pool's
+    ``blocks_free`` less the groups' ``cached_free``. There is no hit rate per group: a request's hit
+    length is what every group serves (the same tokens for all), so the pool's hit rate is each
+    group's.
+    """
+    groups = engine.kv_cache_groups
+    counts = engine.kv_cache_manager.block_pool.group_block_counts(groups.num_groups)
+    return [{"group_id": g.group_id, "kind": g.spec.kind.value, "window": g.spec.window,
+             "label": f"sliding window {g.spec.window}" if g.is_sliding else "full attention",
+             "layers": list(g.layer_ids), **c} for g, c in zip(groups.groups, counts)]
 
 
 def _pool(m: EngineMetrics, bytes_per_block: int) -> dict:

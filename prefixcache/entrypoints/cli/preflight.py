@@ -4,7 +4,8 @@
 ``--device`` (a CUDA index this machine has), the ``--hash-seed-file``'s secret, a creatable and
 writable ``--kv-disk-dir`` (and ``bench --out``), and a KV pool (``--num-blocks``,
 ``--kv-cache-memory``, ``--block-size``, ``--max-model-len``) that fits the model's context and the
-memory it is allocated in, sized from the model's config.json read without its weights.
+memory it is allocated in, sized from the model's config.json read without its weights (a block
+holds every layer's K/V, or one KV-cache group's for a model with sliding-window layers).
 Every error is a ValueError naming the flag.
 """
 
@@ -16,8 +17,9 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
-from prefixcache.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from prefixcache.config import BUILTIN_MODELS, DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from prefixcache.errors import InvalidInputError
 from prefixcache.host_memory import pool_memory_limit
 
@@ -110,34 +112,57 @@ class ModelShape:
     head_dim: int
     context: int | None  # max_position_embeddings, tokens
     weights_bytes: int = 0  # the checkpoint's *.safetensors files, bytes (what each replica loads)
+    # Layers whose K/V one block holds: one KV-cache group's (prefixcache/cache/kv_cache_groups.py's
+    # layers_per_group) for a model with sliding-window layers; None: every layer (one group).
+    layers_per_block: int | None = None
+
+    @property
+    def block_layers(self) -> int:
+        """Layers one pool block holds K/V for (``layers_per_block``, else ``num_layers``)."""
+        return self.layers_per_block if self.layers_per_block is not None else self.num_layers
 
 
 def model_shape(model: str) -> ModelShape | None:
-    """The KV shape of ``model`` from its config.json (the built-in model once fetched, a local HF
+    """The KV shape of ``model`` from its config.json (a built-in model once fetched, a local HF
     directory), without torch, transformers or the weights.
 
+    A config with sliding-window layers (``layer_types``, ``sliding_window``) is cut into KV-cache
+    groups as the engine cuts it (:func:`~prefixcache.cache.kv_cache_groups.make_kv_cache_groups`),
+    and a block then holds one group's layers: Gemma 3 270M's 18 layers give blocks of 3 layers.
+
     Returns:
-        None when it can't be read cheaply (the built-in model not fetched yet, a .gguf file, an
-        unusual config): the caller's checks then use a lower bound.
+        None when it can't be read cheaply (a built-in model not fetched yet, a .gguf file, an
+        unusual config, a Gemma 3 config without ``layer_types``, whose layers transformers derives
+        from a pattern): the caller's checks then use a lower bound.
     """
+    from prefixcache.cache.kv_cache_groups import layer_specs_from_config, make_kv_cache_groups
     from prefixcache.models import fetch
 
-    path = fetch.default_model_dir() if model == fetch.DEFAULT_MODEL_NAME else Path(model).expanduser()
+    builtin = model in BUILTIN_MODELS
+    path = fetch.builtin_model_dir(model) if builtin else Path(model).expanduser()
     try:
-        if model == fetch.DEFAULT_MODEL_NAME and not fetch.is_complete(path):
+        if builtin and not fetch.is_complete(path):
             return None
         c = json.loads((path / "config.json").read_text())
         heads = c["num_attention_heads"]
+        layers_per_block = None
+        if c.get("layer_types"):
+            groups = make_kv_cache_groups(layer_specs_from_config(SimpleNamespace(
+                num_hidden_layers=c["num_hidden_layers"], layer_types=c["layer_types"],
+                sliding_window=c.get("sliding_window"))))
+            layers_per_block = groups.layers_per_group if groups.is_hybrid else None
+        elif "Gemma3ForCausalLM" in (c.get("architectures") or []):
+            return None
         shape = ModelShape(c["num_hidden_layers"], c.get("num_key_value_heads") or heads,
                            c.get("head_dim") or c["hidden_size"] // heads, c.get("max_position_embeddings"),
-                           sum(f.stat().st_size for f in path.glob("*.safetensors")))
+                           sum(f.stat().st_size for f in path.glob("*.safetensors")), layers_per_block)
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None
     return shape if _valid_shape(shape) else None
 
 
 def _valid_shape(shape: ModelShape) -> bool:
-    sizes = (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.context or 1)
+    sizes = (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.context or 1, shape.block_layers)
     return all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes)
 
 
@@ -147,9 +172,11 @@ def _size(n: int) -> str:
 
 def kv_block_bytes(shape: ModelShape | None, block_size: int, dtype: str) -> int:
     """Bytes of one KV block: ``kv_cache_bytes_per_block``'s (prefixcache/runner/kv_pool.py, which
-    needs torch) 2 x layers x block_size x KV heads x head_dim x element size; with the shape
-    unknown (None), a lower bound: 1 layer, 1 KV head of dimension 1."""
-    per_token = shape.num_layers * shape.num_kv_heads * shape.head_dim if shape is not None else 1
+    needs torch) 2 x layers x block_size x KV heads x head_dim x element size, where layers are
+    those one block holds (:attr:`ModelShape.block_layers`: every layer, or one KV-cache group's,
+    as the engine sizes and allocates its pool); with the shape unknown (None), a lower bound: 1
+    layer, 1 KV head of dimension 1."""
+    per_token = shape.block_layers * shape.num_kv_heads * shape.head_dim if shape is not None else 1
     return 2 * per_token * block_size * _ELEMENT_BYTES[dtype]
 
 

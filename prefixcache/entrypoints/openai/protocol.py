@@ -92,7 +92,7 @@ class _SamplingFields(_Request):
     priority: Int64 | None = None  # vLLM extra: scheduling priority, lower = earlier; default 0
     user: str | None = None  # OpenAI's end-user id: metadata, accepted and not used
     prompt_cache_key: str | None = None  # OpenAI's routing hint (the gateway's key), never an isolation key
-    prompt_cache_retention: str | None = None  # OpenAI's: "in_memory" or "24h" (entrypoints/cache_retention.py)
+    prompt_cache_retention: str | None = None  # OpenAI's: "in_memory" or "24h" (cache_retention.py)
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None

@@ -16,8 +16,8 @@ from typing import Annotated, Union, get_args, get_origin
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from prefixcache.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorInfo,
-                                              ErrorResponse, TokenizeRequest)
+from prefixcache.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                   ErrorInfo, ErrorResponse, TokenizeRequest)
 from prefixcache import errors
 from prefixcache.errors import InvalidInputError
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prefixcache.entrypoints.api_errors import APIError, clip
+from prefixcache.entrypoints.openai.api_errors import APIError, clip
 from prefixcache.outputs import RequestOutput
 
 PROMPT_CACHE_RETENTIONS = ("in_memory", "24h")

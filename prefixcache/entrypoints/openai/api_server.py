@@ -1,15 +1,15 @@
 """OpenAI-compatible HTTP server: the FastAPI app (routes, error handlers, middleware).
 
-``prefixcache serve [MODEL] --host 127.0.0.1 --port 8000`` (flags: :mod:`.cli_args`; running
-under uvicorn: :mod:`.launcher`). Endpoints: ``POST /v1/completions``,
-``POST /v1/chat/completions`` (JSON, or SSE streams ending with ``data: [DONE]``; logic in
-:mod:`.serving_completion` and :mod:`.serving_chat`, on the shared :mod:`.serving_engine`),
-``POST /v1/messages`` (Anthropic's Messages API, its errors in Anthropic's shape:
-:mod:`.anthropic_messages`), ``GET /v1/models``, ``GET /health``, ``POST /reset_prefix_cache`` (also as
-SGLang's ``POST /flush_cache``),
+``prefixcache serve [MODEL] --host 127.0.0.1 --port 8000`` (flags:
+:mod:`~prefixcache.entrypoints.cli.serve`; running under uvicorn: :mod:`.launcher`). Endpoints:
+``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE streams ending with
+``data: [DONE]``; logic in :mod:`.serving_completion` and :mod:`.serving_chat`, on the shared
+:mod:`.serving_engine`), ``POST /v1/messages`` (Anthropic's Messages API, its errors in
+Anthropic's shape: :mod:`~prefixcache.entrypoints.anthropic.serving_messages`), ``GET /v1/models``,
+``GET /health``, ``POST /reset_prefix_cache`` (also as SGLang's ``POST /flush_cache``),
 ``GET /metrics`` (Prometheus), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's,
-:mod:`.serving_tokenization`), the operator
-dashboard: ``GET /v1/cache/stats`` (JSON) and ``GET /dashboard`` (:mod:`.dashboard`), and
+:mod:`.serving_tokenization`), the operator dashboard: ``GET /v1/cache/stats`` (JSON) and
+``GET /dashboard`` (:mod:`~prefixcache.entrypoints.dashboard`), and
 ``GET /server_info`` and ``GET /model_info`` (SGLang's, for routers: :mod:`.router_probes`), and
 the API docs, which work offline: ``GET /docs`` (Swagger UI) and ``GET /redoc`` (:mod:`.api_docs`).
 Every ``GET`` of the table below also answers ``HEAD`` (same status and headers, no body).
@@ -42,17 +42,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prefixcache.config import INT4_DECODER_FORMATS
 from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from prefixcache.engine.llm_engine import LLMEngine
-from prefixcache.entrypoints.anthropic_messages import (MESSAGES_RESPONSES, AnthropicRoute, AnthropicServing,
-                                                        MessagesRequest)
-from prefixcache.entrypoints.api_docs import add_docs_routes
-from prefixcache.entrypoints.api_errors import APIError, clip, error_docs, error_response, validation_message
-from prefixcache.entrypoints.auth import APIKeyMiddleware, tenants_by_key
-from prefixcache.entrypoints.dashboard import DashboardOptions, DashboardState
-from prefixcache.entrypoints.dashboard_page import cache_stats, dashboard, static_file
-from prefixcache.entrypoints.http_limits import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestBodyLimitMiddleware
-from prefixcache.entrypoints.metrics import ServerMetrics
-from prefixcache.entrypoints.server_log import RequestLog
-from prefixcache.entrypoints.protocol import (
+from prefixcache.entrypoints.anthropic.serving_messages import (MESSAGES_RESPONSES, AnthropicRoute,
+                                                               AnthropicServing, MessagesRequest)
+from prefixcache.entrypoints.dashboard.routes import cache_stats, dashboard, static_file
+from prefixcache.entrypoints.dashboard.state import DashboardOptions, DashboardState
+from prefixcache.entrypoints.openai.api_docs import add_docs_routes
+from prefixcache.entrypoints.openai.api_errors import APIError, clip, error_docs, error_response, validation_message
+from prefixcache.entrypoints.openai.auth import APIKeyMiddleware, tenants_by_key
+from prefixcache.entrypoints.openai.http_limits import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestBodyLimitMiddleware
+from prefixcache.entrypoints.openai.metrics import ServerMetrics
+from prefixcache.entrypoints.openai.server_log import RequestLog
+from prefixcache.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -64,11 +64,11 @@ from prefixcache.entrypoints.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from prefixcache.entrypoints.router_probes import model_info, server_info
-from prefixcache.entrypoints.serving_chat import OpenAIServingChat
-from prefixcache.entrypoints.serving_completion import OpenAIServingCompletion
-from prefixcache.entrypoints.serving_engine import OpenAIServing
-from prefixcache.entrypoints.serving_tokenization import OpenAIServingTokenization
+from prefixcache.entrypoints.openai.router_probes import model_info, server_info
+from prefixcache.entrypoints.openai.serving_chat import OpenAIServingChat
+from prefixcache.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from prefixcache.entrypoints.openai.serving_engine import OpenAIServing
+from prefixcache.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from prefixcache.layers.lora import LoRARequest
 
 # Parsed by every route but the GETs; every route may answer these.
@@ -155,7 +155,8 @@ async def create_chat_completion(req: ChatCompletionRequest, raw_request: Reques
 
 
 async def create_message(req: MessagesRequest, raw_request: Request) -> Any:
-    """``POST /v1/messages``: Anthropic's Messages API (:mod:`.anthropic_messages`)."""
+    """``POST /v1/messages``: Anthropic's Messages API
+    (:mod:`~prefixcache.entrypoints.anthropic.serving_messages`)."""
     return await raw_request.app.state.messages.create_message(req, raw_request, _tenant(raw_request))
 
 

@@ -1,6 +1,6 @@
 // prefixcache dashboard: polls /v1/cache/stats and updates the server-rendered page.
 // Elements with data-stat="a.b.c" and data-fmt show that field of the JSON (the same table renders them
-// server-side: prefixcache/entrypoints/dashboard_page.py STAT_FIELDS). Text from the server is only ever
+// server-side: prefixcache/entrypoints/dashboard/routes.py STAT_FIELDS). Text from the server is only ever
 // set with textContent (never parsed as HTML).
 "use strict";
 (function () {
@@ -99,7 +99,7 @@
     });
   }
 
-  const PINS_SHOWN = 20;  // as dashboard_page.PINS_SHOWN
+  const PINS_SHOWN = 20;  // as routes.py's PINS_SHOWN
 
   function renderPins(p) {
     const budget = p.budget_blocks == null ? "unknown yet" : p.budget_blocks;
@@ -125,6 +125,18 @@
       const tr = el("tr");
       tr.appendChild(el("td", name));
       TIER_KEYS.forEach((k) => tr.appendChild(el("td", k in tiers[name] ? String(tiers[name][k]) : "–")));
+      body.appendChild(tr);
+    });
+  }
+
+  const GROUP_KEYS = ["group_id", "label", "layers", "in_use", "cached", "cached_free", "retained"];  // routes.py GROUP_COLUMNS
+
+  function renderGroups(groups) {
+    const body = document.getElementById("groups-body");
+    body.replaceChildren();
+    (groups || []).forEach((g) => {
+      const tr = el("tr");
+      GROUP_KEYS.forEach((k) => tr.appendChild(el("td", k === "layers" ? g[k].join(" ") : String(g[k]))));
       body.appendChild(tr);
     });
   }
@@ -169,6 +181,7 @@
       renderZeroHits(doc.zero_hits);
       renderPins(doc.pins);
       renderTiers(doc.tiers);
+      renderGroups(doc.kv_groups);
       renderCharts(doc.history);
       document.getElementById("status").textContent = !doc.tree_stale ? "live"
         : "live; a long step is running: prefixes and breakers " + (doc.tree_as_of_s == null ? "not taken yet"

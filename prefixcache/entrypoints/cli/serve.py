@@ -1,4 +1,5 @@
-"""``prefixcache serve``'s command line (vLLM's ``cli_args.py``) and its entry point :func:`run_cli`.
+"""``prefixcache serve``'s command line (vLLM's ``openai/cli_args.py``) and its entry point
+:func:`run_cli` (vLLM's ``cli/serve.py``).
 
 The engine flags are generated from :class:`~prefixcache.config.EngineConfig`'s fields, so each
 option is declared once: ``--kebab-case`` of the field name (or ``metadata["flag"]``), the type
@@ -8,7 +9,7 @@ sizes (``metadata["memory"]``) parsed from ``2GiB``-style text. The model is pos
 
 Every flag is checked before the model loads (then the port is bound, then the model loaded), so
 a typo or a busy port fails in a second with one line naming the flag, not after a long load. That
-includes what a flag names (:func:`~prefixcache.entrypoints.preflight.check_engine_resources`).
+includes what a flag names (:func:`~prefixcache.entrypoints.cli.preflight.check_engine_resources`).
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from prefixcache.config import INT4_DECODER_FORMATS, EngineConfig
-from prefixcache.entrypoints.http_limits import DEFAULT_MAX_REQUEST_BODY_BYTES
-from prefixcache.entrypoints.launcher import HTTPOptions
-from prefixcache.entrypoints.num_threads import NUM_THREADS_HELP, choose_num_threads
-from prefixcache.entrypoints.preflight import check_engine_resources
+from prefixcache.entrypoints.cli.num_threads import NUM_THREADS_HELP, choose_num_threads
+from prefixcache.entrypoints.cli.preflight import check_engine_resources
+from prefixcache.entrypoints.openai.http_limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from prefixcache.entrypoints.openai.launcher import HTTPOptions
 from prefixcache.errors import InvalidInputError
 from prefixcache.kernels.cpu_features import auto_format, describe_cpu
 
@@ -344,8 +345,8 @@ def check_serve_args(args: argparse.Namespace, replicas: int = 1) -> ServeSettin
     Raises:
         ValueError: the first bad flag, named.
     """
-    from prefixcache.entrypoints.auth import tenants_by_key
-    from prefixcache.entrypoints.serving_engine import check_lora_module_names
+    from prefixcache.entrypoints.openai.auth import tenants_by_key
+    from prefixcache.entrypoints.openai.serving_engine import check_lora_module_names
     from prefixcache.models.model_path import check_model_arg
 
     merge_model_option(args)
@@ -421,7 +422,7 @@ def run_cli(args: argparse.Namespace) -> int:
         ValueError: a bad flag, a busy port, or a model or adapter that can't be loaded (one line
             for ``prefixcache serve: error: ...``).
     """
-    from prefixcache.entrypoints.launcher import bind_socket, serve_http
+    from prefixcache.entrypoints.openai.launcher import bind_socket, serve_http
 
     threads_note = choose_num_threads(args)
     auto_flags = " ".join(f"--{name} auto" for name in ("dtype", "quantization") if getattr(args, name) == "auto")
@@ -433,9 +434,9 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         with _exit_on_interrupt():
             from prefixcache.engine.llm_engine import LLMEngine
-            from prefixcache.entrypoints.dashboard import DashboardOptions
-            from prefixcache.entrypoints.openai_server import build_app
-            from prefixcache.entrypoints.server_log import configure_logging, log_startup, logger
+            from prefixcache.entrypoints.dashboard.state import DashboardOptions
+            from prefixcache.entrypoints.openai.api_server import build_app
+            from prefixcache.entrypoints.openai.server_log import configure_logging, log_startup, logger
 
             configure_logging(args.log_level)
             if threads_note:

@@ -2,17 +2,17 @@
 ``--version``).
 
 Each subcommand's options live beside its code: ``add_cli_args(parser)`` and ``run_cli(args)`` in
-``entrypoints/cli_args.py`` (serve), ``entrypoints/cluster.py`` (cluster), ``bench/cli.py`` (bench)
-and ``bench/analyze.py`` (analyze), imported lazily so that ``prefixcache demo`` doesn't pay for the
+``entrypoints/cli/serve.py`` (serve), ``entrypoints/cli/cluster.py`` (cluster), ``bench/cli.py``
+(bench) and ``bench/analyze.py`` (analyze), imported lazily so that ``prefixcache demo`` doesn't pay for the
 server's imports. Every ``--help`` shows each flag's default (:class:`DefaultsHelpFormatter`) and the
 choices of enumerated flags.
 
 Every parser is a :class:`CLIParser`: a flag must be spelled in full (``--num-block`` is an error,
 not ``--num-blocks``), and a bad flag or value prints its one error line and a hint, not argparse's
 usage block. Each subcommand that loads a model checks every engine option first (``serve``,
-``cluster``: :func:`~prefixcache.entrypoints.cli_args.check_serve_args`; ``demo``: below;
+``cluster``: :func:`~prefixcache.entrypoints.cli.serve.check_serve_args`; ``demo``: below;
 ``bench``: :func:`~prefixcache.bench.cli.check_bench_args`), so a bad value fails in a second; what
-the flags name (device, files, the KV pool's size) is checked in ``entrypoints/preflight.py``.
+the flags name (device, files, the KV pool's size) is checked in ``entrypoints/cli/preflight.py``.
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ from typing import NoReturn
 from prefixcache import __version__
 from prefixcache.cache.config import DEFAULT_BLOCK_SIZE
 from prefixcache.config import BUILTIN_MODELS, DEFAULT_MODEL
-from prefixcache.entrypoints.num_threads import NUM_THREADS_HELP
+from prefixcache.entrypoints.cli.num_threads import NUM_THREADS_HELP
 from prefixcache.errors import InvalidInputError
 
 _SUBCOMMAND_MODULES = {
-    "serve": ("prefixcache.entrypoints.cli_args", "OpenAI-compatible HTTP server"),
-    "cluster": ("prefixcache.entrypoints.cluster", "N serve replicas behind the SGLang model gateway (sglang-router)"),
+    "serve": ("prefixcache.entrypoints.cli.serve", "OpenAI-compatible HTTP server"),
+    "cluster": ("prefixcache.entrypoints.cli.cluster",
+                "N serve replicas behind the SGLang model gateway (sglang-router)"),
     "bench": ("prefixcache.bench.cli", "prefix-caching benchmarks; speed vs transformers and llama.cpp"),
     "analyze": ("prefixcache.bench.analyze", "a JSONL file of prompts: repeat rate, cache hit rate, cache breakers"),
 }
@@ -180,9 +181,9 @@ def run_command(args: argparse.Namespace, modules: dict[str, object]) -> int:
             (``fetch``) a cache folder that can't hold the model.
     """
     if args.command == "demo":
-        from prefixcache.entrypoints.cli_args import engine_config_from_args
-        from prefixcache.entrypoints.preflight import check_engine_resources
-        from prefixcache.entrypoints.num_threads import choose_num_threads
+        from prefixcache.entrypoints.cli.serve import engine_config_from_args
+        from prefixcache.entrypoints.cli.preflight import check_engine_resources
+        from prefixcache.entrypoints.cli.num_threads import choose_num_threads
         from prefixcache.models.model_path import check_model_arg
 
         config = engine_config_from_args(args, model_flag="--model")  # every engine option before the load
@@ -191,7 +192,7 @@ def run_command(args: argparse.Namespace, modules: dict[str, object]) -> int:
         threads_note = choose_num_threads(args)
         if threads_note:
             print(f"prefixcache demo: {threads_note}", file=sys.stderr, flush=True)
-        from prefixcache.entrypoints.demo import print_report, run_demo
+        from prefixcache.entrypoints.cli.demo import print_report, run_demo
 
         report = run_demo(args.model, block_size=args.block_size, num_threads=args.num_threads,
                           progress=not args.no_progress)
@@ -220,7 +221,7 @@ def _fetch_home(home: str | None) -> Path | None:
         ValueError: an empty ``--home``, or a ``--home`` or ``$PREFIXCACHE_HOME`` that is a file or
             can't be created or written, naming which.
     """
-    from prefixcache.entrypoints.preflight import check_writable_dir
+    from prefixcache.entrypoints.cli.preflight import check_writable_dir
 
     if home == "":  # Path("") is ".": refused rather than silently the default
         raise InvalidInputError("--home", "--home must not be empty (leave it out for $PREFIXCACHE_HOME, "

@@ -28,8 +28,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from fastapi import Request
 
 from prefixcache.engine.async_engine import EngineDeadError
-from prefixcache.entrypoints.api_errors import APIError, error_body
-from prefixcache.entrypoints.protocol import CachedTokensDetails, PromptTokensDetails, Usage
+from prefixcache.entrypoints.openai.api_errors import APIError, error_body
+from prefixcache.entrypoints.openai.protocol import CachedTokensDetails, PromptTokensDetails, Usage
 from prefixcache.outputs import RequestOutput
 
 logger = logging.getLogger("prefixcache.server")

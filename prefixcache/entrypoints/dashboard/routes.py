@@ -2,13 +2,14 @@
 
 ``/dashboard`` is rendered on the server from the same document as ``/v1/cache/stats`` (so it shows
 numbers without JavaScript), then ``dashboard.js`` polls the JSON every couple of seconds and updates
-it, drawing the history with uPlot (MIT, shipped in ``dashboard_static/`` with its licence: no CDN,
+it, drawing the history with uPlot (MIT, shipped in ``static/`` with its licence: no CDN,
 nothing fetched from outside the server). Every text from the cache is escaped (server side) or set
 as text (browser side).
 
 With API keys, ``/dashboard`` and ``/v1/cache/stats`` need the key as the API does
-(:mod:`.auth`): an ``Authorization: Bearer KEY`` header, or, for a browser, the ``prefixcache_key``
-cookie that the login form sets. The static files (the page's code, no data) are public.
+(:mod:`~prefixcache.entrypoints.openai.auth`): an ``Authorization: Bearer KEY`` header, or, for a
+browser, the ``prefixcache_key`` cookie that the login form sets. The static files (the page's
+code, no data) are public.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from pathlib import Path
 from fastapi import Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
-from prefixcache.entrypoints.api_errors import APIError
+from prefixcache.entrypoints.openai.api_errors import APIError
 
-STATIC_DIR = Path(__file__).with_name("dashboard_static")
+STATIC_DIR = Path(__file__).with_name("static")
 STATIC_FILES = {"uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css",
                 "dashboard.js": "text/javascript", "dashboard.css": "text/css", "LICENSE-uPlot": "text/plain"}
 COOKIE_NAME = "prefixcache_key"
@@ -148,6 +149,21 @@ def _tiers(tiers: dict) -> str:
     return "\n".join(rows)
 
 
+# (column, kv_groups key) of the KV-cache groups table; dashboard.js has the same list.
+GROUP_COLUMNS = (("group", "group_id"), ("attention", "label"), ("layers", "layers"), ("blocks in use", "in_use"),
+                 ("blocks cached", "cached"), ("cached, free", "cached_free"), ("retained", "retained"))
+
+
+def _group_cell(group: dict, key: str) -> str:
+    value = group[key]
+    return " ".join(map(str, value)) if key == "layers" else str(value)
+
+
+def _kv_groups(groups: list[dict]) -> str:
+    return "\n".join("<tr>" + "".join(f"<td>{html.escape(_group_cell(g, key))}</td>" for _, key in GROUP_COLUMNS)
+                     + "</tr>" for g in groups)
+
+
 def render_page(doc: dict) -> str:
     """The dashboard's HTML, filled in from a ``/v1/cache/stats`` document."""
     worth = doc["worth"]
@@ -161,6 +177,12 @@ def render_page(doc: dict) -> str:
 <header><h1>prefixcache · {html.escape(doc['model'])}</h1>
 <span class="muted">updated <span id="updated">now</span> · <span id="status">server-rendered</span></span></header>
 <section class="tiles">{_tiles(doc)}</section>
+<section id="groups-section"><h2>KV-cache groups</h2>
+<p class="muted">One pool serves every group; a block holds one group's layers. A sliding-window group releases the
+blocks its window has passed (cached until evicted; the last ones of a prefix are retained). A request's hit is what
+every group serves, so the hit rate above is each group's.</p>
+<table><thead><tr>{''.join(f"<th>{c}</th>" for c, _ in GROUP_COLUMNS)}</tr></thead>
+<tbody id="groups-body">{_kv_groups(doc['kv_groups'])}</tbody></table></section>
 <section><h2>Worth enabling?</h2><p><strong id="worth-verdict">{html.escape(worth.get('verdict') or 'unknown yet')}</strong>
 — <span id="worth-reason">{html.escape(worth.get('reason', ''))}</span></p></section>
 <section id="tiers-section"{'' if doc['tiers'] else ' hidden'}><h2>KV tiers</h2>

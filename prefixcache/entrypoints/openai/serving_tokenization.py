@@ -5,16 +5,16 @@ the very code a completion's or a chat's prompt goes through, so ``count`` is th
 
 from __future__ import annotations
 
-from prefixcache.entrypoints.api_errors import APIError, input_error
-from prefixcache.entrypoints.protocol import (
+from prefixcache.entrypoints.openai.api_errors import APIError, input_error
+from prefixcache.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     PrefixCacheBlocks,
     TokenizeRequest,
     TokenizeResponse,
 )
-from prefixcache.entrypoints.serving_chat import chat_conversation
-from prefixcache.entrypoints.serving_engine import OpenAIServing, check_request
+from prefixcache.entrypoints.openai.serving_chat import chat_conversation
+from prefixcache.entrypoints.openai.serving_engine import OpenAIServing, check_request
 
 
 class OpenAIServingTokenization:

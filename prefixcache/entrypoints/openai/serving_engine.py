@@ -2,7 +2,7 @@
 :class:`OpenAIServing` holds the engine, the served model's name and its adapters, checks a request,
 builds its :class:`SamplingParams`, adds it to the engine and answers it (JSON or an SSE stream,
 :mod:`.serving_outputs`). The endpoints wrap one: :mod:`.serving_completion`, :mod:`.serving_chat`,
-:mod:`.serving_tokenization` and :mod:`.anthropic_messages`.
+:mod:`.serving_tokenization` and :mod:`~prefixcache.entrypoints.anthropic.serving_messages`.
 
 A request is checked in this order, each failure a 400 naming the field in ``param`` unless said:
 its JSON and field types (FastAPI with ``protocol.py``, before this module), lone surrogates in
@@ -25,9 +25,9 @@ from pydantic import BaseModel
 
 from prefixcache.engine.async_engine import AsyncLLMEngine
 from prefixcache.engine.detokenizer import TokenDecoder
-from prefixcache.entrypoints.api_errors import APIError, clip, cut, input_error
-from prefixcache.entrypoints.cache_retention import check_prompt_cache_retention, retained_tokens_header
-from prefixcache.entrypoints.protocol import (
+from prefixcache.entrypoints.openai.api_errors import APIError, clip, cut, input_error
+from prefixcache.entrypoints.openai.cache_retention import check_prompt_cache_retention, retained_tokens_header
+from prefixcache.entrypoints.openai.protocol import (
     UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,7 +35,7 @@ from prefixcache.entrypoints.protocol import (
     SGLangExtensions,
     TokenizeRequest,
 )
-from prefixcache.entrypoints.serving_outputs import (
+from prefixcache.entrypoints.openai.serving_outputs import (
     cached_tokens_details,
     final_outputs,
     numbered,

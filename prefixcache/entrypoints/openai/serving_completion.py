@@ -16,10 +16,11 @@ from pydantic import BaseModel
 from fastapi.responses import Response
 
 from prefixcache.engine.detokenizer import TokenDecoder
-from prefixcache.entrypoints.api_errors import APIError
-from prefixcache.entrypoints.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from prefixcache.entrypoints.serving_engine import OpenAIServing
-from prefixcache.entrypoints.serving_outputs import clamp_logprob, prompt_logprobs_json, usage
+from prefixcache.entrypoints.openai.api_errors import APIError
+from prefixcache.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                                   CompletionResponse)
+from prefixcache.entrypoints.openai.serving_engine import OpenAIServing
+from prefixcache.entrypoints.openai.serving_outputs import clamp_logprob, prompt_logprobs_json, usage
 from prefixcache.outputs import RequestOutput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -8,7 +8,7 @@ A table lives in a page under ``docs/`` between two markers naming the subcomman
     ... generated ...
     <!-- flags:serve:end -->
 
-``python -m prefixcache.entrypoints.flag_docs`` rewrites every such table under ``docs/``;
+``python -m prefixcache.entrypoints.cli.flag_docs`` rewrites every such table under ``docs/``;
 ``--check`` only reports the stale ones (exit 1), which is what ``tests/docs/test_flag_tables.py``
 runs. A table has one row per flag, grouped by the parser's argument groups: the flag (with its
 ``--no-`` form or value name), its default, its choices and its help text. Defaults that depend on
@@ -25,13 +25,13 @@ import re
 import sys
 from pathlib import Path
 
-from prefixcache.entrypoints.cli import build_parser
+from prefixcache.entrypoints.cli.main import build_parser
 
 SUBCOMMANDS = ("demo", "fetch", "serve", "cluster", "bench", "analyze")
 MARKER = re.compile(r"(<!-- flags:(?P<name>[\w-]+):begin -->\n)(?P<body>.*?)(<!-- flags:(?P=name):end -->)", re.S)
 _DEFAULT_NOTE = re.compile(r"\s*\(default:?\s*(?P<text>[^()]*(?:\([^()]*\)[^()]*)*)\)\s*$")
 _BINARY_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
-DOCS_DIR = Path(__file__).resolve().parents[2] / "docs"
+DOCS_DIR = Path(__file__).resolve().parents[3] / "docs"
 
 
 def _parser(command: str) -> argparse.ArgumentParser:
@@ -145,7 +145,8 @@ def stale_pages(docs_dir: Path = DOCS_DIR, write: bool = False) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """Rewrites the stale tables (``--check``: only lists them); returns 1 if ``--check`` found any."""
-    p = argparse.ArgumentParser(prog="python -m prefixcache.entrypoints.flag_docs", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m prefixcache.entrypoints.cli.flag_docs",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="list stale tables, change nothing (exit 1 if any)")
     p.add_argument("--docs", default=str(DOCS_DIR), help="the docs folder (default: the repository's)")
     args = p.parse_args(argv)

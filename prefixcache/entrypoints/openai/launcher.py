@@ -1,5 +1,5 @@
 """Runs the app under uvicorn (vLLM's ``launcher.serve_http``): a socket bound before the model
-loads, the request limits of :mod:`~prefixcache.entrypoints.http_limits`, and a bounded shutdown.
+loads, the request limits of :mod:`~prefixcache.entrypoints.openai.http_limits`, and a bounded shutdown.
 
 Shutdown (SIGTERM, or a first Ctrl-C): the listening socket closes, idle connections close, and
 requests in flight get up to ``timeout_graceful_shutdown_s`` to finish; then the engine is shut
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI
 
-from prefixcache.entrypoints.http_limits import ReadTimeouts, TimedH11Protocol
+from prefixcache.entrypoints.openai.http_limits import ReadTimeouts, TimedH11Protocol
 
 logger = logging.getLogger("uvicorn.error")
 _DRAIN_S = 1.0  # after the engine ends the last requests: time for their answers to go out
@@ -86,7 +86,7 @@ def uvicorn_config(app: FastAPI, options: HTTPOptions) -> uvicorn.Config:
 
 class Server(uvicorn.Server):
     """uvicorn's server with the bounded shutdown of the module docstring. The app must have been
-    built by :func:`~prefixcache.entrypoints.openai_server.build_app` (``app.state.engine``).
+    built by :func:`~prefixcache.entrypoints.openai.api_server.build_app` (``app.state.engine``).
 
     Args:
         config: from :func:`uvicorn_config`.

@@ -4,7 +4,7 @@
 replicas on free loopback ports (each with the same serve flags), then the gateway
 (``sglang-router``: ``python -m sglang_router.launch_router --worker-urls ... --policy ...``) on
 ``--host``/``--port``, and returns when the gateway lists every replica as healthy. What the
-gateway asks a replica is written in :mod:`.router_probes`.
+gateway asks a replica is written in :mod:`~prefixcache.entrypoints.openai.router_probes`.
 
 Processes (invariants):
 
@@ -48,7 +48,7 @@ ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 LOOPBACK = "127.0.0.1"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _PR_SET_PDEATHSIG = 1
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding this prefixcache package
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the directory holding this prefixcache package
 
 
 class ClusterStartError(RuntimeError):
@@ -157,7 +157,7 @@ class Cluster:
         """
         self.options.validate()
         if self.options.port:  # a busy gateway port fails now, not after the replicas load
-            from prefixcache.entrypoints.launcher import bind_socket
+            from prefixcache.entrypoints.openai.launcher import bind_socket
 
             bind_socket(self.options.host, self.options.port).close()
         deadline = time.monotonic() + self.options.startup_timeout_s
@@ -314,7 +314,7 @@ def healthy_workers(gateway_url: str, timeout_s: float = 2.0) -> set[str]:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """``serve``'s flags (given to every replica; ``--host``/``--port`` are the gateway's) plus the
     cluster's own."""
-    from prefixcache.entrypoints.cli_args import add_cli_args as add_serve_args
+    from prefixcache.entrypoints.cli.serve import add_cli_args as add_serve_args
 
     add_serve_args(parser)
     c = parser.add_argument_group("cluster")
@@ -333,8 +333,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def serve_argv(args: argparse.Namespace) -> list[str]:
     """The ``serve`` arguments that reproduce the serve flags in ``args`` (all but ``--host`` and
     ``--port``): the model, then each flag whose value is not its default."""
-    from prefixcache.entrypoints.cli import CLIParser
-    from prefixcache.entrypoints.cli_args import add_cli_args as add_serve_args
+    from prefixcache.entrypoints.cli.main import CLIParser
+    from prefixcache.entrypoints.cli.serve import add_cli_args as add_serve_args
 
     serve = CLIParser(add_help=False)
     add_serve_args(serve)
@@ -368,7 +368,7 @@ def run_cli(args: argparse.Namespace) -> int:
     Raises:
         ValueError: a bad flag (nothing started).
     """
-    from prefixcache.entrypoints.cli_args import check_serve_args
+    from prefixcache.entrypoints.cli.serve import check_serve_args
 
     replicas = args.replicas if isinstance(args.replicas, int) and args.replicas > 1 else 1
     settings = check_serve_args(args, replicas=replicas)  # a bad serve flag fails here, once, not in N replicas
