@@ -12,7 +12,8 @@ import time
 import torch
 
 from prefixcache.kernels import prefill_attention
-from prefixcache.layers.attention import Attention, build_attention_metadata
+from prefixcache.layers.attention.metadata import build_attention_metadata
+from prefixcache.layers.attention.torch_attention import Attention
 
 
 def main() -> None:

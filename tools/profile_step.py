@@ -10,7 +10,7 @@ import argparse
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import prefixcache.layers.attention as attention
+import prefixcache.layers.attention.torch_attention as attention
 import prefixcache.layers.lora as lora
 import prefixcache.models.llama as llama
 

@@ -18,7 +18,7 @@ import math
 import torch
 
 from prefixcache.bench.texts import RAG_DOCUMENT
-from prefixcache.layers.attention import build_attention_metadata
+from prefixcache.layers.attention.metadata import build_attention_metadata
 from prefixcache.layers.quant import RowSplit, row_split
 from prefixcache.llm import LLM
 from prefixcache.models.loader import LoadedModel, load_model

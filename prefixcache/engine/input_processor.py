@@ -30,7 +30,7 @@ from prefixcache.config import INT4_DECODER_FORMATS, W8A8_FORMATS, EngineConfig
 from prefixcache.engine.tenancy import ApprovedPrefixes, validate_tenant
 from prefixcache.errors import InvalidInputError, counted, lone_surrogate
 from prefixcache.layers.lora import LoRAAdapter
-from prefixcache.layers.attention import kv_numerics
+from prefixcache.layers.attention.numerics import kv_numerics
 from prefixcache.layers.quant import INT4_OUTPUT_KEY
 from prefixcache.models.loader import LoadedModel
 from prefixcache.request import Request
@@ -103,19 +103,23 @@ class InputProcessor:
     @property
     def model_key(self) -> bytes:
         """The cache key's model part: the weights' fingerprint, the dtype K/V is computed in, the
-        weight quantization (with what its weights were derived from: ``quantization_key``) and the
-        attention's rules (``attention.kv_numerics``): K/V computed at another precision or with
-        other bits is never reused. Follows the loaded model's fingerprint, which changes whenever
-        its weights are replaced."""
+        weight quantization (with what its weights were derived from: ``quantization_key``), the
+        attention's rules (``attention.numerics.kv_numerics``) and the model's own numerics rules
+        (``numerics_key``: Gemma 3's window, "" for the Llama family, whose key then is the one it
+        always was): K/V computed at another precision or with other bits is never reused. Follows
+        the loaded model's fingerprint, which changes whenever its weights are replaced."""
         paged = self.loaded.model.paged_attention
         quantization_key = self.loaded.model.quantization_key  # int8's smoothing and its calibration
+        numerics_key = self.loaded.model.numerics_key  # a model's attention rules (e.g. a sliding window)
         memo = (self.loaded.fingerprint + self.loaded.quantization.encode() + bytes([paged])
-                + quantization_key.encode())
+                + quantization_key.encode() + b"\0" + numerics_key.encode())
         if self._model_key is None or self._model_key[0] != memo:
             quantization = self.loaded.quantization  # int8, int4-int8: W8A8 products, no bf16 GEMM at all
             numerics = kv_numerics(paged, bf16_gemms=self.loaded.dtype == torch.bfloat16
                                    and quantization not in W8A8_FORMATS, int4=quantization in INT4_DECODER_FORMATS)
             weights_format = f"{self.loaded.dtype}|quantization={quantization}|{quantization_key}|{numerics}"
+            if numerics_key:  # appended only when set: an empty one leaves the key byte-identical
+                weights_format += f"|model-numerics={numerics_key}"
             key = hashlib.sha256(self.loaded.fingerprint + weights_format.encode()).digest()
             self._model_key = (memo, key)
         return self._model_key[1]

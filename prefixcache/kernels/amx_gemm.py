@@ -9,7 +9,7 @@ still summed over its feature blocks in order), because a tile load costs about 
 product. ``benchmarks/amx_linear.py`` times it against oneDNN's prepacked product in row tiles;
 docs/benchmarks.md has the measurements. oneDNN's own AMX kernel gave the same bits on the shapes checked here, but
 nothing promises that across oneDNN versions and CPUs, so the cache key names our kernel for a bf16
-model (:func:`prefixcache.layers.attention.kv_numerics`). Like every AMX product, it reads subnormal bf16
+model (:func:`prefixcache.layers.attention.numerics.kv_numerics`). Like every AMX product, it reads subnormal bf16
 inputs as zero.
 """
 
@@ -24,7 +24,7 @@ from prefixcache.kernels.cpu_kernels import amx_ready, load_cpu_kernels
 def amx_gemm_supported() -> bool:
     """Whether bf16 linear layers run on AMX tiles here (the CPU has AMX-BF16 and Linux granted the tile
     state; ``PREFIXCACHE_AMX=0`` turns every AMX form off, for A/B measurements). The cache key names
-    the choice (:func:`prefixcache.layers.attention.kv_numerics`)."""
+    the choice (:func:`prefixcache.layers.attention.numerics.kv_numerics`)."""
     return amx_ready()
 
 

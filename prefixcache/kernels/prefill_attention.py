@@ -9,7 +9,7 @@ dot products with float32 sums, the softmax is online in float32 (FlashAttention
 
 A row's arithmetic depends only on its own query and its keys and values at their absolute positions,
 so it gets the same bits in a prefill of any length after any cached prefix, in a decode and in any
-batch, without the query and key padding that :mod:`prefixcache.layers.attention` needs to get the
+batch, without the query and key padding that :mod:`prefixcache.layers.attention.metadata` needs to get the
 same from torch's flash kernel. ``benchmarks/prefill_attention.py`` times it against that path;
 docs/benchmarks.md has the measurements.
 
@@ -22,7 +22,7 @@ above holds, but its sums and 2^x differ from the AVX-512 form's, so the cache k
 A model uses it when it is batch-invariant in bfloat16 (``bfloat16``, ``int4``'s prompt rows, ``int8``
 with a bf16 model), its head shape fits (:func:`prefill_kernel_supported`) and the CPU has
 AVX512-BF16; its rounding differs from the torch path's, so the cache key names which one computed
-the K/V (:func:`prefixcache.layers.attention.kv_numerics`).
+the K/V (:func:`prefixcache.layers.attention.numerics.kv_numerics`).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def prefill_amx_supported() -> bool:
     """Whether the kernel runs its products on AMX tiles here (Intel Sapphire Rapids and later: AMX-TILE
     and AMX-BF16, and Linux's grant of the tile state to this process), which it then always does:
     the AMX form rounds differently from the AVX-512 form, so a machine keeps one form and the cache
-    key names it (:func:`prefixcache.layers.attention.kv_numerics`). ``PREFIXCACHE_AMX=0`` keeps the
+    key names it (:func:`prefixcache.layers.attention.numerics.kv_numerics`). ``PREFIXCACHE_AMX=0`` keeps the
     AVX-512 form (and oneDNN's GEMMs: every AMX form off, for A/B measurements)."""
     return amx_ready()
 

@@ -1,10 +1,12 @@
 """Attention metadata of a model whose layers keep different amounts of context (KV-cache groups).
 
-The runner builds one :class:`~prefixcache.layers.attention.AttentionMetadata` per KV-cache group
-(:mod:`prefixcache.cache.kv_cache_groups`) from that group's block tables, and hands the model a
-:class:`GroupedAttentionMetadata` with them. A model opts in by setting the class attribute
-``uses_kv_cache_groups = True`` (a model without it gets one ``AttentionMetadata``, as the Llama
-family does); in its layer loop it asks for each layer's metadata and pool tensor::
+The runner builds one :class:`~prefixcache.layers.attention.metadata.AttentionMetadata` per
+KV-cache group (:mod:`prefixcache.cache.kv_cache_groups`) from that group's block tables, once per
+group and step (:func:`build_grouped_attention_metadata`: a sliding group's window metadata alone, no
+full-context one beside it), and hands the model a :class:`GroupedAttentionMetadata` with them. A
+model opts in by setting the class attribute ``uses_kv_cache_groups = True`` (a model without it
+gets one ``AttentionMetadata``, as the Llama family does); in its layer loop it asks for each
+layer's metadata and pool tensor::
 
     for i, layer in enumerate(self.layers):
         md, kv_cache = attn_metadata.for_layer(i, kv_caches)
@@ -18,11 +20,14 @@ so a layer masking keys outside its window (as sliding-window attention must) ne
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from prefixcache.layers.attention import AttentionMetadata
+from prefixcache.cache.kv_cache_groups import KVCacheGroups
+from prefixcache.layers.attention.metadata import (AttentionMetadata, build_attention_metadata,
+                                                   build_sliding_attention_metadata)
 
 
 @dataclass(slots=True)
@@ -64,3 +69,39 @@ class GroupedAttentionMetadata:
     def paged(self):
         """Group 0's ``paged`` (our paged kernel's tables)."""
         return self.groups[0].paged
+
+
+def build_grouped_attention_metadata(
+    kv_cache_groups: KVCacheGroups, seqs_of_group: Callable[[int], list[tuple[int, int, list[int]]]],
+    block_size: int, device: torch.device | str, **options,
+) -> tuple[GroupedAttentionMetadata, torch.Tensor]:
+    """A step's metadata of every KV-cache group, each built once: a full group's by
+    :func:`~prefixcache.layers.attention.metadata.build_attention_metadata`, a sliding group's by
+    :func:`~prefixcache.layers.attention.metadata.build_sliding_attention_metadata` with its window
+    (the tensors ``build_attention_metadata(..., sliding_window=window).sliding`` holds).
+
+    Args:
+        kv_cache_groups: the model's groups (their windows and ``layer_to_group``).
+        seqs_of_group: group id -> the step's sequences over that group's tables, per sequence
+            ``(num_computed_tokens, num_new_tokens, block_ids)`` in batch order.
+        block_size: tokens per block.
+        device: the model's device.
+        **options: ``batch_invariant``, ``dtype``, ``num_pool_blocks``, ``num_prompt_tokens``,
+            ``paged_kernel``, as ``build_attention_metadata`` takes them.
+
+    Returns:
+        (metadata, positions), positions shape = [num_tokens] int64 (the same for every group).
+
+    Raises:
+        ValueError: as the builders raise (e.g. a window with ``paged_kernel``).
+    """
+    groups, positions = [], None
+    for group in kv_cache_groups.groups:
+        seqs = seqs_of_group(group.group_id)
+        if group.is_sliding:
+            metadata, positions = build_sliding_attention_metadata(seqs, block_size, device, group.spec.window,
+                                                                   **options)
+        else:
+            metadata, positions = build_attention_metadata(seqs, block_size, device, **options)
+        groups.append(metadata)
+    return GroupedAttentionMetadata(groups, kv_cache_groups.layer_to_group), positions

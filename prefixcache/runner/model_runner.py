@@ -25,8 +25,8 @@ import torch
 
 from prefixcache.cache.kv_cache_groups import KVCacheGroups, single_group
 from prefixcache.config import INT4_DECODER_FORMATS
-from prefixcache.layers.attention import build_attention_metadata
-from prefixcache.layers.grouped_attention import GroupedAttentionMetadata
+from prefixcache.layers.attention.metadata import build_attention_metadata
+from prefixcache.layers.grouped_attention import build_grouped_attention_metadata
 from prefixcache.layers.lora import LoRABatch
 from prefixcache.layers.quant import RowSplit, row_split
 from prefixcache.layers.sampler import SamplingMetadata, TokenLogprobs, sample_batch
@@ -189,30 +189,25 @@ class ModelRunner:
         metadata over that group's tables, a sliding group's masked to its window (its released
         blocks, block 0 in the tables, lie before every window and are never read).
         """
-        def build(table_of, sliding_window):
-            return build_attention_metadata(
-                [(s.num_computed_tokens, len(s.token_ids), table_of(s)) for s in seqs],
-                self.block_size,
-                self.device,
-                batch_invariant=self.model.batch_invariant,  # batch-invariant linear layers: attention too
-                dtype=self.kv_caches[0].dtype,
-                num_pool_blocks=self.kv_caches[0].shape[1],
-                # int4: generated tokens (their blocks keyed apart) run through layers.decode_layers
-                num_prompt_tokens=([s.num_prompt_tokens for s in seqs]
-                                   if self.model.quantization in INT4_DECODER_FORMATS else None),
-                paged_kernel=self.model.paged_attention,
-                sliding_window=sliding_window,
-            )
-
+        options = dict(
+            batch_invariant=self.model.batch_invariant,  # batch-invariant linear layers: attention too
+            dtype=self.kv_caches[0].dtype,
+            num_pool_blocks=self.kv_caches[0].shape[1],
+            # int4: generated tokens (their blocks keyed apart) run through layers.decode_layers
+            num_prompt_tokens=([s.num_prompt_tokens for s in seqs]
+                               if self.model.quantization in INT4_DECODER_FORMATS else None),
+            paged_kernel=self.model.paged_attention,
+        )
         if not self.uses_kv_cache_groups:
-            return build(lambda s: s.block_ids, self.sliding_window)
-        groups, positions = [], None
-        for group in self.kv_cache_groups.groups:
-            g = group.group_id
-            metadata, positions = build(lambda s: s.block_ids if s.group_block_ids is None else s.group_block_ids[g],
-                                        group.spec.window)
-            groups.append(metadata.sliding if group.is_sliding else metadata)
-        return GroupedAttentionMetadata(groups, self.kv_cache_groups.layer_to_group), positions
+            return build_attention_metadata([(s.num_computed_tokens, len(s.token_ids), s.block_ids) for s in seqs],
+                                            self.block_size, self.device, sliding_window=self.sliding_window, **options)
+
+        def seqs_of_group(g: int) -> list[tuple[int, int, list[int]]]:
+            return [(s.num_computed_tokens, len(s.token_ids),
+                     s.block_ids if s.group_block_ids is None else s.group_block_ids[g]) for s in seqs]
+
+        return build_grouped_attention_metadata(self.kv_cache_groups, seqs_of_group, self.block_size, self.device,
+                                                **options)
 
     def _logits_split(self, seqs: list[ScheduledSeq]) -> RowSplit | None:
         """For an int4 model, the logits rows (each sampling sequence's last new token, in order) split

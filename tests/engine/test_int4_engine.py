@@ -143,7 +143,7 @@ def test_int4_generated_tokens_over_a_shared_prefix_match_alone(smollm2_int4, mo
     """Decodes over a shared prompt of > 512 tokens run as one batch of generated rows whose block
     tables start with the same pool blocks (kernels.decode_attention); their tokens equal each
     request alone with caching off."""
-    import prefixcache.layers.attention as attention
+    import prefixcache.layers.attention.metadata as attention
 
     steps = []
     build = attention.build_decode_rows

@@ -10,9 +10,10 @@ import torch
 
 from prefixcache.kernels.cpu_features import cpu_has
 from prefixcache.kernels.decode_attention import build_decode_rows, decode_attention
-from prefixcache.layers.attention import Attention, build_attention_metadata
+from prefixcache.layers.attention.metadata import build_attention_metadata
+from prefixcache.layers.attention.torch_attention import Attention
 
-pytestmark = pytest.mark.requires_isa("avx512")  # our C++ kernels (prefixcache.kernels.cpu_kernels)
+pytestmark = pytest.mark.requires_isa("avx2")  # our C++ kernels: the AVX-512 build, else the AVX2 one (load_int4_kernels)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 32, 16
 PROMPT = 1100  # shared prompt: 68 whole blocks, then a partial block

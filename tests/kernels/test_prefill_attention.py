@@ -13,8 +13,10 @@ from prefixcache.kernels.amx_gemm import amx_gemm_supported
 from prefixcache.kernels.cpu_kernels import kernels_compiler
 from prefixcache.kernels.prefill_attention import (build_paged_rows, paged_prefill_attention, prefill_amx_supported,
                                                    prefill_kernel_supported)
-from prefixcache.layers.attention import (AMX_GEMM_NUMERICS, KV_NUMERICS, PAGED_AMX_NUMERICS, PAGED_KV_NUMERICS, Attention,
-                                          build_attention_metadata, kv_numerics)
+from prefixcache.layers.attention.metadata import build_attention_metadata
+from prefixcache.layers.attention.numerics import (AMX_GEMM_NUMERICS, KV_NUMERICS, PAGED_AMX_NUMERICS,
+                                                   PAGED_KV_NUMERICS, kv_numerics)
+from prefixcache.layers.attention.torch_attention import Attention
 
 pytestmark = pytest.mark.skipif(not prefill_kernel_supported(9, 3, 64),
                                 reason="our paged attention kernel needs AVX512-BF16 and AVX512-VNNI")

@@ -1,11 +1,12 @@
-"""A query's attention output has the same bits however it is batched (see layers/attention.py)."""
+"""A query's attention output has the same bits however it is batched (see layers/attention/metadata.py)."""
 
 import random
 
 import pytest
 import torch
 
-from prefixcache.layers.attention import Attention, build_attention_metadata
+from prefixcache.layers.attention.metadata import build_attention_metadata
+from prefixcache.layers.attention.torch_attention import Attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 32, 16
 _BLOCKS = random.Random(0).sample(range(1, 200), 83)

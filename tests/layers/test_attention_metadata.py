@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from prefixcache.layers.attention import build_attention_metadata, padded_num_keys, padded_num_queries
+from prefixcache.layers.attention.metadata import build_attention_metadata, padded_num_keys, padded_num_queries
 
 PAD = 512 // 4  # blocks of 4 tokens in the 512 keys every call attends over (masked beyond the context)
 

@@ -5,7 +5,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from prefixcache.layers.attention import Attention, build_attention_metadata, merge_attention_states
+from prefixcache.layers.attention.cascade import merge_attention_states
+from prefixcache.layers.attention.metadata import build_attention_metadata
+from prefixcache.layers.attention.torch_attention import Attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 32, 16
 

@@ -4,7 +4,8 @@ that counts the query itself (transformers' convention), keys before it not read
 import pytest
 import torch
 
-from prefixcache.layers.attention import Attention, build_attention_metadata
+from prefixcache.layers.attention.metadata import build_attention_metadata, build_sliding_attention_metadata
+from prefixcache.layers.attention.torch_attention import Attention
 
 
 def test_prefill_tile_masks_and_skips_keys_before_the_window():
@@ -57,3 +58,31 @@ def test_windowed_attention_equals_a_dense_masked_reference():
 def test_bad_window_arguments_are_refused(kwargs):
     with pytest.raises(ValueError, match="sliding_window"):
         build_attention_metadata([(0, 3, [0])], 4, "cpu", batch_invariant=True, **kwargs)
+    with pytest.raises(ValueError, match="sliding_window"):
+        build_sliding_attention_metadata([(0, 3, [0])], 4, "cpu", batch_invariant=True, **kwargs)
+
+
+def _tensors(md) -> list:
+    """Every tensor of a metadata, in a fixed order (prefills' tiles included)."""
+    out = [md.slot_mapping, md.decode_token_indices, md.decode_block_table, md.decode_attn_mask, md.decode_key_bias]
+    for p in md.prefills:
+        out += [p.block_ids] + [t.key_bias for t in p.tiles]
+    return out
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_the_window_alone_is_the_sliding_part_of_the_full_build(batch_invariant):
+    """A sliding KV-cache group builds only its window's metadata: the same tensors, tiles and
+    positions as the ``sliding`` part of the build that makes both."""
+    seqs = [(20, 1, [9, 8, 7, 6, 5, 4]), (10, 6, [1, 2, 3, 10]), (2, 1, [3])]
+    both, pos_both = build_attention_metadata(seqs, 4, "cpu", batch_invariant=batch_invariant, sliding_window=6)
+    alone, pos_alone = build_sliding_attention_metadata(seqs, 4, "cpu", 6, batch_invariant=batch_invariant)
+    assert alone.sliding is None and pos_alone.tolist() == pos_both.tolist() == [20, 10, 11, 12, 13, 14, 15, 2]
+    ref = both.sliding
+    assert [(t.start, t.end, t.num_keys, t.key_start) for p in alone.prefills for t in p.tiles] == \
+        [(t.start, t.end, t.num_keys, t.key_start) for p in ref.prefills for t in p.tiles]
+    assert (alone.num_decode_keys, alone.num_decode_rows, alone.decode_first_block) == \
+        (ref.num_decode_keys, ref.num_decode_rows, ref.decode_first_block)
+    for a, b in zip(_tensors(alone), _tensors(ref), strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from prefixcache.layers.attention import build_attention_metadata
-from prefixcache.layers.grouped_attention import GroupedAttentionMetadata
+from prefixcache.layers.attention.metadata import build_attention_metadata
+from prefixcache.layers.grouped_attention import build_grouped_attention_metadata
 from prefixcache.models.loader import LoadedModel
 from prefixcache.runner.kv_pool import allocate_kv_caches, kv_cache_groups_of
 
@@ -109,19 +109,15 @@ class PagedDriver:
         """The runner's metadata for (seq_id, num_new_tokens) pairs: ``(metadata, positions)``."""
         model = self.loaded.model
 
-        def build(table_of, window):
-            return build_attention_metadata(
-                [(self.num_computed[s], n, table_of(s)) for s, n in seqs], self.block_size, "cpu",
-                batch_invariant=model.batch_invariant, dtype=self.kv_caches[0].dtype,
-                paged_kernel=model.paged_attention, sliding_window=window)
-
+        options = dict(batch_invariant=model.batch_invariant, dtype=self.kv_caches[0].dtype,
+                       paged_kernel=model.paged_attention)
         if not self.grouped:
-            return build(lambda s: self.block_tables[s], self.loaded.config.sliding_window)
-        per_group, positions = [], None
-        for group in self.groups.groups:
-            md, positions = build(lambda s: self.group_tables[s][group.group_id], group.spec.window)
-            per_group.append(md.sliding if group.is_sliding else md)
-        return GroupedAttentionMetadata(per_group, self.groups.layer_to_group), positions
+            return build_attention_metadata([(self.num_computed[s], n, self.block_tables[s]) for s, n in seqs],
+                                            self.block_size, "cpu", sliding_window=self.loaded.config.sliding_window,
+                                            **options)
+        return build_grouped_attention_metadata(
+            self.groups, lambda g: [(self.num_computed[s], n, self.group_tables[s][g]) for s, n in seqs],
+            self.block_size, "cpu", **options)
 
     def step(self, batch: list[tuple[str, list[int]]]) -> dict[str, torch.Tensor]:
         """One forward over the new tokens of each (seq_id, token_ids); returns float32 logits per seq."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 from model_testlib import TINY_ARCHS, make_tiny_checkpoint
 
-from prefixcache.layers.attention import build_attention_metadata
+from prefixcache.layers.attention.metadata import build_attention_metadata
 from prefixcache.models.loader import load_model
 from prefixcache.runner.kv_pool import allocate_kv_caches
 

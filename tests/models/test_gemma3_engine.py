@@ -20,9 +20,11 @@ from prefixcache.cache.kv_cache_groups import group_block_hash
 from prefixcache.config import EngineConfig
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.errors import InvalidInputError
+from prefixcache.layers.attention import metadata as attention_metadata
 from prefixcache.layers.lora import LoRARequest
 from prefixcache.models.fetch import default_model_dir
 from prefixcache.models.loader import load_model
+from prefixcache.request import Request
 from prefixcache.sampling_params import SamplingParams
 
 B = 4  # block_size
@@ -240,7 +242,8 @@ def test_the_window_is_in_the_cache_key(tiny):
     _, loaded = tiny
     engine = make_engine(loaded)
     model = loaded.model
-    assert "sliding_window=8|keys=p-w+1..p" in model.quantization_key
+    assert model.numerics_key == "sliding_window=8|keys=p-w+1..p|layers=L,L,G,L,L,G"
+    assert model.quantization_key == ""  # no weight quantization: the window rides on its own key
     key = engine.input_processor.model_key
     original = model.config
     try:
@@ -250,6 +253,51 @@ def test_the_window_is_in_the_cache_key(tiny):
         model.config = original
     assert engine.input_processor.model_key == key
     assert group_block_hash(b"x" * 8, 0) == b"x" * 8  # group 0 keys are the chain's own
+
+
+def test_configs_differing_only_in_the_window_hash_blocks_apart(tiny):
+    """Two Gemma configs alike but for ``sliding_window`` (same weights' fingerprint): every block
+    hash of the same tokens differs, through the model key's numerics part."""
+    _, loaded = tiny
+    engine = make_engine(loaded)
+    model, original = loaded.model, loaded.model.config
+
+    def block_hashes() -> list:
+        probe = Request("p", PREFIX, greedy(1), engine.input_processor.block_hasher, engine.root_key())
+        return probe.block_hashes
+
+    window_8 = block_hashes()
+    try:
+        model.config = dataclasses.replace(original, sliding_window=9)
+        window_9 = block_hashes()
+        assert model.numerics_key == "sliding_window=9|keys=p-w+1..p|layers=L,L,G,L,L,G"
+    finally:
+        model.config = original
+    assert len(window_8) == len(window_9) == 10
+    assert all(a != b for a, b in zip(window_8, window_9))
+    assert block_hashes() == window_8  # the key follows the config back
+
+
+def test_metadata_is_built_once_per_group_and_step(tiny, monkeypatch):
+    """One full group and two sliding groups: three metadata builds a step (a sliding group's
+    window metadata alone, no full-context one beside it), in prefill and in decode steps."""
+    _, loaded = tiny
+    builds = []
+    build = attention_metadata._build_metadata
+
+    def counting_build(*args, **kwargs):
+        builds.append(kwargs.get("window"))
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(attention_metadata, "_build_metadata", counting_build)
+    engine = make_engine(loaded)
+    engine.add_request(PREFIX[:10], greedy(3))
+    per_step = []
+    while engine.has_unfinished_requests():
+        builds.clear()
+        engine.step()
+        per_step.append(list(builds))
+    assert per_step == [[None, W, W]] * 3  # the prefill, then two decodes (the third token ends it)
 
 
 def test_a_prompt_whose_one_chunk_needs_the_pool_three_times_runs_in_smaller_chunks(tiny):

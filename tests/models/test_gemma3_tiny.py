@@ -142,7 +142,7 @@ def test_other_formats_refused(tiny_gemma, tmp_path, dtype, quantization, field)
 
 
 def test_metadata_without_window_refused(tiny_gemma):
-    from prefixcache.layers.attention import build_attention_metadata
+    from prefixcache.layers.attention.metadata import build_attention_metadata
 
     _, loaded = tiny_gemma
     driver = PagedDriver(loaded)

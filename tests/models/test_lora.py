@@ -10,7 +10,7 @@ import pytest
 import torch
 from model_testlib import bad_copy, make_tiny_checkpoint, poisoned
 
-from prefixcache.layers.attention import build_attention_metadata
+from prefixcache.layers.attention.metadata import build_attention_metadata
 from prefixcache.layers.lora import LoRABatch, load_lora_adapter
 from prefixcache.models.loader import load_model
 from prefixcache.runner.kv_pool import allocate_kv_caches

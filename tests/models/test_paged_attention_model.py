@@ -43,7 +43,7 @@ def test_bf16_model_on_the_kernel_same_bits_chunked_and_close_to_fp32(tmp_path, 
     assert len(calls) == loaded.model.config.num_hidden_layers
     # metadata built without the kernel (md.paged None): the torch layers, not the fused ones
     loaded.model.model.fused_prompt_ops = True
-    from prefixcache.layers.attention import build_attention_metadata
+    from prefixcache.layers.attention.metadata import build_attention_metadata
     md, positions = build_attention_metadata([(0, len(ids), list(range(4)))], 16, "cpu", batch_invariant=True,
                                              dtype=torch.bfloat16, num_pool_blocks=8)
     assert md.paged is None

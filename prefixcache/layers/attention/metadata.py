@@ -1,23 +1,6 @@
-"""Paged attention over the KV pool, on top of `torch.nn.functional.scaled_dot_product_attention`.
-
-A step's batch lays the new tokens of its sequences one sequence after another. For each sequence:
-
-    | computed (cached in the pool) | new (this step) |
-    0                     num_computed_tokens        context_len = num_computed_tokens + num_new_tokens
-
-Each new token attends causally to every token of its own sequence up to and including itself; in
-a model's local (sliding-window) layers, to the last ``sliding_window`` of them only, itself included
-(``AttentionMetadata.sliding``: the same calls with the window in their masks).
-
-Invariants:
-- Every layer first writes the K/V of ALL new tokens of the batch into the pool at `slot_mapping`, then
-  reads each sequence's whole context back from the pool. A sequence may therefore read blocks another
-  sequence of the same batch writes in this very step.
-- Everything that depends only on the batch (slots, masks, groups) is built once per step by
-  `build_attention_metadata`; the per-layer work is tensor ops only.
-- Sequences with one new token (decode) are grouped into one padded SDPA call with a key-padding mask;
-  each sequence with more new tokens (a prefill chunk) gets its own SDPA call with a causal mask offset by
-  its cached length.
+"""Per-step attention metadata: slots, prefill tiles, decode tables, cascade groups, the window of
+local layers, built once per step by :func:`build_attention_metadata` (the per-layer work in
+:mod:`prefixcache.layers.attention.torch_attention` is tensor ops only).
 
 Batch invariance (a query's output is the same bits whichever other queries share its call): torch's
 CPU flash-attention kernel (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp) splits the keys into
@@ -38,90 +21,19 @@ give a row its one-row bits), so cache on and off give bit-identical logits; flo
 differently by batch size anyway, so it keeps the cheaper unpadded calls. The padding costs
 compute only: masked key blocks add exact zeros. (float32 activations without GQA are a known
 exception: a decode row then differs from its prefill row in the last bits.)
-
-Shared-prefix (cascade) decode attention: decodes whose contexts start with the same pool blocks
-(requests over one system prompt, the samples of an ``n > 1`` request) attend to that shared run
-once: one call for all their queries over the run's keys, read in place when the blocks are
-consecutive in the pool, then each decode's own tail in one padded call, the two merged by their
-log-sum-exp. This is FlashInfer's cascade inference (Ye et al., "Cascade Inference: Memory
-Bandwidth Efficient Shared Prefix Batch Decoding", 2024) and vLLM's cascade attention
-(vllm/v1/attention/backends/flash_attn.py, ``use_cascade_attention``), written over torch's CPU
-flash kernel, which returns the log-sum-exp. It changes rounding (the softmax is summed in two
-parts), so it is used only without ``batch_invariant``. The batch-invariant int4 format's
-generated tokens (``num_prompt_tokens``) never reach this module: they run through
-:mod:`prefixcache.layers.decode_layers` and our own paged kernel
-(:mod:`prefixcache.kernels.decode_attention`: one fixed order per row whatever its batch, shared
-blocks read once into cache); its prompt tokens, and every token of int8 and bfloat16, keep one
-call over the whole context, which gives a decode the bits of a prefill row.
-
-Our paged kernel: a batch-invariant bfloat16 model on a CPU with AVX512-BF16 (``paged_kernel``, which
-``LlamaForCausalLM.paged_attention`` decides) runs every row that reaches this module through
-:mod:`prefixcache.kernels.prefill_attention` instead: one call per layer for the whole step, keys read
-in place through the block tables, a row's bits fixed by construction, so none of the padding above
-(faster than the padded flash calls: ``benchmarks/prefill_attention.py`` compares them).
-The torch path stays for float32, int8 over a float32 model, head shapes the kernel doesn't take and
-CPUs without AVX512-BF16; the cache key names which one computed the K/V (:func:`kv_numerics`). On a
-CPU with AMX-BF16 the kernel runs its products on AMX tiles, which the key names too.
 """
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from prefixcache.kernels.amx_gemm import amx_gemm_supported
-from prefixcache.kernels.cpu_kernels import kernels_compiler
 from prefixcache.kernels.decode_attention import DecodeRows, build_decode_rows
-from prefixcache.kernels.prefill_attention import (PagedRows, build_paged_rows, paged_prefill_attention,
-                                                   prefill_amx_supported)
+from prefixcache.kernels.prefill_attention import PagedRows, build_paged_rows
+from prefixcache.layers.attention.cascade import CascadeGroup, build_cascade_groups, is_consecutive
 
 KV_SPLIT = 512  # keys per block of torch's CPU flash-attention kernel (batch-invariant calls pad to a multiple)
 MIN_Q_ROWS = 4  # a call of 1 to 3 query rows takes another GEMM path (other rounding)
 Q_ROW_QUANTUM = 16  # rows of the GEMMs' sub-blocks: a 2- or 3-row tail after them rounds differently too
-# Part of every cache key (engine.input_processor.model_key): names the rules that decide the bits of
-# every K/V the pool holds (the padding above, layers.linear.row_tiled_linear's row counts); changed with
-# them, so a disk or Redis tier filled under an older rule is never read as if computed now
-# (query rows padded to 4..16 or a multiple of 16; no one-row GEMM call).
-KV_NUMERICS = "attention-rows:4-16-x16|gemm-rows:2+"
-# the same for our kernel's prompt rows, with the fused element-wise ops of kernels.prompt_ops around it
-# (their RMSNorm sum order and SiLU exp are ours, not torch's; the kernel's softmax is in base 2)
-PAGED_KV_NUMERICS = "paged-bf16-attention:keys32-exp2|gemm-rows:2+|prompt-ops:1"
-
-
-# added where our kernel runs its products on AMX tiles (prefill_attention.prefill_amx_supported); its softmax
-# is p = 2^(s * scale - m) by a floor-reduced polynomial, a -inf score making its row NaN
-PAGED_AMX_NUMERICS = "|prompt-products:amx-tiles|softmax:exp2-floor"
-# added where a bf16 model's prepacked linear layers run on our AMX kernel (amx_gemm.amx_gemm_supported)
-AMX_GEMM_NUMERICS = "|gemm:amx-tiles-k32"
-
-
-def kv_numerics(paged_kernel: bool, bf16_gemms: bool, int4: bool = False) -> str:
-    """The cache key's name for the rules that decide the bits of the pool's K/V: our paged kernel
-    (:mod:`prefixcache.kernels.prefill_attention`), in its AMX or AVX-512 form, or torch's padded
-    flash calls; for a model whose linear layers run in bf16 (``bf16_gemms``), whose GEMMs those are
-    (our AMX kernel or oneDNN's in row tiles; a float32 or int8 model's never run on it); and, wherever
-    our C++ kernels compute K/V (the paged kernel, the AMX GEMM, ``int4``'s generated rows), the
-    compiler that built them (:func:`prefixcache.kernels.cpu_kernels.kernels_compiler`)."""
-    if not paged_kernel:
-        key = KV_NUMERICS
-    else:
-        key = PAGED_KV_NUMERICS + (PAGED_AMX_NUMERICS if prefill_amx_supported() else "")
-    amx_gemm = bf16_gemms and amx_gemm_supported()
-    key += AMX_GEMM_NUMERICS if amx_gemm else ""
-    return key + (f"|cc:{kernels_compiler()}" if paged_kernel or amx_gemm or int4 else "")
-
-
-def common_run_length(ids: torch.Tensor) -> int:
-    """Leading columns of ``ids`` [num_rows, n] on which every row agrees: the rows' common run of
-    blocks (the cascade groups')."""
-    same = (ids == ids[0]).all(0)  # [n]
-    return ids.shape[1] if bool(same.all()) else int(same.to(torch.int8).argmin())
-
-
-def is_consecutive(blocks: torch.Tensor) -> bool:
-    """Whether block ids [n] are first, first + 1, ...: readable as one view of the pool."""
-    return bool((blocks == blocks[0] + torch.arange(blocks.shape[0])).all())
 
 
 def padded_num_keys(context_len: int, batch_invariant: bool = True) -> int:
@@ -172,19 +84,6 @@ class PrefillMetadata:
     tiles: list[QueryTile]  # its new tokens, Q_TILE at a time
 
 
-MIN_CASCADE_KEYS = 128  # shared keys below which a separate shared-prefix call does not pay
-
-
-@dataclass(slots=True)
-class CascadeGroup:
-    """Decodes whose contexts start with the same run of pool blocks (see the module docstring)."""
-
-    members: torch.Tensor  # [num_members] int64: indices into the step's decodes, >= 2 of them
-    block_ids: torch.Tensor | None  # [num_shared_blocks] int64: the shared run; None when consecutive
-    first_block: int  # the run's first block (read as a view when block_ids is None)
-    num_keys: int  # shared tokens: num_shared_blocks * block_size
-
-
 @dataclass(slots=True)
 class AttentionMetadata:
     """Per-step inputs of every attention layer, built once by `build_attention_metadata`."""
@@ -204,7 +103,8 @@ class AttentionMetadata:
     # this one: read as a view of the pool (masked padding blocks are whatever follows), no copy
     cascade_groups: list[CascadeGroup]  # shared-prefix groups of decodes; empty when batch-invariant
     num_decode_rows: int  # rows each (decode, KV head) call block needs: MIN_Q_ROWS when batch-invariant,
-    # else 1; its query heads count, so each query is repeated _decode_repeats(heads per KV head, this) times
+    # else 1; its query heads count, so each query is repeated torch_attention._decode_repeats(heads per
+    # KV head, this) times
     num_decode_keys: int  # tail keys: padded_num_keys(longest decode tail); 0 without decodes
     batch_invariant: bool  # built with the padding rules of the module docstring
     num_tokens: int  # new tokens in the batch
@@ -235,7 +135,7 @@ def build_attention_metadata(
         batch_invariant: pad keys and queries as the module docstring says, so that a query's output
             has the same bits in any call (worth it only when the rest of the model is batch-invariant
             too: int8, bfloat16, int4); else each call attends over exactly its keys, and decodes sharing
-            prefix blocks attend to them once (cascade, see the module docstring).
+            prefix blocks attend to them once (:mod:`prefixcache.layers.attention.cascade`).
         dtype: the model's activation dtype (of the key biases).
         num_pool_blocks: blocks in the pool (0: unknown). A sequence whose blocks are consecutive
             and whose padded key range ends inside the pool is read as a view instead of a gather
@@ -268,10 +168,7 @@ def build_attention_metadata(
     if paged_kernel and not batch_invariant:
         raise ValueError("paged_kernel needs batch_invariant")
     if sliding_window is not None:
-        if sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-        if paged_kernel or num_prompt_tokens is not None:
-            raise ValueError("sliding_window is not supported with paged_kernel or num_prompt_tokens")
+        _check_window(sliding_window, paged_kernel, num_prompt_tokens)
         metadata, positions = _build_metadata(seqs, block_size, device, batch_invariant, dtype, num_pool_blocks)
         metadata.sliding = _build_metadata(seqs, block_size, device, batch_invariant, dtype, num_pool_blocks,
                                            window=sliding_window)[0]
@@ -279,6 +176,36 @@ def build_attention_metadata(
     if num_prompt_tokens is not None and batch_invariant:
         return _split_metadata(seqs, block_size, device, dtype, num_pool_blocks, num_prompt_tokens, paged_kernel)
     return _build_metadata(seqs, block_size, device, batch_invariant, dtype, num_pool_blocks, paged_kernel)
+
+
+def build_sliding_attention_metadata(
+    seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device | str, sliding_window: int,
+    batch_invariant: bool = False, dtype: torch.dtype = torch.float32, num_pool_blocks: int = 0,
+    num_prompt_tokens: list[int] | None = None, paged_kernel: bool = False,
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """The local layers' metadata alone: what ``build_attention_metadata(..., sliding_window=...)``
+    puts in ``sliding`` (the same tensors), built without the full-context metadata beside it, which
+    a KV-cache group of local layers never reads (:mod:`prefixcache.layers.grouped_attention`).
+
+    Args and Raises: as :func:`build_attention_metadata` with ``sliding_window`` given.
+
+    Returns:
+        (metadata, positions): ``sliding`` None on the metadata itself; positions shape = [num_tokens]
+        int64, as :func:`build_attention_metadata` gives them.
+    """
+    if paged_kernel and not batch_invariant:
+        raise ValueError("paged_kernel needs batch_invariant")
+    _check_window(sliding_window, paged_kernel, num_prompt_tokens)
+    return _build_metadata(seqs, block_size, device, batch_invariant, dtype, num_pool_blocks, window=sliding_window)
+
+
+def _check_window(sliding_window: int, paged_kernel: bool, num_prompt_tokens: list[int] | None) -> None:
+    """Raises ValueError naming ``sliding_window`` when it is < 1 or given with paged_kernel or
+    num_prompt_tokens (neither our paged kernel nor the int4 split masks a window)."""
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if paged_kernel or num_prompt_tokens is not None:
+        raise ValueError("sliding_window is not supported with paged_kernel or num_prompt_tokens")
 
 
 def _build_metadata(
@@ -296,7 +223,7 @@ def _build_metadata(
     decode_block_table, decode_attn_mask, decode_key_bias, decode_index_tensor = None, None, None, None
     cascade_groups, num_decode_keys, decode_first_block = [], 0, None
     if decode_rows:
-        cascade_groups = [] if inv or window is not None else _cascade_groups(seqs, block_table, decode_rows,
+        cascade_groups = [] if inv or window is not None else build_cascade_groups(seqs, block_table, decode_rows,
                                                                               block_size, device)
         decode_block_table, decode_attn_mask, num_decode_keys = _decode_tables(
             seqs, block_table, decode_rows, cascade_groups, block_size, device, inv, window
@@ -493,40 +420,6 @@ def _query_tile(num_computed: int, start: int, end: int, device: torch.device | 
     return QueryTile(start=start, end=end, num_keys=num_keys, key_bias=key_bias.to(device), key_start=key_start)
 
 
-def _cascade_groups(
-    seqs: list[tuple[int, int, list[int]]],
-    block_table: torch.Tensor,
-    decode_rows: list[int],
-    block_size: int,
-    device: torch.device | str,
-) -> list[CascadeGroup]:
-    """Groups of >= 2 decodes whose contexts start with the same >= MIN_CASCADE_KEYS tokens of pool
-    blocks (their longest common run of block ids, only blocks before each one's last token)."""
-    by_first_block: dict[int, list[int]] = {}
-    for d, row in enumerate(decode_rows):
-        if (seqs[row][0] + seqs[row][1] - 1) // block_size > 0:  # a full block before its last token
-            by_first_block.setdefault(int(block_table[row, 0]), []).append(d)
-    groups = []
-    for members in by_first_block.values():
-        if len(members) < 2:
-            continue
-        rows = [decode_rows[d] for d in members]
-        num_full = min((seqs[r][0] + seqs[r][1] - 1) // block_size for r in rows)
-        ids = block_table[rows, :num_full]  # [num_members, num_full]
-        num_shared = common_run_length(ids)
-        if num_shared * block_size < MIN_CASCADE_KEYS:
-            continue
-        run = ids[0, :num_shared]
-        consecutive = is_consecutive(run)
-        groups.append(CascadeGroup(
-            members=torch.tensor(members, dtype=torch.int64, device=device),
-            block_ids=None if consecutive else run.to(device),
-            first_block=int(run[0]),
-            num_keys=num_shared * block_size,
-        ))
-    return groups
-
-
 def _decode_tables(
     seqs: list[tuple[int, int, list[int]]],
     block_table: torch.Tensor,
@@ -559,199 +452,3 @@ def _decode_tables(
     if window is not None:  # the window's first key, counted from the tail's first block
         mask &= key_pos[None, :] > torch.tensor(tail_lens, dtype=torch.int64)[:, None] - 1 - window
     return table.to(device), mask[:, None, None, :].to(device), num_keys
-
-
-class Attention(nn.Module):
-    """Paged causal self-attention with grouped KV heads (no parameters).
-
-    Args:
-        num_heads: Query heads.
-        num_kv_heads: KV heads; divides num_heads.
-        head_dim: Dimension per head.
-        scale: Softmax scale, usually 1 / sqrt(head_dim).
-    """
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Writes k/v of the new tokens into the pool, then attends over each sequence's context.
-
-        Args:
-            q: shape = [num_tokens, num_heads, head_dim], RoPE applied.
-            k: shape = [num_tokens, num_kv_heads, head_dim], RoPE applied.
-            v: shape = [num_tokens, num_kv_heads, head_dim].
-            kv_cache: This layer's pool, shape = [2, num_blocks, block_size, num_kv_heads, head_dim].
-            attn_metadata: The step's metadata.
-
-        Returns:
-            shape = [num_tokens, num_heads * head_dim].
-        """
-        num_tokens = q.shape[0]
-        _, num_blocks, block_size = kv_cache.shape[:3]
-        slots_shape = (num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        md = attn_metadata
-        kv_cache[0].view(slots_shape).index_copy_(0, md.slot_mapping, k)  # view: [num_slots, kv_heads, head_dim]
-        kv_cache[1].view(slots_shape).index_copy_(0, md.slot_mapping, v)  # view: [num_slots, kv_heads, head_dim]
-        if md.paged is not None:  # our kernel, every row in one call
-            return paged_prefill_attention(q, kv_cache, md.paged, self.scale).view(num_tokens, -1)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
-
-        if not md.prefills:  # decode-only batch: the decodes are the whole batch, in order
-            out = self._decode_attention(q, k_cache, v_cache, md)  # [num_tokens, num_heads, head_dim]
-        else:
-            out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
-            for p in md.prefills:
-                out[p.token_start : p.token_end] = self._prefill_attention(q, k_cache, v_cache, p)
-            if md.decode_block_table is not None:
-                q_dec = q.index_select(0, md.decode_token_indices)  # [num_decodes, num_heads, head_dim]
-                out.index_copy_(0, md.decode_token_indices, self._decode_attention(q_dec, k_cache, v_cache, md))
-        return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [num_tokens, num_heads * head_dim]
-
-    def _prefill_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: PrefillMetadata
-    ) -> torch.Tensor:
-        """One sequence's chunk, a query tile at a time: shape = [num_new_tokens, num_heads, head_dim]."""
-        num_read = p.block_ids.shape[0]
-        kv_shape = (num_read * k_cache.shape[1], self.num_kv_heads, self.head_dim)
-        if p.first_block is not None:  # consecutive blocks: a view of the pool, no copy
-            k_seq = k_cache[p.first_block : p.first_block + num_read].view(kv_shape).transpose(0, 1)
-            v_seq = v_cache[p.first_block : p.first_block + num_read].view(kv_shape).transpose(0, 1)
-        else:
-            k_seq = k_cache.index_select(0, p.block_ids).view(kv_shape).transpose(0, 1)  # [kv_heads, slots, hd]
-            v_seq = v_cache.index_select(0, p.block_ids).view(kv_shape).transpose(0, 1)  # [kv_heads, slots, hd]
-        q_seq = q[p.token_start : p.token_end]  # [num_new, num_heads, head_dim]
-        outs = []
-        for tile in p.tiles:
-            q_tile = q_seq[tile.start : tile.end]  # [n, num_heads, head_dim]
-            num_rows, n = tile.key_bias.shape[0], tile.end - tile.start
-            if num_rows > n:  # padding rows (see the module docstring): copies of the last query
-                q_tile = torch.cat([q_tile, q_tile[-1:].expand(num_rows - n, -1, -1)])
-            o = F.scaled_dot_product_attention(
-                q_tile.transpose(0, 1).unsqueeze(0),  # [1, num_heads, num_rows, head_dim]
-                k_seq[:, tile.key_start : tile.num_keys].unsqueeze(0),  # [1, kv_heads, keys read, head_dim]
-                v_seq[:, tile.key_start : tile.num_keys].unsqueeze(0),
-                attn_mask=tile.key_bias.to(q.dtype),  # a no-op unless built for another dtype
-                scale=self.scale,
-                enable_gqa=True,
-            )  # [1, num_heads, num_rows, head_dim]
-            outs.append(o[0, :, :n].transpose(0, 1))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    def _decode_attention(
-        self, q_dec: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata
-    ) -> torch.Tensor:
-        """All decode tokens: one padded call over their tails, one call per cascade group over its
-        shared blocks, merged by log-sum-exp.
-
-        Args:
-            q_dec: shape = [num_decodes, num_heads, head_dim].
-
-        Returns:
-            shape = [num_decodes, num_heads, head_dim].
-        """
-        num_decodes, num_blocks = md.decode_block_table.shape
-        flat_blocks = md.decode_block_table.view(num_decodes * num_blocks)  # [num_decodes * num_blocks]
-        kv_shape = (num_decodes, num_blocks * k_cache.shape[1], self.num_kv_heads, self.head_dim)
-        keys = slice(0, md.num_decode_keys)
-        if md.decode_first_block is not None:  # one decode, consecutive blocks: a view of the pool
-            first = md.decode_first_block
-            k_dec = k_cache[first : first + num_blocks].view(kv_shape)[:, keys]  # [1, num_keys, kv_heads, hd]
-            v_dec = v_cache[first : first + num_blocks].view(kv_shape)[:, keys]
-        else:
-            k_dec = k_cache.index_select(0, flat_blocks).view(kv_shape)[:, keys]  # [num_decodes, num_keys, kv_heads, hd]
-            v_dec = v_cache.index_select(0, flat_blocks).view(kv_shape)[:, keys]  # [num_decodes, num_keys, kv_heads, hd]
-        group = self.num_heads // self.num_kv_heads
-        rows = _decode_repeats(group, md.num_decode_rows)  # repeats of each query, so that the call's rows pad right
-        q = q_dec.view(num_decodes, self.num_kv_heads, group, 1, self.head_dim)
-        q = q.expand(-1, -1, -1, rows, -1).reshape(num_decodes, self.num_kv_heads, group * rows, self.head_dim)
-        # The query heads of one KV head as rows of one call (GQA without repeating K/V); the query
-        # repeated when its heads alone are fewer rows than num_decode_rows (see the module docstring).
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k_dec.transpose(1, 2), v_dec.transpose(1, 2), attn_mask=md.decode_key_bias, scale=self.scale
-        )[:2]  # [num_decodes, kv_heads, group * rows, head_dim], [num_decodes, kv_heads, group * rows]
-        out = out.reshape(num_decodes, self.num_heads, rows, self.head_dim)[:, :, 0]  # [num_decodes, heads, hd]
-        if not md.cascade_groups:
-            return out
-        lse = lse.reshape(num_decodes, self.num_heads, rows)[:, :, 0]  # [num_decodes, num_heads]
-        for g in md.cascade_groups:
-            o_shared, lse_shared = self._shared_prefix_attention(q_dec.index_select(0, g.members), k_cache, v_cache, g)
-            merged = merge_attention_states(o_shared, lse_shared, out.index_select(0, g.members),
-                                            lse.index_select(0, g.members))
-            out.index_copy_(0, g.members, merged)
-        return out
-
-    def _shared_prefix_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: CascadeGroup
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A cascade group's queries over its shared blocks, in one call.
-
-        Args:
-            q: shape = [num_members, num_heads, head_dim].
-
-        Returns:
-            (out, lse): shape = [num_members, num_heads, head_dim] and [num_members, num_heads] float32.
-        """
-        num_members = q.shape[0]
-        group = self.num_heads // self.num_kv_heads
-        kv_shape = (g.num_keys, self.num_kv_heads, self.head_dim)
-        if g.block_ids is None:  # consecutive blocks: a view of the pool, no copy
-            num_blocks = g.num_keys // k_cache.shape[1]
-            k = k_cache[g.first_block : g.first_block + num_blocks].view(kv_shape)
-            v = v_cache[g.first_block : g.first_block + num_blocks].view(kv_shape)
-        else:
-            k = k_cache.index_select(0, g.block_ids).view(kv_shape)
-            v = v_cache.index_select(0, g.block_ids).view(kv_shape)
-        q_rows = q.view(num_members, self.num_kv_heads, group, self.head_dim).transpose(0, 1)
-        q_rows = q_rows.reshape(1, self.num_kv_heads, num_members * group, self.head_dim)  # members' heads as rows
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q_rows, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=self.scale
-        )[:2]  # [1, kv_heads, num_members * group, head_dim], [1, kv_heads, num_members * group]
-        out = out.reshape(self.num_kv_heads, num_members, group, self.head_dim).transpose(0, 1)
-        lse = lse.reshape(self.num_kv_heads, num_members, group).transpose(0, 1)
-        return (out.reshape(num_members, self.num_heads, self.head_dim),
-                lse.reshape(num_members, self.num_heads))
-
-
-def _decode_repeats(group: int, min_rows: int) -> int:
-    """Copies of each decode query in its call block of ``group`` query heads: the fewest giving at least
-    ``min_rows`` rows that :func:`padded_num_queries` leaves as they are (no 1- to 3-row tail after
-    16-row sub-blocks; 1 copy without batch invariance, ``min_rows`` 1)."""
-    repeats = -(-min_rows // group)
-    while min_rows > 1 and padded_num_queries(group * repeats) != group * repeats:
-        repeats += 1
-    return repeats
-
-
-def merge_attention_states(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> torch.Tensor:
-    """Attention over keys A ∪ B from attention over A and over B (disjoint), by their log-sum-exp.
-
-    ``out = (out_a * exp(lse_a - m) + out_b * exp(lse_b - m)) / (exp(lse_a - m) + exp(lse_b - m))``
-    with ``m = max(lse_a, lse_b)`` (the merge of FlashInfer's cascade inference and of vLLM's
-    ``merge_attn_states``), in float32.
-
-    Args:
-        out_a, out_b: shape = [num_tokens, num_heads, head_dim].
-        lse_a, lse_b: shape = [num_tokens, num_heads], natural-log sums of exp(scores).
-
-    Returns:
-        shape = [num_tokens, num_heads, head_dim], out_a's dtype.
-    """
-    m = torch.maximum(lse_a, lse_b)
-    w_a = torch.exp(lse_a - m).unsqueeze(-1)  # [num_tokens, num_heads, 1]
-    w_b = torch.exp(lse_b - m).unsqueeze(-1)
-    merged = (out_a.float() * w_a + out_b.float() * w_b) / (w_a + w_b)
-    return merged.to(out_a.dtype)
