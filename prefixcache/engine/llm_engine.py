@@ -107,8 +107,9 @@ class LLMEngine:
         self.device = _resolve_device(config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.resolved_num_threads())
+        # its own model: each weight held once (the float copies its format doesn't read are released)
         self.loaded = loaded or load_model(config.model, dtype=config.torch_dtype, device=self.device,
-                                           quantization=config.quantization)
+                                           quantization=config.quantization, keep_float_weights=False)
         if self.loaded.quantization != config.quantization:
             raise InvalidInputError("quantization", f"quantization={config.quantization!r} but the given model "
                                                     f"was loaded with {self.loaded.quantization!r}")
@@ -163,7 +164,7 @@ class LLMEngine:
     def _check_pool_fits(self) -> None:
         """Refuses, before anything is allocated, a block larger than the model's context and a KV
         pool larger than the memory it goes to (the command line checks the same before the load:
-        ``entrypoints/preflight.py``).
+        ``entrypoints/cli/preflight.py``).
 
         Raises:
             InvalidInputError: ``block_size``, or ``num_blocks`` / ``kv_cache_memory``.

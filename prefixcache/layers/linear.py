@@ -1,11 +1,20 @@
 """The linear layers' methods: how a model's projections compute, chosen once at load.
 
-A model's float weights live in its ``nn.Linear`` modules under the checkpoint's names (LoRA adapters
-and weight replacement read them there). What the forward pass multiplies by is the method's business
-(vLLM's ``LinearMethodBase`` pattern): :func:`linear_method` picks one from the weights' dtype, the
-quantization and what this CPU runs, each :class:`StackedLinear` (q|k|v, o, gate|up, down, lm_head)
-derives its copy with :meth:`LinearMethod.process_weights_after_loading` and runs its products
-through the method, so the model's code holds its math only.
+A model's float weights are loaded into its ``nn.Linear`` modules under the checkpoint's names. What
+the forward pass multiplies by is the method's business (vLLM's ``LinearMethodBase`` pattern):
+:func:`linear_method` picks one from the weights' dtype, the quantization and what this CPU runs, each
+:class:`StackedLinear` (q|k|v, o, gate|up, down, lm_head) derives its copy with
+:meth:`LinearMethod.process_weights_after_loading` and runs its products through the method, so the
+model's code holds its math only.
+
+Each weight is held once where it runs: a method that multiplies by a copy of its own (prepacked bf16,
+int8, the int4 formats over one of those) lets the model release the modules' float weights once the
+copy is made (:meth:`StackedLinear.release_float_weights`; ``load_model(keep_float_weights=False)``,
+the engine's load). What still reads them: deriving the copies again (another format, SmoothQuant's
+calibration, weight replacement), which restores them first; never LoRA, whose deltas read the
+adapter's A and B only. The dense and row-tiled methods multiply by the modules' weights, so those are
+their one copy and stay. A released weight is an empty tensor: a product that reads it by mistake
+raises instead of computing garbage.
 
 | method | dtype / quantization | product | batch-invariant |
 |---|---|---|---|
@@ -14,6 +23,19 @@ through the method, so the model's code holds its math only.
 | :class:`PrepackedLinearMethod` | bf16 / none, int4 | stacked, prepacked: our AMX GEMM where it packs the shape, else oneDNN's, in row tiles | yes |
 | :class:`Int8LinearMethod` | any / int8, int4-int8 | stacked W8A8, exact int32 sums (:mod:`prefixcache.layers.quant`) | yes |
 | :class:`Int4LinearMethod` | bf16 / int4, int4-int8 | the prompt rows' method above, plus the generated rows' 4-bit copies | yes |
+| :class:`FixedTileLinear` | float32 / none (Gemma 3) | ``F.linear`` in calls of exactly :data:`FIXED_ROW_TILE` rows | yes |
+
+What each keeps once the float weights are released (no other copy of a weight is held):
+
+| method | holds |
+|---|---|
+| dense, row-tiled, fixed-tile | the modules' float weights |
+| prepacked | the prepacked (AMX or oneDNN) copy |
+| int8 | the int8 matrices (one layout: ``_int_mm``'s, or our AVX2 kernel's) and their scales |
+| int4 over prepacked / row-tiled | the prepacked copy / the modules' bf16 weights, plus the 4-bit copies |
+| int4 over int8 (int4-int8) | the int8 matrices plus the 4-bit copies |
+
+A tied lm_head's weight is the embedding's matrix, which the embedding reads: it is never released.
 
 AMX is no method of its own: :class:`PrepackedWeight` decides it per matrix from its shape
 (``amx_packable``), so a model can run some matrices on AMX tiles and the others on oneDNN.
@@ -53,7 +75,8 @@ class PrepackedWeight:
     1536 -> 576 down_proj differs from 160 rows on, and in a one-row call), so the row-tiled path
     calls it with 2 to :data:`PREPACKED_ROW_TILE` rows and stays batch-invariant
     (``tests/engine/test_bf16_engine.py``'s row-tiled tests). The copy costs the weights' size again
-    in memory.
+    in memory until the modules' float weights are released (:meth:`detach_modules`): then it is the
+    only copy.
 
     Args:
         modules: the linear layers whose weights (and biases) are stacked, in output order.
@@ -65,6 +88,7 @@ class PrepackedWeight:
         self.gate_up = gate_up  # [gate; up]: on AMX, packed interleaved so silu_linear can fuse silu(gate) * up
         self.interleaved = False
         self._key: tuple | None = None  # (data_ptr, _version) of every weight and bias packed
+        self.detached = False  # the modules' weights released: the packed copy is final (detach_modules)
         self._packed: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
         # our AMX kernel instead of oneDNN where it runs (a row's bits then independent of the call's rows);
@@ -73,7 +97,10 @@ class PrepackedWeight:
         self.out_features = sum(m.weight.shape[0] for m in modules)
 
     def pack(self) -> torch.Tensor:
-        """The packed copy, made now unless the one held is of the modules' current bits."""
+        """The packed copy, made now unless the one held is of the modules' current bits (or final:
+        :meth:`detach_modules`)."""
+        if self.detached:
+            return self._packed
         # the modules' parameter dicts read directly: nn.Module's attribute lookup made this check ~14 us of
         # each of a step's ~120 calls (a Parameter is the only thing a parameter's name can be set to)
         key = tuple((p.data_ptr(), p._version) for m in self.modules for name in ("weight", "bias")
@@ -88,6 +115,12 @@ class PrepackedWeight:
             self._packed = pack_weight(weight) if self.amx else torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             self._key = key
         return self._packed
+
+    def detach_modules(self) -> None:
+        """Packs now if needed, then stops following the modules' weights, so they can be released:
+        a later change of them reaches the model through a new method (``StackedLinear.set_method``)."""
+        self.pack()
+        self.detached = True
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """The stacked product of a bfloat16 ``x`` [rows, in]: [rows, sum(out_features)]."""
@@ -162,6 +195,67 @@ def row_tiles(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     return tiles
 
 
+def release_weight(module: nn.Linear) -> int:
+    """Replaces ``module.weight`` by an empty tensor of its dtype and device, its shape kept for
+    :func:`restore_weight`: a product that reads it by mistake raises (``F.linear``: a size mismatch;
+    ``stacked_weight_and_bias``: no [out, in] matrix) instead of computing garbage. Returns the bytes
+    released (freed once nothing else holds the tensor)."""
+    weight = module.weight
+    module.released_weight_shape = tuple(weight.shape)
+    module.weight = nn.Parameter(weight.detach().new_empty(0), requires_grad=False)
+    return weight.numel() * weight.element_size()
+
+
+def weight_released(module: nn.Module) -> bool:
+    """Whether ``module.weight`` was released by :func:`release_weight` (and not restored since)."""
+    return getattr(module, "released_weight_shape", None) is not None
+
+
+def restore_weight(module: nn.Linear) -> None:
+    """Gives a released ``module.weight`` storage of its shape again, uninitialized: the caller loads it."""
+    shape = module.__dict__.pop("released_weight_shape")
+    module.weight = nn.Parameter(module.weight.new_empty(shape), requires_grad=False)
+
+
+FIXED_ROW_TILE = 16  # rows of every call of fixed_tile_linear
+
+
+def fixed_tile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` as calls of exactly :data:`FIXED_ROW_TILE` rows, the last tile padded with zero rows,
+    so each row's bits are the same in any batch, in float32.
+
+    MKL's sgemm gives a row other bits for another number of rows in the call (:func:`row_tiled_linear`'s
+    2-32-row tiles hold for oneDNN's bf16 GEMM only: in float32 a row differs between a 2-row and a 17-row
+    call), but the same bits in every call of one fixed row count, whatever its position and the other
+    rows. 16 rows: a 1,500-row product takes 2-5x a plain call's time and a one-row decode product 3-7x
+    (padded to 16), against 32 rows' 1.7-3x and 5-10x (Gemma 3 270M's shapes on AVX-512).
+
+    Args:
+        x: shape = [num_tokens, in_features].
+        weight: shape = [out_features, in_features]; bias: [out_features] or None.
+
+    Returns:
+        shape = [num_tokens, out_features].
+    """
+    n = x.shape[0]
+    padded = -(-n // FIXED_ROW_TILE) * FIXED_ROW_TILE
+    if padded != n:
+        x = torch.cat([x, x.new_zeros(padded - n, x.shape[1])])
+    if padded == FIXED_ROW_TILE:
+        return F.linear(x, weight, bias)[:n]
+    tiles = [F.linear(x[i : i + FIXED_ROW_TILE], weight, bias) for i in range(0, padded, FIXED_ROW_TILE)]
+    return torch.cat(tiles)[:n]
+
+
+class FixedTileLinear(nn.Linear):
+    """``nn.Linear`` whose product is :func:`fixed_tile_linear` (same parameters and checkpoint names):
+    a float32 model's batch-invariant projections (Gemma 3's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x shape = [num_tokens, in_features]. Returns: [num_tokens, out_features]."""
+        return fixed_tile_linear(x, self.weight, self.bias)
+
+
 class StackedLinear:
     """Linear layers that share an input, run as one product stacked by output rows (q|k|v, gate|up;
     one module for o, down, lm_head) under the model's :class:`LinearMethod`.
@@ -189,9 +283,36 @@ class StackedLinear:
         self.decode_weight: object | None = None
 
     def set_method(self, method: LinearMethod) -> None:
-        """Runs the products through ``method`` from now on, its weights derived from the modules' now."""
+        """Runs the products through ``method`` from now on, its weights derived from the modules' now.
+
+        Raises:
+            RuntimeError: a module's float weight was released (:meth:`release_float_weights`).
+        """
+        released = [m for m in self.modules if weight_released(m)]
+        if released:
+            raise RuntimeError(f"{len(released)} float weight(s) of this layer were released after loading; "
+                               "restore and load them again (restore_weight) before deriving a method's copy")
         self.method, self.weight, self.decode_weight = method, None, None
         method.process_weights_after_loading(self)
+
+    def release_float_weights(self, keep: frozenset[int] = frozenset()) -> int:
+        """Releases the modules' float weights where the method multiplies by its own copy
+        (:attr:`LinearMethod.reads_module_weights` False), each to an empty tensor (:func:`release_weight`);
+        a weight whose ``id`` is in ``keep`` (a tied lm_head's, the embedding's matrix) stays. Where our
+        AVX2 int8 kernel runs, the int8 matrix's plain layout goes too (:meth:`Int8Weight.release_qweight`).
+
+        Returns:
+            The bytes released (0 where the method reads the modules' weights: they are its copy).
+        """
+        if self.method.reads_module_weights:
+            return 0
+        released = 0
+        if isinstance(self.weight, PrepackedWeight):
+            self.weight.detach_modules()
+        elif isinstance(self.weight, Int8Weight):  # where our AVX2 kernel runs, its layout is the int8 copy read
+            released = self.weight.release_qweight()
+        return released + sum(release_weight(m) for m in self.modules
+                              if id(m.weight) not in keep and not weight_released(m))
 
     def stacked(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
         """The stacked product without LoRA deltas, [num_tokens, sum(sizes)] (``out_dtype``: the
@@ -244,12 +365,16 @@ class LinearMethod:
 
     Attributes:
         name: what the start-up log and A/B runs call it.
-        lora_linear: the float product ``(x, weight, bias=None) -> y`` LoRA's A and B run with.
+        reads_module_weights: whether the products read the modules' float weights (then their one
+            copy, never released), rather than a copy the method derived.
+        lora_linear: the float product ``(x, weight, bias=None) -> y`` LoRA's A and B run with (on the
+            adapter's matrices only: LoRA never reads the modules' weights).
         decodes: whether generated rows run the int4 decoder (the groups then hold ``decode_weight``).
         smoothed: whether the weights take SmoothQuant's calibration (:meth:`calibrate`).
     """
 
     name = "dense"
+    reads_module_weights = True
     decodes = False
     smoothed = False
     lora_linear = staticmethod(F.linear)
@@ -311,6 +436,7 @@ class PrepackedLinearMethod(RowTiledLinearMethod):
     :data:`PREPACKED_ROW_TILE`; LoRA's products as :class:`RowTiledLinearMethod`'s."""
 
     name = "bf16-prepacked"
+    reads_module_weights = False  # the PrepackedWeight only; LoRA's products read the adapter's matrices
 
     def process_weights_after_loading(self, group: StackedLinear) -> None:
         group.weight = packed = PrepackedWeight(group.modules, gate_up=group.gate_up)
@@ -331,9 +457,10 @@ class PrepackedLinearMethod(RowTiledLinearMethod):
 class Int8LinearMethod(LinearMethod):
     """W8A8 (:mod:`prefixcache.layers.quant`): each group one int8 matrix (q|k|v and gate|up stacked:
     their own copies would only take memory), SmoothQuant-smoothed once calibrated; exact int32 sums,
-    so batch-invariant. The float weights stay (LoRA's products, torch's ``F.linear``, read them)."""
+    so batch-invariant. Only the int8 copy is read once calibrated: the float weights can be released."""
 
     name = "int8"
+    reads_module_weights = False
     smoothed = True
 
     def process_weights_after_loading(self, group: StackedLinear) -> None:
@@ -363,6 +490,7 @@ class Int4LinearMethod(LinearMethod):
     def __init__(self, prompt: LinearMethod, name: str) -> None:
         self.prompt, self.name = prompt, name
         self.lora_linear, self.smoothed = prompt.lora_linear, prompt.smoothed
+        self.reads_module_weights = prompt.reads_module_weights  # the generated rows read their 4-bit copies
 
     def process_weights_after_loading(self, group: StackedLinear) -> None:
         self.prompt.process_weights_after_loading(group)

@@ -246,8 +246,9 @@ class LoRALinear(nn.Linear):
     ``module_name`` (set by the model after construction) is this layer's checkpoint path, the key
     into ``LoRAAdapter.weights``. The base product is the model's linear method's
     (:mod:`prefixcache.layers.linear`), which passes its float product in as ``linear`` and calls
-    :meth:`add_lora` on the column slices of a stacked product; the float ``weight`` stays here
-    (adapters and weight replacement read it).
+    :meth:`add_lora` on the column slices of a stacked product. The deltas read the adapter's A and B
+    only, never ``weight``: a format that multiplies by its own copy may release it
+    (:func:`~prefixcache.layers.linear.release_weight`) and still run adapters.
     """
 
     module_name: str = ""

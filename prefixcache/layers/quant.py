@@ -57,7 +57,8 @@ class Int8Weight:
     """A linear layer's weight in int8.
 
     Attributes:
-        qweight: shape = [in_features, out_features] int8 (transposed: ``_int_mm``'s right operand).
+        qweight: shape = [in_features, out_features] int8 (transposed: ``_int_mm``'s right operand); empty
+            once released where ``avx2_packed`` is the copy the products read (:meth:`release_qweight`).
         scale: shape = [out_features] float32, per output channel.
         bias: shape = [out_features] float32, or None.
         act_mul: shape = [in_features] float32, ``1 / s`` of :func:`smooth_factors` (the activations are
@@ -74,7 +75,16 @@ class Int8Weight:
 
     @property
     def out_features(self) -> int:
-        return self.qweight.shape[1]
+        return self.scale.shape[0]
+
+    def release_qweight(self) -> int:
+        """Drops ``qweight`` where the products read ``avx2_packed`` only (our AVX2 kernel), so the int8
+        matrix is held once; an empty tensor after, so a read by mistake raises. Returns the bytes released."""
+        if self.avx2_packed is None or self.qweight.numel() == 0:
+            return 0
+        released = self.qweight.numel()
+        self.qweight = self.qweight.new_empty(0, 0)
+        return released
 
 
 def quantize_weight(weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -123,8 +133,16 @@ def smooth_factors(act_amax: torch.Tensor, weight: torch.Tensor, alpha: float = 
 
 def stacked_weight_and_bias(modules: list) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weights of linear layers stacked by output rows (q, k, v → qkv), [sum(out), in], detached,
-    and their biases stacked likewise (zeros for a layer without one; None when none has one)."""
+    and their biases stacked likewise (zeros for a layer without one; None when none has one).
+
+    Raises:
+        RuntimeError: a layer's weight is no [out, in] matrix (released after loading:
+            ``layers.linear.release_weight``), rather than deriving a copy from nothing.
+    """
     weights = [m.weight.detach() for m in modules]
+    if any(w.dim() != 2 for w in weights):
+        raise RuntimeError("a linear layer's float weight was released after loading (an empty tensor): "
+                           "load the weights again before deriving a copy from them")
     biases = [m.bias for m in modules]
     bias = None if all(b is None for b in biases) else torch.cat(
         [torch.zeros(m.out_features, dtype=m.weight.dtype) if b is None else b.detach() for m, b in zip(modules, biases)])

@@ -5,11 +5,12 @@ What differs from the Llama family (:mod:`prefixcache.models.llama`), all follow
 
 - layers of two kinds, ``config.layer_types``: local ("sliding_attention", 5 of every 6 in the
   released checkpoints) attend to the last ``sliding_window`` positions only, the query's own
-  included (the metadata's ``sliding`` part, :func:`~prefixcache.layers.attention.build_attention_metadata`);
+  included (the metadata's ``sliding`` part, :func:`~prefixcache.layers.attention.metadata.build_attention_metadata`);
   global ("full_attention") ones to the whole context. Each kind has its own RoPE base
   (``rope_local_theta`` and ``rope_theta``).
-- Gemma's RMSNorm, ``x_normed * (1 + weight)`` in float32 (:class:`~prefixcache.layers.norm.GemmaRMSNorm`),
-  on q and k per head before RoPE, and four per layer: before and after attention, before and after the MLP.
+- Gemma's RMSNorm, ``x_normed * (1 + weight)`` in float32 (:class:`~prefixcache.layers.norm.RMSNorm`
+  with ``unit_offset``), on q and k per head before RoPE, and four per layer: before and after
+  attention, before and after the MLP.
 - GeGLU MLP, ``down(gelu_tanh(gate(x)) * up(x))``.
 - the embedding multiplied by sqrt(hidden_size) rounded to the weight dtype (as transformers'
   ``Gemma3TextScaledWordEmbedding`` does), the attention scale ``query_pre_attn_scalar ** -0.5``,
@@ -19,13 +20,13 @@ KV-cache groups (``uses_kv_cache_groups``, :mod:`prefixcache.cache.kv_cache_grou
 the layers into a full-attention group and sliding groups, each with its own block tables, and hands
 the model a :class:`~prefixcache.layers.grouped_attention.GroupedAttentionMetadata`; a local layer's
 table keeps only the blocks its window reaches (released ones are block 0, never read). Given one
-:class:`~prefixcache.layers.attention.AttentionMetadata` instead (built with ``sliding_window``), every
+:class:`~prefixcache.layers.attention.metadata.AttentionMetadata` instead (built with ``sliding_window``), every
 layer reads the one block table and the window is a mask over it (the one-group path tests use).
 
 Batch-invariant: every projection and the lm_head run as float32 GEMM calls of exactly
-:data:`GEMM_TILE` rows (:class:`TiledLinear`), so a token's bits do not depend on its batch. Runs in
-float32 with no weight quantization and no LoRA; anything else is refused (LoRA when a request or the
-server names an adapter, the rest when loading).
+:data:`~prefixcache.layers.linear.FIXED_ROW_TILE` rows (:class:`~prefixcache.layers.linear.FixedTileLinear`),
+so a token's bits do not depend on its batch. Runs in float32 with no weight quantization and no LoRA;
+anything else is refused (LoRA when a request or the server names an adapter, the rest when loading).
 
 Parameter names equal the HF checkpoint names (``model.layers.N.self_attn.q_norm.weight``, ...).
 """
@@ -36,52 +37,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixcache.layers.attention import Attention, AttentionMetadata
+from prefixcache.layers.attention.metadata import AttentionMetadata
+from prefixcache.layers.attention.torch_attention import Attention
 from prefixcache.layers.grouped_attention import GroupedAttentionMetadata
-from prefixcache.layers.norm import GemmaRMSNorm
+from prefixcache.layers.linear import FixedTileLinear
+from prefixcache.layers.norm import RMSNorm
 from prefixcache.layers.rotary import RotaryEmbedding, apply_rotary_emb
 from prefixcache.models.config import ModelConfig
 
 SLIDING = "sliding_attention"  # layer_types' name of a local (windowed) layer
-
-# Rows of every float32 GEMM call (the last tile zero-padded). MKL's sgemm gives a row other bits
-# for another number of rows in the call (the Llama family's 2-32-row tiles of
-# ``layers.linear.row_tiled_linear`` hold for oneDNN's bf16 GEMM only: in float32 a row differs between
-# a 2-row and a 17-row call), but the same bits in every call of one fixed row count, whatever its
-# position and the other rows. 16 rows: a 1,500-row product takes 2-5x a plain call's time and a
-# one-row decode product 3-7x (padded to 16), against 32 rows' 1.7-3x and 5-10x (2 shared cores,
-# AVX-512; Gemma 3 270M's shapes).
-GEMM_TILE = 16
-
-
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` as calls of exactly :data:`GEMM_TILE` rows, the last tile padded with zero rows,
-    so each row's bits are the same in any batch.
-
-    Args:
-        x: shape = [num_tokens, in_features].
-        weight: shape = [out_features, in_features]; bias: [out_features] or None.
-
-    Returns:
-        shape = [num_tokens, out_features].
-    """
-    n = x.shape[0]
-    padded = -(-n // GEMM_TILE) * GEMM_TILE
-    if padded != n:
-        x = torch.cat([x, x.new_zeros(padded - n, x.shape[1])])
-    if padded == GEMM_TILE:
-        return F.linear(x, weight, bias)[:n]
-    tiles = [F.linear(x[i : i + GEMM_TILE], weight, bias) for i in range(0, padded, GEMM_TILE)]
-    return torch.cat(tiles)[:n]
-
-
-class TiledLinear(nn.Linear):
-    """``nn.Linear`` whose product is :func:`tiled_linear` (same parameters and checkpoint names)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Args: x shape = [num_tokens, in_features]. Returns: [num_tokens, out_features]."""
-        return tiled_linear(x, self.weight, self.bias)
-
 
 class Gemma3Attention(nn.Module):
     """Projections, per-head q/k norm, RoPE and paged attention of one layer."""
@@ -93,12 +57,12 @@ class Gemma3Attention(nn.Module):
         self.head_dim = config.head_dim
         self.is_sliding = is_sliding
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = TiledLinear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = TiledLinear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = TiledLinear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = TiledLinear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_proj = FixedTileLinear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = FixedTileLinear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = FixedTileLinear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = FixedTileLinear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, unit_offset=True)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, unit_offset=True)
         scalar = config.query_pre_attn_scalar or config.head_dim
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=scalar**-0.5)
 
@@ -121,9 +85,9 @@ class Gemma3MLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = TiledLinear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = TiledLinear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = TiledLinear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = FixedTileLinear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = FixedTileLinear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = FixedTileLinear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x shape = [num_tokens, hidden_size]. Returns: the same shape."""
@@ -139,10 +103,10 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(config, is_sliding)
         self.mlp = Gemma3MLP(config)
         eps = config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps=eps)
-        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps=eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps=eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps=eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, unit_offset=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, unit_offset=True)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps=eps, unit_offset=True)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps=eps, unit_offset=True)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
@@ -161,7 +125,7 @@ class Gemma3Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         kinds = config.layer_types or ("full_attention",) * config.num_hidden_layers
         self.layers = nn.ModuleList([Gemma3DecoderLayer(config, kind == SLIDING) for kind in kinds])
-        self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, unit_offset=True)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, None)
         self.rotary_emb_local = RotaryEmbedding(config.head_dim, config.rope_local_theta or config.rope_theta, None)
 
@@ -210,7 +174,7 @@ class Gemma3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Gemma3Model(config)
-        self.lm_head = TiledLinear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = FixedTileLinear(config.hidden_size, config.vocab_size, bias=False)
         self.quantization = "none"
         self.calibration_ids: list[int] | None = None  # set by the loader; unused (no int8 format)
         self.tie_weights()
@@ -238,8 +202,13 @@ class Gemma3ForCausalLM(nn.Module):
 
     @property
     def quantization_key(self) -> str:
-        """What K/V depends on beyond the weights' files and the dtype, in the cache key's model part
-        (``InputProcessor.model_key``): the local layers' attention rule.
+        """"": no weight quantization (the window's rule is in :attr:`numerics_key`)."""
+        return ""
+
+    @property
+    def numerics_key(self) -> str:
+        """What K/V depends on beyond the weights' files, the dtype and the attention path, in the cache
+        key's model part (``InputProcessor.model_key``): the local layers' attention rule.
 
         The window changes which keys a local layer reads, not how a K/V row is computed from its
         layer's input. But that input, at every layer after the first local one, is the output of
@@ -257,8 +226,8 @@ class Gemma3ForCausalLM(nn.Module):
 
     @property
     def batch_invariant(self) -> bool:
-        """True: every GEMM runs in calls of :data:`GEMM_TILE` rows (:class:`TiledLinear`), the
-        rest is row-wise, and the attention metadata pads as ``prefixcache.layers.attention`` says for
+        """True: every GEMM runs in calls of one fixed row count
+        (:class:`~prefixcache.layers.linear.FixedTileLinear`), the rest is row-wise, and the attention metadata pads as ``prefixcache.layers.attention`` says for
         a batch-invariant model; a token's logits have the same bits alone and in any batch."""
         return True
 

@@ -18,9 +18,11 @@ from torch import nn
 from prefixcache.config import W8A8_FORMATS
 from prefixcache.kernels.prefill_attention import paged_prefill_attention, prefill_kernel_supported
 from prefixcache.kernels.prompt_ops import add_rms_norm, rope_write_kv, silu_mul
-from prefixcache.layers.attention import Attention, AttentionMetadata, build_attention_metadata
+from prefixcache.layers.attention.metadata import AttentionMetadata, build_attention_metadata
+from prefixcache.layers.attention.torch_attention import Attention
 from prefixcache.layers.decode_layers import DecodeLayers, DecoderLayerWeights
-from prefixcache.layers.linear import DENSE, LinearMethod, StackedLinear, linear_method
+from prefixcache.layers.linear import (DENSE, LinearMethod, StackedLinear, linear_method, restore_weight,
+                                      weight_released)
 from prefixcache.layers.lora import LoRABatch, LoRALinear
 from prefixcache.layers.norm import RMSNorm
 from prefixcache.layers.quant import SMOOTH_ALPHA, Int8Weight, group_int8_linear, recording_activation_amax, split_rows
@@ -182,7 +184,8 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.decode_layers: DecodeLayers | None = None  # quantization int4(-int8): generated rows' layers
         # layers' forward_fused (prompt_ops) in every step whose metadata runs the paged kernel (md.paged), which
-        # the cache key names with them (attention.kv_numerics); False only in A/B runs (benchmarks/prompt_ops.py)
+        # the cache key names with them (attention.numerics.kv_numerics); False only in A/B runs
+        # (benchmarks/prompt_ops.py)
         self.fused_prompt_ops = True
 
     def build_decode_layers(self, config: ModelConfig) -> None:
@@ -301,11 +304,16 @@ class LlamaForCausalLM(nn.Module):
         ``"none"`` (the float weights). Call again after the float weights change.
 
         Raises:
+            RuntimeError: the float weights were released (:meth:`release_float_weights`) and not
+                loaded again (``LoadedModel.replace_weights`` restores and loads them).
             ValueError: an unknown scheme, or int4(-int8) on a model that is not bfloat16.
             CpuKernelsUnavailable: int4 where its kernels can't be built or run.
             RuntimeError: int4 on a model shape the generated rows' decoder can't run (see
                 :class:`~prefixcache.layers.decode_layers.DecodeLayers`).
         """
+        if self.released_weight_names():
+            raise RuntimeError(f"quantize({scheme!r}): the projections' float weights were released after loading "
+                               "(load_model(keep_float_weights=False)); load the weights again first")
         method = linear_method(self.lm_head.weight.dtype, scheme)
         self.linear_method = method
         for group in self.linear_groups():
@@ -322,6 +330,31 @@ class LlamaForCausalLM(nn.Module):
                 self._set_int8_weights()
                 raise
 
+    def release_float_weights(self) -> int:
+        """Releases the projections' float weights that the linear method no longer reads (it multiplies
+        by its own copy: prepacked bf16, int8, the int4 formats over those), so each weight is held
+        once; a tied lm_head keeps the embedding's matrix. LoRA still runs (its deltas read the adapter's
+        matrices); deriving copies again needs the weights loaded again (:meth:`restore_float_weights`).
+
+        Returns:
+            The bytes released.
+        """
+        keep = frozenset({id(self.model.embed_tokens.weight)})
+        return sum(group.release_float_weights(keep) for group in self.linear_groups())
+
+    def released_weight_names(self) -> list[str]:
+        """The parameter names (``model.layers.0.self_attn.q_proj.weight``, ...) of the released float weights."""
+        return [f"{name}.weight" for name, module in self.named_modules() if weight_released(module)]
+
+    def restore_float_weights(self) -> list[str]:
+        """Gives every released float weight storage of its shape again, uninitialized, for a load to
+        fill (then :meth:`quantize`); returns their parameter names."""
+        names = self.released_weight_names()
+        for module in self.modules():
+            if weight_released(module):
+                restore_weight(module)
+        return names
+
     def linear_groups(self) -> list[StackedLinear]:
         """Every linear product, in a fixed order: per layer q|k|v, o, gate|up, down; then lm_head."""
         groups = [g for layer in self.model.layers
@@ -333,6 +366,13 @@ class LlamaForCausalLM(nn.Module):
         """What the quantized weights depend on beyond the float weights and the format's name (the
         smoothing's rule, strength and calibration tokens), for the cache key; "" when nothing."""
         return self._int8_key
+
+    @property
+    def numerics_key(self) -> str:
+        """The model's own rules that decide K/V bits beyond the weights, the dtype, the quantization
+        and the attention path (``InputProcessor.model_key``): "" (every layer attends to the whole
+        context; an empty key leaves the cache key what it always was)."""
+        return ""
 
     @torch.inference_mode()
     def _smooth_int8(self) -> None:
@@ -430,7 +470,7 @@ class LlamaForCausalLM(nn.Module):
         """Whether attention runs our paged kernel (:mod:`prefixcache.kernels.prefill_attention`): a
         batch-invariant bfloat16 model whose head shape the kernel takes, on a CPU with AVX512-BF16;
         else torch's flash kernel with the padding of :mod:`prefixcache.layers.attention`. The two round
-        differently, so the cache key names the one in use (``attention.kv_numerics``)."""
+        differently, so the cache key names the one in use (``attention.numerics.kv_numerics``)."""
         cfg = self.config
         return (self.batch_invariant and self.lm_head.weight.dtype == torch.bfloat16
                 and self.lm_head.weight.device.type == "cpu"

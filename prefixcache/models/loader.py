@@ -7,6 +7,7 @@ the cache). Nothing here contacts a model hub: configs and tokenizers are read w
 `local_files_only=True`.
 """
 
+import ctypes
 import hashlib
 import json
 import os
@@ -83,25 +84,45 @@ class LoadedModel:
     def replace_weights(self, weights: str | Path | Mapping[str, torch.Tensor]) -> None:
         """Copies new weights into the model in place and re-derives :attr:`fingerprint`.
 
+        A model loaded with ``keep_float_weights=False`` holds no float copy of the projections its
+        format multiplies by a derived copy of: a directory restores and loads them all, and so does a
+        mapping that names every one of them; a partial mapping can't be re-derived (int8's smoothing
+        reads every layer's weights) and is refused.
+
         Args:
             weights: an HF model directory with *.safetensors of the same architecture, or a
-                mapping ``parameter name -> tensor`` (a partial update is fine).
+                mapping ``parameter name -> tensor`` (a partial update is fine, unless the float
+                weights were released).
 
         Raises:
             ValueError: an unknown parameter name or a shape mismatch (nothing is copied then, for
-                a mapping); ModelLoadError for a directory that can't be read.
+                a mapping), a mapping without every released float weight; ModelLoadError for a
+                directory that can't be read.
         """
+        released = getattr(self.model, "released_weight_names", list)()
+        if released and isinstance(weights, Mapping) and not set(released) <= set(weights):
+            missing = sorted(set(released) - set(weights))
+            raise ValueError(f"load_weights: this model's {len(released)} projection float weights were released "
+                             f"after loading (quantization {self.quantization!r} keeps only its own copies); pass a "
+                             f"model directory or all of them (missing {len(missing)}, e.g. {missing[0]!r})")
         old = self.fingerprint
         # Re-keyed before anything is copied: if copying fails half-way, the weights are neither
         # the old nor the new ones, and no key may match either.
         self.fingerprint = hashlib.sha256(old + b"loading" + os.urandom(16)).digest()
-        if isinstance(weights, Mapping):
-            digest = _copy_named_tensors(self.model, weights)
-        else:
-            model_dir = resolve_model_dir(str(weights))
-            load_weights(self.model, model_dir, self.config.tie_word_embeddings)
-            digest = compute_fingerprint(model_dir)
-        self.model.quantize(self.model.quantization)  # int8 copies derived from the new weights
+        if released:
+            self.model.restore_float_weights()
+        try:
+            if isinstance(weights, Mapping):
+                digest = _copy_named_tensors(self.model, weights)
+            else:
+                model_dir = resolve_model_dir(str(weights))
+                load_weights(self.model, model_dir, self.config.tie_word_embeddings)
+                digest = compute_fingerprint(model_dir)
+            self.model.quantize(self.model.quantization)  # int8 copies derived from the new weights
+        finally:  # released again, also after a failed copy (the derived copies are then the old ones)
+            if released:
+                self.model.release_float_weights()
+                return_freed_memory()
         # Chained to the old key: a new key even when the new files' sampled fingerprint is the old
         # one (a checkpoint that differs only in a middle tensor).
         self.fingerprint = hashlib.sha256(old + b"weights" + digest).digest()
@@ -200,6 +221,18 @@ def load_weights(model: nn.Module, model_dir: Path, tie_word_embeddings: bool) -
         raise ModelLoadError(f"{model_dir}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
 
 
+def return_freed_memory() -> None:
+    """Hands the heap's free pages back to the system (glibc's ``malloc_trim(0)``). Loading frees as
+    much as it keeps (the dtype cast, stacked matrices, SmoothQuant's calibration prefill, released float
+    weights) in chunks glibc otherwise keeps for reuse: hundreds of MiB resident for good on the
+    default model. A no-op where the C library has no ``malloc_trim`` (musl, macOS)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
 def _open_safetensors(file: Path):
     """``safe_open(file)`` on the CPU; safetensors checks the header and that the data covers it.
 
@@ -275,6 +308,7 @@ def load_model(
     load_tokenizer: bool = True,
     home: Path | None = None,
     quantization: str = "none",
+    keep_float_weights: bool = True,
 ) -> LoadedModel:
     """Loads a model for inference.
 
@@ -286,6 +320,10 @@ def load_model(
         home: Cache folder for fetched/converted models; defaults to `$PREFIXCACHE_HOME`.
         quantization: ``"none"``, ``"int8"``, ``"int4"`` or ``"int4-int8"`` (these two bfloat16 only; see
             `LlamaForCausalLM.quantize`).
+        keep_float_weights: False releases the projections' float weights that the format no longer
+            reads once its copies are derived (``LlamaForCausalLM.release_float_weights``: each weight
+            held once; the engine's load). True keeps them, so the model can be quantized again to
+            another format or take a partial weight update.
 
     Returns:
         The loaded model and its metadata.
@@ -321,7 +359,10 @@ def load_model(
             raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {e}") from e
         net.calibration_ids = list(tokenizer(CALIBRATION_TEXT).input_ids)  # int8's smoothing
     net.quantize(quantization)
+    if not keep_float_weights and hasattr(net, "release_float_weights"):
+        net.release_float_weights()
     net.eval()
+    return_freed_memory()
     return LoadedModel(
         model=net,
         config=config,
