@@ -30,6 +30,17 @@ if [ -n "$missing" ]; then
         exit 1
     fi
 fi
+# Debian's aarch64 cross compiler and qemu-user: tests/kernels/test_aarch64_build.py cross-builds the kernels'
+# NEON forms and runs them under qemu-aarch64 (skipped, naming what is missing, without them). Only as root with
+# apt-get; set-up goes on if apt fails.
+arm=""
+command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 || arm="$arm g++-aarch64-linux-gnu"
+command -v qemu-aarch64 >/dev/null 2>&1 || arm="$arm qemu-user"
+if [ -n "$arm" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    step "installing$arm (the aarch64 kernels' build check) ..."
+    { apt-get install -y -qq $arm || { apt-get update -qq && apt-get install -y -qq $arm; }; } >/dev/null 2>&1 \
+        || echo "setup.sh:$arm did not install; the aarch64 build check will be skipped" >&2
+fi
 step "creating .venv ..."
 python3 -m venv .venv
 . .venv/bin/activate

@@ -20,8 +20,6 @@ prefixcache.kernels.avx2_kernels`` builds it (scripts/setup.sh). At load it is t
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 from functools import cache
 from pathlib import Path
@@ -29,7 +27,7 @@ from types import ModuleType
 
 import torch
 
-from prefixcache.kernels.build import extension_name
+from prefixcache.kernels.build import load_extension
 from prefixcache.kernels.cpu_features import TIERS, cpu_has, describe_cpu, kernel_tier
 
 __all__ = ["Avx2KernelsUnavailable", "int8_gemm_avx2", "int8_linear_avx2", "load_avx2_kernels", "pack_weight",
@@ -62,14 +60,8 @@ def load_avx2_kernels() -> ModuleType:
     """
     if not cpu_has(*TIERS["avx2"]):
         raise Avx2KernelsUnavailable(f"our AVX2 kernels need AVX2, FMA and F16C; {describe_cpu()}")
-    from torch.utils.cpp_extension import load
-
-    venv_bin = str(Path(sys.executable).parent)  # ninja from the venv, also when it is not on PATH
-    if shutil.which("ninja") is None and venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     try:
-        module = load(name=extension_name("prefixcache_avx2_kernels", _SOURCES), sources=[str(s) for s in _SOURCES],
-                      extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        module = load_extension("prefixcache_avx2_kernels", _SOURCES, _FLAGS)
     except (RuntimeError, OSError, ImportError) as e:
         raise Avx2KernelsUnavailable(f"building the AVX2 kernels (prefixcache/kernels/csrc) failed: {e}") from e
     module.set_kernel_tier(list(TIERS).index(kernel_tier()))  # every C++ dispatch honours the cap (isa_tier.h)

@@ -9,9 +9,14 @@ each other.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import os
 import re
+import shutil
+import sys
 from pathlib import Path
+from types import ModuleType
 
 _LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 
@@ -34,3 +39,43 @@ def extension_name(prefix: str, sources: list[Path]) -> str:
     """``f"{prefix}_{digest}"``, the digest (12 hex digits of sha256) over :func:`compiled_files`."""
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in compiled_files(sources)))
     return f"{prefix}_{digest.hexdigest()[:12]}"
+
+
+def build_directory(name: str) -> Path:
+    """Where torch's extension builder puts extension ``name``: ``TORCH_EXTENSIONS_DIR`` (default torch's
+    ``~/.cache/torch_extensions``), then a folder per Python version (its ``py311_cpu``), then ``name``."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return root / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / name
+
+
+def load_extension(prefix: str, sources: list[Path], cflags: list[str]) -> ModuleType:
+    """Builds (once) and imports the extension of ``sources`` named :func:`extension_name`, with OpenMP.
+
+    torch's builder guards a build with a ``lock`` file made with O_EXCL and removed when the build ends; a
+    build killed half-way (Ctrl-C during a first start, an out-of-memory kill, a CI timeout) leaves that file,
+    and every later load waits on it for ever. So the build also holds an flock on a file beside it, which the
+    kernel releases when its holder dies: whoever holds the flock knows no build of this extension runs, and
+    removes a leftover ``lock`` first (one line on stderr). ninja comes from the venv when it isn't on PATH.
+
+    Raises:
+        RuntimeError, OSError, ImportError: the build or the import failed (the compiler's message).
+    """
+    from torch.utils.cpp_extension import load
+
+    venv_bin = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is None and venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+    name = extension_name(prefix, sources)
+    build_dir = build_directory(name)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "prefixcache.flock", "a+b") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released at close, or by the kernel when this process dies
+        stale = build_dir / "lock"
+        if stale.exists():
+            print(f"prefixcache: removed {stale}, left by a build that was killed; building {name} again",
+                  file=sys.stderr)
+            stale.unlink()
+        return load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir), verbose=False)

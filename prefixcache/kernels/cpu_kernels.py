@@ -29,13 +29,12 @@ lost alone, with one line (``main``), never the other.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-from prefixcache.kernels.build import extension_name
+from prefixcache.kernels.build import load_extension
 from prefixcache.kernels.cpu_features import TIERS, cpu_has, describe_cpu, kernel_tier
 
 __all__ = ["CpuKernelsUnavailable", "amx_ready", "int4_kernels_build", "kernels_compiler", "load_cpu_kernels",
@@ -63,14 +62,8 @@ def load_cpu_kernels() -> ModuleType:
     if not cpu_has(*TIERS["avx512"]):
         raise CpuKernelsUnavailable(f"our CPU kernels need AVX512-VNNI; {describe_cpu()} (float32 runs on torch's own "
                                     f"kernels)")
-    from torch.utils.cpp_extension import load
-
-    venv_bin = str(Path(sys.executable).parent)  # ninja from the venv, also when it is not on PATH
-    if shutil.which("ninja") is None and venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     try:
-        module = load(name=extension_name("prefixcache_cpu_kernels", _SOURCES), sources=[str(s) for s in _SOURCES],
-                      extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        module = load_extension("prefixcache_cpu_kernels", _SOURCES, _FLAGS)
     except (RuntimeError, OSError, ImportError) as e:
         raise CpuKernelsUnavailable(f"building the CPU kernels (prefixcache/kernels/csrc) failed: {e}") from e
     module.set_kernel_tier(list(TIERS).index(kernel_tier()))  # every C++ dispatch honours the cap (isa_tier.h)
@@ -133,7 +126,7 @@ def amx_ready() -> bool:
 @cache
 def kernels_compiler() -> str:
     """The compiler that built the kernels (``__VERSION__``, e.g. ``"12.2.0"``), or ``""`` where they don't
-    build. Part of the cache key wherever they compute K/V (:func:`prefixcache.layers.attention.kv_numerics`):
+    build. Part of the cache key wherever they compute K/V (:func:`prefixcache.layers.attention.numerics.kv_numerics`):
     the same sources can round differently under another compiler (GCC fuses a product and a sum written as
     two intrinsics into one fma, ``-ffp-contract=fast``, and its choices vary by version), so replicas
     sharing a KV tier reuse each other's blocks only when built alike. Where only the AVX2 build runs (it computes

@@ -1,0 +1,50 @@
+"""A build killed half-way must not hang every later load (prefixcache.kernels.build.load_extension).
+
+torch's builder leaves its ``lock`` file behind when the build process dies; its next load would wait on
+it for ever. The real builder runs here, in a child process with a timeout, on a two-line extension.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from prefixcache.kernels.build import build_directory, extension_name
+
+pytestmark = pytest.mark.slow  # one real compile (~20 s)
+
+_SOURCE = textwrap.dedent("""\
+    #include <pybind11/pybind11.h>
+    int answer() { return 42; }
+    PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }
+    """)
+
+_CHILD = textwrap.dedent("""\
+    import sys
+    from pathlib import Path
+    from prefixcache.kernels.build import load_extension
+    print(load_extension("prefixcache_lock_probe", [Path(sys.argv[1])], ["-O1"]).answer())
+    """)
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_the_build_runs(tmp_path):
+    source = tmp_path / "probe.cpp"
+    source.write_text(_SOURCE)
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    build_dir = build_directory(extension_name("prefixcache_lock_probe", [source]))
+    build_dir = tmp_path / "ext" / build_dir.relative_to(build_dir.parents[1])  # the same layout under ext/
+    build_dir.mkdir(parents=True)
+    (build_dir / "lock").touch()  # what torch's builder leaves when its process is killed mid-build
+
+    run = subprocess.run([sys.executable, "-c", _CHILD, str(source)], env=env, capture_output=True, text=True,
+                         timeout=300)  # without the fix this waits on the lock until the timeout
+
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "42"
+    assert "left by a build that was killed" in run.stderr
+    assert not (build_dir / "lock").exists()
+    again = subprocess.run([sys.executable, "-c", _CHILD, str(source)], env=env, capture_output=True, text=True,
+                           timeout=300)  # built: a second load imports it and says nothing about locks
+    assert again.stdout.strip() == "42" and "killed" not in again.stderr
