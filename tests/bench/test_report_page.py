@@ -42,3 +42,22 @@ def test_report_without_out_is_refused_naming_the_flags(tmp_path, capsys):
     assert err.startswith("prefixcache bench: error: --report needs --out (the tables it copies) and a Markdown "
                           "file, got --report ")
     assert not (tmp_path / "p.md").exists()
+
+
+def test_a_run_on_another_model_gets_its_own_section(tmp_path):
+    from prefixcache.bench.report_page import report_run, section_name
+
+    assert section_name("bench") == "bench"
+    assert section_name("bench", "gemma3-270m") == "bench-gemma3-270m"
+    assert section_name("bench", "/models/My Model.Q4_1.gguf") == "bench-My-Model.Q4_1.gguf"
+    page = tmp_path / "benchmarks.md"
+    page.write_text("<!-- bench:bench:begin -->\nsmollm2 table\n<!-- bench:bench:end -->\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bench.md").write_text("gemma table\n")
+    assert report_run(page, out, 0.0, "prefixcache bench --model gemma3-270m", model="gemma3-270m") == [
+        "bench-gemma3-270m"]
+    text = page.read_text()
+    assert "smollm2 table" in text  # the default model's section is left alone
+    begin = text.index("<!-- bench:bench-gemma3-270m:begin -->")
+    assert text.index("gemma table", begin) < text.index("<!-- bench:bench-gemma3-270m:end -->")

@@ -189,6 +189,10 @@ def test_gguf_for_model(tmp_path, monkeypatch):
     assert speed._quant_name(own) == "Q8_0" and speed._quant_name(kept) == "Q4_1"
     assert gguf_for_model(str(tmp_path), home) is None  # an HF directory has no GGUF
     assert gguf_for_model(str(tmp_path / "missing.gguf"), home) is None
+    gemma = fetch.gemma3_gguf_path(home)  # Gemma 3's Q4_K_M file, kept by its fetch: llama.cpp runs the same GGUF
+    gemma.write_bytes(b"GGUF")
+    assert gguf_for_model("gemma3-270m", home) == gemma
+    assert speed._quant_name(gemma) == "Q4_K_M"
 
 
 def test_llama_cpp_skip_reason_without_a_gguf_or_when_the_probe_fails(tmp_path, monkeypatch):
@@ -235,15 +239,19 @@ def test_tiny_speed_run(smollm2, tmp_path, monkeypatch):
 
     monkeypatch.setattr(runner, "run_rounds", recording_run_rounds)
     opts = BenchOptions(workloads=("speed",), speed=TINY_SPEED, num_requests=2, max_tokens=2, num_threads=2,
-                        cold_samples=1, micro=False, out=str(tmp_path))
+                        cold_samples=1, micro=False, out=str(tmp_path), skip_vllm=True, skip_openvino=True)
     result = run_bench(opts, loaded=smollm2, log=lambda s: None)
     assert modes == ["on", "off"] + ["off", "on", "on", "off"] * 4  # 9 pairs, order alternating
     s = result["speed"]
+    # the venv baselines have their own test (tests/bench/test_baselines.py)
+    assert {e: s["skipped"][e] for e in speed.VENV_ENGINES} == {
+        speed.VLLM: "skipped (--skip-vllm)", speed.OPENVINO: "skipped (--skip-openvino)"}
+    skipped = {e: why for e, why in s["skipped"].items() if e not in speed.VENV_ENGINES}
     if LLAMA_CPP in s["engines"]:  # importable, and its probe ran
-        assert list(s["engines"]) == [OURS, HF, LLAMA_CPP] and s["skipped"] == {}
+        assert list(s["engines"]) == [OURS, HF, LLAMA_CPP] and skipped == {}
         assert s["engines"][LLAMA_CPP]["label"].startswith("llama.cpp Q4_1 (llama-cpp-python ")
     else:
-        assert list(s["engines"]) == [OURS, HF] and list(s["skipped"]) == [LLAMA_CPP]
+        assert list(s["engines"]) == [OURS, HF] and list(skipped) == [LLAMA_CPP]
         missing = llamacpp_baseline.llama_cpp_missing()
         assert s["skipped"][LLAMA_CPP].startswith(f"not measured: {missing or 'a llama.cpp probe'}")
     assert result["workloads"] == [] and json.loads((tmp_path / "bench.json").read_text())["speed"] == s
