@@ -268,7 +268,8 @@ def int8_rows_to_float_torch(
 
 INT4_GROUP = 32  # input features per scale (llama.cpp's Q4_1 / Q8_0 block size; also the activations')
 # Block-hash key of K/V computed by generated rows. Their attention's form (kernels/csrc/paged_attention.cpp)
-# follows the CPU's AVX512-BF16 like the prompt kernel's, which the model key names (attention.kv_numerics);
+# follows the CPU's AVX512-BF16 like the prompt kernel's, which the model key names (kv_numerics in
+# layers/attention/numerics.py);
 # this names the forms' versions and which rows take which, so K/V computed under an earlier rule in a tier
 # is not reused (rows past 4,096 keys take the float32 form).
 INT4_OUTPUT_KEY = b"int4-generated:decoder-f32-residual|decode-attention:bf16-keys32|f32-past-4096"

@@ -26,7 +26,7 @@
 //   qemu (aarch64_check.cpp).
 //
 // The prompt kernel (prefill_attention.cpp) runs exactly where the first form does, so the model's cache
-// key (attention.kv_numerics) tells the two apart, and INT4_OUTPUT_KEY (layers/quant.py) names the form.
+// key (layers/attention/numerics.py, kv_numerics) tells the two apart, and INT4_OUTPUT_KEY (layers/quant.py) names the form.
 // A NaN or +inf score at one of a row's keys makes that row's output NaN, as float attention's would be.
 //
 // Every operation of a row depends only on its own query, its own keys and values at their absolute

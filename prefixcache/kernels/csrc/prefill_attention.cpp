@@ -309,7 +309,7 @@ void attend_item(const Args& a, const Work& w, Buffers& buf) {
 // makes its row NaN too, like NaN and +inf). A tile product's element depends only on its A row, its B
 // column and its C value (the instruction's own sum order, fixed), so a row's bits depend only on its
 // query, keys and values, as above; they differ from the AVX-512 form's (a different sum order and 2^x),
-// so the cache key names the form (attention.kv_numerics).
+// so the cache key names the form (layers/attention/numerics.py, kv_numerics).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512bf16,fma")
 
