@@ -32,7 +32,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -46,7 +45,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.bench.field_venvs import venvs_dir
+from prefixcache.bench.loopback_server import LoopbackServer, start_loopback_server, start_serve
 from prefixcache.config import DEFAULT_MODEL
+from prefixcache.entrypoints.cli.cluster import LOOPBACK, free_port
 
 TOOLS = ("guidellm", "sglang", "aiperf")
 # pip arguments per tool, one pip call per inner list. GuideLLM needs torch: the CPU build setup.sh pins (on
@@ -185,23 +186,15 @@ class FieldRun:
 # ------------------------------------------------------------------------------------------ servers
 
 @dataclass
-class ServerProcess:
-    """A server started for the runs: ``prefixcache serve`` or llama.cpp's, on loopback."""
+class ServerProcess(LoopbackServer):
+    """A server started for the runs: ``prefixcache serve`` or llama.cpp's, on loopback (``has_metrics``:
+    it serves ``/metrics`` and ``/health``; llama.cpp's server has neither, its hits are read from its log)."""
 
-    name: str
-    url: str
-    popen: subprocess.Popen
-    log_path: Path
     has_metrics: bool = True
 
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait()
+    @classmethod
+    def of(cls, server: LoopbackServer, has_metrics: bool) -> ServerProcess:
+        return cls(server.name, server.url, server.popen, server.log_path, has_metrics=has_metrics)
 
     def log_counters(self) -> dict[str, float]:
         """llama-cpp-python's hits since it started, from its log: each ``Llama.generate`` that reuses its
@@ -224,31 +217,6 @@ class ServerProcess:
         return values
 
 
-def _start(name: str, argv: list[str], port: int, log_dir: Path, startup_timeout_s: float,
-           has_metrics: bool, env: dict[str, str] | None = None) -> ServerProcess:
-    from prefixcache.entrypoints.cli.cluster import LOOPBACK
-
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{name.replace(' ', '-').replace('.', '')}-{port}.log"  # one per start: fresh servers
-    log = open(log_path, "wb")
-    popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True, env={**os.environ, **(env or {})})
-    log.close()
-    server = ServerProcess(name, f"http://{LOOPBACK}:{port}", popen, log_path, has_metrics)
-    deadline = time.monotonic() + startup_timeout_s
-    while True:
-        try:
-            if httpx.get(server.url + ("/health" if has_metrics else "/v1/models"), timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        if popen.poll() is not None or time.monotonic() > deadline:
-            server.stop()
-            tail = log_path.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"{name} did not start (exit {popen.returncode}); its log ends:\n{tail}")
-        time.sleep(0.3)
-
-
 def start_prefixcache(model: str = DEFAULT_MODEL, num_threads: int = 2, block_size: int = 16,
                       log_dir: Path | None = None, startup_timeout_s: float = 300.0,
                       extra_args: tuple[str, ...] = ()) -> ServerProcess:
@@ -257,15 +225,9 @@ def start_prefixcache(model: str = DEFAULT_MODEL, num_threads: int = 2, block_si
     Raises:
         RuntimeError: it exited or was not healthy within ``startup_timeout_s`` (its log's tail attached).
     """
-    from prefixcache.entrypoints.cli.cluster import LOOPBACK, _PACKAGE_ROOT, free_port
-
-    port = free_port()
-    argv = [sys.executable, "-m", "prefixcache", "serve", model, "--host", LOOPBACK, "--port", str(port),
-            "--dtype", "float32", "--quantization", "none", "--num-threads", str(num_threads),
-            "--block-size", str(block_size), "--log-level", "warning", *extra_args]
-    path = os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
-    return _start(OURS, argv, port, Path(log_dir or tempfile.mkdtemp(prefix="prefixcache-field-")),
-                  startup_timeout_s, True, {"PYTHONPATH": path})
+    args = ("--dtype", "float32", "--quantization", "none", "--num-threads", str(num_threads),
+            "--block-size", str(block_size), "--log-level", "warning", *extra_args)
+    return ServerProcess.of(start_serve(model, args, OURS, log_dir or _field_log_dir(), startup_timeout_s), True)
 
 
 def llama_cpp_server_missing() -> str | None:
@@ -293,14 +255,17 @@ def start_llama_cpp(gguf: Path, model_name: str, num_threads: int, n_ctx: int = 
     (while a request waits its turn, or a loaded machine is slow) are not JSON, and SGLang's client fails on
     them. ``--verbose`` (its default) stays on: the log is where its prefix-match hits are read.
     """
-    from prefixcache.entrypoints.cli.cluster import LOOPBACK, free_port
-
     port = free_port()
     argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", model_name,
             "--host", LOOPBACK, "--port", str(port), "--n_threads", str(num_threads), "--n_ctx", str(n_ctx),
             "--cache", "true", "--interrupt_requests", "false", "--disable_ping_events", "true"]
-    return _start(LLAMA_CPP, argv, port, Path(log_dir or tempfile.mkdtemp(prefix="prefixcache-field-")),
-                  startup_timeout_s, False)
+    server = start_loopback_server(LLAMA_CPP, argv, port, Path(log_dir or _field_log_dir()), startup_timeout_s,
+                                   ready_path="/v1/models")  # it has no /health
+    return ServerProcess.of(server, False)
+
+
+def _field_log_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="prefixcache-field-"))
 
 
 # ------------------------------------------------------------------------------------------ the tools

@@ -3,10 +3,13 @@
 For each format (``--dtype`` / ``--quantization``) this CPU runs, ``prefixcache serve`` of the model with its
 default KV pool (``--kv-cache-memory`` unset: 1 GiB of blocks) starts in a process of its own on loopback,
 answers one short completion (so what the first request allocates counts), and has its resident set read
-from ``/proc/<pid>/status`` (``VmRSS``, with the peak ``VmHWM`` beside it, summed over the server and any
-child process), then stops. One process per format: what one format's load freed and the allocator kept
-never counts against another. Resident memory hardly depends on the machine's load (the time does), so a
-run on a shared machine gives the same numbers to a few MiB.
+(psutil's ``rss``, summed over the server and any child process it runs at that moment), then stops. Its peak
+is the server process's own peak resident set over its whole life, load included: ``ru_maxrss`` of the
+``wait4`` that reaps it (:class:`~prefixcache.bench.loopback_server.LoopbackServer`), a maximum the kernel keeps
+per process, so no moment between samples is missed. It is not a sum: a child the server ran (a kernel build's
+compiler) counts only if its own peak was larger. One process per format: what one format's load freed and the
+allocator kept never counts against another. Resident memory hardly depends on the machine's load (the time
+does), so a run on a shared machine gives the same numbers to a few MiB.
 
 The KV pool's share is ``prefixcache:kv_blocks_total`` (from ``/metrics``) times a block's bytes
 (:func:`~prefixcache.runner.kv_pool.kv_cache_bytes_per_block`, from the model's ``config.json``).
@@ -15,8 +18,6 @@ The KV pool's share is ``prefixcache:kv_blocks_total`` (from ``/metrics``) times
 from __future__ import annotations
 
 import json
-import os
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -35,8 +36,9 @@ class MemoryRow:
 
     Attributes:
         dtype, quantization: the format (``serve --dtype / --quantization``).
-        rss_bytes: resident set after one request (``VmRSS``), or None when not run.
-        peak_bytes: the peak resident set since start (``VmHWM``: the load's temporaries included).
+        rss_bytes: resident set after one request (the server and its children), or None when not run.
+        peak_bytes: the server process's peak resident set from start to exit (``ru_maxrss``: the load's
+            temporaries included).
         kv_pool_bytes: the KV pool's bytes (blocks x a block's bytes).
         kv_blocks: the pool's blocks.
         skipped: why the format was not run here (the CPU can't run it), or None.
@@ -51,46 +53,23 @@ class MemoryRow:
     skipped: str | None = None
 
 
-def status_bytes(status_text: str, field: str) -> int:
-    """A ``/proc/<pid>/status`` memory field in bytes (``VmRSS:   123456 kB`` -> 126418944).
+def tree_rss(pid: int) -> int:
+    """The resident bytes of ``pid`` and its descendants now (psutil's ``rss`` of each, summed; a process that
+    ends meanwhile counts 0).
 
     Raises:
-        ValueError: the field is missing or not in kB.
+        psutil.NoSuchProcess: ``pid`` itself is gone.
     """
-    for line in status_text.splitlines():
-        key, _, value = line.partition(":")
-        if key == field:
-            number, _, unit = value.strip().partition(" ")
-            if unit.strip() != "kB" or not number.isdigit():
-                raise ValueError(f"/proc status field {field!r} is not a count of kB: {value.strip()!r}")
-            return int(number) * 1024
-    raise ValueError(f"/proc status has no {field!r} line")
+    import psutil
 
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (``/proc/<pid>/task/*/children``; Linux)."""
-    pids, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        pids.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                todo.extend(int(c) for c in (task / "children").read_text().split())
-            except OSError:  # the task or the process ended meanwhile
-                pass
-    return pids
-
-
-def tree_memory(pid: int) -> tuple[int, int]:
-    """(resident, peak resident) bytes of ``pid`` and its descendants, from ``/proc``."""
-    rss = peak = 0
-    for p in process_tree(pid):
+    root = psutil.Process(pid)
+    total = root.memory_info().rss
+    for child in root.children(recursive=True):
         try:
-            text = Path(f"/proc/{p}/status").read_text()
-        except OSError:
-            continue
-        rss, peak = rss + status_bytes(text, "VmRSS"), peak + status_bytes(text, "VmHWM")
-    return rss, peak
+            total += child.memory_info().rss
+        except psutil.NoSuchProcess:  # it ended between the listing and the read
+            pass
+    return total
 
 
 def kv_block_bytes(model_dir: Path, dtype: str, block_size: int) -> int:
@@ -109,22 +88,19 @@ def kv_block_bytes(model_dir: Path, dtype: str, block_size: int) -> int:
 
 def measure_format(model: str, dtype: str, quantization: str, num_threads: int, block_size: int,
                    log_dir: Path, startup_timeout_s: float = 600.0) -> MemoryRow:
-    """One format's ``prefixcache serve``: started, one completion of 8 tokens, memory read, stopped.
+    """One format's ``prefixcache serve``: started, one completion of 8 tokens, resident set read, stopped
+    (its peak read as it is reaped).
 
     Raises:
         RuntimeError: the server did not start or the request failed (its log's tail attached).
     """
     import httpx
 
-    from prefixcache.bench.field import _start
-    from prefixcache.entrypoints.cli.cluster import LOOPBACK, _PACKAGE_ROOT, free_port
+    from prefixcache.bench.loopback_server import start_serve
 
-    port = free_port()
-    argv = [sys.executable, "-m", "prefixcache", "serve", model, "--host", LOOPBACK, "--port", str(port),
-            "--dtype", dtype, "--quantization", quantization, "--num-threads", str(num_threads),
-            "--block-size", str(block_size), "--log-level", "warning"]
-    path = os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
-    server = _start(f"serve-{dtype}-{quantization}", argv, port, log_dir, startup_timeout_s, True, {"PYTHONPATH": path})
+    args = ("--dtype", dtype, "--quantization", quantization, "--num-threads", str(num_threads),
+            "--block-size", str(block_size), "--log-level", "warning")
+    server = start_serve(model, args, f"serve-{dtype}-{quantization}", log_dir, startup_timeout_s)
     try:
         served = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
         reply = httpx.post(server.url + "/v1/completions", timeout=300,
@@ -133,10 +109,12 @@ def measure_format(model: str, dtype: str, quantization: str, num_threads: int, 
         if reply.status_code != 200:
             raise RuntimeError(f"{dtype}/{quantization}: the request failed ({reply.status_code}): {reply.text[:300]}")
         blocks = _gauge(httpx.get(server.url + "/metrics", timeout=30).text, "prefixcache:kv_blocks_total")
-        rss, peak = tree_memory(server.popen.pid)
+        rss = tree_rss(server.popen.pid)
     finally:
         server.stop()
-    return MemoryRow(dtype, quantization, rss, peak, kv_blocks=blocks)
+    if server.peak_rss_bytes is None:
+        raise RuntimeError(f"{dtype}/{quantization}: the server was reaped without its resource usage")
+    return MemoryRow(dtype, quantization, rss, server.peak_rss_bytes, kv_blocks=blocks)
 
 
 def _gauge(metrics_text: str, name: str) -> int:
@@ -183,8 +161,8 @@ def memory_markdown(result: dict) -> str:
     """The table of :func:`run_memory_benchmark`'s result: one row per format, MiB."""
     lines = [f"`prefixcache serve {result['model']}` per weight format, its default KV pool (1 GiB), "
              f"`--num-threads {result['num_threads']}`, `--block-size {result['block_size']}`; the resident set "
-             "(`VmRSS`) after one 8-token completion, and its peak since start (`VmHWM`: the load's temporaries), "
-             "one server process per format.", "",
+             "after one 8-token completion (the server and its children), and the server process's peak from start "
+             "to exit (`ru_maxrss`: the load's temporaries), one server process per format.", "",
              "| `--dtype` / `--quantization` | resident | peak | of which the KV pool | the rest |",
              "|---|---|---|---|---|"]
     for r in result["rows"]:

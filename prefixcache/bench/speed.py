@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from prefixcache.bench.goals import goal
+from prefixcache.bench.goals import HF, LLAMA_CPP, OURS, goal, speed_targets
 from prefixcache.bench.options import SPEED, SpeedSizes
 from prefixcache.bench.venv_engine import BaselineFailed
 from prefixcache.bench.workloads import SpeedPrompts, build_speed_prompts
@@ -60,7 +60,6 @@ if TYPE_CHECKING:
     from prefixcache.bench.options import BenchOptions
     from prefixcache.models.loader import LoadedModel
 
-OURS, HF, LLAMA_CPP = "prefixcache", "transformers", "llama.cpp"
 VLLM, OPENVINO = "vLLM CPU", "OpenVINO GenAI"  # each from its own venv (prefixcache.bench.venv_engine)
 ENGINES = (HF, LLAMA_CPP, VLLM, OPENVINO, OURS)  # the table's column order
 VENV_ENGINES = (VLLM, OPENVINO)  # optional columns: in the table only when measured, else one line why not
@@ -263,8 +262,8 @@ def run_speed(loaded: LoadedModel, opts: BenchOptions, hf: HFBaselines | None, o
                           "long": None if prompts.long is None else len(prompts.long)},
         "engines": engines, "skipped": skipped, "on_over_off_source": on_over_off_source,
     }
-    section["table"] = speed_table(section)
-    section["goals"] = speed_goals(section)
+    section["table"] = speed_table(section, opts.model)
+    section["goals"] = speed_goals(section, opts.model)
     return section
 
 
@@ -389,22 +388,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-# The issue's targets: (metric, None = ours alone, else ours / that engine, "<=" or ">=", target).
-SPEED_TARGETS = (
-    ("warm_ttft_s", None, "<=", 0.08), ("warm_ttft_s", HF, "<=", 0.3), ("warm_ttft_s", LLAMA_CPP, "<=", 0.3),
-    ("batch_output_tokens_per_s", None, ">=", 120), ("batch_output_tokens_per_s", LLAMA_CPP, ">=", 5),
-    ("batch_output_tokens_per_s", HF, ">=", 8),
-    ("decode_tokens_per_s", None, ">=", 100),
-    ("cold_ttft_s", None, "<=", 1.5), ("cold_ttft_s", HF, "<=", 0.5),
-    ("long_prefill_s", None, "<=", 12), ("long_decode_ms_per_token", None, "<=", 30),
-    ("on_over_off", None, ">=", 0.99),
-)
-
-
-def speed_table(section: dict) -> list[dict]:
-    """The table's rows: per engine value (None: not measured), the ratios ours / theirs, and the
-    issue's target for our value alone (None: it has none)."""
-    targets = {key: f"{op} {t:g}" for key, other, op, t in SPEED_TARGETS if other is None}
+def speed_table(section: dict, model: str = DEFAULT_MODEL) -> list[dict]:
+    """The table's rows: per engine value (None: not measured), the ratios ours / theirs, and
+    ``model``'s target for our value alone (None: it has none; :func:`~prefixcache.bench.goals.speed_targets`)."""
+    targets = {key: f"{op} {t:g}" for key, other, op, t in speed_targets(model) if other is None}
     shown = [e for e in ENGINES if e not in VENV_ENGINES or e in section["engines"]]
     rows = []
     for key, label, unit in _metrics(section):
@@ -415,12 +402,12 @@ def speed_table(section: dict) -> list[dict]:
     return rows
 
 
-def speed_goals(section: dict) -> list[dict]:
-    """The issue's targets for the rows this run measured: value, target, met (None: not measured).
-    The vLLM and OpenVINO columns carry no target here."""
+def speed_goals(section: dict, model: str = DEFAULT_MODEL) -> list[dict]:
+    """``model``'s targets (:func:`~prefixcache.bench.goals.speed_targets`) for the rows this run measured:
+    value, target, met (None: not measured). The vLLM and OpenVINO columns carry no target here."""
     rows = {r["metric"]: r for r in section["table"]}
     goals = []
-    for key, other, op, target in SPEED_TARGETS:
+    for key, other, op, target in speed_targets(model):
         if key not in rows:  # long context not measured
             continue
         row = rows[key]

@@ -22,38 +22,16 @@ def longest_earlier_prefixes(prompts: Iterable[Sequence[int]], warm: Iterable[Se
     """For each prompt, in order, the length of its longest common prefix with any earlier prompt or with any
     of ``warm`` (prompts sent before the measured ones, e.g. a tool's warm-up request on a cache not flushed).
 
-    A trie over token ids: every path from the root spells a prefix of some inserted prompt, so the depth a
-    prompt's walk reaches before leaving the trie is exactly its longest shared prefix; O(total tokens).
-
     Returns:
         one int per prompt, ``0 <= lcp[i] <= len(prompts[i])``.
 
     Raises:
         ValueError: a prompt that is not a sequence of ints (naming its index).
     """
-    root: dict = {}
-
-    def walk_and_insert(tokens: Sequence[int], index: int, kind: str) -> int:
-        node, depth = root, 0
-        for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise ValueError(f"{kind}[{index}]: token ids must be ints, got {type(t).__name__} {t!r}")
-            child = node.get(t)
-            if child is None:
-                break
-            node, depth = child, depth + 1
-        for t in tokens[depth:]:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise ValueError(f"{kind}[{index}]: token ids must be ints, got {type(t).__name__} {t!r}")
-            node = node.setdefault(t, {})
-        return depth
-
-    for i, w in enumerate(warm):
-        walk_and_insert(list(w), i, "warm")
-    return [walk_and_insert(list(p), i, "prompts") for i, p in enumerate(prompts)]
+    return _lcps(_token_lists(prompts, "prompts"), _token_lists(warm, "warm"))
 
 
-def theoretical_hits(prompts: Sequence[Sequence[int]], warm: Iterable[Sequence[int]] = (),
+def theoretical_hits(prompts: Iterable[Sequence[int]], warm: Iterable[Sequence[int]] = (),
                      block_size: int | None = None) -> list[int]:
     """Each prompt's theoretical hit in tokens: ``min(lcp, len - 1)`` (module docstring), rounded down to a
     multiple of ``block_size`` when given.
@@ -61,21 +39,74 @@ def theoretical_hits(prompts: Sequence[Sequence[int]], warm: Iterable[Sequence[i
     Raises:
         ValueError: an empty prompt (naming its index), a bad token id, or ``block_size`` < 1.
     """
+    return _hits(*_checked(prompts, warm, block_size))
+
+
+def theoretical_hit_rate(prompts: Iterable[Sequence[int]], warm: Iterable[Sequence[int]] = (),
+                         block_size: int | None = None) -> float:
+    """Σ :func:`theoretical_hits` ÷ Σ prompt lengths (0.0 for no prompts).
+
+    Raises:
+        ValueError: as :func:`theoretical_hits`.
+    """
+    prompts, warm, block_size = _checked(prompts, warm, block_size)
+    total = sum(len(p) for p in prompts)
+    return sum(_hits(prompts, warm, block_size)) / total if total else 0.0
+
+
+def _checked(prompts: Iterable[Sequence[int]], warm: Iterable[Sequence[int]],
+             block_size: int | None) -> tuple[list[list[int]], list[list[int]], int | None]:
+    """The public functions' arguments validated, once: the lists of token ids, and ``block_size``."""
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    prompts = [list(p) for p in prompts]
+    prompts = _token_lists(prompts, "prompts")
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompts[{i}] is empty: every request has at least one prompt token")
-    hits = [min(lcp, len(p) - 1) for lcp, p in zip(longest_earlier_prefixes(prompts, warm), prompts)]
+    return prompts, _token_lists(warm, "warm"), block_size
+
+
+def _token_lists(seqs: Iterable[Sequence[int]], kind: str) -> list[list[int]]:
+    """``seqs`` as lists of ints.
+
+    Raises:
+        ValueError: a token id that is not an int (bool excluded), naming ``kind`` and the list's index.
+    """
+    out = []
+    for i, seq in enumerate(seqs):
+        tokens = list(seq)
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"{kind}[{i}]: token ids must be ints, got {type(t).__name__} {t!r}")
+        out.append(tokens)
+    return out
+
+
+def _lcps(prompts: list[list[int]], warm: list[list[int]]) -> list[int]:
+    """:func:`longest_earlier_prefixes` on validated lists. A trie over token ids: every path from the root
+    spells a prefix of some inserted prompt, so the depth a prompt's walk reaches before leaving the trie is
+    exactly its longest shared prefix; O(total tokens)."""
+    root: dict = {}
+
+    def walk_and_insert(tokens: list[int]) -> int:
+        node, depth = root, 0
+        for t in tokens:
+            child = node.get(t)
+            if child is None:
+                break
+            node, depth = child, depth + 1
+        for t in tokens[depth:]:
+            node = node.setdefault(t, {})
+        return depth
+
+    for w in warm:
+        walk_and_insert(w)
+    return [walk_and_insert(p) for p in prompts]
+
+
+def _hits(prompts: list[list[int]], warm: list[list[int]], block_size: int | None) -> list[int]:
+    """:func:`theoretical_hits` on validated arguments (non-empty prompts)."""
+    hits = [min(lcp, len(p) - 1) for lcp, p in zip(_lcps(prompts, warm), prompts)]
     if block_size:
         hits = [h // block_size * block_size for h in hits]
     return hits
-
-
-def theoretical_hit_rate(prompts: Sequence[Sequence[int]], warm: Iterable[Sequence[int]] = (),
-                         block_size: int | None = None) -> float:
-    """Σ :func:`theoretical_hits` ÷ Σ prompt lengths (0.0 for no prompts)."""
-    prompts = [list(p) for p in prompts]
-    total = sum(len(p) for p in prompts)
-    return sum(theoretical_hits(prompts, warm, block_size)) / total if total else 0.0

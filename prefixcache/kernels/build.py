@@ -42,12 +42,21 @@ def extension_name(prefix: str, sources: list[Path]) -> str:
 
 
 def build_directory(name: str) -> Path:
-    """Where torch's extension builder puts extension ``name``: ``TORCH_EXTENSIONS_DIR`` (default torch's
-    ``~/.cache/torch_extensions``), then a folder per Python version (its ``py311_cpu``), then ``name``."""
+    """Where extension ``name`` is built: ``TORCH_EXTENSIONS_DIR`` if set, else torch's public
+    ``get_default_build_root()`` (``~/.cache/torch_extensions``); then a folder per Python ABI (``py311_cpu``),
+    then ``name``.
+
+    This is our rule, not a copy of torch's: :func:`load_extension` hands this directory to torch's ``load`` as
+    its ``build_directory``, and torch builds exactly there (torch's own default placement is private, and with
+    ``TORCH_EXTENSIONS_DIR`` set it drops the per-ABI folder). The per-ABI folder is kept always, because a
+    built module imports only into the Python it was built for and :func:`extension_name` digests the sources
+    alone, so two Pythons sharing one root must not share a build.
+    """
     from torch.utils.cpp_extension import get_default_build_root
 
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    return root / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / name
+    abi = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return root / f"{abi}_cpu" / name
 
 
 def load_extension(prefix: str, sources: list[Path], cflags: list[str]) -> ModuleType:

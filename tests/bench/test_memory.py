@@ -1,47 +1,59 @@
-"""``bench --workload memory``: the /proc and /metrics parsing, the table's shape and its --report section
-(no server started here: the workload itself runs in ``prefixcache bench``)."""
+"""``bench --workload memory``: the resident set of a process tree, the peak read when a server is reaped, the
+/metrics parsing, the table's shape and its --report section (no ``prefixcache serve`` started here: the
+workload itself runs in ``prefixcache bench``)."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from prefixcache.bench.cli import CLI_WORKLOADS, parse_workloads
-from prefixcache.bench.memory import (FORMATS, MemoryRow, _gauge, kv_block_bytes, memory_markdown, process_tree,
-                                      status_bytes, tree_memory, write_memory_outputs)
+from prefixcache.bench.loopback_server import LoopbackServer
+from prefixcache.bench.memory import FORMATS, MemoryRow, _gauge, kv_block_bytes, memory_markdown, tree_rss, write_memory_outputs
 from prefixcache.bench.report_page import REPORT_STEMS, update_section
 
-STATUS = "Name:\tpython\nVmPeak:\t 3000000 kB\nVmHWM:\t  2500000 kB\nVmRSS:\t  2065432 kB\nThreads:\t5\n"
+def test_the_process_trees_resident_set_counts_a_child():
+    import psutil
 
-
-def test_status_fields_in_bytes():
-    assert status_bytes(STATUS, "VmRSS") == 2065432 * 1024
-    assert status_bytes(STATUS, "VmHWM") == 2500000 * 1024
-    with pytest.raises(ValueError, match="no 'VmSwap' line"):
-        status_bytes(STATUS, "VmSwap")
-    with pytest.raises(ValueError, match="not a count of kB"):
-        status_bytes("VmRSS:\t12 MB\n", "VmRSS")
-
-
-def test_the_process_trees_memory_counts_a_child():
     child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(64 << 20); time.sleep(30)"])
     try:
-        for _ in range(100):  # until the child holds its 64 MiB
-            with open(f"/proc/{child.pid}/status") as f:
-                if status_bytes(f.read(), "VmRSS") > 64 << 20:
-                    break
-            subprocess.run(["sleep", "0.1"])
-        assert child.pid in process_tree(os.getpid())
-        with open(f"/proc/{child.pid}/status") as f:
-            child_rss = status_bytes(f.read(), "VmRSS")
-        with open("/proc/self/status") as f:
-            own_rss = status_bytes(f.read(), "VmRSS")
-        rss, peak = tree_memory(os.getpid())
-        assert rss >= own_rss + child_rss - (16 << 20) and peak >= rss - (16 << 20)  # pages may move meanwhile
+        for _ in range(100):  # until the child holds its 64 MiB (bytearray zero-fills: every page touched)
+            if psutil.Process(child.pid).memory_info().rss > 64 << 20:
+                break
+            time.sleep(0.1)
+        own_rss = psutil.Process().memory_info().rss
+        child_rss = psutil.Process(child.pid).memory_info().rss
+        assert child_rss > 64 << 20
+        rss = tree_rss(os.getpid())
+        assert abs(rss - (own_rss + child_rss)) < 16 << 20  # pages may move meanwhile
+        assert abs(tree_rss(child.pid) - child_rss) < 16 << 20  # a leaf: itself alone
     finally:
         child.kill()
         child.wait()
+
+
+def test_stop_reaps_the_server_with_its_peak_resident_set(tmp_path):
+    """The peak is the process's own maximum, kept after it freed the memory: 256 MiB held, then freed."""
+    code = ("import time\nb = bytearray(256 << 20)\ndel b\nopen(r'%s', 'w').close()\ntime.sleep(60)\n"
+            % (tmp_path / "freed"))
+    popen = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    server = LoopbackServer("probe", "http://127.0.0.1:1", popen, tmp_path / "probe.log")
+    for _ in range(300):
+        if (tmp_path / "freed").exists():
+            break
+        time.sleep(0.1)
+    assert (tmp_path / "freed").exists()
+    import psutil
+
+    assert psutil.Process(popen.pid).memory_info().rss < 128 << 20  # freed: the resident set is back down
+    server.stop(timeout_s=10)
+    assert popen.returncode == -signal.SIGTERM  # SIGTERM's default action ended it
+    assert 256 << 20 <= server.peak_rss_bytes < 512 << 20
+    server.stop()  # idempotent: already reaped
+    assert popen.returncode == -signal.SIGTERM
 
 
 def test_gauge_reads_the_sample_not_a_longer_name():

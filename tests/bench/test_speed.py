@@ -10,22 +10,24 @@ import sys
 import pytest
 
 from prefixcache.bench import llamacpp_baseline, speed
+from prefixcache.bench.goals import speed_targets
 from prefixcache.bench.report import markdown, speed_markdown
 from prefixcache.bench.speed import (HF, LLAMA_CPP, OURS, SpeedSizes, gguf_for_model, llama_cpp_skip_reason,
                                      measure_engine, speed_goals, speed_table)
 from prefixcache.bench.workloads import SpeedPrompts
+from prefixcache.config import DEFAULT_MODEL, GEMMA3_MODEL
 from prefixcache.models import fetch
 
 
-def make_section(engines: dict, long: bool = False, skipped: dict | None = None) -> dict:
+def make_section(engines: dict, long: bool = False, skipped: dict | None = None, model: str = DEFAULT_MODEL) -> dict:
     section = {
         "name": "speed", "threads": 2, "sizes": {**vars(SpeedSizes(long=long))},
         "prompt_tokens": {"cold": 2178, "shared_prefix": 2032, "per_request": [2178] * 10, "short": 130,
                           "long": 8000 if long else None},
         "engines": engines, "skipped": skipped or {}, "on_over_off_source": "given",
     }
-    section["table"] = speed_table(section)
-    section["goals"] = speed_goals(section)
+    section["table"] = speed_table(section, model)
+    section["goals"] = speed_goals(section, model)
     return section
 
 
@@ -89,6 +91,28 @@ def test_without_llama_cpp_or_long_context_its_goals_are_not_measured():
     assert "| llama.cpp (not measured) |" in md
     assert "llama.cpp: not measured: no llama_cpp." in md
     assert "| cold TTFT, 2,178-token prompt (s) | 3.160 | – | 1.580 | 0.50 | – |" in md
+
+
+def test_gemma3_is_judged_by_its_own_goals_against_the_same_runs_llama_cpp():
+    """gemma3-270m's goals: warm TTFT <= 0.5x llama.cpp's, decode >= llama.cpp's; none of the default
+    model's absolute targets (cold TTFT <= 1.5 s, ...) in its rows or its table."""
+    engines = {HF: ISSUE_HF, LLAMA_CPP: ISSUE_LLAMA, OURS: OURS_NUMBERS}
+    s = make_section(engines, model=GEMMA3_MODEL)
+    got = [(g["goal"], g["target"], round(g["value"], 4), g["met"]) for g in s["goals"]]
+    assert got == [
+        ("warm TTFT, 2,032-token prefix reused (median of 9): ours / llama.cpp", "<= 0.5",
+         round(0.077 / 0.310, 4), True),
+        ("single-sequence decode (128 tokens): ours / llama.cpp", ">= 1", round(99.0 / 90.0, 4), True),
+    ]
+    assert all(r["target"] is None for r in s["table"])  # both goals are ratios: no absolute target shown
+    slower = make_section({**engines, OURS: {**OURS_NUMBERS, "warm_ttft_s": 0.2, "decode_tokens_per_s": 80.0}},
+                          model=GEMMA3_MODEL)
+    assert [(round(g["value"], 4), g["met"]) for g in slower["goals"]] == [(round(0.2 / 0.31, 4), False),
+                                                                            (round(80 / 90, 4), False)]
+    no_llama = make_section({HF: ISSUE_HF, OURS: OURS_NUMBERS}, model=GEMMA3_MODEL)
+    assert [(g["value"], g["met"]) for g in no_llama["goals"]] == [(None, None), (None, None)]
+    assert speed_targets("my-local-model") == ()  # a model without goals of its own gets none
+    assert make_section(engines, model="my-local-model")["goals"] == []
 
 
 def test_markdown_of_a_speed_only_run():

@@ -78,4 +78,8 @@ def test_bad_input_names_the_prompt():
         theoretical_hits([[1, "a"]])
     with pytest.raises(ValueError, match="block_size"):
         theoretical_hits([[1]], block_size=0)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: token ids must be ints, got float 2.0"):
+        theoretical_hit_rate([[1, 2], [1, 2.0]])  # equal to an earlier prompt's token 2, still refused
+    with pytest.raises(ValueError, match=r"warm\[0\]: token ids must be ints, got bool True"):
+        longest_earlier_prefixes([[1]], warm=[[True]])
     assert theoretical_hit_rate([]) == 0.0

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig
+from transformers import AutoModelForCausalLM
 
 from prefixcache.config import EngineConfig
 from prefixcache.engine.async_engine import AsyncLLMEngine
@@ -21,6 +21,7 @@ from prefixcache.entrypoints.dashboard.state import DashboardState, kv_group_sta
 from prefixcache.models.fetch import default_model_dir
 from prefixcache.models.loader import load_model
 from prefixcache.sampling_params import SamplingParams
+from tests.models.model_testlib import tiny_gemma3_config
 
 B = 4  # block_size
 W = 8  # sliding_window
@@ -31,15 +32,7 @@ NUM_BLOCKS = 60
 @pytest.fixture(scope="module")
 def tiny_gemma(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("tiny-gemma3-dashboard")
-    config = Gemma3TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
-        sliding_window=W, query_pre_attn_scalar=24, layer_types=LAYER_TYPES,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
-        architectures=["Gemma3ForCausalLM"], tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
+    config = tiny_gemma3_config(LAYER_TYPES, W)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
     for name in ("tokenizer.json", "tokenizer_config.json"):  # the engine decodes what it generates

@@ -22,6 +22,7 @@ import torch
 
 from prefixcache.kernels.build import extension_name
 from prefixcache.layers.quant import quantize_weight_group_int8, quantize_weight_int4
+from tests.kernels.paged_inputs import random_paged_decode_inputs
 
 CXX, QEMU, SYSROOT = "aarch64-linux-gnu-g++", "qemu-aarch64", "/usr/aarch64-linux-gnu"
 DRIVER = Path(__file__).parents[2] / "prefixcache" / "kernels" / "csrc" / "aarch64_check.cpp"
@@ -94,23 +95,12 @@ def _product(op: str, x: torch.Tensor, weight, bias: torch.Tensor | None, out_dt
 
 def _attention(seed: int, lens: list[int], x86, heads=6, kv_heads=2, head_dim=64, block=16, q_scale=1.0,
                nan_key: bool = False) -> Case:
-    """Rows of the given context lengths over a shuffled pool (test_int4_builds' layout)."""
-    g = torch.Generator().manual_seed(seed)
-    blocks = sum(-(-n // block) for n in lens) + 3
-    pool = torch.randn(2, blocks * block, kv_heads, head_dim, generator=g)
-    order = torch.randperm(blocks, generator=g).tolist()
-    width = max(-(-n // block) for n in lens)
-    table = torch.zeros(len(lens), width, dtype=torch.int32)
-    for r, n in enumerate(lens):
-        for b in range(-(-n // block)):
-            table[r, b] = order.pop()
-    if nan_key:  # key 5 of row 0, kv head 0: that row's query heads of kv head 0 get NaN outputs, nothing else
-        pool[0, int(table[0, 0]) * block + 5, 0, 3] = float("nan")
-    k, v = pool.to(torch.bfloat16).unbind(0)
-    q = (torch.randn(len(lens), heads, head_dim, generator=g) * q_scale).to(torch.bfloat16)
-    context_lens = torch.tensor(lens, dtype=torch.int32)
+    """Rows of the given context lengths over a shuffled pool (:func:`random_paged_decode_inputs`)."""
+    q, k, v, table, context_lens = random_paged_decode_inputs(seed, lens, heads, kv_heads, head_dim, block, q_scale,
+                                                              nan_key)
+    slots, width = k.shape[0], table.shape[1]
     scale = head_dim ** -0.5
-    header = struct.pack("<8qf", 2, len(lens), heads, kv_heads, head_dim, blocks * block, width, block, scale)
+    header = struct.pack("<8qf", 2, len(lens), heads, kv_heads, head_dim, slots, width, block, scale)
     stdin = b"".join([header, _bits(q), _bits(k), _bits(v), table.numpy().tobytes(), context_lens.numpy().tobytes()])
     expected = x86.paged_decode_attention_float32(q, k, v, table, context_lens, block, scale)
     return Case(f"attention lens={lens} heads={heads}/{kv_heads} head_dim={head_dim} block={block} "

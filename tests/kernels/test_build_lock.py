@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -25,16 +26,20 @@ _CHILD = textwrap.dedent("""\
     import sys
     from pathlib import Path
     from prefixcache.kernels.build import load_extension
-    print(load_extension("prefixcache_lock_probe", [Path(sys.argv[1])], ["-O1"]).answer())
+    module = load_extension("prefixcache_lock_probe", [Path(sys.argv[1])], ["-O1"])
+    print(module.answer(), module.__file__)
     """)
 
 
-def test_a_lock_left_by_a_killed_build_is_removed_and_the_build_runs(tmp_path):
+def test_a_lock_left_by_a_killed_build_is_removed_and_the_build_runs(tmp_path, monkeypatch):
     source = tmp_path / "probe.cpp"
     source.write_text(_SOURCE)
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
-    build_dir = build_directory(extension_name("prefixcache_lock_probe", [source]))
-    build_dir = tmp_path / "ext" / build_dir.relative_to(build_dir.parents[1])  # the same layout under ext/
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    env = dict(os.environ)
+    name = extension_name("prefixcache_lock_probe", [source])
+    build_dir = build_directory(name)
+    abi = f"py{sys.version_info.major}{sys.version_info.minor}{sys.abiflags}_cpu"
+    assert build_dir == tmp_path / "ext" / abi / name
     build_dir.mkdir(parents=True)
     (build_dir / "lock").touch()  # what torch's builder leaves when its process is killed mid-build
 
@@ -42,9 +47,12 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_the_build_runs(tmp_path):
                          timeout=300)  # without the fix this waits on the lock until the timeout
 
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "42"
+    answer, module_file = run.stdout.split()
+    assert answer == "42"
+    # torch built and imported the module in build_directory(name): the flock and the lock it clears are there
+    assert Path(module_file).parent == build_dir and Path(module_file).name.startswith(name)
     assert "left by a build that was killed" in run.stderr
     assert not (build_dir / "lock").exists()
     again = subprocess.run([sys.executable, "-c", _CHILD, str(source)], env=env, capture_output=True, text=True,
                            timeout=300)  # built: a second load imports it and says nothing about locks
-    assert again.stdout.strip() == "42" and "killed" not in again.stderr
+    assert again.stdout.split() == ["42", module_file] and "killed" not in again.stderr

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from prefixcache.layers.quant import quantize_weight_group_int8, quantize_weight_int4
+from tests.kernels.paged_inputs import random_paged_decode_inputs
 
 AVX2 = pytest.mark.requires_isa("avx2")
 AVX512 = pytest.mark.requires_isa("avx512")
@@ -110,18 +111,7 @@ def avx512_capped_to(request):
 
 
 def _attention_case(seed, lens, heads=6, kv_heads=2, head_dim=64, block=16):
-    g = torch.Generator().manual_seed(seed)
-    blocks = sum(-(-n // block) for n in lens) + 3
-    pool = torch.randn(2, blocks, block, kv_heads, head_dim, generator=g).to(torch.bfloat16)
-    order = torch.randperm(blocks, generator=g).tolist()
-    width = max(-(-n // block) for n in lens)
-    table = torch.zeros(len(lens), width, dtype=torch.int32)
-    for r, n in enumerate(lens):
-        for b in range(-(-n // block)):
-            table[r, b] = order.pop()
-    q = torch.randn(len(lens), heads, head_dim, generator=g).to(torch.bfloat16)
-    k, v = pool[0].view(-1, kv_heads, head_dim), pool[1].view(-1, kv_heads, head_dim)
-    return q, k, v, table, torch.tensor(lens, dtype=torch.int32), block
+    return (*random_paged_decode_inputs(seed, lens, heads, kv_heads, head_dim, block), block)
 
 
 @AVX512

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
 from prefixcache.layers.attention.metadata import build_attention_metadata
 from prefixcache.layers.grouped_attention import build_grouped_attention_metadata
@@ -32,6 +32,21 @@ TINY_ARCHS = {
     "qwen2": (Qwen2Config, dict(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True)),
     "qwen3": (Qwen3Config, dict(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True, head_dim=32)),
 }
+
+
+def tiny_gemma3_config(layer_types: list[str], sliding_window: int, **overrides) -> Gemma3TextConfig:
+    """A Gemma 3 text config small enough to build in a test: 64 wide, 4 query heads and 1 KV head of 32 dims,
+    a 256-token vocabulary (ids < 256 of any tokenizer fit), one layer per entry of ``layer_types``, Gemma 3's
+    two RoPE bases (global 1e6, local 1e4); ``overrides`` set or replace any field."""
+    return Gemma3TextConfig(**{
+        **dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types),
+               num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+               rms_norm_eps=1e-6, sliding_window=sliding_window, query_pre_attn_scalar=24, layer_types=layer_types,
+               rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+               architectures=["Gemma3ForCausalLM"], tie_word_embeddings=True,
+               bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        **overrides})
 
 
 def make_tiny_checkpoint(out_dir: Path, arch: str, seed: int = 0, **overrides) -> torch.nn.Module:

@@ -192,9 +192,7 @@ class Cluster:
         self.url = gateway.url
 
     def _spawn(self, name: str, argv: list[str], url: str) -> Process:
-        # the replicas run this very prefixcache (a checkout on sys.path, not only an installed one)
-        path = os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "NO_COLOR": "1", "PYTHONPATH": path}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "NO_COLOR": "1", "PYTHONPATH": package_pythonpath()}
         popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  env=env, start_new_session=True, preexec_fn=_die_with_parent())
         forwarder = threading.Thread(target=self._forward, args=(name, popen.stdout), daemon=True,
@@ -281,6 +279,12 @@ def _die_with_parent() -> Callable[[], None] | None:
         return None
     prctl = ctypes.CDLL(None, use_errno=True).prctl
     return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def package_pythonpath() -> str:
+    """``PYTHONPATH`` for a child process that must run this very prefixcache: the directory holding this
+    package first (a checkout on ``sys.path``, not only an installed one), then the inherited ``PYTHONPATH``."""
+    return os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
 
 
 def free_port(host: str = LOOPBACK) -> int:
