@@ -3,10 +3,15 @@ CPU has AMX-BF16) vs torch's padded flash path, on SmolLM2's head shape, for the
 cached keys (the 10 x 32 run's second step), one such suffix (warm TTFT), and a 2,048-token chunk after
 6,000 cached keys (an 8,000-token prefill's last chunk). Both paths include the K/V write; best of --repeats.
 
-    .venv/bin/python benchmarks/prefill_attention.py [--num-threads 2] [--repeats 3]
+    .venv/bin/python benchmarks/prefill_attention.py [--num-threads 2] [--repeats 3] [--report docs/benchmarks.md]
+
+``--report PAGE`` puts the table into PAGE's ``kernels-prefill-attention`` section under the machine, date, commit
+and command (``prefixcache/bench/report_page.py``).
 """
 
 import argparse
+import shlex
+import sys
 import time
 
 import torch
@@ -15,11 +20,15 @@ from prefixcache.kernels import prefill_attention
 from prefixcache.layers.attention.metadata import build_attention_metadata
 from prefixcache.layers.attention.torch_attention import Attention
 
+SECTION = "kernels-prefill-attention"  # the page section --report fills
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--report", default=None, metavar="PAGE", help=f"also put the table into PAGE's '{SECTION}' "
+                                                                        "section (e.g. docs/benchmarks.md)")
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
     gen = torch.Generator().manual_seed(0)
@@ -33,6 +42,7 @@ def main() -> None:
     forms = [("torch", False, False), ("avx512", True, False)] + ([("amx", True, True)] if has_amx else [])
     print(f"{'shape':<22}{'torch padded (ms)':>18}{'ours AVX-512 (ms)':>18}{'ratio':>7}"
           + (f"{'ours AMX (ms)':>15}{'ratio':>7}" if has_amx else ""))
+    rows = []
     for name, seqs in shapes.items():
         batch = [(c, n, blocks) for c, n in seqs]
         num_tokens = sum(n for _, n in seqs)
@@ -55,6 +65,32 @@ def main() -> None:
         if has_amx:
             line += f"{times[2]:>15.1f}{times[0] / times[2]:>7.2f}"
         print(line)
+        rows.append((name, times))
+    if args.report:
+        from prefixcache.bench.report_page import report_section
+
+        command = shlex.join([".venv/bin/python", "benchmarks/prefill_attention.py", *sys.argv[1:]])
+        report_section(args.report, SECTION, markdown(rows, has_amx, args.num_threads, args.repeats), command)
+        print(f"--report: {SECTION} written into {args.report}", file=sys.stderr)
+
+
+def markdown(rows: list[tuple[str, list[float]]], has_amx: bool, num_threads: int, repeats: int) -> str:
+    """The timings (``rows``: shape, then ms per form: torch, AVX-512, [AMX]) as a Markdown table."""
+    lines = [f"One layer's prompt attention on SmolLM2's head shape (9 query / 3 KV heads, head_dim 64, bf16 K/V in "
+             f"16-token blocks scattered over the pool), K/V write included, {num_threads} threads, best of "
+             f"{repeats}, in ms.", "",
+             "| shape (new tokens over cached keys) | torch's padded flash path | our kernel, AVX-512 form "
+             "| torch / ours"
+             + (" | our kernel, AMX form | torch / ours AMX |" if has_amx else " |"),
+             "|---|---|---|---|" + ("---|---|" if has_amx else "")]
+    for name, times in rows:
+        cells = [f"{times[0]:.1f}", f"{times[1]:.1f}", f"{times[0] / times[1]:.2f}"]
+        if has_amx:
+            cells += [f"{times[2]:.1f}", f"{times[0] / times[2]:.2f}"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if not has_amx:
+        lines += ["", "No AMX form: this CPU has no AMX-BF16 tiles (or PREFIXCACHE_AMX=0)."]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

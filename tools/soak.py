@@ -36,8 +36,8 @@ The clients run in this process, on the server's machine: on a few cores their C
 latencies, so give the server fewer ``--num-threads`` than there are cores. ``/health`` answering
 503 (the engine loop died) ends the load early (``--keep-going`` doesn't); the report says so.
 
-The report (printed; ``--json PATH`` writes it; ``--trace PATH`` writes every request as a JSON
-line) has requests by kind, responses by status, the unexpected outcomes grouped (kind, status,
+The report (printed; ``--json PATH`` writes it; ``--report PAGE`` puts its table into PAGE's ``soak``
+section, e.g. ``docs/benchmarks.md``; ``--trace PATH`` writes every request as a JSON line) has requests by kind, responses by status, the unexpected outcomes grouped (kind, status,
 problem) with when the first was sent and answered, the first 5xx and the bad inputs sent in the
 10 s before it (the likely trigger), per-bad-input statuses and worst latency, TTFT and end-to-end p50/p99 of the good
 requests (TTFT: streams that got a token, slow readers included; end-to-end: complete requests,
@@ -68,6 +68,7 @@ import json
 import math
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -848,6 +849,47 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+SECTION = "soak"  # the page section --report fills
+
+
+def soak_markdown(report: dict[str, Any]) -> str:
+    """The report as the Markdown table of ``--report`` (the page's ``soak`` section): the run's size, the
+    requests and statuses, the unexpected outcomes, latencies, the drain, RSS, greedy equality, the checks."""
+    c, s, d, rss = report["config"], report["soak"], report["drain"], report["rss_mib"]
+    lat = s["latency_s"]
+
+    def secs(a: float | None, b: float | None) -> str:
+        return " / ".join("–" if x is None else f"{x:.1f} s" for x in (a, b))
+
+    by_kind = s["requests"]["by_kind"]
+    good_kinds = {k: v for k, v in by_kind.items() if not k.startswith("bad:")}
+    hit, blocks = d.get("prefix_cache_hit_rate"), d.get("kv_blocks_in_use")
+    g = report["greedy"]
+    rows = [
+        ("load", f"{c['clients']} clients for {c['duration_s']:g} s (ran {report['soak_wall_s']} s), "
+                 f"{c['disconnect_fraction']:g} of the streams closed mid-way, {c['slow_fraction']:g} read slowly"
+                 + (f"; STOPPED EARLY: {report['stopped_early']}" if report["stopped_early"] else "")),
+        ("requests", f"{s['requests']['total']}: {s['requests']['good']} good ("
+                     + ", ".join(f"{k} {v}" for k, v in good_kinds.items()) + f"), {s['requests']['bad']} bad inputs "
+                     f"of {len(s['bad_inputs'])} kinds"),
+        ("statuses", ", ".join(f"{k}: {v}" for k, v in s["statuses"].items()) + f"; {s['num_5xx']} 5xx"),
+        ("unexpected outcomes", str(sum(e["count"] for e in s["unexpected"]))),
+        ("TTFT p50 / p99", secs(lat["ttft_p50"], lat["ttft_p99"]) + f" ({lat['num_ttft']} streams)"),
+        ("end-to-end p50 / p99", secs(lat["e2e_p50"], lat["e2e_p99"]) + f" ({lat['num_e2e']} complete requests)"),
+        ("after the drain", f"{'unknown' if blocks is None else f'{blocks:g}'} KV blocks in use, idle {d['idle']}, "
+                            f"`/health` "
+                            f"{report['server']['health_after']}"
+                            + ("" if hit is None else f", prefix-cache hit rate {hit:.1%}")),
+        ("server RSS", "not measured (no pid)" if rss["growth"] is None else
+         f"{rss['before']} → {rss['after']} MiB ({rss['growth']:+.1f} MiB)"),
+        ("greedy outputs vs a fresh server",
+         "skipped" if g is None else f"{g['num_equal']} of {g['num_prompts']} equal"),
+        ("checks", ", ".join(f"{name} {'skipped' if ch['ok'] is None else 'ok' if ch['ok'] else 'FAILED'}"
+                             for name, ch in report["checks"].items())),
+    ]
+    return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]) + "\n"
+
+
 # ---------------------------------------------------------------------------- main
 async def soak_server(client: httpx.AsyncClient, url: str, pid: int | None, args: argparse.Namespace,
                       work: Workload) -> dict[str, Any]:
@@ -960,6 +1002,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--soak-seed", type=int, default=0, help="seed of the request mix")
     p.add_argument("--log-dir", default=None, help="where the servers' logs go (default: a temp folder)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+    p.add_argument("--report", default=None, metavar="PAGE",
+                   help=f"also put the report's table into PAGE's '{SECTION}' section (e.g. docs/benchmarks.md), under "
+                        "the machine, date, commit and command")
     args, rest = p.parse_known_args(argv)
     if args.pid is not None and not args.url:
         p.error("--pid goes with --url (a server this script starts is measured by itself)")
@@ -980,6 +1025,12 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+    if args.report:
+        from prefixcache.bench.report_page import report_section
+
+        command = shlex.join([".venv/bin/python", "tools/soak.py", *(sys.argv[1:] if argv is None else argv)])
+        report_section(args.report, SECTION, soak_markdown(report), command)
+        print(f"soak: --report: {SECTION} written into {args.report}", file=sys.stderr)
     return 0 if report["passed"] else 1
 
 

@@ -100,10 +100,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_trace_cli(out_dir: str | None, block_size: int) -> None:
-    """``--workload trace``: the eviction-policy trace simulation (no model), JSON into ``out_dir``."""
-    from prefixcache.bench.trace import run_trace_benchmark
+    """``--workload trace``: the eviction-policy trace simulation (no model); ``trace.json`` and ``trace.md``
+    into ``out_dir``."""
+    from prefixcache.bench.trace import TRACE_NUM_BLOCKS, run_trace_benchmark, trace_markdown
 
-    rows = run_trace_benchmark(block_size=block_size)
+    rows = run_trace_benchmark(num_blocks=TRACE_NUM_BLOCKS, block_size=block_size)
+    table = trace_markdown(rows, TRACE_NUM_BLOCKS, block_size)
     for r in rows:
         print(f"{r['trace']:8s} seed {r['seed']} {r['policy']:5s} hit rate {r['hit_rate']:.3f} "
               f"prefill saved {r['prefill_tokens_saved']:8d} ({r.get('saved_vs_lru', 0.0):+.1%} vs lru) "
@@ -112,6 +114,8 @@ def run_trace_cli(out_dir: str | None, block_size: int) -> None:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "trace.json"), "w") as f:
             json.dump(rows, f, indent=2)
+        with open(os.path.join(out_dir, "trace.md"), "w") as f:
+            f.write(table)
 
 
 def run_flood_cli(out_dir: str | None) -> None:
@@ -153,6 +157,15 @@ def queue_config(args: argparse.Namespace) -> QueueConfig:
     if args.num_requests is not None:
         config = dataclasses.replace(config, num_requests=args.num_requests)
     return config
+
+
+def queue_variant(args: argparse.Namespace) -> str:
+    """The queue run's sizes that differ from :class:`QueueConfig`'s, as its page section's suffix
+    (``14rps``, ``30000blocks``, ``600requests``; empty for the defaults), so each variant keeps its own table."""
+    config, default = queue_config(args), QueueConfig()
+    return "-".join(f"{getattr(config, field):g}{unit}" for field, unit in (
+        ("rate_rps", "rps"), ("num_blocks", "blocks"), ("num_requests", "requests"))
+        if getattr(config, field) != getattr(default, field))
 
 
 def run_queue_cli(args: argparse.Namespace) -> None:
@@ -296,9 +309,13 @@ def run_cli(args: argparse.Namespace) -> int:
     status = _run_workloads(args, names)
     if args.report is not None:
         from prefixcache.bench.report_page import report_run
+        from prefixcache.entrypoints.cli.serve import engine_config_from_args
 
         command = shlex.join(["prefixcache", *getattr(args, "argv", ["bench"])])
-        stems = report_run(args.report, args.out, started_s, command, model=args.model)
+        # the format that ran (auto resolved as the run resolved it), so its section names what was measured
+        config = engine_config_from_args(args, model_flag="--model", overrides=_engine_options(args))
+        stems = report_run(args.report, args.out, started_s, command, model=args.model,
+                           fmt=(config.dtype, config.quantization), variants={QUEUE: queue_variant(args)})
         print(f"prefixcache bench: --report: {', '.join(stems) or 'no table'} written into {args.report}",
               file=sys.stderr)
     return status

@@ -283,7 +283,11 @@ def _goals(policy: str, row: dict, base: dict, bounds: SchedulerConfig) -> list[
 
 def queue_markdown(result: dict) -> str:
     """The per-policy table and the goals, as Markdown."""
+    c = result["config"]
     lines = ["## Queue workload (scheduler replay, virtual time)", "",
+             f"{c['num_requests']} requests arriving at {c['rate_rps']:g}/s (Poisson, seed {c['seed']}), a pool of "
+             f"{c['num_blocks']} blocks of {c['block_size']} tokens; counts exact, TTFT and waits in virtual "
+             "seconds.", "",
              "| policy | hit rate | prefill computed | TTFT p50 (s) | TTFT p99 (s) | worst wait (s) | max overtakes "
              "| preemptions | evictions | makespan (s) | schedule µs/step |", "|" + "---|" * 11]
     for p, r in result["policies"].items():

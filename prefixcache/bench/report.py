@@ -1,4 +1,5 @@
-"""The benchmark's outputs: ``bench.json``, ``bench.md`` (tables) and PNG plots (Agg backend): three for
+"""The benchmark's outputs: ``bench.json``, ``bench.md`` (tables), one ``{part}.md`` per part that ran
+(``sharing``, ``speed``, ``hash``: the sections ``--report`` fills) and PNG plots (Agg backend): three for
 the prefix-sharing workloads, ``speed.png`` for the speed table."""
 
 from __future__ import annotations
@@ -6,7 +7,6 @@ from __future__ import annotations
 import json
 import textwrap
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 
@@ -24,35 +24,72 @@ def _table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
             *("| " + " | ".join(row) + " |" for row in rows)]
 
 
-def markdown(result: dict) -> str:
-    """All tables of a run as one Markdown document."""
-    ws = result["workloads"]
+def _header(result: dict) -> list[str]:
+    """The run's title and machine line (cores, threads, torch, load average, command)."""
     m = result["machine"]
-    lines = [
+    return [
         f"# prefixcache bench — {result['model']}, {result['date']}",
         "",
         f"Machine: {m['cpu_cores']} CPU cores, {m['threads']} torch threads, torch {m['torch']}; load average "
         f"{_f(m['load_average_start'][0])} at start, {_f(m['load_average_end'][0])} at end."
         + (f" Command: `{result['command']}`." if result.get("command") else ""),
     ]
-    if ws:
-        lines += _workload_tables(result)
-    if result.get("speed"):
-        lines += speed_markdown(result["speed"])
-    if result.get("micro"):
-        rows = [[str(mm["block_size"]), f"{mm['hash_tokens_per_s'] / 1e6:.1f}",
-                 f"{mm['lookup_verify_tokens_per_s'] / 1e6:.1f}", f"{mm['total_tokens_per_s'] / 1e6:.1f}"]
-                for mm in result["micro"]]
-        lines += _table("Chain hash + verify + lookup (fully cached 4096-token prompt)", [
-            "block size", "hash (M tok/s)", "lookup + verify (M tok/s)", "total (M tok/s)"], rows)
+
+
+def _micro_table(micro: list[dict]) -> list[str]:
+    rows = [[str(mm["block_size"]), f"{mm['hash_tokens_per_s'] / 1e6:.1f}",
+             f"{mm['lookup_verify_tokens_per_s'] / 1e6:.1f}", f"{mm['total_tokens_per_s'] / 1e6:.1f}"]
+            for mm in micro]
+    return _table("Chain hash + verify + lookup (fully cached 4096-token prompt)", [
+        "block size", "hash (M tok/s)", "lookup + verify (M tok/s)", "total (M tok/s)"], rows)
+
+
+def _goals_table(goals: list[dict]) -> list[str]:
     rows = []
-    for g in result["goals"]:
+    for g in goals:
         met = "–" if g["met"] is None else ("yes" if g["met"] else "**no**")
         value = g["value"]
         shown = "–" if value is None else (f"{value / 1e6:.1f} M" if value >= 1e5 else f"{value:.3f}")
         rows.append([g["workload"], g["goal"], str(g["target"]), shown, met])
-    lines += _table("Goals", ["workload", "goal", "target", "measured", "met"], rows)
+    return _table("Goals", ["workload", "goal", "target", "measured", "met"], rows)
+
+
+def markdown(result: dict) -> str:
+    """All tables of a run as one Markdown document (``bench.md``)."""
+    lines = _header(result)
+    if result["workloads"]:
+        lines += _workload_tables(result)
+    if result.get("speed"):
+        lines += speed_markdown(result["speed"])
+    if result.get("micro"):
+        lines += _micro_table(result["micro"])
+    lines += _goals_table(result["goals"])
     return "\n".join(lines) + "\n"
+
+
+MICRO_GOALS = "micro"  # the goals' workload name of the hash + lookup micro-benchmark (runner.run_bench)
+
+
+def part_markdowns(result: dict) -> dict[str, str]:
+    """The run's tables split by what ran, each part with its own goals: ``sharing`` (the prefix-sharing
+    workloads), ``speed`` (the side-by-side table), ``hash`` (the hash + lookup micro-benchmark); only the parts
+    that ran. Each becomes ``{part}.md``, the page section ``--report`` fills (``report_page.section_name``), so a
+    speed run and a sharing run never replace each other's tables."""
+    goals = result["goals"]
+    parts = {}
+    if result["workloads"]:
+        names = {w["name"] for w in result["workloads"]}
+        parts["sharing"] = _header(result) + _workload_tables(result) + _goals_table(
+            [g for g in goals if g["workload"] in names])
+    if result.get("speed"):
+        parts["speed"] = _header(result) + speed_markdown(result["speed"]) + _goals_table(
+            [g for g in goals if g["workload"] == "speed"])
+    if result.get("micro"):  # the cache's bookkeeping alone, timed before the model loads: no model line
+        parts["hash"] = (["The cache's bookkeeping alone, no model (`prefixcache.bench.runner.hash_lookup_throughput`), "
+                          "timed before the model loads, with the garbage collector paused."]
+                         + _micro_table(result["micro"])
+                         + _goals_table([g for g in goals if g["workload"] == MICRO_GOALS]))
+    return {name: "\n".join(lines) + "\n" for name, lines in parts.items()}
 
 
 def _workload_tables(result: dict) -> list[str]:
@@ -199,9 +236,13 @@ def pyplot():
 
 
 def write_outputs(result: dict, out_dir: str | Path, plots: bool = True) -> list[Path]:
-    """Writes bench.json, bench.md and (with ``plots``) the PNGs; returns the paths written."""
-    return write_result_files(out_dir, "bench", result, markdown(result),
-                              partial(write_plots, result) if plots else None)
+    """Writes bench.json, bench.md, each part's ``{part}.md`` (:func:`part_markdowns`) and (with ``plots``) the
+    PNGs; returns the paths written."""
+    paths = write_result_files(out_dir, "bench", result, markdown(result))
+    for name, text in part_markdowns(result).items():
+        paths.append(Path(out_dir) / f"{name}.md")
+        paths[-1].write_text(text)
+    return paths + (write_plots(result, Path(out_dir)) if plots else [])
 
 
 def write_plots(result: dict, out: Path) -> list[Path]:

@@ -1,11 +1,13 @@
 """``prefixcache bench --report PAGE``: the tables a run wrote (``{stem}.md`` in ``--out``) replace their
 sections of a Markdown page (``docs/benchmarks.md``), so the numbers there are produced, not typed.
 
-Each section sits between ``<!-- bench:{stem}:begin -->`` and ``<!-- bench:{stem}:end -->`` and opens with the
-run's provenance: the CPU (its model name and the kernel tier, :func:`~prefixcache.kernels.cpu_features.describe_cpu`),
-the cores, the date, the commit of the code that ran (``git rev-parse --short HEAD``, ``+dirty`` over uncommitted changes) and the
-command. A page without a stem's markers gets the section appended at its end; the rest of the page is kept as
-it is.
+Each section sits between ``<!-- bench:{name}:begin -->`` and ``<!-- bench:{name}:end -->`` (``name``: the stem
+with the run's variant, format and model, :func:`section_name`) and opens with the run's provenance: the CPU (its
+model name and the kernel tier, :func:`~prefixcache.kernels.cpu_features.describe_cpu`), the cores, the date, the
+commit of the code that ran (``git rev-parse --short HEAD``, ``+dirty`` over uncommitted changes) and the
+command. A page without a section's markers gets the section appended at its end; the rest of the page is kept
+as it is. Scripts outside ``prefixcache bench`` (``tools/bench_quality.py``, ``tools/soak.py``, ``benchmarks/*.py``)
+write their ``--report`` sections through :func:`report_section`, with the same provenance line.
 """
 
 from __future__ import annotations
@@ -20,8 +22,13 @@ from pathlib import Path
 from prefixcache.config import DEFAULT_MODEL
 from prefixcache.kernels.cpu_features import describe_cpu
 
-# the outputs whose Markdown a report takes ({stem}.md in --out), in the order the workloads run
-REPORT_STEMS = ("flood", "restart", "queue", "cluster", "field", "memory", "bench")
+# the outputs whose Markdown a report takes ({stem}.md in --out), in the order the workloads run; a
+# `prefixcache bench` run of the model workloads writes one file per part that ran (report.part_markdowns):
+# the hash + lookup micro-benchmark, the prefix-sharing workloads, the speed table
+REPORT_STEMS = ("trace", "flood", "restart", "queue", "cluster", "field", "memory", "hash", "sharing", "speed")
+MODEL_FREE_STEMS = frozenset({"trace", "flood", "queue", "hash"})  # no model runs: the same section on any --model
+FORMAT_STEMS = frozenset({"sharing", "speed", "restart"})  # our engine runs in --dtype / --quantization
+DEFAULT_FORMAT = ("float32", "none")  # the bench's format when --dtype and --quantization are not given
 
 
 def _cpu_model() -> str:
@@ -65,38 +72,65 @@ def update_section(page_text: str, stem: str, body: str) -> str:
     return page_text.rstrip("\n") + "\n\n" + section + "\n"
 
 
-def section_name(stem: str, model: str = DEFAULT_MODEL) -> str:
-    """The page section of ``stem``'s table for a run on ``model``: ``stem`` for the default model, else
-    ``{stem}-{model}`` (a built-in name, or a path's last part), so a run on another model gets its own
-    section instead of replacing the default model's table."""
-    if model == DEFAULT_MODEL:
-        return stem
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model).name).strip("-")
-    return f"{stem}-{name or 'model'}"
+def section_name(stem: str, model: str = DEFAULT_MODEL, fmt: tuple[str, str] = DEFAULT_FORMAT,
+                 variant: str = "") -> str:
+    """The page section of ``stem``'s table: ``stem``, then ``-{variant}`` (a run's non-default sizes, e.g. the
+    queue's ``14rps``), then ``-{dtype}-{quantization}`` for a stem in :data:`FORMAT_STEMS` run in another format
+    than float32 / none, then ``-{model}`` (a built-in name, or a path's last part) for a model other than the
+    default one, unless the stem runs no model. So runs of different kinds, formats, sizes and models land in
+    sections of their own instead of replacing each other's tables."""
+    parts = [stem, *([variant] if variant else [])]
+    if stem in FORMAT_STEMS and tuple(fmt) != DEFAULT_FORMAT:
+        parts += list(fmt)
+    if model != DEFAULT_MODEL and stem not in MODEL_FREE_STEMS:
+        parts.append(re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model).name).strip("-") or "model")
+    return "-".join(parts)
 
 
-def report_run(page: str | Path, out_dir: str | Path, since_s: float, command: str,
-               model: str = DEFAULT_MODEL) -> list[str]:
-    """Puts every ``{stem}.md`` written in ``out_dir`` since ``since_s`` (a run's start, ``time.time()``) into
-    ``page`` (section :func:`section_name` of the run's ``model``); returns the sections reported.
+def report_section(page: str | Path, name: str, table: str, command: str) -> None:
+    """Puts ``table`` (Markdown) into ``page``'s section ``name`` under the :func:`provenance` line of
+    ``command``: the one writer for a script outside ``prefixcache bench`` (``tools/``, ``benchmarks/``).
 
     Raises:
         ValueError: ``page`` can't be read or written (naming ``--report``).
     """
     page = Path(page)
+    text = _read_page(page)
+    _write_page(page, update_section(text, name, provenance(command) + "\n\n" + table))
+
+
+def _read_page(page: Path) -> str:
     try:
-        text = page.read_text(encoding="utf-8") if page.exists() else ""
+        return page.read_text(encoding="utf-8") if page.exists() else ""
     except OSError as e:
         raise ValueError(f"--report: cannot read {str(page)!r}: {e.strerror}") from e
-    stems = []
-    for stem in REPORT_STEMS:
-        table = Path(out_dir) / f"{stem}.md"
-        if table.is_file() and table.stat().st_mtime >= since_s:
-            name = section_name(stem, model)
-            text = update_section(text, name, provenance(command) + "\n\n" + table.read_text(encoding="utf-8"))
-            stems.append(name)
+
+
+def _write_page(page: Path, text: str) -> None:
     try:
         page.write_text(text, encoding="utf-8")
     except OSError as e:
         raise ValueError(f"--report: cannot write {str(page)!r}: {e.strerror}") from e
-    return stems
+
+
+def report_run(page: str | Path, out_dir: str | Path, since_s: float, command: str,
+               model: str = DEFAULT_MODEL, fmt: tuple[str, str] = DEFAULT_FORMAT,
+               variants: dict[str, str] | None = None) -> list[str]:
+    """Puts every ``{stem}.md`` written in ``out_dir`` since ``since_s`` (a run's start, ``time.time()``) into
+    ``page``, each in its section :func:`section_name` (the run's ``model``, ``fmt`` = its resolved
+    ``(dtype, quantization)``, ``variants[stem]``); returns the sections reported.
+
+    Raises:
+        ValueError: ``page`` can't be read or written (naming ``--report``).
+    """
+    page = Path(page)
+    text = _read_page(page)
+    names = []
+    for stem in REPORT_STEMS:
+        table = Path(out_dir) / f"{stem}.md"
+        if table.is_file() and table.stat().st_mtime >= since_s:
+            name = section_name(stem, model, fmt, (variants or {}).get(stem, ""))
+            text = update_section(text, name, provenance(command) + "\n\n" + table.read_text(encoding="utf-8"))
+            names.append(name)
+    _write_page(page, text)
+    return names

@@ -271,12 +271,15 @@ def simulate(
     )
 
 
+TRACE_NUM_BLOCKS = 2048  # the benchmark's KV budget: well below the traces' working set
+
+
 def run_trace_benchmark(
     policies: Sequence[str] = (*EVICTION_POLICIES, "belady"),
     seeds: Sequence[int] = (0, 1, 2),
     skews: dict[str, float] | None = None,
     num_requests: int = 3000,
-    num_blocks: int = 2048,
+    num_blocks: int = TRACE_NUM_BLOCKS,
     block_size: int = DEFAULT_BLOCK_SIZE,
     service_s: float = 2.0,
 ) -> list[dict]:
@@ -307,6 +310,33 @@ def run_trace_benchmark(
                     row["saved_vs_lru"] = r.prefill_tokens_saved / base.prefill_tokens_saved - 1.0
                 rows.append(row)
     return rows
+
+
+def trace_markdown(rows: list[dict], num_blocks: int, block_size: int) -> str:
+    """The rows of :func:`run_trace_benchmark` as one Markdown table: a row per (trace, seed), ``lru``'s hit rate
+    and prefill tokens saved, then each other policy's prefill tokens saved relative to ``lru``'s (exact counts
+    of a deterministic replay: the same on every machine)."""
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    num_requests = rows[0]["num_requests"]
+    others = [p for p in policies if p != "lru"]
+    by_run: dict[tuple[str, int], dict[str, dict]] = {}
+    for r in rows:
+        by_run.setdefault((r["trace"], r["seed"]), {})[r["policy"]] = r
+    lines = [f"The cache manager alone on a simulated trace (`prefixcache/bench/trace.py`: Zipf-popular system "
+             "prompts of several lengths, RAG documents, multi-turn sessions and one-off prompts; `uniform`: the "
+             f"same with popularity flat, Zipf exponent 0), {num_requests} requests, a pool of {num_blocks} blocks "
+             f"of {block_size} tokens; "
+             "prefill tokens saved relative to `lru` (`belady`: the offline reference, not a runnable policy).", "",
+             "| trace | seed | lru hit rate | lru prefill saved | "
+             + " | ".join(f"{p}{' (offline reference)' if p == 'belady' else ''}" for p in others) + " |",
+             "|" + "---|" * (4 + len(others))]
+    for (trace, seed), run in by_run.items():
+        lru = run.get("lru")
+        cells = [f"{run[p]['saved_vs_lru']:+.1%}" if "saved_vs_lru" in run.get(p, {}) else "–" for p in others]
+        lines.append(f"| {trace} | {seed} | {lru['hit_rate']:.3f} | {lru['prefill_tokens_saved']:,} | "
+                     if lru else f"| {trace} | {seed} | – | – | ")
+        lines[-1] += " | ".join(cells) + " |"
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":  # a quick look: python -m prefixcache.bench.trace

@@ -44,20 +44,154 @@ def test_report_without_out_is_refused_naming_the_flags(tmp_path, capsys):
     assert not (tmp_path / "p.md").exists()
 
 
-def test_a_run_on_another_model_gets_its_own_section(tmp_path):
-    from prefixcache.bench.report_page import report_run, section_name
+def test_a_section_is_named_after_what_ran_its_sizes_format_and_model():
+    from prefixcache.bench.report_page import section_name
 
-    assert section_name("bench") == "bench"
-    assert section_name("bench", "gemma3-270m") == "bench-gemma3-270m"
-    assert section_name("bench", "/models/My Model.Q4_1.gguf") == "bench-My-Model.Q4_1.gguf"
+    assert section_name("speed") == "speed"
+    assert section_name("speed", fmt=("bfloat16", "int4")) == "speed-bfloat16-int4"
+    assert section_name("sharing", fmt=("bfloat16", "int4-int8")) == "sharing-bfloat16-int4-int8"
+    assert section_name("speed", "gemma3-270m") == "speed-gemma3-270m"
+    assert section_name("speed", "/models/My Model.Q4_1.gguf", ("bfloat16", "int4")) == (
+        "speed-bfloat16-int4-My-Model.Q4_1.gguf")
+    assert section_name("restart", fmt=("bfloat16", "none")) == "restart-bfloat16-none"
+    assert section_name("memory", "gemma3-270m", ("bfloat16", "int4")) == "memory-gemma3-270m"  # every format in one
+    assert section_name("hash", "gemma3-270m", ("bfloat16", "int4")) == "hash"  # no model runs in it
+    assert section_name("queue", "gemma3-270m", variant="14rps") == "queue-14rps"
+
+
+def test_the_queue_variants_get_a_section_each():
+    import argparse
+
+    from prefixcache.bench.cli import add_cli_args, queue_variant
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+
+    def variant(*flags):
+        return queue_variant(parser.parse_args(["--workload", "queue", *flags]))
+
+    assert variant() == ""
+    assert variant("--queue-rate-rps", "14") == "14rps"
+    assert variant("--queue-num-blocks", "30000") == "30000blocks"
+    assert variant("--queue-rate-rps", "14.5", "--num-requests", "600") == "14.5rps-600requests"
+
+
+def test_a_run_reports_each_part_into_its_own_section(tmp_path):
+    from prefixcache.bench.report_page import report_run
+
     page = tmp_path / "benchmarks.md"
-    page.write_text("<!-- bench:bench:begin -->\nsmollm2 table\n<!-- bench:bench:end -->\n")
+    page.write_text("<!-- bench:speed:begin -->\nfloat32 speed table\n<!-- bench:speed:end -->\n")
     out = tmp_path / "out"
     out.mkdir()
-    (out / "bench.md").write_text("gemma table\n")
-    assert report_run(page, out, 0.0, "prefixcache bench --model gemma3-270m", model="gemma3-270m") == [
-        "bench-gemma3-270m"]
+    for stem in ("sharing", "speed", "hash", "bench"):  # bench.md: the whole run, for the reader of --out
+        (out / f"{stem}.md").write_text(f"{stem} table\n")
+    assert report_run(page, out, 0.0, "prefixcache bench --dtype bfloat16 --quantization int4",
+                      fmt=("bfloat16", "int4")) == ["hash", "sharing-bfloat16-int4", "speed-bfloat16-int4"]
     text = page.read_text()
-    assert "smollm2 table" in text  # the default model's section is left alone
-    begin = text.index("<!-- bench:bench-gemma3-270m:begin -->")
-    assert text.index("gemma table", begin) < text.index("<!-- bench:bench-gemma3-270m:end -->")
+    assert text.startswith("<!-- bench:speed:begin -->\nfloat32 speed table\n")  # the default format's kept
+    for name, table in (("hash", "hash"), ("sharing-bfloat16-int4", "sharing"), ("speed-bfloat16-int4", "speed")):
+        section = text[text.index(f"<!-- bench:{name}:begin -->"):text.index(f"<!-- bench:{name}:end -->")]
+        assert section.endswith("`prefixcache bench --dtype bfloat16 --quantization int4`\n\n" + table + " table\n")
+    assert "bench table" not in text
+    assert report_run(page, out, 2**40, "later") == []  # nothing written since: nothing reported
+
+
+def test_a_bench_run_writes_a_markdown_file_per_part_with_its_own_goals(tmp_path):
+    from prefixcache.bench.report import part_markdowns, write_outputs
+
+    micro = [{"block_size": 16, "num_tokens": 4096, "hash_tokens_per_s": 96.2e6, "lookup_verify_tokens_per_s": 73.4e6,
+              "total_tokens_per_s": 37.2e6}]
+    result = {"model": "smollm2-135m", "date": "d", "command": None, "workloads": [], "speed": None, "micro": micro,
+              "machine": {"cpu_cores": 2, "threads": 2, "torch": "t", "load_average_start": (0.5, 0, 0),
+                          "load_average_end": (1.0, 0, 0)},
+              "goals": [{"workload": "micro", "goal": "hash + verify + lookup tokens/s at block size 16",
+                         "target": ">= 30e6", "value": 37.2e6, "met": True}]}
+    parts = part_markdowns(result)
+    assert list(parts) == ["hash"]
+    assert "| 16 | 96.2 | 73.4 | 37.2 |\n" in parts["hash"]
+    assert "| micro | hash + verify + lookup tokens/s at block size 16 | >= 30e6 | 37.2 M | yes |\n" in parts["hash"]
+    paths = write_outputs(result, tmp_path, plots=False)
+    assert [p.name for p in paths] == ["bench.json", "bench.md", "hash.md"]
+    assert (tmp_path / "hash.md").read_text() == parts["hash"]
+
+
+def test_the_trace_table_names_each_policy_against_lru():
+    from prefixcache.bench.trace import run_trace_benchmark, trace_markdown
+
+    rows = run_trace_benchmark(("lru", "cost", "belady"), seeds=(0,), num_requests=300, num_blocks=256)
+    by = {(r["trace"], r["policy"]): r for r in rows}
+    md = trace_markdown(rows, 256, 16)
+    assert "300 requests, a pool of 256 blocks of 16 tokens" in md
+    assert "| trace | seed | lru hit rate | lru prefill saved | cost | belady (offline reference) |\n" in md
+    for trace in ("skewed", "uniform"):
+        lru, cost, belady = by[(trace, "lru")], by[(trace, "cost")], by[(trace, "belady")]
+        assert (f"| {trace} | 0 | {lru['hit_rate']:.3f} | {lru['prefill_tokens_saved']:,} | "
+                f"{cost['saved_vs_lru']:+.1%} | {belady['saved_vs_lru']:+.1%} |\n") in md
+
+
+def test_report_section_writes_a_script_table_under_its_provenance(tmp_path):
+    from prefixcache.bench.report_page import provenance, report_section
+
+    page = tmp_path / "p.md"
+    page.write_text("# P\n\n<!-- bench:soak:begin -->\nold\n<!-- bench:soak:end -->\n")
+    report_section(page, "soak", "| | |\n|---|---|\n| requests | 3 |\n", "python tools/soak.py")
+    assert page.read_text() == ("# P\n\n<!-- bench:soak:begin -->\n" + provenance("python tools/soak.py")
+                                + "\n\n| | |\n|---|---|\n| requests | 3 |\n<!-- bench:soak:end -->\n")
+
+
+def _script(path: str):
+    """A script of tools/ or benchmarks/ as a module (neither is a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    file = Path(__file__).resolve().parents[2] / path
+    spec = importlib.util.spec_from_file_location(f"script_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_quality_table():
+    quality = _script("tools/bench_quality.py")
+    result = {"float32": {"perplexity": 21.567, "num_text_tokens": 2699, "identical_prompts": 10, "num_prompts": 10,
+                          "mean_matching_prefix": 1.0},
+              "int4-int8": {"perplexity": 21.647, "num_text_tokens": 2699, "identical_prompts": 3, "num_prompts": 10,
+                            "mean_matching_prefix": 0.54, "generated_rows_perplexity": 21.604}}
+    md = quality.quality_markdown(result, 32)
+    assert md.startswith("Perplexity of the bench's 2,699-token RAG document")
+    assert "| float32 (float32 / none) | 21.567 | 10 / 10 | 100% |\n" in md
+    assert ("| int4-int8 (bfloat16 / int4-int8) | 21.647 (+0.37%) as prompt rows, 21.604 as generated rows | 3 / 10 "
+            "| 54% |\n") in md
+
+
+def test_the_soak_table():
+    soak = _script("tools/soak.py")
+    O = soak.Outcome
+    s = soak.summarize([O("chat_stream", 200, 0.0, 1.0, ttft_s=0.25, timed=True),
+                        O("bad:empty_prompt", 400, 2.0, 0.01)], ["empty_prompt"])
+    report = {"config": {"clients": 2, "duration_s": 5.0, "disconnect_fraction": 0.2, "slow_fraction": 0.1},
+              "soak_wall_s": 5.1, "stopped_early": None, "soak": s, "server": {"health_after": 200},
+              "drain": {"idle": True, "waited_s": 0.1, "kv_blocks_in_use": 0.0, "prefix_cache_hit_rate": 0.5,
+                        "error": None},
+              "rss_mib": {"before": 100.0, "after": 101.5, "growth": 1.5},
+              "greedy": {"num_equal": 6, "num_prompts": 6, "mismatches": []}}
+    report["checks"] = soak.checks(report, 50)
+    md = soak.soak_markdown(report)
+    assert "| requests | 2: 1 good (chat_stream 1), 1 bad inputs of 1 kinds |\n" in md
+    assert "| statuses | 200: 1, 400: 1; 0 5xx |\n" in md
+    assert "| TTFT p50 / p99 | 0.2 s / 0.2 s (1 streams) |\n" in md
+    assert "| after the drain | 0 KV blocks in use, idle True, `/health` 200, prefix-cache hit rate 50.0% |\n" in md
+    assert "| server RSS | 100.0 → 101.5 MiB (+1.5 MiB) |\n" in md
+    assert "| greedy outputs vs a fresh server | 6 of 6 equal |\n" in md
+
+
+def test_the_kernel_tables():
+    attention = _script("benchmarks/prefill_attention.py")
+    md = attention.markdown([("cold 2178", [12.0, 30.0, 8.0])], True, 2, 3)
+    assert "| cold 2178 | 12.0 | 30.0 | 0.40 | 8.0 | 1.50 |\n" in md
+    md = attention.markdown([("cold 2178", [12.0, 30.0])], False, 2, 3)
+    assert "| cold 2178 | 12.0 | 30.0 | 0.40 |\n" in md and "No AMX form" in md
+    linear = _script("benchmarks/amx_linear.py")
+    assert "| 2,048 | 306.0 | 228.0 | 1.34 |\n" in linear.markdown([(2048, 306.0, 228.0)], 2, 3)
