@@ -75,9 +75,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-micro", action="store_true", help="skip the hash + lookup micro-benchmark")
     p.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
     p.add_argument("--out", default=d.out, help="output directory")
-    p.add_argument("--report", default=None, metavar="PAGE",
+    p.add_argument("--report", action="append", default=None, metavar="PAGE",
                    help="also put the tables this run wrote into PAGE (e.g. docs/benchmarks.md), each between its "
-                        "<!-- bench:NAME:begin/end --> markers with the machine, date, commit and command")
+                        "<!-- bench:NAME:begin/end --> markers with the machine, date, commit and command; repeat it "
+                        "for more pages: those after the first (e.g. README.md) only get the sections they have markers for")
     p.add_argument("--install-field-tools", nargs="?", const="all", default=None, metavar="TOOLS",
                    help="create the venvs of the field's load generators ('all' or a comma list of guidellm, sglang, "
                         "aiperf; from PyPI, a few minutes) for --workload field, then exit")
@@ -288,9 +289,10 @@ def check_bench_args(args: argparse.Namespace) -> tuple[str, ...]:
         check_kv_pool(replica, model_shape(config.model), replicas=args.cluster_replicas, flag="--cluster-replicas")
     if args.out:  # an existing file or /proc/x fails here, not after the run
         check_writable_dir(args.out, "--out")
-    if args.report is not None and (not args.out or os.path.isdir(args.report)):
-        raise ValueError("--report needs --out (the tables it copies) and a Markdown file, "
-                         f"got --report {args.report!r} --out {args.out!r}")
+    for page in args.report or ():
+        if not args.out or os.path.isdir(page):
+            raise ValueError("--report needs --out (the tables it copies) and a Markdown file, "
+                             f"got --report {page!r} --out {args.out!r}")
     return names
 
 
@@ -314,10 +316,10 @@ def run_cli(args: argparse.Namespace) -> int:
         command = shlex.join(["prefixcache", *getattr(args, "argv", ["bench"])])
         # the format that ran (auto resolved as the run resolved it), so its section names what was measured
         config = engine_config_from_args(args, model_flag="--model", overrides=_engine_options(args))
-        stems = report_run(args.report, args.out, started_s, command, model=args.model,
-                           fmt=(config.dtype, config.quantization), variants={QUEUE: queue_variant(args)})
-        print(f"prefixcache bench: --report: {', '.join(stems) or 'no table'} written into {args.report}",
-              file=sys.stderr)
+        for i, page in enumerate(args.report):  # the first page gets new sections appended, the others don't
+            stems = report_run(page, args.out, started_s, command, model=args.model, append=i == 0,
+                               fmt=(config.dtype, config.quantization), variants={QUEUE: queue_variant(args)})
+            print(f"prefixcache bench: --report: {', '.join(stems) or 'no table'} written into {page}", file=sys.stderr)
     return status
 
 

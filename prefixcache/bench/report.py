@@ -84,6 +84,7 @@ def part_markdowns(result: dict) -> dict[str, str]:
     if result.get("speed"):
         parts["speed"] = _header(result) + speed_markdown(result["speed"]) + _goals_table(
             [g for g in goals if g["workload"] == "speed"])
+        parts["summary"] = speed_summary(result["speed"])
     if result.get("micro"):  # the cache's bookkeeping alone, timed before the model loads: no model line
         parts["hash"] = (["The cache's bookkeeping alone, no model (`prefixcache.bench.runner.hash_lookup_throughput`), "
                           "timed before the model loads, with the garbage collector paused."]
@@ -167,6 +168,12 @@ _SPEED_COLORS = {"transformers": "#999999", "llama.cpp": "#d9822b", "vLLM CPU": 
 def _speed_engines(speed: dict) -> list[str]:
     """The table's columns, in order (prefixcache last): the keys of its rows' values."""
     return list(speed["table"][0]["values"])
+
+
+def speed_summary(speed: dict) -> list[str]:
+    """The speed table alone (no headings, goals or notes): the README's one benchmark table, which
+    ``--report`` fills only in a page that already has its markers (``report_page.MIRROR_STEMS``)."""
+    return speed_markdown(speed)[3:5 + len(speed["table"])]  # _table's lines: "", title, "", header, rule, rows
 
 
 def speed_markdown(speed: dict) -> list[str]:

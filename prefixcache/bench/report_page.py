@@ -25,9 +25,13 @@ from prefixcache.kernels.cpu_features import describe_cpu
 # the outputs whose Markdown a report takes ({stem}.md in --out), in the order the workloads run; a
 # `prefixcache bench` run of the model workloads writes one file per part that ran (report.part_markdowns):
 # the hash + lookup micro-benchmark, the prefix-sharing workloads, the speed table
-REPORT_STEMS = ("trace", "flood", "restart", "queue", "cluster", "field", "memory", "hash", "sharing", "speed")
+REPORT_STEMS = ("trace", "flood", "restart", "queue", "cluster", "field", "memory", "hash", "sharing", "speed",
+                "summary")
+# parts a page gets only where it already has their markers (never appended): the speed table alone, which
+# the README holds once (`--report docs/benchmarks.md --report README.md`)
+MIRROR_STEMS = frozenset({"summary"})
 MODEL_FREE_STEMS = frozenset({"trace", "flood", "queue", "hash"})  # no model runs: the same section on any --model
-FORMAT_STEMS = frozenset({"sharing", "speed", "restart"})  # our engine runs in --dtype / --quantization
+FORMAT_STEMS = frozenset({"sharing", "speed", "summary", "restart"})  # our engine runs in --dtype / --quantization
 DEFAULT_FORMAT = ("float32", "none")  # the bench's format when --dtype and --quantization are not given
 
 
@@ -115,10 +119,12 @@ def _write_page(page: Path, text: str) -> None:
 
 def report_run(page: str | Path, out_dir: str | Path, since_s: float, command: str,
                model: str = DEFAULT_MODEL, fmt: tuple[str, str] = DEFAULT_FORMAT,
-               variants: dict[str, str] | None = None) -> list[str]:
+               variants: dict[str, str] | None = None, append: bool = True) -> list[str]:
     """Puts every ``{stem}.md`` written in ``out_dir`` since ``since_s`` (a run's start, ``time.time()``) into
     ``page``, each in its section :func:`section_name` (the run's ``model``, ``fmt`` = its resolved
-    ``(dtype, quantization)``, ``variants[stem]``); returns the sections reported.
+    ``(dtype, quantization)``, ``variants[stem]``); returns the sections reported. A section the page has no
+    markers for is appended when ``append`` (the benchmarks page) and the stem is not in :data:`MIRROR_STEMS`;
+    otherwise (``append=False``: the README, which holds one table) only existing sections are replaced.
 
     Raises:
         ValueError: ``page`` can't be read or written (naming ``--report``).
@@ -130,6 +136,8 @@ def report_run(page: str | Path, out_dir: str | Path, since_s: float, command: s
         table = Path(out_dir) / f"{stem}.md"
         if table.is_file() and table.stat().st_mtime >= since_s:
             name = section_name(stem, model, fmt, (variants or {}).get(stem, ""))
+            if (not append or stem in MIRROR_STEMS) and f"<!-- bench:{name}:begin -->" not in text:
+                continue
             text = update_section(text, name, provenance(command) + "\n\n" + table.read_text(encoding="utf-8"))
             names.append(name)
     _write_page(page, text)

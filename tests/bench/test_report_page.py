@@ -96,6 +96,39 @@ def test_a_run_reports_each_part_into_its_own_section(tmp_path):
     assert report_run(page, out, 2**40, "later") == []  # nothing written since: nothing reported
 
 
+def test_the_speed_table_alone_goes_only_where_its_markers_are(tmp_path):
+    from prefixcache.bench.report_page import report_run
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for stem in ("speed", "summary"):
+        (out / f"{stem}.md").write_text(f"{stem} table\n")
+    page, readme = tmp_path / "benchmarks.md", tmp_path / "README.md"
+    page.write_text("# B\n")
+    readme.write_text("# R\n<!-- bench:summary-bfloat16-int4:begin -->\nold\n<!-- bench:summary-bfloat16-int4:end -->\n")
+    fmt = ("bfloat16", "int4")
+    assert report_run(page, out, 0.0, "cmd", fmt=fmt) == ["speed-bfloat16-int4"]  # the summary is never appended
+    assert "summary" not in page.read_text()
+    assert report_run(readme, out, 0.0, "cmd", fmt=fmt, append=False) == ["summary-bfloat16-int4"]
+    text = readme.read_text()
+    assert text.endswith("`cmd`\n\nsummary table\n<!-- bench:summary-bfloat16-int4:end -->\n") and "speed" not in text
+    assert report_run(readme, out, 0.0, "cmd", append=False) == []  # float32: the README has no such markers
+
+
+def test_the_summary_is_the_speed_table_alone():
+    from prefixcache.bench.report import speed_markdown, speed_summary
+
+    row = {"label": "cold TTFT", "unit": "s", "values": {"hf": 2.0, "ours": 1.0}, "ours_over": {"hf": 0.5}}
+    speed = {"engines": {"hf": {"label": "transformers", "batch_same_tokens_as_ours": 1.0},
+                         "ours": {"label": "prefixcache"}},
+             "table": [row, dict(row, label="warm TTFT")], "threads": 2, "on_over_off_source": "x", "skipped": {}}
+    full = speed_markdown(speed)
+    summary = speed_summary(speed)
+    assert len(summary) == 4 and summary[0].startswith("|  | ") and summary[1].startswith("|---|")
+    assert summary[2].startswith("| cold TTFT (s) |") and summary[3].startswith("| warm TTFT (s) |")
+    assert summary == full[3:7]
+
+
 def test_a_bench_run_writes_a_markdown_file_per_part_with_its_own_goals(tmp_path):
     from prefixcache.bench.report import part_markdowns, write_outputs
 

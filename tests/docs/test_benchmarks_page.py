@@ -8,10 +8,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from prefixcache.bench.report_page import REPORT_STEMS, provenance
+from prefixcache.bench.report_page import MIRROR_STEMS, REPORT_STEMS, provenance
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
 MARKER = re.compile(r"<!-- (bench|flags):([A-Za-z0-9._-]+):(begin|end) -->")
 # report_page.provenance: "Machine: CPU, N cores (tier); date YYYY-MM-DD; commit ID[+dirty]; command: `...`"
 PROVENANCE = re.compile(r"Machine: .+, \d+ cores \(.+\); date \d{4}-\d{2}-\d{2}; "
@@ -63,8 +64,20 @@ def page_problems(text: str, writers: set[str]) -> list[str]:
 
 
 def test_every_table_on_the_benchmarks_page_is_produced_by_a_command():
-    problems = page_problems(PAGE.read_text(encoding="utf-8"), set(REPORT_STEMS) | script_sections())
+    problems = page_problems(PAGE.read_text(encoding="utf-8"), set(REPORT_STEMS) - MIRROR_STEMS | script_sections())
     assert not problems, "docs/benchmarks.md:\n" + "\n".join(problems)
+
+
+def test_the_readme_table_is_produced_by_the_speed_bench():
+    """The README's one benchmark table is the speed table alone (``summary``), written by
+    ``prefixcache bench --workload speed ... --report docs/benchmarks.md --report README.md``; the README's other
+    tables (the CPU tiers, the docs index) are prose, not measurements."""
+    text = README.read_text(encoding="utf-8")
+    names = [name for kind, name, edge in MARKER.findall(text) if kind == "bench" and edge == "begin"]
+    assert len(names) == 1 and names[0].startswith("summary"), names
+    section = text.split(f"<!-- bench:{names[0]}:begin -->")[1].split(f"<!-- bench:{names[0]}:end -->")[0]
+    assert page_problems(f"<!-- bench:{names[0]}:begin -->{section}<!-- bench:{names[0]}:end -->", MIRROR_STEMS) == []
+    assert section.count("\n|") >= 5  # the header, the rule and the speed rows
 
 
 def test_the_check_finds_a_typed_table_a_pasted_section_and_an_unknown_one():
@@ -90,6 +103,6 @@ def test_every_writer_has_a_section_on_the_page():
     text = PAGE.read_text(encoding="utf-8")
     names = {name for kind, name, _ in MARKER.findall(text) if kind == "bench"}
     assert {"quality", "soak", "kernels-prefill-attention", "kernels-amx-linear"} <= script_sections()
-    writers = set(REPORT_STEMS) | script_sections()
+    writers = set(REPORT_STEMS) - MIRROR_STEMS | script_sections()
     missing = [w for w in writers if not any(n == w or n.startswith(w + "-") for n in names)]
     assert missing == []
