@@ -48,12 +48,15 @@ def _cpu_model() -> str:
 
 
 def _commit(cwd: Path) -> str:
-    """The checkout's short commit id (``+dirty`` when files differ from it), or ``"unknown"`` outside git."""
+    """The checkout's short commit id (``+dirty`` when files other than Markdown differ from it), or
+    ``"unknown"`` outside git."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True,
-                               text=True, timeout=10, check=True).stdout.strip()
+        # Markdown files don't change what ran, and a report run writes its page (a second run's
+        # provenance would otherwise say +dirty over the first run's table)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)*.md"],
+                               cwd=cwd, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")

@@ -228,3 +228,25 @@ def test_the_kernel_tables():
     assert "| cold 2178 | 12.0 | 30.0 | 0.40 |\n" in md and "No AMX form" in md
     linear = _script("benchmarks/amx_linear.py")
     assert "| 2,048 | 306.0 | 228.0 | 1.34 |\n" in linear.markdown([(2048, 306.0, 228.0)], 2, 3)
+
+
+def test_the_commit_is_dirty_over_code_changes_not_over_markdown(tmp_path):
+    import subprocess
+
+    from prefixcache.bench.report_page import _commit
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "page.md").write_text("# p\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "c")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
+                          text=True).stdout.strip()
+    (tmp_path / "page.md").write_text("# p, with a reported table\n")  # what a report run writes
+    assert _commit(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert _commit(tmp_path) == head + "+dirty"
