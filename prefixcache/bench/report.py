@@ -171,7 +171,7 @@ def _speed_engines(speed: dict) -> list[str]:
 
 
 def speed_summary(speed: dict) -> list[str]:
-    """The speed table alone (no headings, goals or notes): the README's one benchmark table, which
+    """The speed table alone (no headings, goals or notes): the one benchmark table of README.md, which
     ``--report`` fills only in a page that already has its markers (``report_page.MIRROR_STEMS``)."""
     return speed_markdown(speed)[3:5 + len(speed["table"])]  # _table's lines: "", title, "", header, rule, rows
 
