@@ -49,7 +49,8 @@ cached group-0 block of the same position of the same prefix, so :func:`follows`
 the request's verified group-0 block there, and it needs no block of its own group before it (a
 sliding group's early blocks are gone while its later ones are hit). Such a block is *attached* to
 its anchor, not a child of it: it does not count in ``num_cached_children`` (it never keeps its
-anchor from eviction), it is not in ``cached_children`` (partial hits are group 0's) and KV events
+anchor from eviction), it is not in ``cached_children`` (a partial hit finds group 0's block, then
+each other group's block attached to it, with :meth:`BlockPool.get_cached_block`) and KV events
 and ``changed_hashes`` report group 0 only. When an anchor is evicted its attached blocks can never
 be hit again (their parent's generation moved); those waiting in the retained queue are evicted with
 it and handed out first.

@@ -37,7 +37,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prefixcache.cache.hashing import BlockHash
-from prefixcache.errors import InvalidInputError
 
 
 class AttentionKind(str, enum.Enum):
@@ -201,22 +200,6 @@ def layer_specs_from_config(config: object) -> list[LayerSpec]:
             raise ValueError(f"layer_types[{layer}] is sliding but the config has no sliding_window")
         specs.append(LayerSpec(kind, window if kind is AttentionKind.SLIDING else None))
     return specs
-
-
-def check_kv_tiers_supported(groups: KVCacheGroups, kv_disk_dir: str | None, kv_redis_url: str | None) -> None:
-    """Refuses KV tiers for a model with several groups: a tier entry holds one block of every layer,
-    which such a model's blocks are not (each holds one group's layers).
-
-    Raises:
-        InvalidInputError: (field ``kv_disk_dir`` or ``kv_redis_url``) a tier is set and there are
-            several groups.
-    """
-    if not groups.is_hybrid:
-        return
-    for field, value in (("kv_disk_dir", kv_disk_dir), ("kv_redis_url", kv_redis_url)):
-        if value is not None:
-            raise InvalidInputError(field, f"{field} (KV tiers) is not yet supported for sliding-window models "
-                                           f"({groups.num_groups} KV-cache groups); leave it unset")
 
 
 _GROUP_KEY = b"\x00kv-group"

@@ -46,8 +46,9 @@ Invariants:
 - A lookup never returns the block holding the request's last token, so at least one token is
   computed and yields logits.
 - ``admit`` and ``allocate_slots`` either do everything asked for or change nothing.
-- A partial hit's source is cached in an earlier step (its K/V is written) and stays pinned
-  (``ref_cnt`` held) from its admission until ``end_step``, so nothing evicts it before the copy.
+- A partial hit's sources (one block per KV-cache group) are cached in an earlier step (their K/V
+  is written) and stay pinned (``ref_cnt`` held) from its admission until ``end_step``, so nothing
+  evicts them before the copy.
   The copied tokens plus the full hits still leave the last prompt token to compute.
 
 KV-cache groups (``kv_cache_groups``, :mod:`prefixcache.cache.kv_cache_groups`; vLLM v1's hybrid
@@ -82,8 +83,17 @@ as parent (its anchor, see :mod:`prefixcache.cache.block_pool`)::
   queue, evicted after every other free block; its other released blocks are freed as usual. The
   idea is SGLang's SWA radix cache's (a prefix's sliding-window part is evicted on its own, and a
   match needs the window before its end) kept within one pool and one eviction order.
-- Partial-block reuse and KV tiers are group 0's only: with several groups there are no partial
-  hits, and tiers are refused when the manager is built.
+- Partial hit (:meth:`get_partial_hit`): group 0's cached block after the full hits, as with one
+  group, and each other group's cached block attached to it (a sliding group's too, which it holds
+  there when that block was retained or not yet evicted); its first ``k`` slots are copied into each
+  group's first new block. A group without such a block, or a full hit the rule above cut (the
+  cutting group lacks that very block), means no partial hit.
+- KV tiers (:meth:`_load_hybrid_from_tiers`): each group's blocks are stored and loaded as entries
+  of their own, keyed by the group's ``group_block_hash``. The tiers go on from the pool hit the rule
+  above gives (``n``) to the longest ``m`` the same rule allows over pool and tier together: a full
+  group loads its blocks of ``[n, m)``, a sliding group those of ``[m - need, m)`` (its pool hits
+  hold the rest of that window); its entries before the window at ``m`` stay ``None`` and take no
+  pool block (no query reads them, nothing writes them).
 """
 
 from __future__ import annotations
@@ -103,7 +113,7 @@ from prefixcache.scheduler_output import CopyOp, LoadOp
 
 if TYPE_CHECKING:
     from prefixcache.cache.tiers.entry import EntryKey
-    from prefixcache.cache.tiers.stack import KVTierStack
+    from prefixcache.cache.tiers.stack import KVTierStack, TierLoad
     from prefixcache.prompt_logprobs import BlockPromptLogprobs
     from prefixcache.request import Request
 
@@ -116,10 +126,23 @@ NULL_BLOCK_ID = 0
 
 @dataclass(frozen=True, slots=True)
 class PartialHit:
-    """A cached full block whose first ``num_tokens`` slots hold the request's next tokens' K/V."""
+    """A cached full block whose first ``num_tokens`` slots hold the request's next tokens' K/V.
+
+    Attributes:
+        block: group 0's cached block.
+        num_tokens: ``1 <= num_tokens < block_size``.
+        group_blocks: with several KV-cache groups, groups ``1..``'s cached blocks of the same
+            position attached to ``block`` (one per group, in group order); ``()`` with one group.
+    """
 
     block: KVCacheBlock
-    num_tokens: int  # 1 <= num_tokens < block_size
+    num_tokens: int
+    group_blocks: tuple[KVCacheBlock, ...] = ()
+
+    @property
+    def sources(self) -> tuple[KVCacheBlock, ...]:
+        """The source block of every group, group 0's first."""
+        return (self.block, *self.group_blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,8 +181,7 @@ class KVCacheManager:
         kv_cache_groups: the model's KV-cache groups; ``None``: one group of full attention.
 
     Raises:
-        ValueError: ``num_blocks < 1``, or KV tiers with more than one group; InvalidInputError: a
-            bad config field.
+        ValueError: ``num_blocks < 1``; InvalidInputError: a bad config field.
     """
 
     def __init__(
@@ -176,9 +198,6 @@ class KVCacheManager:
         config.validate()
         self.kv_cache_groups = kv_cache_groups or single_group(1)
         self.is_hybrid = self.kv_cache_groups.is_hybrid
-        if self.is_hybrid and tiers is not None:
-            raise ValueError("KV tiers (kv_disk_dir, kv_redis_url) are not yet supported for sliding-window "
-                             "models (a model with more than one KV-cache group)")
         self._extra_groups: tuple[KVCacheGroup, ...] = self.kv_cache_groups.groups[1:]
         # Groups 1.. (hybrid models only): request id -> one table per group, as long as
         # req_to_blocks[id]; None where a sliding group released the block.
@@ -209,9 +228,9 @@ class KVCacheManager:
         self.num_cow_copies = 0  # blocks copied on first write
         self.tiers = tiers
         # Tier loads for the runner, and blocks cached this step by computing them (request, block
-        # index, block, generation): stored to the tiers once the step has written their K/V.
+        # index, block, generation, group id): stored to the tiers once the step has written their K/V.
         self.pending_load_ops: list[LoadOp] = []
-        self._tier_stores: list[tuple[Request, int, KVCacheBlock, int]] = []
+        self._tier_stores: list[tuple[Request, int, KVCacheBlock, int, int]] = []
         # Cache breakpoints' pins (cache/pins.py): one reference each, at most the budget's blocks.
         self.pins = PinTable(self.block_pool.touch, self.block_pool.free_blocks,
                              pinned_budget(config.max_pinned_fraction, num_blocks) if self.enable_caching else 0,
@@ -245,15 +264,25 @@ class KVCacheManager:
         else:  # a hit must also serve the block's prompt logprobs (prefixcache/prompt_logprobs.py)
             n = next((i for i, b in enumerate(hits) if b.prompt_logprobs is None), len(hits))
             hits, num_hit, partial = hits[:n], n * self.block_size, None
-        group_hits = None
+        group_hits, group_loads = None, []
         if self.is_hybrid:  # what every group serves
+            num_group0_hits = len(hits)
             hits, group_hits = self._hybrid_hits(request, hits)
             num_hit = len(hits) * self.block_size
+            if len(hits) < num_group0_hits:
+                # The partial hit was found after group 0's hits. Where a group cut the hit, that group
+                # lacks block len(hits) itself (else its hit would reach one block further), so no
+                # partial hit can start there either.
+                partial = None
+            if request.sampling_params.prompt_logprobs is None:  # the tiers go on from what every group serves
+                tier_load, group_hits, group_loads = self._load_hybrid_from_tiers(request, hits, group_hits)
+                if tier_load is not None and tier_load.payloads:
+                    partial = None
         num_tier = len(tier_load.payloads) * self.block_size if tier_load is not None else 0
         num_partial = partial.num_tokens if partial is not None else 0
         num_new = min(request.num_tokens - num_hit - num_tier - num_partial, token_budget)
         new_blocks = self.allocate_slots(request, num_tier + num_new + num_lookahead_tokens, hits, num_hit, partial,
-                                         group_hits)
+                                         group_hits, num_loaded_tokens=num_tier)
         if new_blocks is None and partial is not None:
             # The partial hit's source is pinned while its tokens are copied, so it is one block the
             # allocation can't take: a prompt that needs the whole pool never fit with it (and waited
@@ -261,20 +290,22 @@ class KVCacheManager:
             partial, num_partial = None, 0
             num_new = min(request.num_tokens - num_hit - num_tier, token_budget)
             new_blocks = self.allocate_slots(request, num_tier + num_new + num_lookahead_tokens, hits, num_hit,
-                                             new_group_blocks=group_hits)
+                                             new_group_blocks=group_hits, num_loaded_tokens=num_tier)
         if new_blocks is None and not self.req_to_blocks and self.pins.yield_all():
             # Nothing runs and pins hold the room this request needs: they yield (cache/pins.py).
             partial, num_partial = None, 0
             num_new = min(request.num_tokens - num_hit - num_tier, token_budget)
             new_blocks = self.allocate_slots(request, num_tier + num_new + num_lookahead_tokens, hits, num_hit,
-                                             new_group_blocks=group_hits)
+                                             new_group_blocks=group_hits, num_loaded_tokens=num_tier)
         if new_blocks is None:
             return None
         if self.is_hybrid:
-            self._retain_points[request.request_id] = (len(hits), request.num_prompt_tokens // self.block_size)
+            # a later request's hit ends where this one's did, tier blocks included
+            self._retain_points[request.request_id] = ((num_hit + num_tier) // self.block_size,
+                                                       request.num_prompt_tokens // self.block_size)
         self.pins.refresh(hits)
         if num_tier:
-            self._add_load_ops(new_blocks, tier_load.payloads)
+            self._add_load_ops(new_blocks, tier_load.payloads, request, group_loads)
         if request.num_cached_tokens is None:  # first admission
             request.num_cached_tokens = num_hit + num_tier + num_partial
             self.stats.record(request.num_tokens, num_hit, num_partial, num_tier)
@@ -287,18 +318,96 @@ class KVCacheManager:
     def _load_from_tiers(self, request: Request, num_hit_blocks: int):
         """The request's blocks after its pool hits that the KV tiers hold (verified), as many as
         the free blocks can take; ``None`` without tiers or caching."""
-        if self.tiers is None or not self.enable_caching:
+        if self.tiers is None or not self.enable_caching or self.is_hybrid:  # hybrid: _load_hybrid_from_tiers
             return None
         max_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
         stop = min(max_blocks, num_hit_blocks + self.block_pool.get_num_free_blocks() - 1)
         return self.tiers.load_chain(request, num_hit_blocks, stop)
 
-    def _add_load_ops(self, new_blocks: list[KVCacheBlock], payloads: list) -> None:
-        """Has the runner write the loaded K/V into the first new blocks (cached by allocation); they
-        are not stored back to the tiers."""
+    def _load_hybrid_from_tiers(
+        self, request: Request, hits: list[KVCacheBlock], group_hits: list[list[KVCacheBlock | None]]
+    ) -> tuple[TierLoad | None, list[list[KVCacheBlock | None]], list[tuple[int, int, memoryview]]]:
+        """The KV tiers' part of a hybrid model's hit: blocks ``[n, m)`` after the pool's ``n`` hits
+        (:meth:`_hybrid_hits`), each group's entries keyed by its own
+        :func:`~prefixcache.cache.kv_cache_groups.group_block_hash`.
+
+        The tier hit ends at the largest ``m`` every group serves, the pool hit's rule: a full group
+        loads every block of ``[n, m)``; a sliding group only those of ``[m - need, m)`` (``need =
+        num_window_blocks``), its pool hits covering the rest of that window (they cover ``[n - need,
+        n)``). Group 0's chain is loaded first; then each group lowers ``m`` to its first missing (or
+        unverifiable) block of what it needs, until none does. Entries are loaded once each.
+
+        Returns:
+            ``(load, tables, group_loads)``: ``load`` group 0's payloads of ``[n, m)`` (``None``
+            without tiers or caching), ``tables`` the pool hits with a sliding group's entries before
+            its window at ``m`` set to ``None`` (released: no query reads them), ``group_loads``
+            ``(group id, block index, payload)`` of groups 1.. to write once their blocks are
+            allocated.
+        """
+        if self.tiers is None or not self.enable_caching:
+            return None, group_hits, []
+        bs, n = self.block_size, len(hits)
+        max_blocks = min((request.num_tokens - 1) // bs, len(request.block_hashes))
+        # every group may take a new block per loaded position; one position's worth stays for the compute
+        stop = min(max_blocks, n + self.block_pool.get_num_free_blocks() // self.kv_cache_groups.num_groups - 1)
+        load = self.tiers.load_chain(request, n, stop)
+        m = n + len(load.payloads)
+        got: dict[tuple[int, int], memoryview | None] = {}  # (group id, block index) -> payload, None: a miss
+
+        def first_missing(group_id: int, lo: int, hi: int) -> int | None:
+            i = lo
+            while i < hi:
+                if (group_id, i) in got:
+                    if got[(group_id, i)] is None:
+                        return i
+                    i += 1
+                    continue
+                j = i
+                while j < hi and (group_id, j) not in got:
+                    j += 1
+                found = self.tiers.load_chain(request, i, j, group_id).payloads
+                got.update(((group_id, i + k), p) for k, p in enumerate(found))
+                if i + len(found) < j:
+                    got[(group_id, i + len(found))] = None
+                    return i + len(found)
+                i = j
+            return None
+
+        def window_start(group: KVCacheGroup, end: int) -> int:
+            need = group.num_window_blocks(bs)
+            return n if need is None else max(n, end - need)
+
+        changed = True
+        while changed and m > n:  # to the fixed point: each group's answer only lowers m
+            changed = False
+            for group in self._extra_groups:
+                miss = first_missing(group.group_id, window_start(group, m), m)
+                if miss is not None:
+                    m, changed = miss, True
+        if m <= n:
+            return load.cut(0), group_hits, []
+        tables = []
+        for group, table in zip(self._extra_groups, group_hits):
+            start = group.num_skipped_blocks(m * bs, bs)
+            tables.append([None if i < start else b for i, b in enumerate(table)])
+        group_loads = [(group.group_id, i, got[(group.group_id, i)])
+                       for group in self._extra_groups for i in range(window_start(group, m), m)]
+        return load.cut(m - n), tables, group_loads
+
+    def _add_load_ops(
+        self, new_blocks: list[KVCacheBlock], payloads: list, request: Request | None = None,
+        group_loads: Sequence[tuple[int, int, memoryview]] = (),
+    ) -> None:
+        """Has the runner write the loaded K/V into the first new blocks (cached by allocation) and,
+        for groups 1.., into the request's blocks ``group_loads`` name; they are not stored back to
+        the tiers."""
         loaded = new_blocks[: len(payloads)]
-        self.pending_load_ops += [LoadOp(b.block_id, p) for b, p in zip(loaded, payloads)]
-        ids = {b.block_id for b in loaded}
+        ops = [LoadOp(b.block_id, p) for b, p in zip(loaded, payloads)]
+        if group_loads:
+            tables = self.req_to_group_blocks[request.request_id]
+            ops += [LoadOp(tables[g - 1][i].block_id, p) for g, i, p in group_loads]
+        self.pending_load_ops += ops
+        ids = {op.block_id for op in ops}
         self._tier_stores = [s for s in self._tier_stores if s[2].block_id not in ids]
 
     def take_tier_stores(self) -> list[tuple[int, EntryKey]]:
@@ -306,16 +415,16 @@ class KVCacheManager:
         has written their K/V: ``(block id, entry key)`` each. Call after the forward pass, before
         :meth:`end_step`; empty without tiers."""
         stores, self._tier_stores = self._tier_stores, []
-        by_request: dict[str, list[tuple[int, KVCacheBlock]]] = {}
+        by_request: dict[tuple[str, int], list[tuple[int, KVCacheBlock]]] = {}  # (request, group) -> blocks
         requests = {}
-        for request, index, block, generation in stores:
+        for request, index, block, generation, group_id in stores:
             if block.generation == generation and block.block_hash is not None:  # still cached
-                by_request.setdefault(request.request_id, []).append((index, block))
+                by_request.setdefault((request.request_id, group_id), []).append((index, block))
                 requests[request.request_id] = request
         out = []
-        for rid, items in by_request.items():
+        for (rid, group_id), items in by_request.items():
             first = min(i for i, _ in items)
-            keys = self.tiers.entry_keys(requests[rid], first, max(i for i, _ in items) + 1)
+            keys = self.tiers.entry_keys(requests[rid], first, max(i for i, _ in items) + 1, group_id)
             out += [(block.block_id, keys[index - first]) for index, block in items]
         return out
 
@@ -460,8 +569,13 @@ class KVCacheManager:
         """Finds a cached full block that starts with the request's tokens after its full hits.
 
         The block must be a verified child of ``computed_blocks[-1]`` (or a chain root with the
-        request's root key), cached before this step, and leave the last token to compute. No side
-        effect.
+        request's root key), cached before this step, and leave the last token to compute. With
+        several KV-cache groups, every other group must also hold a cached block at that position,
+        attached to it and cached before this step (a sliding group's too: the first token computed
+        reads the copied slots within its window); a candidate lacking one is skipped, and with none
+        left there is no partial hit. The sliding groups' windows before the position are the full
+        hits' (:meth:`_hybrid_hits`): pass ``computed_blocks`` uncut, and drop the partial hit if
+        that rule cuts them. No side effect.
 
         Args:
             request: a request with no blocks allocated yet.
@@ -470,20 +584,47 @@ class KVCacheManager:
         Returns:
             The partial hit, or ``None`` (also when caching or partial reuse is off).
         """
-        if not (self.enable_caching and self.enable_partial_block_reuse) or self.is_hybrid:
+        if not (self.enable_caching and self.enable_partial_block_reuse):
             return None
         start = len(computed_blocks) * self.block_size
         end = min(start + self.block_size - 1, request.num_tokens - 1)
         if end <= start:
             return None
+        extra_key = request.block_extra_key(len(computed_blocks))
+
+        def unusable(block: KVCacheBlock) -> bool:
+            if self._cached_this_step.get(block.block_id) == block.generation:  # K/V not written yet
+                return True
+            return self.is_hybrid and self._partial_group_blocks(request, block, extra_key) is None
+
         found = self.block_pool.find_partial_block(
             computed_blocks[-1] if computed_blocks else None,
             request.root_key,
             request.all_token_ids[start:end],
-            exclude=lambda b: self._cached_this_step.get(b.block_id) == b.generation,
-            extra_key=request.block_extra_key(len(computed_blocks)),
+            exclude=unusable,
+            extra_key=extra_key,
         )
-        return None if found is None else PartialHit(*found)
+        if found is None:
+            return None
+        block, num_tokens = found
+        group_blocks = self._partial_group_blocks(request, block, extra_key) if self.is_hybrid else ()
+        return PartialHit(block, num_tokens, group_blocks)
+
+    def _partial_group_blocks(
+        self, request: Request, anchor: KVCacheBlock, extra_key: bytes
+    ) -> tuple[KVCacheBlock, ...] | None:
+        """Groups 1..'s cached blocks attached to group 0's cached block ``anchor`` (verified as a
+        full hit's are, against ``anchor``), one per group, each cached before this step; ``None``
+        when a group has none."""
+        out = []
+        for group in self._extra_groups:
+            block = self.block_pool.get_cached_block(
+                group_block_hash(anchor.block_hash, group.group_id), anchor.token_ids, anchor, request.root_key,
+                extra_key)
+            if block is None or self._cached_this_step.get(block.block_id) == block.generation:
+                return None
+            out.append(block)
+        return tuple(out)
 
     # -- allocation -----------------------------------------------------------------------------
 
@@ -494,7 +635,7 @@ class KVCacheManager:
         new_computed_blocks: Sequence[KVCacheBlock] = (),
         num_new_computed_tokens: int = 0,
         partial_hit: PartialHit | None = None,
-        new_group_blocks: Sequence[Sequence[KVCacheBlock | None]] | None = None,
+        new_group_blocks: Sequence[Sequence[KVCacheBlock | None]] | None = None, *, num_loaded_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Adds blocks for ``num_new_tokens`` more tokens, taking the cache hits first.
 
@@ -514,10 +655,11 @@ class KVCacheManager:
                 no blocks yet, passed right after the lookup.
             num_new_computed_tokens: tokens those hits cover (``len * block_size``).
             partial_hit: from :meth:`get_partial_hit`, right after the lookup. Its tokens come
-                after the full hits and before ``num_new_tokens``; its block is pinned until
-                :meth:`end_step` and a :class:`CopyOp` into the first new block is appended to
-                ``pending_copy_ops``.
+                after the full hits and before ``num_new_tokens``; its blocks (one per group) are
+                pinned until :meth:`end_step` and a :class:`CopyOp` per group, into that group's
+                first new block, is appended to ``pending_copy_ops``.
             new_group_blocks: groups ``1..``'s hits (:meth:`_hybrid_hits`); each gets as many new blocks.
+            num_loaded_tokens: the first of ``num_new_tokens`` KV tiers load (:meth:`_loaded_null_blocks`).
 
         A running request whose next token lands in a block it shares with a forked sequence
         (``ref_cnt > 1``) first gets a private copy of that block (copy-on-write: one more block,
@@ -528,8 +670,8 @@ class KVCacheManager:
             pool has too few free blocks, in which case nothing changed.
 
         Raises:
-            ValueError: ``num_new_tokens < 0``, hits given for a request that already has
-                blocks, or ``num_new_computed_tokens`` inconsistent with the hits.
+            ValueError: ``num_new_tokens < 0``, hits given for a request that already has blocks,
+                ``num_new_computed_tokens`` inconsistent with the hits, or a bad ``partial_hit``.
         """
         req_blocks = self.req_to_blocks.get(request.request_id)
         num_partial = self._check_allocation(request, req_blocks, num_new_tokens, new_computed_blocks,
@@ -539,12 +681,13 @@ class KVCacheManager:
         num_held = len(req_blocks) if req_blocks else 0
         num_new_blocks = max(0, num_required - num_held - len(new_computed_blocks))
         # Hits (and a partial-hit source) among the free blocks stop being allocatable once touched.
-        pinned = [*new_computed_blocks, *([partial_hit.block] if partial_hit else []), *_held(new_group_blocks)]
+        pinned = [*new_computed_blocks, *(partial_hit.sources if partial_hit else ()), *_held(new_group_blocks)]
         num_free_hits = sum(1 for b in pinned if b.ref_cnt == 0)
         # Copy-on-write: the block receiving this step's first token is shared with a fork.
         cow_index = request.num_computed_tokens // self.block_size
         cow = bool(req_blocks) and num_new_tokens > 0 and cow_index < num_held and req_blocks[cow_index].ref_cnt > 1
-        num_group_blocks = self._num_group_blocks_needed(request, num_new_blocks, num_new_tokens > 0)
+        num_null = self._loaded_null_blocks(request, len(new_computed_blocks), num_loaded_tokens)
+        num_group_blocks = self._num_group_blocks_needed(request, num_new_blocks, num_new_tokens > 0) - sum(num_null)
         if num_new_blocks + cow + num_group_blocks > self.block_pool.get_num_free_blocks() - num_free_hits:
             return None
 
@@ -559,13 +702,22 @@ class KVCacheManager:
             req_blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
-        self._allocate_group_blocks(request, num_new_blocks, new_group_blocks, num_new_tokens > 0)
+        self._allocate_group_blocks(request, num_new_blocks, new_group_blocks, num_new_tokens > 0, num_null)
         if partial_hit is not None:
-            self._pinned_sources.append(partial_hit.block)
-            self.pending_copy_ops.append(CopyOp(partial_hit.block.block_id, new_blocks[0].block_id, num_partial))
+            self._copy_partial_hit(request, partial_hit, len(new_computed_blocks))
         if self.enable_caching:
             self._cache_full_blocks(request, req_blocks, num_total_tokens)
         return new_blocks
+
+    def _copy_partial_hit(self, request: Request, partial_hit: PartialHit, index: int) -> None:
+        """Pins the partial hit's sources until :meth:`end_step` and has the runner copy each group's
+        first ``num_tokens`` slots into that group's block ``index`` (its first new block)."""
+        # Unpinned other groups first, as free() orders a position (evicted no later than group 0's).
+        self._pinned_sources += [*partial_hit.group_blocks, partial_hit.block]
+        dsts = [self.req_to_blocks[request.request_id][index],
+                *(table[index] for table in self.req_to_group_blocks.get(request.request_id, ()))]
+        self.pending_copy_ops += [CopyOp(src.block_id, dst.block_id, partial_hit.num_tokens)
+                                  for src, dst in zip(partial_hit.sources, dsts)]
 
     def _check_allocation(
         self,
@@ -601,6 +753,9 @@ class KVCacheManager:
             return 0
         if req_blocks:
             raise ValueError(f"request {rid!r} already has blocks; partial hits are for admission")
+        if len(partial_hit.group_blocks) != len(self._extra_groups):
+            raise ValueError(f"partial_hit.group_blocks must hold {len(self._extra_groups)} blocks (one per "
+                             f"KV-cache group after group 0), got {len(partial_hit.group_blocks)}")
         if not 1 <= partial_hit.num_tokens < self.block_size or num_new_tokens < 1:
             raise ValueError(
                 f"partial hit of {partial_hit.num_tokens} tokens needs 1 <= tokens < block_size "
@@ -620,14 +775,33 @@ class KVCacheManager:
                 num += 1
         return num
 
+    def _loaded_null_blocks(self, request: Request, num_hit_blocks: int, num_loaded_tokens: int) -> list[int]:
+        """Per group 1.., how many of an admission's first new blocks (KV tier loads, from block
+        ``num_hit_blocks`` on) lie wholly before the group's window at the loads' end: a sliding
+        group gets no block there (``None``), as no query reads them and nothing would write them.
+        All 0 without loads or with one group.
+
+        Raises:
+            ValueError: ``num_loaded_tokens`` is negative or not whole blocks.
+        """
+        bs = self.block_size
+        if num_loaded_tokens < 0 or num_loaded_tokens % bs:
+            raise ValueError(f"num_loaded_tokens must be whole blocks (a multiple of {bs}), got {num_loaded_tokens}")
+        if not (self.is_hybrid and num_loaded_tokens):
+            return [0] * len(self._extra_groups)
+        end = request.num_computed_tokens + (num_hit_blocks * bs) + num_loaded_tokens
+        return [max(0, min(num_loaded_tokens // bs, group.num_skipped_blocks(end, bs) - num_hit_blocks))
+                for group in self._extra_groups]
+
     def _allocate_group_blocks(
         self, request: Request, num_new_blocks: int, hits: Sequence[Sequence[KVCacheBlock | None]] | None,
-        writes: bool,
+        writes: bool, num_null: Sequence[int] = (),
     ) -> None:
         """Groups 1..'s part of :meth:`allocate_slots` once it is known to fit and their hits are
         touched (with group 0's, before any block is allocated: a hit among the free blocks must not
         be handed out): copy-on-write of the block receiving the next token, the hits, ``num_new_blocks``
-        new blocks each. No-op with one group."""
+        new blocks each, the first ``num_null[g - 1]`` of them ``None`` (see :meth:`_loaded_null_blocks`).
+        No-op with one group."""
         if not self.is_hybrid:
             return
         hits = hits if hits is not None else [() for _ in self._extra_groups]
@@ -636,11 +810,13 @@ class KVCacheManager:
         if tables is None:
             tables = self.req_to_group_blocks[rid] = [[] for _ in self._extra_groups]
         cow_index = request.num_computed_tokens // self.block_size
-        for group, table, group_hits in zip(self._extra_groups, tables, hits):
+        num_null = num_null or [0] * len(self._extra_groups)
+        for group, table, group_hits, null in zip(self._extra_groups, tables, hits, num_null):
             if writes and cow_index < len(table) and table[cow_index] is not None and table[cow_index].ref_cnt > 1:
                 self._copy_on_write(request, table, cow_index, group.group_id)
             table.extend(group_hits)
-            table.extend(self.block_pool.get_new_blocks(num_new_blocks, group.group_id))
+            table.extend([None] * null)
+            table.extend(self.block_pool.get_new_blocks(num_new_blocks - null, group.group_id))
 
     def _copy_on_write(self, request: Request, req_blocks: list[KVCacheBlock], index: int, group_id: int = 0) -> None:
         """Gives the request a private copy of its shared block ``index`` of group ``group_id``'s
@@ -678,7 +854,7 @@ class KVCacheManager:
                 if cached is block:
                     self._cached_this_step[block.block_id] = block.generation
                     if self.tiers is not None:
-                        self._tier_stores.append((request, i, block, block.generation))
+                        self._tier_stores.append((request, i, block, block.generation, 0))
                 else:  # held until end_step, then it replaces the request's own copy
                     self.block_pool.record_hits([cached])
                     self.block_pool.touch([cached])
@@ -707,6 +883,8 @@ class KVCacheManager:
                     request.all_token_ids[i * bs : (i + 1) * bs], anchor, request.root_key, request.block_extra_key(i))
                 if cached is block:
                     self._cached_this_step[block.block_id] = block.generation
+                    if self.tiers is not None:  # each group's entry under its own key
+                        self._tier_stores.append((request, i, block, block.generation, group.group_id))
                 else:
                     self.block_pool.record_hits([cached])
                     self.block_pool.touch([cached])

@@ -27,11 +27,28 @@ salt's sha256)`` (the salt itself is a tenant secret and is never sent), ``("lor
 of the adapter's content digest)``, ``("tenant", name)``, and for a block holding generated tokens'
 K/V in the int4 formats ``("generated_from_slot", num_prompt_tokens % block_size)``.
 
+Models with several KV-cache groups (:mod:`prefixcache.cache.kv_cache_groups`: Gemma 3's full and
+sliding-window layers): only group 0's blocks (the full-attention layers) are reported, with the
+hashes a one-group model's blocks of the same tokens would have; the other groups' blocks of the same
+positions (cached under their own keys, attached to group 0's) send neither ``BlockStored`` nor
+``BlockRemoved``. A router should count as a request's hit the leading blocks of its hash chain that
+were stored and not removed, as for any model. The engine serves that whole count where the chain
+ends where an earlier request's prompt, cache hit or sequence ended: it keeps the sliding groups'
+window before each such end with the prefix (retained, evicted only once no other free block is
+left, and with its group-0 block when that one goes). The count is too high when a window the hit
+needs was evicted while its group-0 block stays cached: a prefix ending mid-chain, whose window went
+to the eviction policy like any free block, or a retained window taken under full pressure while a
+running request holds its group-0 block. No event says so (the window's eviction is silent; ``BlockRemoved`` comes only when
+the group-0 block goes); the engine serves the longest block-aligned prefix every group holds, and
+the request's ``num_cached_tokens`` (``cached_tokens`` in the API's usage) is the exact number. A
+partial hit adds up to ``block_size - 1`` tokens to the count, only where every group holds the
+block. ``tests/models/test_gemma3_partial_and_events.py`` checks both cases.
+
 Invariants (checked by ``tests/cache/test_kv_events.py`` and ``tests/engine/test_kv_events_engine.py``):
 - Applying the events in order to an empty set (add on stored, discard on removed, empty on
-  cleared) gives exactly the set of hashes in the pool's hash map, after every step: a hash is
-  reported stored when its first cached block enters the map and removed when its last one leaves
-  (several blocks may share a hash, see :mod:`prefixcache.cache.block_pool`).
+  cleared) gives exactly the set of group 0's hashes in the pool's hash map, after every step: a
+  hash is reported stored when its first cached block enters the map and removed when its last one
+  leaves (several blocks may share a hash, see :mod:`prefixcache.cache.block_pool`).
 - A stored event's ``parent_block_hash`` is the hash of the cached block before its first block,
   ``None`` for a chain's first block; consecutive stored blocks of one chain share one event.
 """

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from prefixcache.cache.config import check_int
-from prefixcache.cache.kv_cache_groups import check_kv_tiers_supported
 from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVEventRecorder
 from prefixcache.cache.metrics import PrefixCacheSnapshot
@@ -132,9 +131,10 @@ class LLMEngine:
             config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, self.loaded.dtype,
         )
         self._check_pool_fits()
-        check_kv_tiers_supported(self.kv_cache_groups, config.kv_disk_dir, config.kv_redis_url)
+        # A tier entry holds one pool block: every layer with one group, one group's layers otherwise
+        # (each group's entries keyed apart, see prefixcache/cache/tiers/stack.py).
         self.kv_tiers = make_kv_tiers(config, kv_block_layout(
-            mcfg.num_hidden_layers, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, self.loaded.dtype))
+            layers_per_block, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, self.loaded.dtype))
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config, bytes_per_block=self.kv_cache_bytes_per_block,
                                                tiers=self.kv_tiers, kv_cache_groups=self.kv_cache_groups)
         self.scheduler = Scheduler(self.kv_cache_manager, config)
@@ -268,12 +268,16 @@ class LLMEngine:
 
     def _check_retain(self, retain_s: object) -> None:
         """Raises :class:`InvalidInputError` (``retain_s``) unless ``retain_s`` is a finite number
-        > 0 and a tier retains (a disk tier with a retention budget)."""
+        > 0, a tier retains (a disk tier with a retention budget) and the model has one KV-cache
+        group."""
         if isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)) or not 0 < retain_s < math.inf:
             raise InvalidInputError("retain_s", f"retain_s must be a finite number > 0, got {retain_s!r}")
         if self.kv_tiers is None or not self.kv_tiers.retaining_tiers:
             raise InvalidInputError("retain_s", "retain_s keeps a prompt in the disk tier: it needs kv_disk_dir "
                                                 "and max_retained_disk_fraction > 0")
+        if self.kv_cache_groups.is_hybrid:  # retention keeps group 0's entries only: not a hit alone
+            raise InvalidInputError("retain_s", "retain_s is not supported for sliding-window models "
+                                                f"({self.kv_cache_groups.num_groups} KV-cache groups)")
 
     def _retain(self, request: Request) -> None:
         """Keeps the computed prompt's full blocks in the disk tier for ``request.retain_s``

@@ -13,13 +13,12 @@ from hypothesis import strategies as st
 
 from cache_test_utils import make_request
 from prefixcache.cache.config import CacheConfig
-from prefixcache.cache.kv_cache_groups import (AttentionKind, LayerSpec, check_kv_tiers_supported,
+from prefixcache.cache.kv_cache_groups import (AttentionKind, LayerSpec,
                                                group_block_hash, layer_specs_from_config, make_kv_cache_groups,
                                                single_group)
 from prefixcache.cache.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
 from prefixcache.config import SchedulerConfig
 from prefixcache.engine.scheduler import Scheduler
-from prefixcache.errors import InvalidInputError
 from prefixcache.request import RequestStatus
 from prefixcache.runner.kv_pool import kv_cache_groups_of
 
@@ -98,14 +97,6 @@ def test_only_a_model_that_takes_group_metadata_gets_groups():
     opted_in.uses_kv_cache_groups = True
     assert kv_cache_groups_of(opted_in, config) == HYBRID
     assert kv_cache_groups_of(torch.nn.Module(), config) == single_group(6)
-
-
-def test_kv_tiers_are_refused_for_a_hybrid_model_naming_the_flag():
-    with pytest.raises(InvalidInputError, match="kv_disk_dir .*not yet supported for sliding-window models"):
-        check_kv_tiers_supported(HYBRID, "/tmp/x", None)
-    with pytest.raises(ValueError, match="not yet supported for sliding-window models"):
-        KVCacheManager(8, CacheConfig(block_size=B), tiers=object(), kv_cache_groups=HYBRID)
-    check_kv_tiers_supported(single_group(2), "/tmp/x", None)  # one group: fine
 
 
 # -- allocation and release -----------------------------------------------------------------------

@@ -17,6 +17,8 @@ import pytest
 
 from prefixcache.cache.config import CacheConfig
 from prefixcache.cache.hashing import BlockHasher, hash_seed_bytes, make_root_key, tenant_extra_key
+from prefixcache.cache.kv_cache_groups import AttentionKind, LayerSpec, make_kv_cache_groups
+from prefixcache.cache.kv_cache_manager import KVCacheManager
 from prefixcache.cache.tiers.disk import DiskTier
 from prefixcache.cache.tiers.entry import EntryError, KVBlockLayout, decode_entry, encode_entry, prefix_digests
 from prefixcache.cache.tiers.redis_tier import RedisTier
@@ -453,3 +455,151 @@ def test_hash_seed_file_is_read_and_checked(tmp_path):
 def test_namespace_names_format_algo_dtype_and_shape():
     assert tier_namespace("xxh64", LAYOUT) == "v1-xxh64-float32-2x2x4x1x2"
     assert tier_namespace("sha256", LAYOUT) != tier_namespace("xxh64", LAYOUT)
+
+
+# ---------------------------------------------------------------------------- several KV-cache groups
+# 6 layers, full and sliding (window 8) alternating: group 0 = {0, 2, 4} (full), group 1 = {1, 3, 5}.
+# A pool block (and so a tier entry) holds one group's 3 layers.
+W = 8
+HYBRID = make_kv_cache_groups([LayerSpec(AttentionKind.FULL), LayerSpec(AttentionKind.SLIDING, W)] * 3)
+
+
+def group_payload(group_id: int, i: int) -> bytes:
+    """A distinct payload for block ``i`` of group ``group_id``."""
+    return bytes((i * 7 + group_id * 101 + j) % 251 for j in range(LAYOUT.payload_bytes))
+
+
+def hybrid_tier_admission(tmp_path, stored: dict[int, range]):
+    """A hybrid manager over a disk tier holding ``stored[g]``'s blocks of group ``g`` of a 10-block
+    (+ 1 token) prompt; admits the prompt into an empty pool. Returns (manager, request, admission)."""
+    disk = DiskTier(tmp_path, "ns", max_bytes=1 << 20)
+    stack = stack_of(disk)
+    request = make_request(range(300, 341), rid="hybrid")  # 41 tokens: 10 full blocks + 1
+    for group_id, blocks in stored.items():
+        keys = stack.entry_keys(request, 0, 10, group_id)
+        stack.submit([(keys[i], group_payload(group_id, i)) for i in blocks])
+    stack.flush()
+    manager = KVCacheManager(64, CacheConfig(block_size=BS), tiers=stack, kv_cache_groups=HYBRID)
+    admission = manager.admit(request, token_budget=100)
+    return manager, request, admission
+
+
+def loaded_payloads(manager: KVCacheManager, request) -> dict[tuple[int, int], bytes]:
+    """(group, block index) -> the payload a load op writes into the request's block there."""
+    by_id = {op.block_id: bytes(op.payload) for op in manager.pending_load_ops}
+    tables = [manager.req_to_blocks[request.request_id], *manager.req_to_group_blocks[request.request_id]]
+    return {(g, i): by_id[b.block_id] for g, table in enumerate(tables) for i, b in enumerate(table)
+            if b is not None and b.block_id in by_id}
+
+
+def test_hybrid_tier_hit_needs_every_block_of_a_full_group_and_the_window_of_a_sliding_one(tmp_path):
+    # Group 1 holds only blocks 8-9: the window [40 - 8 + 1, 40) = 33..39 a hit at 40 needs.
+    manager, request, admission = hybrid_tier_admission(tmp_path / "a", {0: range(10), 1: range(8, 10)})
+    assert admission.num_tier_tokens == 40 and admission.num_new_tokens == 1
+    assert request.num_cached_tokens == 40 and request.cached_tier_tokens == {"disk": 40}
+    loaded = loaded_payloads(manager, request)
+    assert sorted(loaded) == [(0, i) for i in range(10)] + [(1, 8), (1, 9)]  # the window only
+    assert all(p == group_payload(g, i) for (g, i), p in loaded.items())
+    # Group 1 takes no block before its window (no query reads it); block 10 is computed.
+    assert [b is None for b in manager.req_to_group_blocks["hybrid"][0]] == [True] * 8 + [False] * 3
+    assert manager.block_pool.get_num_free_blocks() == 64 - 11 - 3
+    snapshot = manager.tiers.snapshot()["disk"]
+    assert snapshot["hits"] == 40 and snapshot["queries"] == 40
+    assert snapshot["bytes_loaded"] == 12 * LAYOUT.payload_bytes
+
+
+def test_hybrid_tier_hit_ends_where_a_sliding_group_has_its_window(tmp_path):
+    # Group 1 lacks block 9: a hit at 40 can't be served; at 36 its window (29..35) is blocks 7-8.
+    manager, request, admission = hybrid_tier_admission(tmp_path / "b", {0: range(10), 1: range(0, 9)})
+    assert admission.num_tier_tokens == 36 and admission.num_new_tokens == 5
+    assert sorted(loaded_payloads(manager, request)) == [(0, i) for i in range(9)] + [(1, 7), (1, 8)]
+    assert manager.tiers.snapshot()["disk"]["hits"] == 36
+    # Read: group 0's blocks 0-9 (9 is cut), group 1's 8 (then 9 misses), then 7; never its 0-6.
+    assert manager.tiers.snapshot()["disk"]["bytes_loaded"] == (10 + 2) * LAYOUT.payload_bytes
+
+
+def test_hybrid_tier_hit_is_cut_to_the_full_groups_chain_and_zero_without_a_window(tmp_path):
+    _, request, admission = hybrid_tier_admission(tmp_path / "c", {0: range(6), 1: range(10)})
+    assert admission.num_tier_tokens == 24  # group 0 (full) needs every block: 0-5 only
+    _, _, admission = hybrid_tier_admission(tmp_path / "d", {0: range(10)})
+    assert admission.num_tier_tokens == 0 and admission.num_new_tokens == 41  # group 1 serves nothing
+    # A group's entry never serves another group: group 0's entries alone, under group 1's keys, miss.
+    stack = stack_of()
+    assert {k.name for k in stack.entry_keys(request, 0, 10, 1)}.isdisjoint(
+        k.name for k in stack.entry_keys(request, 0, 10, 0))
+    assert [k.block_hash for k in stack.entry_keys(request, 0, 10, 0)] == list(request.block_hashes[:10])
+
+
+def test_hybrid_blocks_computed_are_stored_per_group_and_loaded_back(tmp_path):
+    """Write-through stores every group's computed blocks under its own key; a new manager over the
+    same directory loads group 0's chain and group 1's window."""
+    stack = stack_of(DiskTier(tmp_path, "ns", max_bytes=1 << 20))
+    manager = KVCacheManager(64, CacheConfig(block_size=BS), tiers=stack, kv_cache_groups=HYBRID)
+    request = make_request(range(300, 341), rid="first")
+    assert manager.admit(request, token_budget=100).num_new_tokens == 41
+    stores = manager.take_tier_stores()
+    blocks = {b.block_id: (g, i) for g, table in enumerate([manager.req_to_blocks["first"],
+                                                            *manager.req_to_group_blocks["first"]])
+              for i, b in enumerate(table) if b is not None}
+    assert sorted(blocks[block_id] for block_id, _ in stores) == [(g, i) for g in (0, 1) for i in range(10)]
+    stack.submit([(key, group_payload(*blocks[block_id])) for block_id, key in stores])
+    stack.flush()
+    assert stack.snapshot()["disk"]["stores"] == 20
+
+    again = KVCacheManager(64, CacheConfig(block_size=BS), tiers=KVTierStack(
+        [DiskTier(tmp_path, "ns", max_bytes=1 << 20)], LAYOUT), kv_cache_groups=HYBRID)
+    second = make_request(range(300, 341), rid="second")
+    assert again.admit(second, token_budget=100).num_tier_tokens == 40
+    loaded = loaded_payloads(again, second)
+    assert sorted(loaded) == [(0, i) for i in range(10)] + [(1, 8), (1, 9)]
+    assert all(p == group_payload(g, i) for (g, i), p in loaded.items())
+    assert again.take_tier_stores() == []  # loaded blocks are not stored back
+
+
+def test_hybrid_entries_are_verified_whatever_the_hash(constant_hash, tmp_path):
+    """With every block hash equal (a forced collision), another prompt's entries and another
+    group's entry are refused: only the prompt that stored them hits."""
+    stack = stack_of(DiskTier(tmp_path, "ns", max_bytes=1 << 20))
+    stored = make_request(range(500, 505), rid="a")  # 1 full block + 1 token
+    for group_id in (0, 1):
+        (key,) = stack.entry_keys(stored, 0, 1, group_id)
+        stack.submit([(key, group_payload(group_id, 0))])
+    stack.flush()
+    g0, g1 = (stack.entry_keys(stored, 0, 1, g)[0] for g in (0, 1))
+    assert g0.name != g1.name  # the group is in the key even when the hash collides
+    with pytest.raises(EntryError, match="block_hash"):
+        decode_entry(encode_entry(g1, LAYOUT, group_payload(1, 0)), g0, LAYOUT)
+
+    def admit(tokens, rid):
+        manager = KVCacheManager(16, CacheConfig(block_size=BS), tiers=stack, kv_cache_groups=HYBRID)
+        return manager, manager.admit(make_request(tokens, rid=rid), token_budget=100)
+
+    _, other = admit([499, 501, 502, 503, 504], "b")  # same hash, another first token
+    assert other.num_tier_tokens == 0
+    assert stack.snapshot()["disk"]["bad_entries"] == 1  # group 0's entry failed and was removed
+    stack.submit([(g0, group_payload(0, 0))])
+    stack.flush()
+    manager, same = admit(range(500, 505), "c")
+    assert same.num_tier_tokens == 4
+    assert sorted(bytes(op.payload) for op in manager.pending_load_ops) == sorted(
+        [group_payload(0, 0), group_payload(1, 0)])
+
+
+def test_hybrid_blocks_loaded_from_redis_are_promoted_to_disk_per_group(tmp_path, redis_server):
+    writer = stack_of(RedisTier(redis_server.url, "ns", ttl_s=60))
+    request = make_request(range(300, 341), rid="w")
+    for group_id in (0, 1):
+        keys = writer.entry_keys(request, 0, 10, group_id)
+        writer.submit([(k, group_payload(group_id, k.depth)) for k in keys])
+    writer.flush()
+    stack = stack_of(DiskTier(tmp_path, "ns", 1 << 20), RedisTier(redis_server.url, "ns", ttl_s=60))
+    manager = KVCacheManager(64, CacheConfig(block_size=BS), tiers=stack, kv_cache_groups=HYBRID)
+    assert manager.admit(make_request(range(300, 341), rid="r"), token_budget=100).num_tier_tokens == 40
+    stack.flush()
+    assert stack.snapshot()["disk"]["stores"] == 10 + 2  # group 0's chain and group 1's window
+    redis_server.stop()
+    restarted = stack_of(DiskTier(tmp_path, "ns", 1 << 20))
+    again = KVCacheManager(64, CacheConfig(block_size=BS), tiers=restarted, kv_cache_groups=HYBRID)
+    second = make_request(range(300, 341), rid="s")
+    assert again.admit(second, token_budget=100).num_tier_tokens == 40
+    assert sorted(loaded_payloads(again, second)) == [(0, i) for i in range(10)] + [(1, 8), (1, 9)]

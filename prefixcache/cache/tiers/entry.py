@@ -14,8 +14,11 @@ digests mean equal whole prefixes in the same namespace whatever the configured 
 Secrets stay out of the entry: the root key holds the hash seed and the salt, only digests of it
 are stored. Then the payload's dtype, shape, byte length and xxh3-64 checksum.
 
-Payload layout: the block's K/V over all layers, ``shape = [num_layers, 2, block_size, num_kv_heads,
-head_dim]`` (index 0 of the second axis K, 1 V), C order, in the pool's dtype.
+Payload layout: a pool block's K/V, ``shape = [num_layers, 2, block_size, num_kv_heads, head_dim]``
+(index 0 of the second axis K, 1 V), C order, in the pool's dtype. ``num_layers`` is every layer for a
+one-group model and ``layers_per_group`` for a model with several KV-cache groups, whose pool block
+holds one group's layers: each group's block is then an entry of its own, its ``block_hash`` the
+group-keyed hash (``cache/kv_cache_groups.py`` ``group_block_hash``), verified like every field.
 
 Invariant: :func:`decode_entry` returns a payload only if every header field equals the expected
 one and the payload has the declared length and checksum; anything else (truncation, zeroed

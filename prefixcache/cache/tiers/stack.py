@@ -33,6 +33,11 @@ Data path (the cache manager drives it, see ``KVCacheManager.admit``)::
   recomputing is not asked (the next tier goes on from the same block; ``slow_skips`` counts the
   lookups skipped), except once every ``probe_s`` seconds, which re-measures it.
 
+- KV-cache groups: with several (a sliding-window model), each group's blocks are entries of their
+  own, named by the group-keyed hash (``entry_keys(..., group_id)``), and the cache manager asks for
+  each group's part of a hit (``KVCacheManager._load_hybrid_from_tiers``); ``queries`` and ``hits``
+  count group 0's chain (the hit's tokens), the byte counters every group's entries.
+
 Counters per tier (tokens in tokens): ``queries`` (tokens looked up in it at requests' first
 admission), ``hits`` (of those, tokens loaded from it), ``bytes_loaded``, ``bytes_stored``,
 ``stores``, ``store_drops``, ``bad_entries`` (entries that failed verification and were removed),
@@ -50,6 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from prefixcache.cache.kv_cache_groups import group_block_hash
 from prefixcache.cache.tiers.base import KVTier
 from prefixcache.errors import InvalidInputError
 from prefixcache.cache.tiers.entry import (
@@ -107,6 +113,15 @@ class TierLoad:
     num_queried_blocks: int
     per_tier: list[tuple[str, int, int]]
 
+    def cut(self, num_blocks: int) -> TierLoad:
+        """The first ``num_blocks`` payloads only (a hybrid model's hit ends where every KV-cache
+        group can serve), each tier credited with the loaded blocks it gave among those."""
+        per_tier, left = [], num_blocks
+        for name, asked, got in self.per_tier:
+            per_tier.append((name, asked, min(got, left)))
+            left -= min(got, left)
+        return TierLoad(self.payloads[:num_blocks], self.num_queried_blocks, per_tier)
+
 
 class KVTierStack:
     """The configured tiers in lookup order (fastest first), one writer thread for them all.
@@ -149,8 +164,11 @@ class KVTierStack:
 
     # -- keys -----------------------------------------------------------------------------------
 
-    def entry_keys(self, request: Request, start: int, stop: int) -> list[EntryKey]:
-        """The request's expectations of the entries of its blocks ``[start, stop)`` (full blocks)."""
+    def entry_keys(self, request: Request, start: int, stop: int, group_id: int = 0) -> list[EntryKey]:
+        """The request's expectations of the entries of its blocks ``[start, stop)`` (full blocks) of
+        KV-cache group ``group_id``: keyed (and verified) by
+        :func:`~prefixcache.cache.kv_cache_groups.group_block_hash`, so a group's entry never serves
+        another group, and group 0's key is the block hash (one-group models' entries as before)."""
         bs, hashes, tokens = self.layout.block_size, request.block_hashes, request.all_token_ids
         digests = prefix_digests(request.root_key, tokens, bs, request.block_extra_key, stop)
         root_hash = request.block_hasher.root_hash(request.root_key)
@@ -162,15 +180,16 @@ class KVTierStack:
             if extra not in extra_digests:
                 extra_digests[extra] = sha256(extra)
             keys.append(EntryKey(
-                hashes[i], hashes[i - 1] if i else root_hash, digests[i], root_digest, extra_digests[extra], i,
-                tuple(tokens[i * bs : (i + 1) * bs]),
+                group_block_hash(hashes[i], group_id), hashes[i - 1] if i else root_hash, digests[i], root_digest,
+                extra_digests[extra], i, tuple(tokens[i * bs : (i + 1) * bs]),
             ))
         return keys
 
     # -- load -----------------------------------------------------------------------------------
 
-    def load_chain(self, request: Request, start: int, stop: int) -> TierLoad:
-        """Loads the request's blocks ``[start, stop)`` that the tiers hold, in chain order.
+    def load_chain(self, request: Request, start: int, stop: int, group_id: int = 0) -> TierLoad:
+        """Loads the request's blocks ``[start, stop)`` of KV-cache group ``group_id`` that the tiers
+        hold, in chain order.
 
         Each tier continues where the previous one stopped; the result ends at the first block
         no tier holds, or whose entry fails verification (that entry is removed). Never raises
@@ -178,7 +197,7 @@ class KVTierStack:
         """
         if stop <= start:
             return TierLoad([], 0, [])
-        keys = self.entry_keys(request, start, stop)
+        keys = self.entry_keys(request, start, stop, group_id)
         payloads: list[memoryview] = []
         per_tier = []
         for tier in self.tiers:
