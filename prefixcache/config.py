@@ -36,9 +36,11 @@ INT4_DECODER_FORMATS = ("int4", "int4-int8")
 # ... and those whose (prompt) rows run int8 W8A8 products (no bf16 GEMM).
 W8A8_FORMATS = ("int8", "int4-int8")
 DEFAULT_MODEL = "smollm2-135m"
-GEMMA3_MODEL = "gemma3-270m"  # Gemma 3 270M: local (sliding-window) and global layers; float32 only
+GEMMA3_MODEL = "gemma3-270m"  # Gemma 3 270M: local (sliding-window) and global layers
 BUILTIN_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL)  # names prefixcache.models.fetch downloads and converts
-FLOAT32_ONLY_MODELS = (GEMMA3_MODEL,)  # built-in models whose forward pass runs float32 only: "auto" means that
+# built-in models whose "auto" format is float32: Gemma 3 runs bf16 and the int formats when named, but no
+# other format's quality against float32 is measured for "auto" to pick
+FLOAT32_ONLY_MODELS = (GEMMA3_MODEL,)
 # Waiting-queue admission orders (prefixcache.engine.sched_policy holds their classes): fcfs = vLLM's
 # default; lpm = under memory pressure longest cached prefix first, shared uncached prefixes grouped,
 # starvation bounded (arrival order otherwise).

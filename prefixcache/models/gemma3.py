@@ -23,10 +23,28 @@ table keeps only the blocks its window reaches (released ones are block 0, never
 :class:`~prefixcache.layers.attention.metadata.AttentionMetadata` instead (built with ``sliding_window``), every
 layer reads the one block table and the window is a mask over it (the one-group path tests use).
 
-Batch-invariant: every projection and the lm_head run as float32 GEMM calls of exactly
-:data:`~prefixcache.layers.linear.FIXED_ROW_TILE` rows (:class:`~prefixcache.layers.linear.FixedTileLinear`),
-so a token's bits do not depend on its batch. Runs in float32 with no weight quantization and no LoRA;
-anything else is refused (LoRA when a request or the server names an adapter, the rest when loading).
+Weight formats: the projections and the lm_head run through :mod:`prefixcache.layers.linear`'s methods
+as the Llama family's do (:class:`~prefixcache.layers.linear.StackedLinear` groups q|k|v, o, gate|up,
+down, lm_head; :func:`~prefixcache.layers.linear.linear_method` picks the method from the dtype, the
+quantization and the CPU): float32 ``"none"`` and ``"int8"``; bfloat16 ``"none"``, ``"int8"``,
+``"int4"`` and ``"int4-int8"``. gate|up is a plain stacked product (never the AMX kernel's fused
+SiLU: Gemma's gate takes gelu-tanh). The norms, the residual stream's adds and the soft-cap keep
+their transformers form (the norms in float32 inside, :class:`~prefixcache.layers.norm.RMSNorm`).
+
+Generated tokens of the int4 formats (the runner's :class:`~prefixcache.layers.quant.RowSplit` over
+the step's token rows, :attr:`Gemma3ForCausalLM.splits_generated_rows`) run the same torch layers
+with each projection on its 4-bit copy (``int4_mm``) and their logits on the 8-bit lm_head (Q8_0, as
+the Llama family's); prompt rows keep the prompt method's products. Not the Llama family's C++ decoder
+(:mod:`prefixcache.layers.decode_layers`), which knows neither the local layers' window and their KV-cache
+groups, nor GeGLU, the unit-offset norms or the post-norms. A token's rows are chosen by what the token
+is (position >= its prompt length), never by its batch, and each kernel is row-invariant.
+
+Batch-invariant in every format: float32's products run as GEMM calls of exactly
+:data:`~prefixcache.layers.linear.FIXED_ROW_TILE` rows (:class:`~prefixcache.layers.linear.FixedTileLinear`,
+the dense method calls the modules), bf16's as the prepacked (AMX) or row-tiled products, int8's and
+int4's with exact integer sums; attention runs torch's kernels over the pool (float32 or bf16, the
+model's dtype) padded as ``prefixcache.layers.attention`` says for a batch-invariant model. No LoRA
+(refused when a request or the server names an adapter).
 
 Parameter names equal the HF checkpoint names (``model.layers.N.self_attn.q_norm.weight``, ...).
 """
@@ -40,12 +58,25 @@ from torch import nn
 from prefixcache.layers.attention.metadata import AttentionMetadata
 from prefixcache.layers.attention.torch_attention import Attention
 from prefixcache.layers.grouped_attention import GroupedAttentionMetadata
-from prefixcache.layers.linear import FixedTileLinear
+from prefixcache.layers.linear import (DENSE, FixedTileLinear, LinearMethod, StackedLinear, linear_method,
+                                      restore_weight, weight_released)
 from prefixcache.layers.norm import RMSNorm
+from prefixcache.layers.quant import group_int8_linear, int4_linear, split_rows
 from prefixcache.layers.rotary import RotaryEmbedding, apply_rotary_emb
 from prefixcache.models.config import ModelConfig
 
 SLIDING = "sliding_attention"  # layer_types' name of a local (windowed) layer
+DTYPES = (torch.float32, torch.bfloat16)  # weight dtypes whose products are batch-invariant (see the module docstring)
+
+
+def project(group: StackedLinear, x: torch.Tensor) -> torch.Tensor:
+    """``group``'s stacked product, [num_tokens, sum(sizes)] in x's dtype: the running
+    :class:`~prefixcache.layers.quant.RowSplit`'s int4 rows (generated tokens) on the group's 4-bit
+    copy where it holds one (int4 formats), every other row on the prompt method's product."""
+    if group.decode_weight is None:
+        return group(x)
+    return split_rows(x, group, lambda rows: int4_linear(rows, group.decode_weight))
+
 
 class Gemma3Attention(nn.Module):
     """Projections, per-head q/k norm, RoPE and paged attention of one layer."""
@@ -65,19 +96,22 @@ class Gemma3Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, unit_offset=True)
         scalar = config.query_pre_attn_scalar or config.head_dim
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=scalar**-0.5)
+        self.qkv = StackedLinear([self.q_proj, self.k_proj, self.v_proj])  # q|k|v: one product where the method stacks
+        self.o = StackedLinear([self.o_proj])
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
         """Args: x shape = [num_tokens, hidden_size]; cos_sin each [num_tokens, 1, head_dim] (this
         layer kind's RoPE); md the metadata of this layer kind. Returns: [num_tokens, hidden_size]."""
         num_tokens = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim))  # [T, heads, hd]
-        k = self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim))  # [T, kv_heads, hd]
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, hd]
+        q, k, v = project(self.qkv, x).split(self.qkv.sizes, dim=-1)  # column slices of [T, (heads + 2 kv) * hd]
+        q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))  # [T, heads, hd]
+        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))  # [T, kv_heads, hd]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, hd]
         cos, sin = cos_sin
         q = apply_rotary_emb(q, cos, sin)
         k = apply_rotary_emb(k, cos, sin)
-        return self.o_proj(self.attn(q, k, v, kv_cache, md))  # attn: [T, heads * hd]
+        return project(self.o, self.attn(q, k, v, kv_cache, md))  # attn: [T, heads * hd]
 
 
 class Gemma3MLP(nn.Module):
@@ -88,10 +122,14 @@ class Gemma3MLP(nn.Module):
         self.gate_proj = FixedTileLinear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = FixedTileLinear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = FixedTileLinear(config.intermediate_size, config.hidden_size, bias=False)
+        # gate_up=False: [gate; up] stacked as is, never interleaved for the AMX kernel's fused SiLU
+        self.gate_up = StackedLinear([self.gate_proj, self.up_proj], gate_up=False)
+        self.down = StackedLinear([self.down_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x shape = [num_tokens, hidden_size]. Returns: the same shape."""
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        gate, up = project(self.gate_up, x).split(self.gate_up.sizes, dim=-1)  # each [T, intermediate]
+        return project(self.down, F.gelu(gate, approximate="tanh") * up)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -155,11 +193,13 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
-    """Causal LM for Gemma 3 text checkpoints (float32, no weight quantization, no LoRA).
+    """Causal LM for Gemma 3 text checkpoints (the weight formats of the module docstring, no LoRA).
 
     Class attributes: ``uses_kv_cache_groups`` (the runner passes per-group metadata, local layers
     keep only their window's blocks), ``supports_lora`` False (the engine refuses adapters, naming
-    ``lora``).
+    ``lora``), ``splits_generated_rows`` (under an int4 format the runner sets a
+    :class:`~prefixcache.layers.quant.RowSplit` of the step's token rows around the forward pass and
+    builds no ``generated`` metadata: generated rows run these layers, not the C++ decoder).
 
     Args:
         config: The parsed model config (``ModelConfig._from_gemma3``). With ``tie_word_embeddings``
@@ -169,14 +209,17 @@ class Gemma3ForCausalLM(nn.Module):
 
     uses_kv_cache_groups = True
     supports_lora = False
+    splits_generated_rows = True
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.model = Gemma3Model(config)
         self.lm_head = FixedTileLinear(config.hidden_size, config.vocab_size, bias=False)
+        self.head = StackedLinear([self.lm_head], logits=True)
         self.quantization = "none"
-        self.calibration_ids: list[int] | None = None  # set by the loader; unused (no int8 format)
+        self.linear_method: LinearMethod = DENSE  # set by quantize, from the dtype, quantization and CPU
+        self.calibration_ids: list[int] | None = None  # set by the loader; unused (int8 takes no smoothing here)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -185,25 +228,73 @@ class Gemma3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def quantize(self, scheme: str) -> None:
-        """Checks the weight format: only float32 weights with ``"none"`` run (the loader calls this
-        after casting the weights).
+        """Derives the forward pass's weights from the float ones (the loader calls this after casting
+        them; call again after they change): ``"none"`` (the float weights: float32 in
+        :class:`~prefixcache.layers.linear.FixedTileLinear` calls, bf16 prepacked), ``"int8"`` (W8A8 for
+        every projection and the lm_head, the plain per-channel rule: no SmoothQuant calibration),
+        ``"int4"`` / ``"int4-int8"`` (bfloat16 only: generated rows' projections on 4-bit copies and
+        their logits on the 8-bit lm_head; prompt rows bf16 / int8). The embedding stays float.
 
         Raises:
-            ValueError: naming ``quantization`` (anything but ``"none"``) or ``dtype`` (anything but
-                float32).
+            ValueError: naming ``dtype`` (anything but float32 or bfloat16: float16's products are not
+                known to be batch-invariant) or ``quantization`` (an unknown scheme, int4 without bf16).
+            RuntimeError: the float weights were released (:meth:`release_float_weights`) and not loaded again.
+            CpuKernelsUnavailable: int4 where its kernels can't be built or run.
         """
-        if scheme != "none":
-            raise ValueError(f"quantization {scheme!r} is not supported for Gemma3ForCausalLM; use quantization='none'")
         dtype = self.lm_head.weight.dtype
-        if dtype != torch.float32:
+        if dtype not in DTYPES:
             raise ValueError(f"dtype {str(dtype).removeprefix('torch.')!r} is not supported for Gemma3ForCausalLM; "
-                             "use dtype='float32'")
+                             "use dtype='float32' or 'bfloat16'")
+        if self.released_weight_names():
+            raise RuntimeError(f"quantize({scheme!r}): the projections' float weights were released after loading "
+                               "(load_model(keep_float_weights=False)); load the weights again first")
+        try:
+            method = linear_method(dtype, scheme)
+        except ValueError as e:
+            raise ValueError(f"quantization {scheme!r} is not supported for Gemma3ForCausalLM here: {e}") from e
+        self.linear_method = method
+        for group in self.linear_groups():
+            group.set_method(method)
         self.quantization = scheme
+
+    def linear_groups(self) -> list[StackedLinear]:
+        """Every linear product, in a fixed order: per layer q|k|v, o, gate|up, down; then lm_head."""
+        groups = [g for layer in self.model.layers
+                  for g in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down)]
+        return groups + [self.head]
+
+    def release_float_weights(self) -> int:
+        """Releases the projections' float weights the linear method no longer reads (prepacked bf16,
+        int8: it multiplies by its own copy), so each weight is held once; the tied lm_head keeps the
+        embedding's matrix, which the embedding reads. Returns the bytes released."""
+        keep = frozenset({id(self.model.embed_tokens.weight)})
+        return sum(group.release_float_weights(keep) for group in self.linear_groups())
+
+    def released_weight_names(self) -> list[str]:
+        """The parameter names (``model.layers.0.self_attn.q_proj.weight``, ...) of the released float weights."""
+        return [f"{name}.weight" for name, module in self.named_modules() if weight_released(module)]
+
+    def restore_float_weights(self) -> list[str]:
+        """Gives every released float weight storage of its shape again, uninitialized, for a load to
+        fill (then :meth:`quantize`); returns their parameter names."""
+        names = self.released_weight_names()
+        for module in self.modules():
+            if weight_released(module):
+                restore_weight(module)
+        return names
 
     @property
     def quantization_key(self) -> str:
-        """"": no weight quantization (the window's rule is in :attr:`numerics_key`)."""
-        return ""
+        """What the forward pass's weights and rows depend on beyond the float weights and the format's
+        name, for the cache key: "" for ``"none"``; the int8 rule (plain per-channel, not the Llama
+        family's smoothing); for int4 the generated rows' rule (these layers on 4-bit copies, not the
+        C++ decoder). The window's rule is in :attr:`numerics_key`."""
+        parts = []
+        if self.quantization in ("int8", "int4-int8"):
+            parts.append("int8-plain")
+        if self.quantization in ("int4", "int4-int8"):
+            parts.append("int4-rows:torch-layers-int4-mm|lm_head=q8_0")
+        return "|".join(parts)
 
     @property
     def numerics_key(self) -> str:
@@ -226,14 +317,17 @@ class Gemma3ForCausalLM(nn.Module):
 
     @property
     def batch_invariant(self) -> bool:
-        """True: every GEMM runs in calls of one fixed row count
-        (:class:`~prefixcache.layers.linear.FixedTileLinear`), the rest is row-wise, and the attention metadata pads as ``prefixcache.layers.attention`` says for
-        a batch-invariant model; a token's logits have the same bits alone and in any batch."""
+        """True: every product is row-invariant in its format (float32 in calls of one fixed row count,
+        :class:`~prefixcache.layers.linear.FixedTileLinear`; bf16 prepacked or row-tiled; int8 and
+        int4 exact integer sums), the rest is row-wise, and the attention metadata pads as
+        ``prefixcache.layers.attention`` says for a batch-invariant model; a token's logits have the
+        same bits alone and in any batch."""
         return True
 
     @property
     def paged_attention(self) -> bool:
-        """False: attention runs torch's kernels over the pool (our paged kernel is bf16 only)."""
+        """False: attention runs torch's kernels over the pool, also in bf16 (our paged kernel masks
+        no window: ``build_attention_metadata`` refuses a window with ``paged_kernel``)."""
         return False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
@@ -263,8 +357,15 @@ class Gemma3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Args: hidden_states shape = [n, hidden_size]. Returns: float32 logits, shape = [n, vocab_size],
-        soft-capped (``cap * tanh(logits / cap)``) when the config sets ``final_logit_softcapping``."""
-        logits = self.lm_head(hidden_states)  # tiled: the same bits in any batch
+        soft-capped (``cap * tanh(logits / cap)``) when the config sets ``final_logit_softcapping``.
+
+        int4 formats: rows of generated tokens (the running :class:`~prefixcache.layers.quant.RowSplit`,
+        which the runner sets for the logits rows) on the Q8_0 lm_head, the others on the prompt method's."""
+        if self.head.decode_weight is None:
+            logits = self.head(hidden_states, out_dtype=torch.float32)  # row-invariant: the same bits in any batch
+        else:
+            logits = split_rows(hidden_states, lambda rows: self.head(rows, out_dtype=torch.float32),
+                                lambda rows: group_int8_linear(rows, self.head.decode_weight, torch.float32))
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -143,7 +143,8 @@ class ModelRunner:
                 lora_segments.append((start, start + len(s.token_ids), s.lora))
             start += len(s.token_ids)
         lora = LoRABatch(lora_segments) if lora_segments else None
-        hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches, lora)  # [num_tokens, hidden]
+        with row_split(self._token_split(seqs)):  # a model that splits generated rows in its own layers
+            hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches, lora)  # [num_tokens, hidden]
         self.num_prompt_tokens_computed += sum(
             max(0, min(s.num_computed_tokens + len(s.token_ids), s.num_prompt_tokens) - s.num_computed_tokens)
             for s in seqs
@@ -194,8 +195,8 @@ class ModelRunner:
             dtype=self.kv_caches[0].dtype,
             num_pool_blocks=self.kv_caches[0].shape[1],
             # int4: generated tokens (their blocks keyed apart) run through layers.decode_layers
-            num_prompt_tokens=([s.num_prompt_tokens for s in seqs]
-                               if self.model.quantization in INT4_DECODER_FORMATS else None),
+            num_prompt_tokens=([s.num_prompt_tokens for s in seqs] if self.model.quantization in INT4_DECODER_FORMATS
+                               and not getattr(self.model, "splits_generated_rows", False) else None),
             paged_kernel=self.model.paged_attention,
         )
         if not self.uses_kv_cache_groups:
@@ -208,6 +209,16 @@ class ModelRunner:
 
         return build_grouped_attention_metadata(self.kv_cache_groups, seqs_of_group, self.block_size, self.device,
                                                 **options)
+
+    def _token_split(self, seqs: list[ScheduledSeq]) -> RowSplit | None:
+        """For an int4 model with ``splits_generated_rows`` (Gemma 3), the step's token rows split as
+        the logits rows are: a generated token's (position >= its prompt length) on the 4-bit copies."""
+        if self.model.quantization not in INT4_DECODER_FORMATS or not getattr(self.model, "splits_generated_rows", False):
+            return None
+        generated = torch.tensor([s.num_computed_tokens + i >= s.num_prompt_tokens
+                                  for s in seqs for i in range(len(s.token_ids))])  # [num_tokens] bool
+        return RowSplit(int4_rows=generated.nonzero().flatten().to(self.device),
+                        dense_rows=(~generated).nonzero().flatten().to(self.device))
 
     def _logits_split(self, seqs: list[ScheduledSeq]) -> RowSplit | None:
         """For an int4 model, the logits rows (each sampling sequence's last new token, in order) split
