@@ -57,6 +57,7 @@ from prefixcache.sampling_params import SamplingParams
 from prefixcache.scheduler_output import SchedulerOutput
 
 if TYPE_CHECKING:
+    from prefixcache.cache.block import KVCacheBlock
     from prefixcache.engine.kv_event_publisher import ZmqEventPublisher
 
 
@@ -268,31 +269,52 @@ class LLMEngine:
 
     def _check_retain(self, retain_s: object) -> None:
         """Raises :class:`InvalidInputError` (``retain_s``) unless ``retain_s`` is a finite number
-        > 0, a tier retains (a disk tier with a retention budget) and the model has one KV-cache
-        group."""
+        > 0 and a tier retains (a disk tier with a retention budget)."""
         if isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)) or not 0 < retain_s < math.inf:
             raise InvalidInputError("retain_s", f"retain_s must be a finite number > 0, got {retain_s!r}")
         if self.kv_tiers is None or not self.kv_tiers.retaining_tiers:
             raise InvalidInputError("retain_s", "retain_s keeps a prompt in the disk tier: it needs kv_disk_dir "
                                                 "and max_retained_disk_fraction > 0")
-        if self.kv_cache_groups.is_hybrid:  # retention keeps group 0's entries only: not a hit alone
-            raise InvalidInputError("retain_s", "retain_s is not supported for sliding-window models "
-                                                f"({self.kv_cache_groups.num_groups} KV-cache groups)")
 
     def _retain(self, request: Request) -> None:
         """Keeps the computed prompt's full blocks in the disk tier for ``request.retain_s``
         (:meth:`KVTierStack.retain`), storing again the ones it no longer holds; sets
-        ``request.num_retained_tokens``."""
+        ``request.num_retained_tokens``.
+
+        With several KV-cache groups a tier hit needs what the pool hit needs (the hit rule of
+        :mod:`prefixcache.cache.kv_cache_manager`): every block of ``[0, L)`` in a full group, the
+        window's blocks before ``L`` in a sliding one. So each group keeps its part for the end
+        ``L`` group 0 kept; a full group that kept less lowers ``L``, and a sliding group that
+        can't keep its whole window there leaves no retained hit (0 tokens: nothing promised)."""
         manager, block_size = self.kv_cache_manager, self.config.block_size
         blocks = manager.get_blocks(request.request_id)
         num_blocks = min(request.num_prompt_tokens // block_size, len(blocks),
                          manager.req_to_num_cached_blocks.get(request.request_id, 0))
-        retained, missing = self.kv_tiers.retain(request, num_blocks, request.retain_s)
+        end = self._retain_group(request, 0, 0, num_blocks, blocks)
+        tables = manager.req_to_group_blocks.get(request.request_id, [])
+        for group, table in zip(self.kv_cache_groups.groups[1:], tables):
+            need = group.num_window_blocks(block_size)
+            start = 0 if need is None else max(0, end - need)
+            kept = self._retain_group(request, group.group_id, start, end, table)
+            end = kept if need is None else (end if kept == end else 0)
+        request.num_retained_tokens = end * block_size
+
+    def _retain_group(self, request: Request, group_id: int, start: int, stop: int,
+                      table: list[KVCacheBlock | None]) -> int:
+        """Retains group ``group_id``'s entries of blocks ``[start, stop)`` and stores again the ones
+        no retaining tier holds, from the request's blocks in ``table``; returns the end kept (a
+        block the request no longer holds, released by a sliding group, can't be stored again and
+        ends it)."""
+        end, missing = self.kv_tiers.retain(request, stop, request.retain_s, group_id, start)
+        lost = [i for i in missing if i >= len(table) or table[i] is None]
+        if lost:
+            end, missing = lost[0], [i for i in missing if i < lost[0]]
         if missing:
-            keys = self.kv_tiers.entry_keys(request, 0, retained)
-            payloads = self.runner.read_blocks([blocks[i].block_id for i in missing])
-            self.kv_tiers.submit([(keys[i], p) for i, p in zip(missing, payloads)], self.kv_tiers.retaining_tiers)
-        request.num_retained_tokens = retained * block_size
+            keys = self.kv_tiers.entry_keys(request, start, end, group_id)
+            payloads = self.runner.read_blocks([table[i].block_id for i in missing])
+            self.kv_tiers.submit([(keys[i - start], p) for i, p in zip(missing, payloads)],
+                                 self.kv_tiers.retaining_tiers)
+        return end
 
     def _sample_id_in_use(self, request_id: str, n: int) -> str | None:
         """The first of ``request_id``'s ``n`` sample ids a request already uses, or None."""

@@ -49,6 +49,28 @@ def tiny_gemma3_config(layer_types: list[str], sliding_window: int, **overrides)
         **overrides})
 
 
+def save_tiny_gemma3(out_dir: Path, layer_types: list[str], sliding_window: int, seed: int,
+                     **overrides) -> torch.nn.Module:
+    """Saves a random tiny Gemma 3 (:func:`tiny_gemma3_config`, logit soft-capping 30, weights drawn with
+    std 0.1, norm weights moved off Gemma's 0: a factor 1 would hide them) with the default model's
+    tokenizer files beside it (an engine decodes what it generates; ids stay < 256); returns the
+    transformers model (eval, fp32)."""
+    from prefixcache.models.fetch import default_model_dir
+
+    config = tiny_gemma3_config(layer_types, sliding_window, **{
+        "final_logit_softcapping": 30.0, "initializer_range": 0.1, **overrides})
+    torch.manual_seed(seed)
+    ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in ref.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.3)
+    ref.save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir() / name, Path(out_dir) / name)
+    return ref
+
+
 def make_tiny_checkpoint(out_dir: Path, arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
     """Saves a random tiny checkpoint of `arch` to `out_dir`; returns the transformers model (eval, fp32)."""
     config_cls, arch_kwargs = TINY_ARCHS[arch]

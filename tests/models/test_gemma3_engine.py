@@ -9,12 +9,10 @@ engine makes one full group {2, 5} and two sliding groups {0, 1}, {3, 4} of two 
 from __future__ import annotations
 
 import dataclasses
-import shutil
 
 import pytest
 import torch
-from model_testlib import PagedDriver
-from transformers import AutoModelForCausalLM, Gemma3TextConfig
+from model_testlib import PagedDriver, save_tiny_gemma3
 
 from prefixcache.cache.kv_cache_groups import group_block_hash
 from prefixcache.config import EngineConfig
@@ -22,7 +20,6 @@ from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.errors import InvalidInputError
 from prefixcache.layers.attention import metadata as attention_metadata
 from prefixcache.layers.lora import LoRARequest
-from prefixcache.models.fetch import default_model_dir
 from prefixcache.models.loader import load_model
 from prefixcache.request import Request
 from prefixcache.sampling_params import SamplingParams
@@ -37,24 +34,7 @@ def tiny(tmp_path_factory):
     """(transformers model, our loaded model) with the default model's tokenizer files beside the
     weights (the engine decodes what it generates; ids stay < 256)."""
     out_dir = tmp_path_factory.mktemp("tiny-gemma3-engine")
-    config = Gemma3TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
-        sliding_window=W, query_pre_attn_scalar=24, final_logit_softcapping=30.0, layer_types=LAYER_TYPES,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
-        architectures=["Gemma3ForCausalLM"], tie_word_embeddings=True, initializer_range=0.1,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="eager",
-    )
-    torch.manual_seed(1)
-    ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # Gemma's norm weights start at 0 (a factor 1): make them matter
-        for name, param in ref.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn_like(param) * 0.3)
-    ref.save_pretrained(out_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_dir() / name, out_dir / name)
+    ref = save_tiny_gemma3(out_dir, LAYER_TYPES, W, seed=1, attn_implementation="eager")
     return ref, load_model(str(out_dir))
 
 

@@ -10,19 +10,16 @@ The real model's bf16 + int4 against float32 is :func:`test_real_gemma3_int4_agr
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
-from model_testlib import PagedDriver
-from transformers import AutoModelForCausalLM, Gemma3TextConfig
+from model_testlib import PagedDriver, save_tiny_gemma3
 
 from prefixcache.config import EngineConfig
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.kernels.cpu_features import format_unavailable_reason
 from prefixcache.layers.quant import RowSplit, row_split
 from prefixcache.models import gemma3 as gemma3_module
-from prefixcache.models.fetch import default_model_dir
 from prefixcache.models.loader import load_model
 from prefixcache.sampling_params import SamplingParams
 
@@ -42,25 +39,7 @@ def runs_here(fmt: tuple[str, str]):
 def model_dir(tmp_path_factory):
     """A 6-layer Gemma 3 (local local global x 2, window 8) with the default model's tokenizer files."""
     out_dir = tmp_path_factory.mktemp("tiny-gemma3-formats")
-    config = Gemma3TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=NUM_LAYERS, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
-        sliding_window=8, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
-        architectures=["Gemma3ForCausalLM"], tie_word_embeddings=True, initializer_range=0.1,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    torch.manual_seed(4)
-    ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # Gemma's norm weights start at 0 (a factor 1): make them matter
-        for name, param in ref.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn_like(param) * 0.3)
-    ref.save_pretrained(out_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_dir() / name, out_dir / name)
+    save_tiny_gemma3(out_dir, ["sliding_attention", "sliding_attention", "full_attention"] * 2, 8, seed=4)
     return out_dir
 
 

@@ -10,16 +10,13 @@ pool block, and so a tier entry, holds two layers' K/V.
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig
+from model_testlib import save_tiny_gemma3
 
 from prefixcache.config import EngineConfig
 from prefixcache.engine.llm_engine import LLMEngine
-from prefixcache.errors import InvalidInputError
-from prefixcache.models.fetch import default_model_dir
 from prefixcache.models.loader import load_model
 from prefixcache.sampling_params import SamplingParams
 
@@ -38,24 +35,7 @@ def loaded(tmp_path_factory):
     """Our loaded tiny Gemma 3 (tests/models/test_gemma3_engine.py's checkpoint) with the default
     model's tokenizer files beside the weights."""
     out_dir = tmp_path_factory.mktemp("tiny-gemma3-tiers")
-    config = Gemma3TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
-        sliding_window=W, query_pre_attn_scalar=24, final_logit_softcapping=30.0, layer_types=LAYER_TYPES,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
-        architectures=["Gemma3ForCausalLM"], tie_word_embeddings=True, initializer_range=0.1,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="eager",
-    )
-    torch.manual_seed(1)
-    ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # Gemma's norm weights start at 0 (a factor 1): make them matter
-        for name, param in ref.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn_like(param) * 0.3)
-    ref.save_pretrained(out_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_dir() / name, out_dir / name)
+    save_tiny_gemma3(out_dir, LAYER_TYPES, W, seed=1, attn_implementation="eager")
     return load_model(str(out_dir))
 
 
@@ -167,7 +147,36 @@ def test_a_pool_hit_is_continued_by_the_tier_and_the_sliding_windows_move(loaded
     assert sorted(loads) == sorted([(0, i) for i in range(6, 10)] + [(g, i) for g in (1, 2) for i in WINDOW_BLOCKS])
 
 
-def test_retention_is_refused_for_a_hybrid_model_naming_the_field(loaded, tmp_path):
-    engine = make_engine(loaded, kv_disk_dir=str(tmp_path), max_retained_disk_fraction=0.5)
-    with pytest.raises(InvalidInputError, match="retain_s is not supported for sliding-window models"):
-        engine.add_request(PROMPT, SamplingParams(max_tokens=1), retain_s=60)
+def retained_restart(loaded, tmp_path, retain_s):
+    """PROMPT (with ``retain_s`` or not), then three other 41-token prompts that overflow the disk
+    tier's size cap (about 60 entries; 3 x 33 are written), then a restarted engine's PROMPT:
+    returns (the first output, the restarted output, the retained entries after the first)."""
+    bpb = make_engine(loaded).kv_cache_bytes_per_block
+    options = dict(kv_disk_dir=str(tmp_path), kv_disk_bytes=60 * (bpb + 1024), max_retained_disk_fraction=0.5)
+    first = make_engine(loaded, **options)
+    first.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), retain_s=retain_s)
+    out = None
+    while first.has_unfinished_requests():
+        out = next((o for o in first.step() if o.finished), out)
+    first.kv_tiers.flush()
+    retained = first.get_metrics().kv_tiers["disk"]["retained_entries"]
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        run(first, torch.randint(3, 256, (41,), generator=gen).tolist())
+        first.kv_tiers.flush()
+    first.close()
+    return out, run(make_engine(loaded, **options), PROMPT), retained
+
+
+def test_retention_keeps_every_groups_part_through_the_size_cap(loaded, cold_ids, tmp_path):
+    """retain_s marks group 0's 10 full prompt blocks and each sliding group's window before them
+    (blocks 8-9): 14 entries; after other prompts overflow the tier, a restart still hits 40."""
+    out, restarted, retained = retained_restart(loaded, tmp_path / "kept", retain_s=3600)
+    assert out.num_retained_tokens == 40 and retained == 10 + 2 * len(WINDOW_BLOCKS)
+    assert restarted.token_ids == cold_ids and restarted.num_cached_tokens == 40
+
+
+def test_without_retention_the_same_overflow_loses_the_prompt(loaded, cold_ids, tmp_path):
+    out, restarted, retained = retained_restart(loaded, tmp_path / "lost", retain_s=None)
+    assert out.num_retained_tokens is None and retained == 0
+    assert restarted.token_ids == cold_ids and restarted.num_cached_tokens < 40

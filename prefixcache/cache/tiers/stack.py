@@ -327,33 +327,35 @@ class KVTierStack:
         """The tiers that can keep entries against their own eviction (the disk tier)."""
         return [t for t in self.tiers if t.retains]
 
-    def retain(self, request: Request, num_blocks: int, ttl_s: float) -> tuple[int, list[int]]:
-        """Keeps the entries of the request's blocks ``[0, num_blocks)`` (its computed prompt's
-        full blocks) in every retaining tier for ``ttl_s`` seconds, within their budgets.
+    def retain(self, request: Request, num_blocks: int, ttl_s: float, group_id: int = 0,
+               start: int = 0) -> tuple[int, list[int]]:
+        """Keeps the entries of the request's blocks ``[start, num_blocks)`` of KV-cache group
+        ``group_id`` (group 0: its computed prompt's full blocks from the head; a sliding group: the
+        window before the end) in every retaining tier for ``ttl_s`` seconds, within their budgets.
 
         Returns:
-            ``(retained, missing)``: how many blocks from the head every retaining tier keeps (0
-            without one), and the indices among those of the blocks no retaining tier holds and
-            none waits in the writer's queue for (their entries were removed before): the caller
-            stores them again (:meth:`submit` to :attr:`retaining_tiers`). Never raises for a
-            tier's fault (it then keeps nothing).
+            ``(end, missing)``: every retaining tier keeps the blocks ``[start, end)`` (``end`` is
+            ``start`` without one, less than ``num_blocks`` where a budget ran out), and the indices
+            among those of the blocks no retaining tier holds and none waits in the writer's queue
+            for (their entries were removed before): the caller stores them again (:meth:`submit` to
+            :attr:`retaining_tiers`). Never raises for a tier's fault (it then keeps nothing).
         """
         tiers = [t for t in self.retaining_tiers if not self._is_resting(t)]
-        if num_blocks <= 0 or not tiers:
-            return 0, []
-        keys = self.entry_keys(request, 0, num_blocks)
+        if num_blocks <= start or not tiers:
+            return start, []
+        keys = self.entry_keys(request, start, num_blocks, group_id)
         names, sizes = [k.name for k in keys], [entry_bytes(k, self.layout) for k in keys]
-        retained, held = num_blocks, [False] * num_blocks
+        retained, held = len(names), [False] * len(names)
         for tier in tiers:
             try:
                 retained = min(retained, tier.retain(names, ttl_s, sizes))
                 held = [a or b for a, b in zip(held, tier.holds(names))]
             except Exception as e:
                 self._fail(tier, "retain", e)
-                return 0, []
+                return start, []
         with self._lock:
-            missing = [i for i in range(retained) if not held[i] and names[i] not in self._queued]
-        return retained, missing
+            missing = [start + i for i in range(retained) if not held[i] and names[i] not in self._queued]
+        return start + retained, missing
 
     def _write(self, key: EntryKey, payload: bytes, tiers: list[KVTier]) -> None:
         blob = encode_entry(key, self.layout, payload)
