@@ -5,6 +5,10 @@ runs in a session of its own (``start_new_session``), so stopping signals its wh
 started goes with it. Its output goes to a log file, one per start, whose tail is attached to a failed start.
 Stopping reaps it with ``wait4``, which hands back the kernel's peak resident set of the process
 (:attr:`LoopbackServer.peak_rss_bytes`): Linux keeps that maximum for every process, so it needs no sampling.
+It is a floor under the launcher too: the kernel carries the high-water mark of the process's image before
+``exec`` (when ``subprocess`` forks rather than vforks, a copy of the launcher's resident set) into the new
+program's, so a server smaller than its launcher reads as the launcher's size (a ``prefixcache serve`` with its
+weights and pool is several times a bench process's).
 """
 
 from __future__ import annotations

@@ -51,7 +51,9 @@ def test_stop_reaps_the_server_with_its_peak_resident_set(tmp_path):
     assert psutil.Process(popen.pid).memory_info().rss < 128 << 20  # freed: the resident set is back down
     server.stop(timeout_s=10)
     assert popen.returncode == -signal.SIGTERM  # SIGTERM's default action ended it
-    assert 256 << 20 <= server.peak_rss_bytes < 512 << 20
+    # at least what it held; no upper bound: the peak also covers the forked copy of this (pytest) process
+    # before exec, whose size depends on what the session imported (see loopback_server's docstring)
+    assert server.peak_rss_bytes >= 256 << 20
     server.stop()  # idempotent: already reaped
     assert popen.returncode == -signal.SIGTERM
 
