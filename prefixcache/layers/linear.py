@@ -359,6 +359,60 @@ class StackedLinear:
         return self.method.silu_linear(self, x)
 
 
+class StackedLinearModel:
+    """Mixin for a causal LM (an ``nn.Module``) whose products are :class:`StackedLinear` groups: sets
+    their method and releases and restores their float weights, the one way every model does.
+
+    The host provides ``linear_groups()`` (every :class:`StackedLinear`, in a fixed order) and
+    ``model.embed_tokens`` (the input embedding: a tied lm_head's weight is its matrix, which the
+    embedding reads, so it is never released).
+
+    Attributes:
+        linear_method: the method every group runs (:meth:`apply_linear_method` sets it).
+    """
+
+    linear_method: LinearMethod
+
+    def apply_linear_method(self, method: LinearMethod) -> None:
+        """Runs every group's products through ``method`` from now on, each deriving its copy now
+        (:meth:`StackedLinear.set_method`)."""
+        self.linear_method = method
+        for group in self.linear_groups():
+            group.set_method(method)
+
+    def check_float_weights_loaded(self, scheme: str) -> None:
+        """Raises RuntimeError where the float weights were released (:meth:`release_float_weights`)
+        and not loaded again: ``quantize(scheme)`` derives its copies from them."""
+        if self.released_weight_names():
+            raise RuntimeError(f"quantize({scheme!r}): the projections' float weights were released after loading "
+                               "(load_model(keep_float_weights=False)); load the weights again first")
+
+    def release_float_weights(self) -> int:
+        """Releases the projections' float weights that the linear method no longer reads (it multiplies
+        by its own copy: prepacked bf16, int8, the int4 formats over those), so each weight is held
+        once; a tied lm_head keeps the embedding's matrix. LoRA still runs (its deltas read the adapter's
+        matrices); deriving copies again needs the weights loaded again (:meth:`restore_float_weights`).
+
+        Returns:
+            The bytes released.
+        """
+        keep = frozenset({id(self.model.embed_tokens.weight)})
+        return sum(group.release_float_weights(keep) for group in self.linear_groups())
+
+    def released_weight_names(self) -> list[str]:
+        """The parameter names (``model.layers.0.self_attn.q_proj.weight``, ...) of the released float weights."""
+        return [f"{name}.weight" for name, module in self.named_modules() if weight_released(module)]
+
+    def restore_float_weights(self) -> list[str]:
+        """Gives every released float weight storage of its shape again, uninitialized, for a load to
+        fill (then ``quantize``); returns their parameter names."""
+        names = self.released_weight_names()
+        for module in self.modules():
+            if weight_released(module):
+                restore_weight(module)
+        return names
+
+
 class LinearMethod:
     """How :class:`StackedLinear` products compute (one instance per model, chosen by
     :func:`linear_method`). The base runs each module on its own weights with :attr:`linear`.

@@ -58,8 +58,8 @@ from torch import nn
 from prefixcache.layers.attention.metadata import AttentionMetadata
 from prefixcache.layers.attention.torch_attention import Attention
 from prefixcache.layers.grouped_attention import GroupedAttentionMetadata
-from prefixcache.layers.linear import (DENSE, FixedTileLinear, LinearMethod, StackedLinear, linear_method,
-                                      restore_weight, weight_released)
+from prefixcache.layers.linear import (DENSE, FixedTileLinear, LinearMethod, StackedLinear, StackedLinearModel,
+                                      linear_method)
 from prefixcache.layers.norm import RMSNorm
 from prefixcache.layers.quant import group_int8_linear, int4_linear, split_rows
 from prefixcache.layers.rotary import RotaryEmbedding, apply_rotary_emb
@@ -192,7 +192,7 @@ class Gemma3Model(nn.Module):
         return self.norm(hidden)
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(StackedLinearModel, nn.Module):
     """Causal LM for Gemma 3 text checkpoints (the weight formats of the module docstring, no LoRA).
 
     Class attributes: ``uses_kv_cache_groups`` (the runner passes per-group metadata, local layers
@@ -245,16 +245,12 @@ class Gemma3ForCausalLM(nn.Module):
         if dtype not in DTYPES:
             raise ValueError(f"dtype {str(dtype).removeprefix('torch.')!r} is not supported for Gemma3ForCausalLM; "
                              "use dtype='float32' or 'bfloat16'")
-        if self.released_weight_names():
-            raise RuntimeError(f"quantize({scheme!r}): the projections' float weights were released after loading "
-                               "(load_model(keep_float_weights=False)); load the weights again first")
+        self.check_float_weights_loaded(scheme)
         try:
             method = linear_method(dtype, scheme)
         except ValueError as e:
             raise ValueError(f"quantization {scheme!r} is not supported for Gemma3ForCausalLM here: {e}") from e
-        self.linear_method = method
-        for group in self.linear_groups():
-            group.set_method(method)
+        self.apply_linear_method(method)
         self.quantization = scheme
 
     def linear_groups(self) -> list[StackedLinear]:
@@ -262,26 +258,6 @@ class Gemma3ForCausalLM(nn.Module):
         groups = [g for layer in self.model.layers
                   for g in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down)]
         return groups + [self.head]
-
-    def release_float_weights(self) -> int:
-        """Releases the projections' float weights the linear method no longer reads (prepacked bf16,
-        int8: it multiplies by its own copy), so each weight is held once; the tied lm_head keeps the
-        embedding's matrix, which the embedding reads. Returns the bytes released."""
-        keep = frozenset({id(self.model.embed_tokens.weight)})
-        return sum(group.release_float_weights(keep) for group in self.linear_groups())
-
-    def released_weight_names(self) -> list[str]:
-        """The parameter names (``model.layers.0.self_attn.q_proj.weight``, ...) of the released float weights."""
-        return [f"{name}.weight" for name, module in self.named_modules() if weight_released(module)]
-
-    def restore_float_weights(self) -> list[str]:
-        """Gives every released float weight storage of its shape again, uninitialized, for a load to
-        fill (then :meth:`quantize`); returns their parameter names."""
-        names = self.released_weight_names()
-        for module in self.modules():
-            if weight_released(module):
-                restore_weight(module)
-        return names
 
     @property
     def quantization_key(self) -> str:

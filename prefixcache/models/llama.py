@@ -21,8 +21,7 @@ from prefixcache.kernels.prompt_ops import add_rms_norm, rope_write_kv, silu_mul
 from prefixcache.layers.attention.metadata import AttentionMetadata, build_attention_metadata
 from prefixcache.layers.attention.torch_attention import Attention
 from prefixcache.layers.decode_layers import DecodeLayers, DecoderLayerWeights
-from prefixcache.layers.linear import (DENSE, LinearMethod, StackedLinear, linear_method, restore_weight,
-                                      weight_released)
+from prefixcache.layers.linear import DENSE, LinearMethod, StackedLinear, StackedLinearModel, linear_method
 from prefixcache.layers.lora import LoRABatch, LoRALinear
 from prefixcache.layers.norm import RMSNorm
 from prefixcache.layers.quant import SMOOTH_ALPHA, Int8Weight, group_int8_linear, recording_activation_amax, split_rows
@@ -263,7 +262,7 @@ class LlamaModel(nn.Module):
         return out.index_copy_(0, gen.token_indices, self.decode_layers.final_norm(gen_hidden))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(StackedLinearModel, nn.Module):
     """Causal LM for Llama, Qwen2 and Qwen3 checkpoints.
 
     Args:
@@ -311,13 +310,9 @@ class LlamaForCausalLM(nn.Module):
             RuntimeError: int4 on a model shape the generated rows' decoder can't run (see
                 :class:`~prefixcache.layers.decode_layers.DecodeLayers`).
         """
-        if self.released_weight_names():
-            raise RuntimeError(f"quantize({scheme!r}): the projections' float weights were released after loading "
-                               "(load_model(keep_float_weights=False)); load the weights again first")
+        self.check_float_weights_loaded(scheme)
         method = linear_method(self.lm_head.weight.dtype, scheme)
-        self.linear_method = method
-        for group in self.linear_groups():
-            group.set_method(method)
+        self.apply_linear_method(method)
         self.model.decode_layers = None
         if method.decodes:
             self.model.build_decode_layers(self.config)
@@ -329,31 +324,6 @@ class LlamaForCausalLM(nn.Module):
             except BaseException:  # no half-smoothed model under the unsmoothed key: back to the plain rule
                 self._set_int8_weights()
                 raise
-
-    def release_float_weights(self) -> int:
-        """Releases the projections' float weights that the linear method no longer reads (it multiplies
-        by its own copy: prepacked bf16, int8, the int4 formats over those), so each weight is held
-        once; a tied lm_head keeps the embedding's matrix. LoRA still runs (its deltas read the adapter's
-        matrices); deriving copies again needs the weights loaded again (:meth:`restore_float_weights`).
-
-        Returns:
-            The bytes released.
-        """
-        keep = frozenset({id(self.model.embed_tokens.weight)})
-        return sum(group.release_float_weights(keep) for group in self.linear_groups())
-
-    def released_weight_names(self) -> list[str]:
-        """The parameter names (``model.layers.0.self_attn.q_proj.weight``, ...) of the released float weights."""
-        return [f"{name}.weight" for name, module in self.named_modules() if weight_released(module)]
-
-    def restore_float_weights(self) -> list[str]:
-        """Gives every released float weight storage of its shape again, uninitialized, for a load to
-        fill (then :meth:`quantize`); returns their parameter names."""
-        names = self.released_weight_names()
-        for module in self.modules():
-            if weight_released(module):
-                restore_weight(module)
-        return names
 
     def linear_groups(self) -> list[StackedLinear]:
         """Every linear product, in a fixed order: per layer q|k|v, o, gate|up, down; then lm_head."""

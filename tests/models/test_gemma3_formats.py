@@ -219,6 +219,31 @@ def test_released_float_weights_keep_the_tied_embedding(model_dir):
     assert [o.token_ids for o in run_all(make_engine(loaded, *fmt), PROMPTS, 6)] == [o.token_ids for o in reference]
 
 
+@pytest.mark.parametrize("dtype,quantization", [runs_here(("float32", "int8"))])
+def test_released_float_weights_refuse_quantize_restore_and_load_again(model_dir, dtype, quantization):
+    """float32 int8 with the float weights released: quantize refuses before changing anything;
+    restore_float_weights gives each released weight its shape back; replace_weights loads, quantizes
+    and releases them again, and the model then runs as a fresh load does."""
+    fmt = (dtype, quantization)
+    loaded = load_model(str(model_dir), dtype=torch.float32, quantization="int8", keep_float_weights=False)
+    model = loaded.model
+    names = model.released_weight_names()
+    assert len(names) == 7 * NUM_LAYERS and "lm_head.weight" not in names  # tied: the embedding's matrix stays
+    with pytest.raises(RuntimeError, match=r"quantize\('none'\): the projections' float weights were released"):
+        model.quantize("none")
+    assert (model.linear_method.name, model.quantization) == ("int8", "int8")  # refused before anything changed
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert q_proj.weight.numel() == 0
+    assert model.restore_float_weights() == names and model.released_weight_names() == []
+    assert q_proj.weight.shape == (q_proj.out_features, q_proj.in_features)
+    model.release_float_weights()
+    assert model.released_weight_names() == names
+    loaded.replace_weights(str(model_dir))
+    assert model.released_weight_names() == names
+    reference = run_all(make_engine(loaded_as(model_dir, *fmt), *fmt), PROMPTS, 6)
+    assert [o.token_ids for o in run_all(make_engine(loaded, *fmt), PROMPTS, 6)] == [o.token_ids for o in reference]
+
+
 @pytest.fixture(scope="module")
 def real_gemma3():
     """(float32, bfloat16 int4) loads of the fetched Gemma 3 270M; skipped without it or without int4 here."""
