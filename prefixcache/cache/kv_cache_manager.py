@@ -350,7 +350,9 @@ class KVCacheManager:
         max_blocks = min((request.num_tokens - 1) // bs, len(request.block_hashes))
         # every group may take a new block per loaded position; one position's worth stays for the compute
         stop = min(max_blocks, n + self.block_pool.get_num_free_blocks() // self.kv_cache_groups.num_groups - 1)
-        load = self.tiers.load_chain(request, n, stop)
+        # every group's keys share the prefix digests of blocks [0, stop): one sha256 chain per lookup
+        digests = self.tiers.prefix_digests(request, stop) if stop > n else None
+        load = self.tiers.load_chain(request, n, stop, digests=digests)
         m = n + len(load.payloads)
         got: dict[tuple[int, int], memoryview | None] = {}  # (group id, block index) -> payload, None: a miss
 
@@ -365,7 +367,7 @@ class KVCacheManager:
                 j = i
                 while j < hi and (group_id, j) not in got:
                     j += 1
-                found = self.tiers.load_chain(request, i, j, group_id).payloads
+                found = self.tiers.load_chain(request, i, j, group_id, digests).payloads
                 got.update(((group_id, i + k), p) for k, p in enumerate(found))
                 if i + len(found) < j:
                     got[(group_id, i + len(found))] = None
@@ -416,15 +418,18 @@ class KVCacheManager:
         :meth:`end_step`; empty without tiers."""
         stores, self._tier_stores = self._tier_stores, []
         by_request: dict[tuple[str, int], list[tuple[int, KVCacheBlock]]] = {}  # (request, group) -> blocks
-        requests = {}
+        requests, ends = {}, {}  # request id -> the request, the end of its blocks stored (any group)
         for request, index, block, generation, group_id in stores:
             if block.generation == generation and block.block_hash is not None:  # still cached
                 by_request.setdefault((request.request_id, group_id), []).append((index, block))
                 requests[request.request_id] = request
+                ends[request.request_id] = max(ends.get(request.request_id, 0), index + 1)
+        # a request's groups share its prefix digests: one sha256 chain per request
+        digests = {rid: self.tiers.prefix_digests(request, ends[rid]) for rid, request in requests.items()}
         out = []
         for (rid, group_id), items in by_request.items():
             first = min(i for i, _ in items)
-            keys = self.tiers.entry_keys(requests[rid], first, max(i for i, _ in items) + 1, group_id)
+            keys = self.tiers.entry_keys(requests[rid], first, max(i for i, _ in items) + 1, group_id, digests[rid])
             out += [(block.block_id, keys[index - first]) for index, block in items]
         return out
 

@@ -290,27 +290,30 @@ class LLMEngine:
         blocks = manager.get_blocks(request.request_id)
         num_blocks = min(request.num_prompt_tokens // block_size, len(blocks),
                          manager.req_to_num_cached_blocks.get(request.request_id, 0))
-        end = self._retain_group(request, 0, 0, num_blocks, blocks)
+        # every group retains blocks before num_blocks: their keys share one chain of prefix digests
+        digests = self.kv_tiers.prefix_digests(request, num_blocks)
+        end = self._retain_group(request, 0, 0, num_blocks, blocks, digests)
         tables = manager.req_to_group_blocks.get(request.request_id, [])
         for group, table in zip(self.kv_cache_groups.groups[1:], tables):
             need = group.num_window_blocks(block_size)
             start = 0 if need is None else max(0, end - need)
-            kept = self._retain_group(request, group.group_id, start, end, table)
+            kept = self._retain_group(request, group.group_id, start, end, table, digests)
             end = kept if need is None else (end if kept == end else 0)
         request.num_retained_tokens = end * block_size
 
     def _retain_group(self, request: Request, group_id: int, start: int, stop: int,
-                      table: list[KVCacheBlock | None]) -> int:
+                      table: list[KVCacheBlock | None], digests: Sequence[bytes]) -> int:
         """Retains group ``group_id``'s entries of blocks ``[start, stop)`` and stores again the ones
         no retaining tier holds, from the request's blocks in ``table``; returns the end kept (a
         block the request no longer holds, released by a sliding group, can't be stored again and
-        ends it)."""
-        end, missing = self.kv_tiers.retain(request, stop, request.retain_s, group_id, start)
+        ends it). ``digests``: the request's prefix digests of at least ``stop`` blocks
+        (:meth:`KVTierStack.prefix_digests`)."""
+        end, missing = self.kv_tiers.retain(request, stop, request.retain_s, group_id, start, digests)
         lost = [i for i in missing if i >= len(table) or table[i] is None]
         if lost:
             end, missing = lost[0], [i for i in missing if i < lost[0]]
         if missing:
-            keys = self.kv_tiers.entry_keys(request, start, end, group_id)
+            keys = self.kv_tiers.entry_keys(request, start, end, group_id, digests)
             payloads = self.runner.read_blocks([table[i].block_id for i in missing])
             self.kv_tiers.submit([(keys[i - start], p) for i, p in zip(missing, payloads)],
                                  self.kv_tiers.retaining_tiers)

@@ -585,6 +585,59 @@ def test_hybrid_entries_are_verified_whatever_the_hash(constant_hash, tmp_path):
         [group_payload(0, 0), group_payload(1, 0)])
 
 
+@pytest.fixture
+def digest_chains(monkeypatch):
+    """Counts the prefix digest chains the stack computes (each a sha256 chain over a whole prefix)."""
+    from prefixcache.cache.tiers import stack as stack_module
+
+    calls = []
+    compute = stack_module.prefix_digests
+
+    def counting(root_key, tokens, block_size, extra_key, num_blocks):
+        calls.append(num_blocks)
+        return compute(root_key, tokens, block_size, extra_key, num_blocks)
+
+    monkeypatch.setattr(stack_module, "prefix_digests", counting)
+    return calls
+
+
+def test_hybrid_lookup_and_stores_compute_the_digest_chain_once(tmp_path, digest_chains):
+    """The lookup of test_hybrid_tier_hit_ends_where_a_sliding_group_has_its_window asks group 0 for
+    [0, 10) and group 1 for [8, 10) then [7, 8): one chain of 10 digests serves all three, and the
+    keys from a shared chain are the keys computed alone."""
+    disk = DiskTier(tmp_path, "ns", max_bytes=1 << 20)
+    stack = stack_of(disk)
+    request = make_request(range(300, 341), rid="hybrid")
+    for group_id, blocks in {0: range(10), 1: range(0, 9)}.items():
+        keys = stack.entry_keys(request, 0, 10, group_id)
+        stack.submit([(keys[i], group_payload(group_id, i)) for i in blocks])
+    stack.flush()
+    digest_chains.clear()
+    manager = KVCacheManager(64, CacheConfig(block_size=BS), tiers=stack, kv_cache_groups=HYBRID)
+    admission = manager.admit(request, token_budget=100)
+    assert admission.num_tier_tokens == 36
+    assert sorted(loaded_payloads(manager, request)) == [(0, i) for i in range(9)] + [(1, 7), (1, 8)]
+    assert digest_chains == [10]
+
+    digests = stack.prefix_digests(make_request(range(300, 341), rid="other"), 10)
+    for group_id in (0, 1):
+        alone = stack.entry_keys(request, 7, 10, group_id)
+        assert stack.entry_keys(request, 7, 10, group_id, digests) == alone
+        assert [k.prefix_digest for k in alone] == digests[7:10]
+    with pytest.raises(ValueError, match=r"digests: 9 prefix digests given, blocks \[7, 10\) need 10"):
+        stack.entry_keys(request, 7, 10, 0, digests[:9])
+
+    # Write-through of a computed hybrid prompt: 10 blocks in each of 2 groups, one chain.
+    fresh = KVCacheManager(64, CacheConfig(block_size=BS), tiers=stack_of(), kv_cache_groups=HYBRID)
+    first = make_request(range(600, 641), rid="first")
+    assert fresh.admit(first, token_budget=100).num_new_tokens == 41
+    digest_chains.clear()
+    stores = fresh.take_tier_stores()
+    assert len(stores) == 20 and digest_chains == [10]
+    assert sorted(key.name for _, key in stores) == sorted(
+        k.name for g in (0, 1) for k in stack.entry_keys(first, 0, 10, g))
+
+
 def test_hybrid_blocks_loaded_from_redis_are_promoted_to_disk_per_group(tmp_path, redis_server):
     writer = stack_of(RedisTier(redis_server.url, "ns", ttl_s=60))
     request = make_request(range(300, 341), rid="w")

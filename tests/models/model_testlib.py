@@ -8,10 +8,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
+from prefixcache.config import EngineConfig
+from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.layers.attention.metadata import build_attention_metadata
 from prefixcache.layers.grouped_attention import build_grouped_attention_metadata
-from prefixcache.models.loader import LoadedModel
+from prefixcache.models.loader import LoadedModel, load_model
 from prefixcache.runner.kv_pool import allocate_kv_caches, kv_cache_groups_of
+from prefixcache.sampling_params import SamplingParams
 
 TINY_COMMON = dict(
     vocab_size=256,
@@ -69,6 +72,49 @@ def save_tiny_gemma3(out_dir: Path, layer_types: list[str], sliding_window: int,
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model_dir() / name, Path(out_dir) / name)
     return ref
+
+
+# The tiny Gemma 3 of the engine tests (test_gemma3_engine, _tiers, _partial_and_events): 6 layers, local
+# local global local local global, window 8, blocks of 4 tokens, so the engine makes one full group {2, 5}
+# and two sliding groups {0, 1}, {3, 4} of two layers each.
+GEMMA3_BLOCK_SIZE = 4
+GEMMA3_WINDOW = 8  # sliding_window: a query at p reads keys p - 7 .. p
+GEMMA3_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+GEMMA3_SEED = 1  # the weights' seed: the engine tests' modules build the same checkpoint
+
+
+def save_engine_gemma3(out_dir: Path) -> torch.nn.Module:
+    """Saves the engine tests' tiny Gemma 3 (:func:`save_tiny_gemma3` of the constants above, eager
+    attention in the transformers reference); returns the transformers model."""
+    return save_tiny_gemma3(out_dir, GEMMA3_LAYER_TYPES, GEMMA3_WINDOW, seed=GEMMA3_SEED,
+                            attn_implementation="eager")
+
+
+def load_engine_gemma3(out_dir: Path) -> LoadedModel:
+    """:func:`save_engine_gemma3` into ``out_dir``, then our load of it."""
+    save_engine_gemma3(out_dir)
+    return load_model(str(out_dir))
+
+
+def make_gemma3_engine(loaded: LoadedModel, num_blocks: int = 200, **options) -> LLMEngine:
+    """An engine over ``loaded`` with blocks of :data:`GEMMA3_BLOCK_SIZE`, one thread; ``options`` are
+    further ``EngineConfig`` fields."""
+    return LLMEngine(EngineConfig(model=str(loaded.model_dir), block_size=GEMMA3_BLOCK_SIZE, num_blocks=num_blocks,
+                                  num_threads=1, **options), loaded=loaded)
+
+
+def token_ids(n: int, seed: int) -> list[int]:
+    """``n`` token ids in [3, 256) drawn from ``seed`` (past the tiny vocabulary's special ids 0-2)."""
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    """Greedy sampling of exactly ``max_tokens`` tokens (EOS ignored)."""
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+GEMMA3_PREFIX = token_ids(40, seed=1)  # 10 full blocks, well past the window
+GEMMA3_TAILS = [token_ids(3, seed=2), token_ids(5, seed=3), token_ids(2, seed=4)]
 
 
 def make_tiny_checkpoint(out_dir: Path, arch: str, seed: int = 0, **overrides) -> torch.nn.Module:

@@ -12,21 +12,21 @@ import dataclasses
 
 import pytest
 import torch
-from model_testlib import PagedDriver, save_tiny_gemma3
+from model_testlib import GEMMA3_BLOCK_SIZE as B
+from model_testlib import GEMMA3_PREFIX as PREFIX
+from model_testlib import GEMMA3_TAILS as TAILS
+from model_testlib import GEMMA3_WINDOW as W
+from model_testlib import PagedDriver, greedy, save_engine_gemma3
+from model_testlib import make_gemma3_engine as make_engine
+from model_testlib import token_ids as ids
 
 from prefixcache.cache.kv_cache_groups import group_block_hash
-from prefixcache.config import EngineConfig
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.errors import InvalidInputError
 from prefixcache.layers.attention import metadata as attention_metadata
 from prefixcache.layers.lora import LoRARequest
 from prefixcache.models.loader import load_model
 from prefixcache.request import Request
-from prefixcache.sampling_params import SamplingParams
-
-B = 4  # block_size
-W = 8  # sliding_window: a query at p reads keys p - 7 .. p
-LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
 
 
 @pytest.fixture(scope="module")
@@ -34,21 +34,8 @@ def tiny(tmp_path_factory):
     """(transformers model, our loaded model) with the default model's tokenizer files beside the
     weights (the engine decodes what it generates; ids stay < 256)."""
     out_dir = tmp_path_factory.mktemp("tiny-gemma3-engine")
-    ref = save_tiny_gemma3(out_dir, LAYER_TYPES, W, seed=1, attn_implementation="eager")
+    ref = save_engine_gemma3(out_dir)
     return ref, load_model(str(out_dir))
-
-
-def make_engine(loaded, num_blocks: int = 200, **options) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(loaded.model_dir), block_size=B, num_blocks=num_blocks, num_threads=1,
-                                  **options), loaded=loaded)
-
-
-def ids(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def run(engine: LLMEngine, prompt: list[int], max_tokens: int = 6, on_step=None):
@@ -68,10 +55,6 @@ def reference_greedy(ref, prompt: list[int], n: int) -> list[int]:
         out = ref.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                            pad_token_id=0)
     return out[0, len(prompt):].tolist()
-
-
-PREFIX = ids(40, seed=1)  # 10 full blocks, well past the window
-TAILS = [ids(3, seed=2), ids(5, seed=3), ids(2, seed=4)]
 
 
 def test_the_engine_runs_gemma3_with_one_full_and_two_sliding_groups(tiny):

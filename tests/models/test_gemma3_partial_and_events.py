@@ -20,14 +20,18 @@ import json
 
 import pytest
 import torch
-from model_testlib import save_tiny_gemma3
-from test_gemma3_engine import LAYER_TYPES, PREFIX, TAILS, B, W, greedy, ids, make_engine
+from model_testlib import GEMMA3_BLOCK_SIZE as B
+from model_testlib import GEMMA3_PREFIX as PREFIX
+from model_testlib import GEMMA3_TAILS as TAILS
+from model_testlib import GEMMA3_WINDOW as W
+from model_testlib import greedy, load_engine_gemma3
+from model_testlib import make_gemma3_engine as make_engine
+from model_testlib import token_ids as ids
 
 from prefixcache.cache.config import CacheConfig
 from prefixcache.cache.kv_cache_groups import AttentionKind, LayerSpec, group_block_hash, make_kv_cache_groups
 from prefixcache.cache.kv_cache_manager import KVCacheManager, PartialHit
 from prefixcache.cache.kv_events import external_block_hash
-from prefixcache.models.loader import load_model
 from prefixcache.request import Request
 from prefixcache.scheduler_output import CopyOp
 from tests.cache.cache_test_utils import make_request
@@ -35,11 +39,9 @@ from tests.cache.cache_test_utils import make_request
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    """Our loaded tiny Gemma 3 (test_gemma3_engine.py's config and seed), with the default model's
-    tokenizer files beside the weights (the engine decodes what it generates; ids stay < 256)."""
-    out_dir = tmp_path_factory.mktemp("tiny-gemma3-partial")
-    save_tiny_gemma3(out_dir, LAYER_TYPES, W, seed=1, attn_implementation="eager")
-    return load_model(str(out_dir))
+    """Our loaded tiny Gemma 3 (model_testlib's engine-test checkpoint, test_gemma3_engine.py's), with the
+    default model's tokenizer files beside the weights (the engine decodes what it generates; ids stay < 256)."""
+    return load_engine_gemma3(tmp_path_factory.mktemp("tiny-gemma3-partial"))
 
 
 class Recorder:

@@ -13,17 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_testlib import save_tiny_gemma3
+from model_testlib import GEMMA3_BLOCK_SIZE as B
+from model_testlib import greedy, load_engine_gemma3, make_gemma3_engine, token_ids
 
-from prefixcache.config import EngineConfig
 from prefixcache.engine.llm_engine import LLMEngine
-from prefixcache.models.loader import load_model
-from prefixcache.sampling_params import SamplingParams
 
-B = 4  # block_size
-W = 8  # sliding_window: a query at p reads keys p - 7 .. p
-LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
-PROMPT = torch.randint(3, 256, (41,), generator=torch.Generator().manual_seed(11)).tolist()  # 10 blocks + 1
+PROMPT = token_ids(41, seed=11)  # 10 blocks + 1
 # A hit at 40 tokens: the full group loads blocks 0-9, each sliding group the blocks covering
 # [40 - 8 + 1, 40) = 33..39, blocks 8-9.
 FULL_BLOCKS = list(range(10))
@@ -32,17 +27,15 @@ WINDOW_BLOCKS = [8, 9]
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    """Our loaded tiny Gemma 3 (tests/models/test_gemma3_engine.py's checkpoint) with the default
-    model's tokenizer files beside the weights."""
-    out_dir = tmp_path_factory.mktemp("tiny-gemma3-tiers")
-    save_tiny_gemma3(out_dir, LAYER_TYPES, W, seed=1, attn_implementation="eager")
-    return load_model(str(out_dir))
+    """Our loaded tiny Gemma 3 (model_testlib's engine-test checkpoint, test_gemma3_engine.py's) with
+    the default model's tokenizer files beside the weights."""
+    return load_engine_gemma3(tmp_path_factory.mktemp("tiny-gemma3-tiers"))
 
 
 def make_engine(loaded, **options) -> LLMEngine:
+    """:func:`make_gemma3_engine` with a fixed hash seed: a restarted engine finds the entries stored."""
     options.setdefault("hash_seed", 1234)
-    return LLMEngine(EngineConfig(model=str(loaded.model_dir), block_size=B, num_blocks=200, num_threads=1,
-                                  **options), loaded=loaded)
+    return make_gemma3_engine(loaded, **options)
 
 
 def run(engine: LLMEngine, prompt: list[int], loads: list | None = None):
@@ -61,7 +54,7 @@ def run(engine: LLMEngine, prompt: list[int], loads: list | None = None):
 
         engine.runner.write_blocks = recording
     try:
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        engine.add_request(prompt, greedy(6))
         while engine.has_unfinished_requests():
             outs = [o for o in engine.step() if o.finished]
             if outs:
@@ -147,6 +140,50 @@ def test_a_pool_hit_is_continued_by_the_tier_and_the_sliding_windows_move(loaded
     assert sorted(loads) == sorted([(0, i) for i in range(6, 10)] + [(g, i) for g in (1, 2) for i in WINDOW_BLOCKS])
 
 
+def test_lookup_and_retention_compute_one_digest_chain_for_the_three_groups(loaded, cold_ids, tmp_path, monkeypatch):
+    """The three KV-cache groups' entry keys share the request's prefix digests (a sha256 chain over
+    the prompt): the restarted engine's tier lookup (group 0's chain, then each sliding group's
+    window) computes one chain of 10 digests, and so does retaining the prompt; the hit is the 40
+    tokens of test_restart_loads_every_groups_part_from_the_disk_tier, its keys those stored."""
+    from prefixcache.cache.tiers import stack as stack_module
+
+    first = make_engine(loaded, kv_disk_dir=str(tmp_path))
+    assert run(first, PROMPT).num_cached_tokens == 0
+    first.kv_tiers.flush()
+    first.close()
+    engine = make_engine(loaded, kv_disk_dir=str(tmp_path), max_retained_disk_fraction=0.5)
+    chains: dict[str, list[int]] = {"lookup": [], "retain": []}
+    phase = []
+    compute = stack_module.prefix_digests
+
+    def counting(root_key, tokens, block_size, extra_key, num_blocks):
+        if phase:
+            chains[phase[-1]].append(num_blocks)
+        return compute(root_key, tokens, block_size, extra_key, num_blocks)
+
+    def during(name, method):
+        def wrapped(*args, **kwargs):
+            phase.append(name)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                phase.pop()
+        return wrapped
+
+    monkeypatch.setattr(stack_module, "prefix_digests", counting)
+    manager = engine.kv_cache_manager
+    manager._load_hybrid_from_tiers = during("lookup", manager._load_hybrid_from_tiers)
+    engine._retain = during("retain", engine._retain)
+    engine.add_request(PROMPT, greedy(6), retain_s=3600)
+    out = None
+    while engine.has_unfinished_requests():
+        out = next((o for o in engine.step() if o.finished), out)
+    assert out.token_ids == cold_ids and out.num_cached_tokens == 40 and out.num_retained_tokens == 40
+    assert chains == {"lookup": [10], "retain": [10]}
+    engine.kv_tiers.flush()
+    assert engine.get_metrics().kv_tiers["disk"]["retained_entries"] == 10 + 2 * len(WINDOW_BLOCKS)
+
+
 def retained_restart(loaded, tmp_path, retain_s):
     """PROMPT (with ``retain_s`` or not), then three other 41-token prompts that overflow the disk
     tier's size cap (about 60 entries; 3 x 33 are written), then a restarted engine's PROMPT:
@@ -154,7 +191,7 @@ def retained_restart(loaded, tmp_path, retain_s):
     bpb = make_engine(loaded).kv_cache_bytes_per_block
     options = dict(kv_disk_dir=str(tmp_path), kv_disk_bytes=60 * (bpb + 1024), max_retained_disk_fraction=0.5)
     first = make_engine(loaded, **options)
-    first.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), retain_s=retain_s)
+    first.add_request(PROMPT, greedy(6), retain_s=retain_s)
     out = None
     while first.has_unfinished_requests():
         out = next((o for o in first.step() if o.finished), out)

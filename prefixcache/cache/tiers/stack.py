@@ -51,7 +51,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -164,13 +164,32 @@ class KVTierStack:
 
     # -- keys -----------------------------------------------------------------------------------
 
-    def entry_keys(self, request: Request, start: int, stop: int, group_id: int = 0) -> list[EntryKey]:
+    def prefix_digests(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The prefix digests of the request's first ``num_blocks`` blocks
+        (:func:`~prefixcache.cache.tiers.entry.prefix_digests`). A sha256 chain over the whole
+        prefix, the same for every KV-cache group: a lookup, store or retention that keys several
+        groups' blocks of one request computes it once and passes it to :meth:`entry_keys`."""
+        return prefix_digests(request.root_key, request.all_token_ids, self.layout.block_size,
+                              request.block_extra_key, num_blocks)
+
+    def entry_keys(self, request: Request, start: int, stop: int, group_id: int = 0,
+                   digests: Sequence[bytes] | None = None) -> list[EntryKey]:
         """The request's expectations of the entries of its blocks ``[start, stop)`` (full blocks) of
         KV-cache group ``group_id``: keyed (and verified) by
         :func:`~prefixcache.cache.kv_cache_groups.group_block_hash`, so a group's entry never serves
-        another group, and group 0's key is the block hash (one-group models' entries as before)."""
+        another group, and group 0's key is the block hash (one-group models' entries as before).
+
+        ``digests``: the request's :meth:`prefix_digests` of at least ``stop`` blocks, computed by the
+        caller once for several calls; computed here when None.
+
+        Raises:
+            ValueError: ``digests`` holds fewer than ``stop`` digests.
+        """
         bs, hashes, tokens = self.layout.block_size, request.block_hashes, request.all_token_ids
-        digests = prefix_digests(request.root_key, tokens, bs, request.block_extra_key, stop)
+        if digests is None:
+            digests = self.prefix_digests(request, stop)
+        elif len(digests) < stop:
+            raise ValueError(f"digests: {len(digests)} prefix digests given, blocks [{start}, {stop}) need {stop}")
         root_hash = request.block_hasher.root_hash(request.root_key)
         root_digest = sha256(request.root_key)
         extra_digests: dict[bytes, bytes] = {}
@@ -187,9 +206,10 @@ class KVTierStack:
 
     # -- load -----------------------------------------------------------------------------------
 
-    def load_chain(self, request: Request, start: int, stop: int, group_id: int = 0) -> TierLoad:
+    def load_chain(self, request: Request, start: int, stop: int, group_id: int = 0,
+                   digests: Sequence[bytes] | None = None) -> TierLoad:
         """Loads the request's blocks ``[start, stop)`` of KV-cache group ``group_id`` that the tiers
-        hold, in chain order.
+        hold, in chain order (``digests``: as :meth:`entry_keys`).
 
         Each tier continues where the previous one stopped; the result ends at the first block
         no tier holds, or whose entry fails verification (that entry is removed). Never raises
@@ -197,7 +217,7 @@ class KVTierStack:
         """
         if stop <= start:
             return TierLoad([], 0, [])
-        keys = self.entry_keys(request, start, stop, group_id)
+        keys = self.entry_keys(request, start, stop, group_id, digests)
         payloads: list[memoryview] = []
         per_tier = []
         for tier in self.tiers:
@@ -328,10 +348,11 @@ class KVTierStack:
         return [t for t in self.tiers if t.retains]
 
     def retain(self, request: Request, num_blocks: int, ttl_s: float, group_id: int = 0,
-               start: int = 0) -> tuple[int, list[int]]:
+               start: int = 0, digests: Sequence[bytes] | None = None) -> tuple[int, list[int]]:
         """Keeps the entries of the request's blocks ``[start, num_blocks)`` of KV-cache group
         ``group_id`` (group 0: its computed prompt's full blocks from the head; a sliding group: the
-        window before the end) in every retaining tier for ``ttl_s`` seconds, within their budgets.
+        window before the end) in every retaining tier for ``ttl_s`` seconds, within their budgets
+        (``digests``: as :meth:`entry_keys`).
 
         Returns:
             ``(end, missing)``: every retaining tier keeps the blocks ``[start, end)`` (``end`` is
@@ -343,7 +364,7 @@ class KVTierStack:
         tiers = [t for t in self.retaining_tiers if not self._is_resting(t)]
         if num_blocks <= start or not tiers:
             return start, []
-        keys = self.entry_keys(request, start, num_blocks, group_id)
+        keys = self.entry_keys(request, start, num_blocks, group_id, digests)
         names, sizes = [k.name for k in keys], [entry_bytes(k, self.layout) for k in keys]
         retained, held = len(names), [False] * len(names)
         for tier in tiers:
