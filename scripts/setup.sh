@@ -66,6 +66,7 @@ python -m prefixcache.kernels.cpu_kernels || echo "setup.sh: the CPU kernels did
 # the AVX2 build: int8's exact product and the int4 formats' decoder (used where the CPU has AVX2 but no AVX512-VNNI;
 # built wherever AVX2 runs, for its tests); a build that fails loses only itself, with one line
 python -m prefixcache.kernels.avx2_kernels || echo "setup.sh: the AVX2 kernels (int8 product, int4 decoder) did not build" >&2
+python -m prefixcache.kernels.neon_kernels || echo "setup.sh: the aarch64 NEON kernels (int4 decoder) did not build" >&2
 if [ "${PREFIXCACHE_FIELD_TOOLS:-0}" = "1" ]; then
     step "creating the field tools' venvs in .venv-field (PREFIXCACHE_FIELD_TOOLS=1; GuideLLM, SGLang, AIPerf, minutes) ..."
     python -m prefixcache bench --install-field-tools all \

@@ -20,10 +20,11 @@ own choices (the AVX512-BF16 attention form, AMX) honour ``PREFIXCACHE_KERNELS``
 
 The int4 formats' generated-token kernels (``int4_mm``, ``int8_mm``, ``paged_decode_attention``,
 ``DecodeLayers``) are built from the same sources a second time, for AVX2 + FMA + F16C, in
-:mod:`prefixcache.kernels.avx2_kernels`; :func:`load_int4_kernels` picks the best build this CPU (as capped)
-runs, ggml's way: one source per op family, a plain-loop reference beside the ISA forms (``int4_mm_reference``,
-``int8_mm_reference``), each build with its own flags, one run-time choice. A build the compiler can't make is
-lost alone, with one line (``main``), never the other.
+:mod:`prefixcache.kernels.avx2_kernels`, and on aarch64 for NEON in :mod:`prefixcache.kernels.neon_kernels`;
+:func:`load_int4_kernels` picks the best build this CPU (as capped) runs, ggml's way: one source per op family, a
+plain-loop reference beside the ISA forms (``int4_mm_reference``, ``int8_mm_reference``), each build with its own
+flags, one run-time choice. A build the compiler can't make is lost alone, with one line (``main``), never the
+others.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def load_cpu_kernels() -> ModuleType:
 def int4_kernels_build() -> str:
     """Which build :func:`load_int4_kernels` returns here: ``"avx512"`` (this module's extension, where the CPU
     as capped has ``TIERS["avx512"]`` and it builds), ``"avx2"`` (:mod:`prefixcache.kernels.avx2_kernels`' build of
-    the same sources, where it has ``TIERS["avx2"]``), or ``""`` (neither: the int4 formats don't run here)."""
+    the same sources, where it has ``TIERS["avx2"]``), ``"neon"`` (:mod:`prefixcache.kernels.neon_kernels`' build,
+    on an aarch64 CPU reporting ``asimd``), or ``""`` (none: the int4 formats don't run here)."""
     try:
         load_cpu_kernels()
         return "avx512"
@@ -87,18 +89,25 @@ def int4_kernels_build() -> str:
         load_avx2_kernels()
         return "avx2"
     except Avx2KernelsUnavailable:
+        pass
+    from prefixcache.kernels.neon_kernels import NeonKernelsUnavailable, load_neon_kernels
+
+    try:
+        load_neon_kernels()
+        return "neon"
+    except NeonKernelsUnavailable:
         return ""
 
 
 def load_int4_kernels() -> ModuleType:
     """The int4 formats' generated-token kernels (``int4_mm``, ``int8_mm``, ``paged_decode_attention``,
     ``paged_decode_attention_float32``, ``DecodeLayers`` and the ``*_reference`` loops) in the best build this
-    CPU (as capped by ``PREFIXCACHE_KERNELS``) runs (:func:`int4_kernels_build`). Both builds give the same bits
-    wherever the attention takes the same form (the AVX2 build has only the float32 form, which a CPU without
-    AVX512-BF16, or capped below it, runs in the AVX-512 build too).
+    CPU (as capped by ``PREFIXCACHE_KERNELS``) runs (:func:`int4_kernels_build`). Every build gives the same bits
+    wherever the attention takes the same form (the AVX2 and NEON builds have only the float32 form, which a CPU
+    without AVX512-BF16, or capped below it, runs in the AVX-512 build too).
 
     Raises:
-        CpuKernelsUnavailable: the CPU lacks AVX2 + FMA + F16C, or neither build builds.
+        CpuKernelsUnavailable: the CPU lacks AVX2 + FMA + F16C and NEON, or no build builds.
     """
     build = int4_kernels_build()
     if build == "avx512":
@@ -107,7 +116,12 @@ def load_int4_kernels() -> ModuleType:
         from prefixcache.kernels.avx2_kernels import load_avx2_kernels
 
         return load_avx2_kernels()
-    raise CpuKernelsUnavailable(f"the int4 kernels need AVX2 + FMA + F16C (and a build of them); {describe_cpu()}")
+    if build == "neon":
+        from prefixcache.kernels.neon_kernels import load_neon_kernels
+
+        return load_neon_kernels()
+    raise CpuKernelsUnavailable(f"the int4 kernels need AVX2 + FMA + F16C or aarch64 NEON (and a build of them); "
+                                f"{describe_cpu()}")
 
 
 @cache

@@ -19,12 +19,15 @@
 // ops per layer (their dispatch was half of a one-row decode step's time).
 //
 // Built once per ISA like qgemm.cpp (AVX512-VNNI in cpu_kernels.py's extension, AVX2 + FMA + F16C in
-// avx2_kernels.py's), written against vec16.h: both builds run the same float operations per lane and the
-// same reduction trees, so a generated row gets the same bits from either build wherever its attention takes
-// the same form (the AVX2 build has only the float32 form: paged_attention.cpp).
+// avx2_kernels.py's, aarch64 NEON in neon_kernels.py's), written against vec16.h: every build runs the same
+// float operations per lane and the same reduction trees, so a generated row gets the same bits from any build
+// wherever its attention takes the same form (the AVX2 and NEON builds have only the float32 form:
+// paged_attention.cpp).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(__x86_64__)  // no intrinsic of its own: vec16.h holds each ISA's
 #include <immintrin.h>
+#endif
 
 #include "vec16.h"
 

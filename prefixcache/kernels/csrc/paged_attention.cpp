@@ -22,8 +22,8 @@
 //   context streams its K/V faster this way; the row's own length decides, never its batch): keys in pieces
 //   of at most 16 that never cross a pool block, scores in float32 (bf16 K converted exactly) summed over 16
 //   lanes then across them in a fixed pattern, p @ v in float32. Its code is decode_attention_f32.h, torch-free
-//   and written against vec16.h: the AVX-512 and AVX2 builds run it, and its aarch64 NEON form is checked under
-//   qemu (aarch64_check.cpp).
+//   and written against vec16.h: the AVX-512, AVX2 and aarch64 NEON builds run it (neon_kernels.py builds the
+//   last on ARM; its bits are checked under qemu with aarch64_check.cpp).
 //
 // The prompt kernel (prefill_attention.cpp) runs exactly where the first form does, so the model's cache
 // key (layers/attention/numerics.py, kv_numerics) tells the two apart, and INT4_OUTPUT_KEY (layers/quant.py) names the form.
@@ -35,7 +35,9 @@
 // preemption and in any batch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(__x86_64__)  // the aarch64 build (neon_kernels.py) compiles the float32 form alone
 #include <immintrin.h>
+#endif
 
 #include "decode_attention_f32.h"  // the float32 form (Args, attend_segment, merge_row, run_float32)
 #include "isa_tier.h"

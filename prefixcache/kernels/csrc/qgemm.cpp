@@ -1,8 +1,9 @@
 // Products of a few activation rows with grouped low-bit weights (generated tokens), one source built per ISA:
-// AVX512-VNNI (cpu_kernels.py's extension) and AVX2 + FMA + F16C (avx2_kernels.py's), with a scalar reference
-// beside them (int4_mm_reference, int8_mm_reference: plain loops, the rule itself) that both builds carry. The
-// quantization, the per-ISA blocks and the reference are qgemm_core.h, torch-free: its aarch64 NEON form is
-// cross-built with the standalone driver aarch64_check.cpp and checked under qemu (no aarch64 extension is built).
+// AVX512-VNNI (cpu_kernels.py's extension), AVX2 + FMA + F16C (avx2_kernels.py's) and aarch64 NEON
+// (neon_kernels.py's), with a scalar reference beside them (int4_mm_reference, int8_mm_reference: plain loops,
+// the rule itself) that every build carries. The quantization, the per-ISA blocks and the reference are
+// qgemm_core.h, torch-free: its NEON form is also cross-built with the standalone driver aarch64_check.cpp and
+// checked under qemu against the x86 builds' bits.
 //
 //   int4_mm: w[n, k] = q[n, k] * scale[n, k / 32] + min[n, k / 32], q in 0..15   (llama.cpp's Q4_1 grid)
 //   int8_mm: w[n, k] = q[n, k] * scale[n, k / 32],                   q in -127..127 (llama.cpp's Q8_0 grid)

@@ -1,7 +1,7 @@
 // A 16-float vector for the kernels that are compiled once per ISA (qgemm.cpp, paged_attention.cpp's float32
 // form, decode_layers.cpp): one __m512 where the build has AVX-512 (cpu_kernels.py), two __m256 (lanes 0-7,
 // 8-15) where it has AVX2 + FMA + F16C only (avx2_kernels.py), four float32x4_t (lanes 0-3, ..., 12-15) on
-// aarch64 NEON (the standalone check driver's cross build, aarch64_check.cpp). The kernels are written once against
+// aarch64 NEON (neon_kernels.py, and the standalone check driver aarch64_check.cpp). The kernels are written once against
 // it, as ggml writes its per-ISA forms against GGML_F32Cx* and at::vec against Vectorized<float>.
 //
 // Same bits in every build: every lane runs the same IEEE operation in each form (add, mul, div, fma,
