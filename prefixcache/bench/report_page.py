@@ -20,7 +20,7 @@ import subprocess
 from pathlib import Path
 
 from prefixcache.config import DEFAULT_MODEL
-from prefixcache.kernels.cpu_features import describe_cpu
+from prefixcache.kernels.cpu_features import ENV_VAR as KERNELS_ENV_VAR, describe_cpu
 
 # the outputs whose Markdown a report takes ({stem}.md in --out), in the order the workloads run; a
 # `prefixcache bench` run of the model workloads writes one file per part that ran (report.part_markdowns):
@@ -84,9 +84,14 @@ def section_name(stem: str, model: str = DEFAULT_MODEL, fmt: tuple[str, str] = D
     """The page section of ``stem``'s table: ``stem``, then ``-{variant}`` (a run's non-default sizes, e.g. the
     queue's ``14rps``), then ``-{dtype}-{quantization}`` for a stem in :data:`FORMAT_STEMS` run in another format
     than float32 / none, then ``-{model}`` (a built-in name, or a path's last part) for a model other than the
-    default one, unless the stem runs no model. So runs of different kinds, formats, sizes and models land in
-    sections of their own instead of replacing each other's tables."""
+    default one, unless the stem runs no model. A run under a kernel cap (``PREFIXCACHE_KERNELS=avx2``, standing for
+    a smaller CPU) gets the cap after the stem (``speed-avx2-bfloat16-int4-int8``, ``+`` written ``-``). So runs of
+    different kinds, CPUs, formats, sizes and models land in sections of their own instead of replacing each
+    other's tables."""
     parts = [stem, *([variant] if variant else [])]
+    cap = os.environ.get(KERNELS_ENV_VAR, "auto").strip().lower() or "auto"
+    if cap != "auto" and stem not in MODEL_FREE_STEMS:
+        parts.append(cap.replace("+", "-"))
     if stem in FORMAT_STEMS and tuple(fmt) != DEFAULT_FORMAT:
         parts += list(fmt)
     if model != DEFAULT_MODEL and stem not in MODEL_FREE_STEMS:

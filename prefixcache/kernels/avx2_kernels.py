@@ -28,13 +28,14 @@ from types import ModuleType
 import torch
 
 from prefixcache.kernels.build import load_extension
-from prefixcache.kernels.cpu_features import TIERS, cpu_has, describe_cpu, kernel_tier
+from prefixcache.kernels.cpu_features import TIERS, cpu_has, describe_cpu, fast_int_mm, kernel_tier
 
-__all__ = ["Avx2KernelsUnavailable", "int8_gemm_avx2", "int8_linear_avx2", "load_avx2_kernels", "pack_weight",
-           "uses_avx2_int8_gemm"]
+__all__ = ["Avx2KernelsUnavailable", "int8_gemm_avx2", "int8_gemm_vnni", "int8_linear_avx2", "int8_linear_vnni",
+           "int8_product_vnni",
+           "load_avx2_kernels", "pack_weight", "pack_weight_vnni", "uses_avx2_int8_gemm", "uses_vnni_int8_gemm"]
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("int8_gemm_avx2.cpp", "qgemm.cpp", "paged_attention.cpp", "decode_layers.cpp",
-                                      "bindings_avx2.cpp")]
+_SOURCES = [_CSRC / name for name in ("int8_gemm_avx2.cpp", "int8_gemm_vnni.cpp", "qgemm.cpp", "paged_attention.cpp",
+                                      "decode_layers.cpp", "bindings_avx2.cpp")]
 # -fopenmp: ATen's parallel_for is inline OpenMP; the process's libgomp is torch's (same soname), one thread pool.
 # GCC's default contraction (a product and a sum into one fma), as in the AVX-512 build: the shared sources
 # (qgemm.cpp, paged_attention.cpp, decode_layers.cpp) fuse the same scalar products and sums in both builds
@@ -69,9 +70,10 @@ def load_avx2_kernels() -> ModuleType:
 
 
 def uses_avx2_int8_gemm() -> bool:
-    """Whether int8 products run :func:`int8_gemm_avx2` here: the CPU has AVX2 and FMA but neither of the
-    features behind ``torch._int_mm``'s fast kernels (AVX512-VNNI, AMX-INT8), and the extension loads."""
-    if cpu_has("avx512_vnni") or cpu_has("amx_int8") or not cpu_has(*TIERS["avx2"]):
+    """Whether int8 products run :func:`int8_gemm_avx2` here: the CPU has AVX2 and FMA but none of the features
+    behind ``torch._int_mm``'s fast kernels (:func:`~prefixcache.kernels.cpu_features.fast_int_mm`: AVX512-VNNI,
+    AVX-VNNI, AMX-INT8), and the extension loads."""
+    if fast_int_mm() or not cpu_has(*TIERS["avx2"]):
         return False
     try:
         load_avx2_kernels()
@@ -130,6 +132,86 @@ def int8_linear_avx2(x_q: torch.Tensor, x_scale: torch.Tensor, packed: torch.Ten
         shape = [num_tokens, out_features] float32.
     """
     return load_avx2_kernels().int8_linear_avx2(x_q, packed, x_scale, w_scale, bias)
+
+
+def uses_vnni_int8_gemm() -> bool:
+    """Whether int8 products run :func:`int8_gemm_vnni` here: the CPU has AVX2 and AVX-VNNI but neither AVX512-VNNI
+    nor AMX-INT8 (where ``torch._int_mm``'s oneDNN kernels are fast at every size), and the extension loads. There
+    ``torch._int_mm`` would run oneDNN's AVX-VNNI GEMM, which reorders the weight on every call: a generated
+    token's few rows cost several times float32's."""
+    if cpu_has("avx512_vnni") or cpu_has("amx_int8") or not cpu_has(*TIERS["avx2"], "avx_vnni"):
+        return False
+    try:
+        return bool(load_avx2_kernels().avx_vnni_ready())
+    except Avx2KernelsUnavailable:
+        return False
+
+
+def pack_weight_vnni(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout :func:`int8_gemm_vnni` streams: ``packed[p, q, 4 j + i] = w[4 q + i, 16 p + j]``, zero-padded (a
+    panel of 16 outputs, one input quad at a time), and the compensation ``128 * sum_k w[k, n]`` for the
+    activations' +128 offset (csrc/int8_gemm_vnni.cpp's header).
+
+    Args:
+        qweight: shape = [in_features, out_features] int8 (``Int8Weight.qweight``).
+
+    Returns:
+        (packed [ceil(out_features / 16), ceil(in_features / 4), 64] int8, comp [16 ceil(out_features / 16)]
+        int32), both contiguous.
+    """
+    k, n = qweight.shape
+    if qweight.dtype != torch.int8:
+        raise ValueError(f"qweight must be int8, got {qweight.dtype}")
+    kq, panels = -(-k // 4), -(-n // PANEL)
+    w = torch.zeros(kq * 4, panels * PANEL, dtype=torch.int8)
+    w[:k, :n] = qweight
+    comp = (w.sum(dim=0, dtype=torch.int32) * 128).contiguous()  # |comp| <= 128 * 128 * K: int32 for K < 131,072
+    # [kq, 4 (i), panels, 16 (j)] -> [panels, kq, 16 (j), 4 (i)]
+    return w.view(kq, 4, panels, PANEL).permute(2, 0, 3, 1).reshape(panels, kq, PANEL * 4).contiguous(), comp
+
+
+def int8_gemm_vnni(x_q: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], out_features: int) -> torch.Tensor:
+    """``torch._int_mm(x_q, w)`` for the weight ``w`` that :func:`pack_weight_vnni` packed: the same int32 bits.
+
+    Args:
+        x_q: shape = [num_tokens, in_features] int8.
+        packed: :func:`pack_weight_vnni`'s result.
+        out_features: ``w.shape[1]``.
+
+    Returns:
+        shape = [num_tokens, out_features] int32.
+
+    Raises:
+        RuntimeError: the CPU has no AVX-VNNI.
+    """
+    return load_avx2_kernels().int8_gemm_vnni(x_q, *packed, out_features)
+
+
+def int8_linear_vnni(x_q: torch.Tensor, x_scale: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor],
+                     w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`int8_gemm_vnni` rescaled in the same pass, the bits of :func:`int8_linear_avx2` (and of
+    ``quant.int8_rows_to_float_torch``) in float32; arguments as there, ``packed`` from :func:`pack_weight_vnni`."""
+    return load_avx2_kernels().int8_linear_vnni(x_q, *packed, x_scale, w_scale, bias)
+
+
+def int8_product_vnni(x: torch.Tensor, mul: torch.Tensor | None, packed: tuple[torch.Tensor, torch.Tensor],
+                      w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``quant.int8_product`` in one call on AVX-VNNI: each row quantized (``quant.quantize_activations``' rule and
+    bits, a row with a NaN or an infinity getting a NaN scale), the exact product, the rescale (+ bias) in
+    ``out_dtype``, the bits of the unfused halves.
+
+    Args:
+        x: shape = [num_tokens, in_features], float32 or bfloat16.
+        mul: shape = [in_features] float32, contiguous (``Int8Weight.act_mul``), or None.
+        packed: :func:`pack_weight_vnni`'s result.
+        w_scale: shape = [out_features] float32, contiguous.
+        bias: shape = [out_features] float32, contiguous, or None.
+        out_dtype: float32 or bfloat16.
+
+    Returns:
+        shape = [num_tokens, out_features], ``out_dtype``.
+    """
+    return load_avx2_kernels().int8_product_vnni(x, mul, *packed, w_scale, bias, out_dtype)
 
 
 def main() -> int:

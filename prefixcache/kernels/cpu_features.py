@@ -15,8 +15,11 @@ tier            features (Linux ``/proc/cpuinfo`` names)                what it 
 
 ``PREFIXCACHE_KERNELS`` caps the tier (``auto``, the default, takes what the CPU reports): ``reference`` runs no
 compiled kernel and no ISA-specific format, ``avx2`` behaves as an AVX2-only CPU (a Zen 3, say) would, and so
-on. It can only take features away, never add one the CPU lacks: a forced lower tier keeps the fallbacks
-honest on a bigger machine (the test suite runs a subset that way).
+on; ``+`` adds features outside the tiers back to a tier (``avx2+avx_vnni`` behaves as an Alder Lake or a Zen 5
+without AVX-512 would). It can only take features away, never add one the CPU lacks: a forced lower tier keeps
+the fallbacks honest on a bigger machine (the test suite runs a subset that way). It caps our choices only: for
+timings that stand for a smaller CPU, cap torch's own kernels as well (``ONEDNN_MAX_CPU_ISA=AVX2`` or
+``AVX2_VNNI``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``, ``ATEN_CPU_CAPABILITY=avx2``).
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ import os
 import platform
 from functools import cache
 
-__all__ = ["AUTO_FORMATS", "TIERS", "auto_format", "cpu_features", "cpu_has", "describe_cpu", "format_unavailable_reason", "kernel_tier",
-           "reported_cpu_features"]
+__all__ = ["AUTO_FORMATS", "TIERS", "auto_format", "cpu_features", "cpu_has", "describe_cpu", "fast_int_mm",
+           "format_unavailable_reason", "kernel_tier", "reported_cpu_features"]
 
 ENV_VAR = "PREFIXCACHE_KERNELS"
 _AVX2 = frozenset({"avx2", "fma", "f16c"})
@@ -43,11 +46,18 @@ _KNOWN = _AMX | _EXTRA
 # avx512bw, avx512vl and avx512dq" at the weight's reorder otherwise)
 _BF16_PRODUCTS = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}))
 # torch._int_mm's fast CPU path: oneDNN's VNNI or AMX int8 kernels. Without them it runs a reference loop
-# (a 2,183-token SmolLM2 prompt took 292 s on a Zen 3, float32 9.5 s), so int8 is refused there.
-_INT8_PRODUCTS = (frozenset({"avx512_vnni"}), frozenset({"amx_int8"}))
+# (a 2,183-token SmolLM2 prompt took 292 s on a Zen 3, float32 9.5 s), so int8 is refused there. AVX-VNNI
+# (vpdpbusd on ymm: Alder Lake and later, Zen 5) counts: oneDNN's avx2_vnni int8 GEMM offsets the activations to
+# u8 and subtracts 128 * the weight's column sums, and vpdpbusd sums in int32 without saturating, so its sums are
+# exact (torch._int_mm equals a float64 reference), and it ran about 3x float32's AVX2 GEMM at prompt shapes
+# where oneDNN was capped to it. Plain AVX2's oneDNN kernel (vpmaddubsw) saturates: our own exact kernel runs there.
+_INT8_PRODUCTS = (frozenset({"avx512_vnni"}), frozenset({"amx_int8"}), frozenset({"avx_vnni"}))
 _INT4_FORMATS = ("int4", "int4-int8")  # the formats whose generated tokens run our int4 decoder
 # Our int4 decoder has an AVX512-VNNI build and an AVX2 + FMA + F16C one (the same bits): either tier runs it.
-# int4-int8's prompt rows run W8A8 products, on oneDNN (VNNI, AMX-INT8) or, on AVX2, on our exact AVX2 kernel;
+# On aarch64 its NEON build (neon_kernels.py: asimd, sdot where asimddp) runs it outside the tiers, which are x86
+# features: a cap keeps asimd only when named (``reference+asimd``), so ``reference`` alone runs no NEON kernel.
+# int4-int8 stays refused there (no known fast torch._int_mm on ARM for its prompt rows).
+# int4-int8's prompt rows run W8A8 products, on oneDNN (_INT8_PRODUCTS) or, on AVX2, on our exact AVX2 kernel;
 # int4's prompt rows run bf16 products, oneDNN's prepacked ones where _BF16_PRODUCTS, else torch's plain bf16
 # matmul (layers/linear.py's fallback).
 
@@ -99,9 +109,15 @@ def cpu_features() -> frozenset[str]:
     reported = reported_cpu_features()
     if cap == "auto":
         return reported
-    if cap not in TIERS:
-        raise ValueError(f"{ENV_VAR} must be 'auto' or one of {list(TIERS)}, got {cap!r}")
-    return reported & TIERS[cap]
+    tier, *extras = cap.split("+")
+    if tier not in TIERS:
+        raise ValueError(f"{ENV_VAR} must be 'auto' or one of {list(TIERS)}, optionally followed by '+' and "
+                         f"features of {sorted(_EXTRA)}, got {cap!r}")
+    unknown = sorted(set(extras) - _EXTRA)
+    if unknown:
+        raise ValueError(f"{ENV_VAR}={cap!r}: {unknown} can't be added to a tier; the features that can are "
+                         f"{sorted(_EXTRA)} (a tier's own features come with the tier's name)")
+    return reported & (TIERS[tier] | set(extras))
 
 
 def cpu_has(*features: str) -> bool:
@@ -127,6 +143,12 @@ def _has_any(options: tuple[frozenset[str], ...]) -> bool:
     return any(option <= cpu_features() for option in options)
 
 
+def fast_int_mm() -> bool:
+    """Whether ``torch._int_mm`` has a fast exact kernel on this CPU (as capped): oneDNN's AVX512-VNNI, AMX-INT8
+    or AVX-VNNI int8 GEMMs. Where it hasn't but the CPU has AVX2, int8 products run our own exact AVX2 kernel."""
+    return _has_any(_INT8_PRODUCTS)
+
+
 def format_unavailable_reason(dtype: str, quantization: str) -> str | None:
     """Why ``dtype`` / ``quantization`` can't run (fast) on this CPU, saying what to use instead; None
     where it can. Only the CPU's features are read (nothing is built or loaded).
@@ -137,14 +159,20 @@ def format_unavailable_reason(dtype: str, quantization: str) -> str | None:
     have = "+".join(sorted(f for f in cpu_features() if f in _AVX512_BF16 | _EXTRA)) or "no AVX2"
     instead = "use dtype='float32', quantization='none', which run on every CPU (or auto: this CPU's fastest)"
     if quantization in _INT4_FORMATS:
+        if cpu_has("asimd") and not cpu_has(*TIERS["avx2"]):  # aarch64: the NEON build (neon_kernels.py)
+            if quantization == "int4-int8" and not _has_any(_INT8_PRODUCTS):
+                return (f"quantization={quantization!r} runs its prompt rows' products in int8 (torch._int_mm), "
+                        f"which has no known fast kernel on this CPU ({have}); quantization='int4' runs the same "
+                        f"generated-token kernels with bf16 prompt products, or {instead}")
+            return None
         if not cpu_has(*TIERS["avx2"]):
             return (f"quantization={quantization!r} runs our int4 kernels, which need a CPU with AVX2, FMA and "
-                    f"F16C; this one has {have}: {instead}")
+                    f"F16C, or aarch64 NEON; this one has {have}: {instead}")
         return None  # bf16 prompt products fall back to torch's plain ones; int8's run our AVX2 kernel (above)
-    if quantization == "int8" and not _has_any(_INT8_PRODUCTS):
-        return (f"quantization={quantization!r} needs fast int8 products (AVX512-VNNI or AMX-INT8, oneDNN's "
-                f"kernels behind torch._int_mm); without them a prompt takes ~30x longer than in float32. "
-                f"This CPU has {have}: {instead}")
+    if quantization == "int8" and not _has_any(_INT8_PRODUCTS) and not cpu_has(*TIERS["avx2"]):
+        return (f"quantization={quantization!r} needs fast int8 products (AVX512-VNNI, AVX-VNNI or AMX-INT8, "
+                f"oneDNN's kernels behind torch._int_mm, or AVX2 + FMA + F16C for our exact AVX2 kernel); without "
+                f"them a prompt takes ~30x longer than in float32. This CPU has {have}: {instead}")
     if dtype == "bfloat16" and not _has_any(_BF16_PRODUCTS):
         return (f"dtype='bfloat16' needs a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT for oneDNN's bf16 "
                 f"products; this one has {have}: {instead}")
@@ -155,27 +183,31 @@ def format_unavailable_reason(dtype: str, quantization: str) -> str | None:
 # stays within 1 % of float32's (docs/benchmarks.md, "Quality per format": bf16 +0.1 %, int4 +0.2 %, int4-int8
 # +0.4 %, int8 +0.6 %). With AMX, bf16 + int4 was the fastest measured (prompt rows on AMX tiles, generated rows on
 # the int4 decoder); without AMX but with AVX512-BF16, int4-int8 (int8 prompt rows are faster than bf16 there);
-# with VNNI but no native bf16, int8 over a float32 model; elsewhere float32, which runs on every CPU.
+# with VNNI but no native bf16, int8 over a float32 model; with AVX2 (and AVX-VNNI or not), int4-int8 again: its
+# prompt rows on our int8 kernels at least as fast as float32's AVX2 GEMM, its generated rows on the int4 decoder
+# (about 8x float32's decode with torch's kernels capped to AVX2), or int8 where LoRA rules int4 out; elsewhere
+# float32, which runs on every CPU. A row's first field is what the CPU needs, in PREFIXCACHE_KERNELS' syntax.
 AUTO_FORMATS: tuple[tuple[str, str, str], ...] = (
     ("amx", "bfloat16", "int4"),
     ("avx512_bf16", "bfloat16", "int4-int8"),
     ("avx512", "float32", "int8"),
+    ("avx2", "bfloat16", "int4-int8"),
+    ("avx2", "float32", "int8"),
     ("reference", "float32", "none"),
 )
 
 
 def auto_format(dtype: str, quantization: str, lora: bool = False) -> tuple[str, str]:
     """``(dtype, quantization)`` with ``"auto"`` in either replaced by this CPU's choice: the first row of
-    :data:`AUTO_FORMATS` whose tier the CPU has and which agrees with the one given, if any; where no row does,
+    :data:`AUTO_FORMATS` whose features the CPU has and which agrees with the one given, if any; where no row does,
     the given one with its plainest partner (float32, or bfloat16 for an int4 format; none). ``lora``: LoRA
     adapters will be served, so no int4 format (their generated tokens run fused kernels without adapter
     deltas)."""
     if "auto" not in (dtype, quantization):
         return dtype, quantization
-    tier_names = list(TIERS)
-    have = tier_names.index(kernel_tier())
-    for tier, d, q in AUTO_FORMATS:
-        if (tier_names.index(tier) <= have and dtype in ("auto", d) and quantization in ("auto", q)
+    for needs, d, q in AUTO_FORMATS:
+        tier, *extras = needs.split("+")
+        if (cpu_has(*TIERS[tier], *extras) and dtype in ("auto", d) and quantization in ("auto", q)
                 and not (lora and q in _INT4_FORMATS) and format_unavailable_reason(d, q) is None):
             return d, q
     d = dtype if dtype != "auto" else "bfloat16" if quantization in _INT4_FORMATS else "float32"

@@ -39,7 +39,9 @@ from functools import cache
 import torch
 
 from prefixcache.config import QUANTIZATIONS
-from prefixcache.kernels.avx2_kernels import int8_gemm_avx2, int8_linear_avx2, pack_weight, uses_avx2_int8_gemm
+from prefixcache.kernels.avx2_kernels import (int8_gemm_avx2, int8_gemm_vnni, int8_linear_avx2, int8_linear_vnni,
+                                              int8_product_vnni, pack_weight, pack_weight_vnni, uses_avx2_int8_gemm,
+                                              uses_vnni_int8_gemm)
 from prefixcache.kernels.cpu_kernels import CpuKernelsUnavailable, load_cpu_kernels, load_int4_kernels
 
 __all__ = ["INT4_GROUP", "INT4_OUTPUT_KEY", "QUANTIZATIONS", "GroupInt8Weight", "Int4Weight", "Int8Weight",
@@ -58,13 +60,17 @@ class Int8Weight:
 
     Attributes:
         qweight: shape = [in_features, out_features] int8 (transposed: ``_int_mm``'s right operand); empty
-            once released where ``avx2_packed`` is the copy the products read (:meth:`release_qweight`).
+            once released where ``avx2_packed`` or ``vnni_packed`` is the copy the products read
+            (:meth:`release_qweight`).
         scale: shape = [out_features] float32, per output channel.
         bias: shape = [out_features] float32, or None.
         act_mul: shape = [in_features] float32, ``1 / s`` of :func:`smooth_factors` (the activations are
             multiplied by it before they are quantized; the weight was quantized times ``s``), or None.
         avx2_packed: ``qweight`` in :func:`~prefixcache.kernels.avx2_kernels.pack_weight`'s layout where the
             products run our AVX2 kernel (AVX2 without VNNI or AMX-INT8: ``uses_avx2_int8_gemm``), else None.
+        vnni_packed: ``qweight`` in :func:`~prefixcache.kernels.avx2_kernels.pack_weight_vnni`'s layout (the
+            packed matrix and its column sums) where the products run our AVX-VNNI kernel (AVX-VNNI without
+            AVX512-VNNI or AMX-INT8: ``uses_vnni_int8_gemm``), else None.
     """
 
     qweight: torch.Tensor
@@ -72,15 +78,17 @@ class Int8Weight:
     bias: torch.Tensor | None
     act_mul: torch.Tensor | None = None
     avx2_packed: torch.Tensor | None = None
+    vnni_packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def out_features(self) -> int:
         return self.scale.shape[0]
 
     def release_qweight(self) -> int:
-        """Drops ``qweight`` where the products read ``avx2_packed`` only (our AVX2 kernel), so the int8
-        matrix is held once; an empty tensor after, so a read by mistake raises. Returns the bytes released."""
-        if self.avx2_packed is None or self.qweight.numel() == 0:
+        """Drops ``qweight`` where the products read ``avx2_packed`` or ``vnni_packed`` only (our AVX2 or
+        AVX-VNNI kernel), so the int8 matrix is held once; an empty tensor after, so a read by mistake raises.
+        Returns the bytes released."""
+        if (self.avx2_packed is None and self.vnni_packed is None) or self.qweight.numel() == 0:
             return 0
         released = self.qweight.numel()
         self.qweight = self.qweight.new_empty(0, 0)
@@ -107,6 +115,7 @@ def quantize_weight(weight: torch.Tensor, bias: torch.Tensor | None = None,
         bias=None if bias is None else bias.detach().float().clone(),
         act_mul=None if smooth is None else torch.reciprocal(smooth.float()).contiguous(),
         avx2_packed=pack_weight(q.t()) if uses_avx2_int8_gemm() else None,
+        vnni_packed=pack_weight_vnni(q.t()) if uses_vnni_int8_gemm() else None,
     )
 
 
@@ -204,12 +213,17 @@ def int8_linear(
     Returns:
         shape = [num_tokens, out_features]: int32 accumulation × row scale × column scale (+ bias).
     """
-    if weight.avx2_packed is None:
-        acc = torch._int_mm(x_q, weight.qweight)  # [num_tokens, out_features] int32, exact
-    elif out_dtype == torch.float32 and x_scale.is_contiguous():  # no VNNI: our AVX2 kernel, the same bits
-        return int8_linear_avx2(x_q, x_scale, weight.avx2_packed, weight.scale, weight.bias)
-    else:
+    fused = out_dtype == torch.float32 and x_scale.is_contiguous()  # our kernels' rescale: the same bits
+    if weight.vnni_packed is not None:  # AVX-VNNI only: our kernel, the same bits as torch._int_mm's
+        if fused:
+            return int8_linear_vnni(x_q, x_scale, weight.vnni_packed, weight.scale, weight.bias)
+        acc = int8_gemm_vnni(x_q, weight.vnni_packed, weight.out_features)
+    elif weight.avx2_packed is not None:  # no VNNI: our AVX2 kernel, the same bits
+        if fused:
+            return int8_linear_avx2(x_q, x_scale, weight.avx2_packed, weight.scale, weight.bias)
         acc = int8_gemm_avx2(x_q, weight.avx2_packed, weight.out_features)
+    else:
+        acc = torch._int_mm(x_q, weight.qweight)  # [num_tokens, out_features] int32, exact
     kernels = _fused_int8_rows()
     if kernels is not None and out_dtype in (torch.bfloat16, torch.float32) and x_scale.is_contiguous():
         return kernels.int8_rows_to_float(acc, x_scale, weight.scale, weight.bias, out_dtype)  # the bits below
@@ -234,6 +248,9 @@ def int8_product(x: torch.Tensor, weight: Int8Weight, out_dtype: torch.dtype) ->
             seen = finite.abs().amax(dim=0).float()  # [in_features]
             key = id(weight)
             stats[key] = seen if key not in stats else torch.maximum(stats[key], seen)
+    if (weight.vnni_packed is not None and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32)
+            and out_dtype in (torch.bfloat16, torch.float32)):  # both halves fused into our AVX-VNNI kernel
+        return int8_product_vnni(x, weight.act_mul, weight.vnni_packed, weight.scale, weight.bias, out_dtype)
     return int8_linear(*quantize_activations(x, weight.act_mul), weight, out_dtype)
 
 

@@ -44,8 +44,10 @@ def test_report_without_out_is_refused_naming_the_flags(tmp_path, capsys):
     assert not (tmp_path / "p.md").exists()
 
 
-def test_a_section_is_named_after_what_ran_its_sizes_format_and_model():
+def test_a_section_is_named_after_what_ran_its_sizes_format_and_model(monkeypatch):
     from prefixcache.bench.report_page import section_name
+
+    monkeypatch.delenv("PREFIXCACHE_KERNELS", raising=False)
 
     assert section_name("speed") == "speed"
     assert section_name("speed", fmt=("bfloat16", "int4")) == "speed-bfloat16-int4"
@@ -57,6 +59,11 @@ def test_a_section_is_named_after_what_ran_its_sizes_format_and_model():
     assert section_name("memory", "gemma3-270m", ("bfloat16", "int4")) == "memory-gemma3-270m"  # every format in one
     assert section_name("hash", "gemma3-270m", ("bfloat16", "int4")) == "hash"  # no model runs in it
     assert section_name("queue", "gemma3-270m", variant="14rps") == "queue-14rps"
+    monkeypatch.setenv("PREFIXCACHE_KERNELS", "avx2+avx_vnni")  # a run standing for a smaller CPU
+    assert section_name("speed", fmt=("bfloat16", "int4-int8")) == "speed-avx2-avx_vnni-bfloat16-int4-int8"
+    assert section_name("trace") == "trace"  # no model runs in it
+    monkeypatch.setenv("PREFIXCACHE_KERNELS", "auto")
+    assert section_name("speed") == "speed"
 
 
 def test_the_queue_variants_get_a_section_each():

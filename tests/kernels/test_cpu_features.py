@@ -1,5 +1,6 @@
-"""Which formats run on which CPU, read from its features: an AVX2-only CPU (AMD Zen 3), AVX-512 without VNNI
-(Skylake-SP), AVX-512 with VNNI and BF16 (AMD Zen 4), AMX (Intel Sapphire Rapids); and PREFIXCACHE_KERNELS' cap."""
+"""Which formats run on which CPU, read from its features: an AVX2-only CPU (AMD Zen 3), AVX2 with AVX-VNNI (Intel
+Alder Lake's P-cores without AVX-512), AVX-512 without VNNI (Skylake-SP), AVX-512 with VNNI and BF16 (AMD Zen 4),
+AMX (Intel Sapphire Rapids); and PREFIXCACHE_KERNELS' cap."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from prefixcache.errors import InvalidInputError
 from prefixcache.kernels import cpu_features as cf
 
 ZEN3 = frozenset({"avx2", "fma", "f16c"})
+ALDER_LAKE = ZEN3 | {"avx_vnni"}
 SKYLAKE_SP = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 ZEN4 = SKYLAKE_SP | {"avx512_vnni", "avx512_bf16"}
 SAPPHIRE_RAPIDS = ZEN4 | {"avx_vnni", "amx_tile", "amx_bf16", "amx_int8"}
@@ -34,8 +36,10 @@ def fake_cpu(monkeypatch):
 
 @pytest.mark.parametrize("flags,runs", [
     (frozenset(), [("float32", "none")]),
-    (ZEN3, [("float32", "none"), ("bfloat16", "int4"), ("bfloat16", "int4-int8")]),  # the int4 decoder's AVX2 build
-    (SKYLAKE_SP, [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int4"), ("bfloat16", "int4-int8")]),
+    # our AVX2 build: the exact int8 product and the int4 decoder; bf16 products need AVX-512 or AVX-NE-CONVERT
+    (ZEN3, [("float32", "none"), ("float32", "int8"), ("bfloat16", "int4"), ("bfloat16", "int4-int8")]),
+    (ALDER_LAKE, [("float32", "none"), ("float32", "int8"), ("bfloat16", "int4"), ("bfloat16", "int4-int8")]),
+    (SKYLAKE_SP, FORMATS),  # int8 on our AVX2 kernel (no VNNI), bf16 on oneDNN
     (ZEN4, FORMATS),
     (SAPPHIRE_RAPIDS, FORMATS),
 ])
@@ -45,8 +49,8 @@ def test_each_cpu_runs_exactly_the_formats_its_features_allow(fake_cpu, flags, r
 
 
 def test_the_tiers_and_the_start_up_line(fake_cpu):
-    for flags, tier in ((frozenset(), "reference"), (ZEN3, "avx2"), (SKYLAKE_SP, "avx2"), (ZEN4, "avx512_bf16"),
-                        (SAPPHIRE_RAPIDS, "amx")):
+    for flags, tier in ((frozenset(), "reference"), (ZEN3, "avx2"), (ALDER_LAKE, "avx2"), (SKYLAKE_SP, "avx2"),
+                        (ZEN4, "avx512_bf16"), (SAPPHIRE_RAPIDS, "amx")):
         fake_cpu(flags)
         assert cf.kernel_tier() == tier
     fake_cpu(ZEN3)
@@ -69,15 +73,39 @@ def test_the_cap_only_takes_features_away(fake_cpu):
         cf.cpu_features()
 
 
+def test_the_cap_adds_features_outside_the_tiers_back_with_a_plus(fake_cpu):
+    """``avx2+avx_vnni`` stands for an Alder Lake on a Sapphire Rapids: int8 runs (torch._int_mm on AVX-VNNI),
+    not on our AVX2 kernel; a feature the CPU lacks is still not added, and a tier's own feature or an unknown
+    name after ``+`` is refused naming the ones that can be added."""
+    from prefixcache.kernels import avx2_kernels
+
+    fake_cpu(SAPPHIRE_RAPIDS, cap="avx2+avx_vnni")
+    assert cf.cpu_features() == ALDER_LAKE and cf.kernel_tier() == "avx2" and cf.fast_int_mm()
+    assert cf.describe_cpu() == "cpu: avx2+fma+avx_vnni (capped by PREFIXCACHE_KERNELS), kernels: avx2"
+    assert cf.format_unavailable_reason("float32", "int8") is None and not avx2_kernels.uses_avx2_int8_gemm()
+    fake_cpu(SAPPHIRE_RAPIDS, cap="avx2")
+    assert not cf.fast_int_mm() and not avx2_kernels.uses_vnni_int8_gemm()
+    fake_cpu(ZEN3, cap="avx2+avx_vnni")
+    assert cf.cpu_features() == ZEN3 and not cf.fast_int_mm()
+    for cap, bad in (("avx2+avx512f", "['avx512f']"), ("avx2+avx_vnni+sse9", "['sse9']")):
+        fake_cpu(SAPPHIRE_RAPIDS, cap=cap)
+        with pytest.raises(ValueError) as e:
+            cf.cpu_features()
+        assert str(e.value) == (f"PREFIXCACHE_KERNELS={cap!r}: {bad} can't be added to a tier; the features that can "
+                                "are ['asimd', 'asimddp', 'avx_ne_convert', 'avx_vnni'] (a tier's own features come "
+                                "with the tier's name)")
+
+
 @pytest.mark.parametrize("dtype,quantization,field,start", [
     ("bfloat16", "none", "dtype", "dtype='bfloat16' needs a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT"),
-    ("float32", "int8", "quantization", "quantization='int8' needs fast int8 products (AVX512-VNNI or AMX-INT8"),
+    ("float32", "int8", "quantization", "quantization='int8' needs fast int8 products (AVX512-VNNI, AVX-VNNI or "
+                                        "AMX-INT8, oneDNN's kernels behind torch._int_mm, or AVX2 + FMA + F16C"),
     ("bfloat16", "int4", "quantization", "quantization='int4' runs our int4 kernels, which need a CPU with "
-                                         "AVX2, FMA and F16C; this one has no AVX2: use dtype='float32'"),
+                                         "AVX2, FMA and F16C, or aarch64 NEON; this one has no AVX2: use dtype='float32'"),
 ])
 def test_a_format_the_cpu_cannot_run_is_refused_by_the_config_naming_the_field(fake_cpu, dtype, quantization, field,
                                                                                start):
-    fake_cpu(frozenset() if quantization == "int4" else ZEN3)
+    fake_cpu(ZEN3 if dtype == "bfloat16" and quantization == "none" else frozenset())
     with pytest.raises(InvalidInputError) as e:
         EngineConfig.from_kwargs(dtype=dtype, quantization=quantization, device="cpu")
     assert e.value.field == field and str(e.value).startswith(start)
@@ -92,3 +120,19 @@ def test_this_cpus_features_are_read_from_cpuinfo():
     assert features <= cf._KNOWN
     if "avx512_vnni" in features:
         assert {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= features
+
+
+@pytest.mark.parametrize("flags,picks,with_lora", [
+    (frozenset(), ("float32", "none"), ("float32", "none")),
+    (ZEN3, ("bfloat16", "int4-int8"), ("float32", "int8")),  # LoRA: no int4 format
+    (ALDER_LAKE, ("bfloat16", "int4-int8"), ("float32", "int8")),
+    (SKYLAKE_SP, ("bfloat16", "int4-int8"), ("float32", "int8")),
+    (ZEN4, ("bfloat16", "int4-int8"), ("float32", "int8")),
+    (SAPPHIRE_RAPIDS, ("bfloat16", "int4"), ("float32", "int8")),
+])
+def test_auto_picks_each_cpus_row(fake_cpu, flags, picks, with_lora):
+    fake_cpu(flags)
+    assert cf.auto_format("auto", "auto") == picks
+    assert cf.auto_format("auto", "auto", lora=True) == with_lora
+    assert cf.auto_format("float32", "auto") == (("float32", "int8") if flags else ("float32", "none"))
+    assert cf.auto_format("float32", "none") == ("float32", "none")  # nothing auto: as given

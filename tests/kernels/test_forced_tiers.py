@@ -1,7 +1,7 @@
 """The fallbacks stay honest on every machine: the tiny-model tests of every weight format, run again with
-PREFIXCACHE_KERNELS capping the tier to what an AVX2-only CPU and a plain x86-64 have (our AVX-512/AMX kernels
-off, oneDNN's prepacked bf16 off, int8 through the AVX2 kernel or torch._int_mm, the int4 decoder in its AVX2
-build); and the int4 formats' tokens on a tiny model under each tier: cache on == off and batched == alone in
+PREFIXCACHE_KERNELS capping the tier to what an AVX2-only CPU, an AVX2 + AVX-VNNI one and a plain x86-64 have (our
+AVX-512/AMX kernels off, oneDNN's prepacked bf16 off, int8 through the AVX2 or AVX-VNNI kernel or torch._int_mm,
+the int4 decoder in its AVX2 build); and the int4 formats' tokens on a tiny model under each tier: cache on == off and batched == alone in
 every tier, the same tokens in the AVX2 and AVX-512 tiers where the rule promises it. Each run is its own
 process: the tier is read once per process."""
 
@@ -20,10 +20,11 @@ REPO = Path(__file__).resolve().parents[2]
 SUBSET = ["tests/models/test_llama_vs_transformers.py", "tests/models/test_quantized.py",
           "tests/layers/test_attention_invariance.py", "tests/engine/test_prefix_caching.py",
           "tests/kernels/test_cpu_features.py", "tests/models/test_decode_layers.py", "tests/layers/test_quant_int4.py",
-          "tests/kernels/test_int4_builds.py"]
+          "tests/kernels/test_int4_builds.py", "tests/kernels/test_int8_gemm_vnni.py"]
 
 
-@pytest.mark.parametrize("tier", ["reference", "avx2"])
+@pytest.mark.parametrize("tier", ["reference", "avx2", pytest.param("avx2+avx_vnni", marks=pytest.mark.requires_isa(
+    "avx2", "avx_vnni"))])  # an Alder Lake: int8 on our AVX-VNNI kernel
 def test_the_tiny_model_tests_pass_with_the_tier_capped(tier):
     env = {**os.environ, "PREFIXCACHE_KERNELS": tier}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *SUBSET],

@@ -22,7 +22,7 @@ def rand_int8(*shape: int, seed: int, low: int = -127) -> torch.Tensor:
     return torch.randint(low, 128, shape, generator=torch.Generator().manual_seed(seed), dtype=torch.int8)
 
 
-@pytest.mark.parametrize("k", [64, 100, 576, 1536])
+@pytest.mark.parametrize("k", [64, 101, 576, 1536])
 def test_the_sums_are_exact_over_odd_shapes(k):
     for n in (8, 9, 576, 1536):
         w = rand_int8(k, n, seed=k + n)
@@ -45,6 +45,28 @@ def test_extremes_zero_rows_and_the_largest_sums():
     got = int8_gemm_avx2(x, pack_weight(w), n)
     assert torch.equal(got, exact(x, w))
     assert got[0, 0] == k * 127 * 127 and got[2].eq(0).all() and got[4, 5] == k * 128 * 128
+
+
+def test_every_extreme_pair_every_row_count_the_largest_k_and_a_partial_panel():
+    """The kernel takes any int8 on both sides (no precondition: -128 is exact too). K = 131,071 is odd (a
+    zero-padded last pair) and the largest K whose worst sum fits int32: 131,071 * 128**2 = 2**31 - 16,384.
+    N = 40 leaves a half panel; M = 1..13 runs every tail of the 6-row blocks (and two full blocks)."""
+    k, n = 131_071, 40
+    values = torch.tensor([-128, -127, 127], dtype=torch.int8)
+    w = values[torch.randint(0, 3, (k, n), generator=torch.Generator().manual_seed(7))]
+    for j, (a, b) in enumerate([(a, b) for a in values for b in values]):  # columns 0..8: every (a, b) pair
+        w[0::2, j], w[1::2, j] = a, b
+    x = values[torch.randint(0, 3, (13, k), generator=torch.Generator().manual_seed(8))]
+    for i, v in enumerate(values):  # rows 0..2: constant -128, -127, 127
+        x[i] = v
+    x[3, ::2], x[3, 1::2] = -128, 127
+    x[4] = 0
+    packed = pack_weight(w)
+    full = exact(x, w)
+    assert full[0, 0] == k * 128 * 128 == 2**31 - 16_384  # (-128) * (-128) in every pair: the bound itself
+    assert full[2, 8] == k * 127 * 127 and full[0, 8] == -k * 128 * 127
+    for m in range(1, 14):
+        assert torch.equal(int8_gemm_avx2(x[:m], packed, n), full[:m]), m
 
 
 def test_a_row_gets_the_same_bits_alone_and_in_any_batch():
@@ -92,7 +114,10 @@ def test_int8_linear_runs_the_kernel_where_the_cpu_lacks_fast_int8_products(monk
 
 
 def test_the_kernel_is_chosen_only_without_vnni_or_amx_int8(monkeypatch):
+    fast = ({"avx512_vnni"}, {"amx_int8"}, {"avx_vnni"})  # cpu_features' fast torch._int_mm features
     for flags, used in (({"avx2", "fma", "f16c"}, True), ({"avx2", "fma", "f16c", "avx512_vnni"}, False),
-                        ({"avx2", "fma", "f16c", "amx_int8"}, False), ({"avx2"}, False)):
+                        ({"avx2", "fma", "f16c", "amx_int8"}, False), ({"avx2", "fma", "f16c", "avx_vnni"}, False),
+                        ({"avx2"}, False)):
         monkeypatch.setattr(avx2_kernels, "cpu_has", lambda *names, flags=flags: set(names) <= flags)
+        monkeypatch.setattr(avx2_kernels, "fast_int_mm", lambda flags=flags: any(f <= flags for f in fast))
         assert avx2_kernels.uses_avx2_int8_gemm() is used, flags

@@ -1,16 +1,28 @@
-// The AVX2 kernels' Python bindings (built by prefixcache/kernels/avx2_kernels.py with -mavx2 -mfma -mf16c only,
-// so that every function runs on an AVX2 CPU without AVX-512): int8's exact product (int8_gemm_avx2.cpp) and the
-// int4 formats' generated-token kernels in their AVX2 build (qgemm.cpp, paged_attention.cpp's float32 form,
-// decode_layers.cpp), the same names and bits as cpu_kernels.py's AVX-512 build.
+// The Python bindings of the AVX2 kernels (built by prefixcache/kernels/avx2_kernels.py with -mavx2 -mfma -mf16c
+// only, so that every function runs on an AVX2 CPU without AVX-512) and of the aarch64 NEON ones (built by
+// prefixcache/kernels/neon_kernels.py, -march=armv8.2-a+dotprod or armv8-a): the int4 formats' generated-token
+// kernels (qgemm.cpp, paged_attention.cpp's float32 form, decode_layers.cpp), the same names and bits as
+// cpu_kernels.py's AVX-512 build, and on x86 int8's exact products (int8_gemm_avx2.cpp: AVX2 intrinsics;
+// int8_gemm_vnni.cpp: its functions compiled for AVX-VNNI, refusing to run without it), which the NEON build
+// neither compiles nor binds (there torch._int_mm serves int8).
 #include <torch/extension.h>
 
 #include "isa_tier.h"
 
+#if defined(__x86_64__)
+#define PREFIXCACHE_BUILD_ISA "AVX2"
+#else
+#define PREFIXCACHE_BUILD_ISA "NEON"
+#endif
+
 int prefixcache_kernel_tier = kTierAmx;
 
+#if defined(__x86_64__)
 at::Tensor int8_gemm_avx2(const at::Tensor& x, const at::Tensor& packed, int64_t N);
 at::Tensor int8_linear_avx2(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& x_scale,
                             const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias);
+void bind_int8_vnni(pybind11::module& m);  // int8_gemm_vnni.cpp: its functions compiled for AVX-VNNI
+#endif
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min,
                    const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& corr,
@@ -28,11 +40,14 @@ at::Tensor paged_decode_attention_float32(const at::Tensor& q, const at::Tensor&
 void bind_decode_layers(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+#if defined(__x86_64__)
   m.def("int8_gemm_avx2", &int8_gemm_avx2, "x [M, K] int8 @ packed int8 weight [K, N] -> [M, N] int32, exact");
   m.def("int8_linear_avx2", &int8_linear_avx2,
         "int8_gemm_avx2 * x_scale [M, 1] * w_scale [N] (+ bias) -> [M, N] float32 (int8_rows_to_float_torch's bits)");
-  m.def("int4_mm", &int4_mm, "x [M, K] @ int4 grouped weight^T (+ bias) -> [M, N] (qgemm.cpp, AVX2)");
-  m.def("int8_mm", &int8_mm, "x [M, K] @ int8 grouped weight^T (+ bias) -> [M, N] (qgemm.cpp, AVX2)");
+  bind_int8_vnni(m);
+#endif
+  m.def("int4_mm", &int4_mm, "x [M, K] @ int4 grouped weight^T (+ bias) -> [M, N] (qgemm.cpp, " PREFIXCACHE_BUILD_ISA ")");
+  m.def("int8_mm", &int8_mm, "x [M, K] @ int8 grouped weight^T (+ bias) -> [M, N] (qgemm.cpp, " PREFIXCACHE_BUILD_ISA ")");
   m.def("int4_mm_reference", &int4_mm_reference, "int4_mm's rule in plain loops: its bits (qgemm.cpp)");
   m.def("int8_mm_reference", &int8_mm_reference, "int8_mm's rule in plain loops: its bits (qgemm.cpp)");
   m.def("paged_decode_attention", &paged_decode_attention,

@@ -5,14 +5,21 @@
 //   vpmaddwd(x[k, k+1], w[k..k+1, n])   int16 x int16, a pair summed into one int32 lane: |sum| <= 2 * 128^2
 // then added in int32. Integer sums are exact whatever their order (|acc| <= K * 128^2 < 2^31 for K < 131,072),
 // so every acc equals torch._int_mm's bit for bit, and a row's sums read only that row: a row gets the same bits
-// in any batch. Any int8 values are exact, -128 included. (ggml's AVX2 Q8_0 form, vpmaddubsw(|x|, sign(w, x))
-// then vpmaddwd with ones, is exact too for |w| <= 127, but issues three instructions on the multiply ports per
-// 32 products where this issues two per 32: a 6-row block measured no slower and needs no |x| copy.)
+// in any batch. Any int8 values are exact, -128 included, so the kernel needs no precondition on its operands.
+//
+// Cost per 32 products: 2 vpmaddwd (multiply ports) + 2 vpaddd, plus per 6 rows x 16 outputs two sign-extending
+// weight loads. ggml's AVX2 Q8_0 form, vpmaddubsw(|x|, sign(w, x)) then vpmaddwd with ones, is exact too for
+// |w| <= 127 (quantize_weight's range: |pair| <= 2 * 128 * 127 < 2^15), but per 32 products it issues vpsignb,
+// vpmaddubsw, vpmaddwd and vpaddd: as many vector operations, three of them on Intel's two multiply ports
+// (p0, p1) where this form has two, and no fewer multiply uops on a Zen 3 (its two multiply pipes). Weights
+// pre-widened to int16 at pack time save the two sign extensions but double the packed weight's bytes, which a
+// single-row (generated-token) call streams. So the bound of this form is its multiply ports: 16 products per
+// vpmaddwd, two per cycle on a Zen 3 (32 products a cycle, against 16 multiply-adds a cycle of float32 FMA).
 //
 // Layout (avx2_kernels.pack_weight): packed[p, q, 2 j + i] = w[2 q + i, 16 p + j], int8, shape = [ceil(N / 16),
 // ceil(K / 2), 32], zero-padded: one 16-output panel's input pair is 32 bytes, sign-extended into two ymm
-// (outputs 0..7, 8..15). Rows go in blocks of 6 (12 int32 accumulators), over row chunks whose int16 copy fits
-// L2, parallel over (row chunk, panel).
+// (outputs 0..7, 8..15). Rows go in blocks of 6 (12 int32 accumulators in registers, see panel_rows), over row
+// chunks whose int16 copy fits L2, parallel over (row chunk, panel).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -37,30 +44,55 @@ struct Rescale {
   const float* bias;     // this panel's 16, or nullptr
 };
 
-// rows r < R of one panel over all kq input pairs; x: row r at x + r * ld (int16, 2 per pair); out: 4-byte
+// rows r < R (R <= 6) of one panel over all kq input pairs; x: row r at x + r * ld (int16, 2 per pair); out: 4-byte
 // elements (int32 or float32), row r at out + r * ldo, the first cols written.
+// The 2 R accumulators are named variables, not an array: GCC (12) leaves an unrolled array of 12 ymm partly on
+// the stack, a load and a store per spilled accumulator per pair on top of the 26 vector operations. Per pair: two
+// weight loads (sign-extended), R broadcasts, 2 R vpmaddwd and 2 R vpaddd: 12 accumulators, the two weight
+// vectors, one broadcast and one product fill the 16 ymm registers with nothing spilled.
 template <int R>
-inline void panel_rows(const int16_t* x, int64_t ld, const int8_t* w, int64_t kq, const Rescale& e, int64_t row0,
-                       void* out, int64_t ldo, int64_t cols) {
-  __m256i acc[R][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-  for (int64_t q = 0; q < kq; ++q) {
-    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + q * 32)));
-    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + q * 32 + 16)));
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * ld + q * 2, 4);
-      const __m256i s = _mm256_set1_epi32(pair);
-      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(s, w0));
-      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(s, w1));
+__attribute__((always_inline)) inline void panel_rows(const int16_t* x, int64_t ld, const int8_t* w, int64_t kq,
+                                                      const Rescale& e, int64_t row0, void* out, int64_t ldo,
+                                                      int64_t cols) {
+  static_assert(R >= 1 && R <= kRows, "rows per micro-kernel");
+  const __m256i zero = _mm256_setzero_si256();
+  __m256i a00 = zero, a01 = zero, a10 = zero, a11 = zero, a20 = zero, a21 = zero, a30 = zero, a31 = zero,
+          a40 = zero, a41 = zero, a50 = zero, a51 = zero;
+  // row r's pair q is the 4 bytes at x + r * ld + 2 q (ld even), read as one int32 (may_alias: the buffer is int16)
+  using Pair = int32_t __attribute__((may_alias));
+  const Pair* x0 = reinterpret_cast<const Pair*>(x);
+  const Pair* x1 = reinterpret_cast<const Pair*>(x + std::min(1, R - 1) * ld);
+  const Pair* x2 = reinterpret_cast<const Pair*>(x + std::min(2, R - 1) * ld);
+  const Pair* x3 = reinterpret_cast<const Pair*>(x + std::min(3, R - 1) * ld);
+  const Pair* x4 = reinterpret_cast<const Pair*>(x + std::min(4, R - 1) * ld);
+  const Pair* x5 = reinterpret_cast<const Pair*>(x + std::min(5, R - 1) * ld);
+#define PREFIXCACHE_ROW(r)                                           \
+  if constexpr (R > r) {                                             \
+    const __m256i s = _mm256_set1_epi32(x##r[q]);                    \
+    a##r##0 = _mm256_add_epi32(a##r##0, _mm256_madd_epi16(s, w0));   \
+    a##r##1 = _mm256_add_epi32(a##r##1, _mm256_madd_epi16(s, w1));   \
+  }
+#define PREFIXCACHE_PAIR                                                                                        \
+  const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + q * 32)));      \
+  const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + q * 32 + 16))); \
+  PREFIXCACHE_ROW(0) PREFIXCACHE_ROW(1) PREFIXCACHE_ROW(2) PREFIXCACHE_ROW(3) PREFIXCACHE_ROW(4) PREFIXCACHE_ROW(5)
+  if constexpr (R > 4) {
+    // two pairs per iteration: the loop's own counter and branch take issue slots from the vector ports
+#pragma GCC unroll 2
+    for (int64_t q = 0; q < kq; ++q) {
+      PREFIXCACHE_PAIR
+    }
+  } else {
+    for (int64_t q = 0; q < kq; ++q) {  // <= 4 rows: fewer vector operations per weight load, not unrolled
+      PREFIXCACHE_PAIR
     }
   }
-  alignas(32) int32_t tmp[R][kPanel];
-  for (int r = 0; r < R; ++r) {
+#undef PREFIXCACHE_PAIR
+#undef PREFIXCACHE_ROW
+  alignas(32) int32_t tmp[kPanel];
+  auto emit = [&](int r, __m256i lo, __m256i hi) {  // row r's 16 sums (outputs 0..7, 8..15)
     for (int h = 0; h < 2; ++h) {
-      __m256i v = acc[r][h];
+      __m256i v = h == 0 ? lo : hi;
       if (e.x_scale != nullptr) {
         __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(e.x_scale[row0 + r]));
         y = _mm256_mul_ps(y, _mm256_loadu_ps(e.w_scale + 8 * h));
@@ -68,15 +100,23 @@ inline void panel_rows(const int16_t* x, int64_t ld, const int8_t* w, int64_t kq
         if (e.bias != nullptr) y = _mm256_add_ps(y, _mm256_loadu_ps(e.bias + 8 * h));
         v = _mm256_castps_si256(y);
       }
-      _mm256_store_si256(reinterpret_cast<__m256i*>(tmp[r] + 8 * h), v);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(tmp + 8 * h), v);
     }
-    std::memcpy(static_cast<char*>(out) + r * ldo * 4, tmp[r], cols * 4);
-  }
+    std::memcpy(static_cast<char*>(out) + r * ldo * 4, tmp, cols * 4);
+  };
+  emit(0, a00, a01);
+  if constexpr (R > 1) emit(1, a10, a11);
+  if constexpr (R > 2) emit(2, a20, a21);
+  if constexpr (R > 3) emit(3, a30, a31);
+  if constexpr (R > 4) emit(4, a40, a41);
+  if constexpr (R > 5) emit(5, a50, a51);
 }
 
-// rows [row0, row0 + rows) of one panel (cols outputs from n0)
-void panel(const int16_t* x, int64_t ld, int64_t row0, int64_t rows, const int8_t* w, int64_t kq, Rescale e,
-           int64_t n0, void* out, int64_t ldo, int64_t cols) {
+// rows [row0, row0 + rows) of one panel (cols outputs from n0). Inlined into gemm's task loop with the
+// micro-kernels: compiled out of line, GCC 12 gives the same 6-row loop a layout that runs it measurably slower.
+__attribute__((always_inline)) inline void panel(const int16_t* x, int64_t ld, int64_t row0, int64_t rows,
+                                                 const int8_t* w, int64_t kq, Rescale e, int64_t n0, void* out,
+                                                 int64_t ldo, int64_t cols) {
   alignas(32) float w_scale[kPanel] = {}, bias[kPanel] = {};
   if (e.x_scale != nullptr) {
     std::memcpy(w_scale, e.w_scale + n0, cols * 4);
