@@ -299,7 +299,8 @@ class StackedLinear:
         """Releases the modules' float weights where the method multiplies by its own copy
         (:attr:`LinearMethod.reads_module_weights` False), each to an empty tensor (:func:`release_weight`);
         a weight whose ``id`` is in ``keep`` (a tied lm_head's, the embedding's matrix) stays. Where our
-        AVX2 int8 kernel runs, the int8 matrix's plain layout goes too (:meth:`Int8Weight.release_qweight`).
+        AVX2 or AVX-VNNI int8 kernel runs, the int8 matrix's plain layout goes too
+        (:meth:`Int8Weight.release_qweight`).
 
         Returns:
             The bytes released (0 where the method reads the modules' weights: they are its copy).
