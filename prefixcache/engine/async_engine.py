@@ -49,11 +49,16 @@ from prefixcache.engine.input_processor import ProcessedPrompt
 from prefixcache.engine.llm_engine import EngineMetrics, LLMEngine
 from prefixcache.errors import InvalidInputError
 from prefixcache.layers.lora import LoRARequest
+from prefixcache.models.loader import return_freed_memory
 from prefixcache.outputs import RequestOutput
 from prefixcache.sampling_params import SamplingParams
 
 
 IDLE_STATS_WAIT_S = 0.25  # get_stats' wait for fresh counters from an idle engine thread (seconds)
+# When the loop goes idle after serving, at most once per this many seconds, the heap's free pages go back to the
+# system (glibc's malloc_trim): steps of new batch shapes free large temporaries that glibc otherwise keeps for
+# reuse, so a soaked server's resident set grew in steps though its live memory did not (tools/soak.py's check).
+TRIM_INTERVAL_S = 10.0
 
 
 class EngineDeadError(RuntimeError):
@@ -108,6 +113,7 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
+        self._busy_since_trim, self._last_trim = False, 0.0  # return_freed_memory when the loop idles
         self.error: BaseException | None = None
         self.num_recoveries = 0  # times the engine was reset after an unexpected error
         # The most requests seen in one step (a batching check for tests and benchmarks).
@@ -158,9 +164,13 @@ class AsyncLLMEngine:
         try:
             while True:
                 if not self._queues:
+                    if self._busy_since_trim and time.monotonic() - self._last_trim >= TRIM_INTERVAL_S:
+                        await loop.run_in_executor(self._executor, return_freed_memory)
+                        self._busy_since_trim, self._last_trim = False, time.monotonic()
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
+                self._busy_since_trim = True
                 try:
                     outputs = await loop.run_in_executor(self._executor, self._step)
                 except Exception as e:  # a bug outside the forward pass: fail what runs, reset

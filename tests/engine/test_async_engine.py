@@ -206,3 +206,32 @@ def test_calls_after_shutdown_are_refused_as_shutting_down_and_stats_stay_readab
         await engine.shutdown()  # twice (a second Ctrl-C) is harmless
 
     asyncio.run(main())
+
+
+def test_the_heap_is_trimmed_once_when_the_loop_goes_idle_after_serving(monkeypatch):
+    """After requests finish the loop hands the heap's free pages back (return_freed_memory) once, on the engine
+    thread; idle wake-ups with nothing served don't trim again, nor does a second burst within TRIM_INTERVAL_S."""
+    from prefixcache.engine import async_engine
+
+    trims: list[str] = []
+    monkeypatch.setattr(async_engine, "return_freed_memory", lambda: trims.append(threading.current_thread().name))
+
+    async def main():
+        engine = AsyncLLMEngine(FakeEngine())
+        try:
+            assert trims == []  # nothing served yet
+            outs = await asyncio.wait_for(_collect(await engine.generate("a", SamplingParams(max_tokens=1))), 2)
+            assert outs[-1].finished
+            await asyncio.sleep(0.1)
+            assert len(trims) == 1 and trims[0] != threading.current_thread().name  # the engine thread's
+            await asyncio.wait_for(_collect(await engine.generate("b", SamplingParams(max_tokens=1))), 2)
+            await asyncio.sleep(0.1)
+            assert len(trims) == 1  # within TRIM_INTERVAL_S of the last trim
+            engine._last_trim -= async_engine.TRIM_INTERVAL_S
+            await asyncio.wait_for(_collect(await engine.generate("c", SamplingParams(max_tokens=1))), 2)
+            await asyncio.sleep(0.1)
+            assert len(trims) == 2
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
