@@ -15,8 +15,11 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
+
+from prefixcache.kernels.cpu_features import cpu_has, describe_cpu
 
 _LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 
@@ -88,3 +91,30 @@ def load_extension(prefix: str, sources: list[Path], cflags: list[str]) -> Modul
             stale.unlink()
         return load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir), verbose=False)
+
+
+def build_main(name: str, load: Callable[[], object], unavailable: type[Exception], needs: Iterable[str],
+               built_for: Callable[[], str] | None = None) -> int:
+    """What ``python -m prefixcache.kernels.<name>`` runs (scripts/setup.sh builds each extension that way): build
+    now instead of on first use, and print one line either way, never a traceback, so one build that fails costs
+    setup one line and not the others.
+
+    Args:
+        name: the module's name, the line's first word (``"cpu_kernels"``).
+        load: builds (once) and returns the extension; raises ``unavailable`` where it can't.
+        unavailable: the module's exception for "can't run here or doesn't build".
+        needs: the features (``/proc/cpuinfo`` names) without which this build isn't meant to run here; the exit
+            code tells their absence (nothing to build) from a build that failed.
+        built_for: what the build was made for, said after ``built`` (``"for -march=armv8-a"``), if anything.
+
+    Returns:
+        The exit code: 0 where it built, and where this CPU (as capped by ``PREFIXCACHE_KERNELS``) lacks ``needs``
+        (another build or torch's own kernels serve it); 1 where it has them but the build failed.
+    """
+    try:
+        load()
+    except unavailable as e:
+        print(f"{name}: not built: {str(e).splitlines()[0]}")
+        return 1 if cpu_has(*needs) else 0
+    print(f"{name}: built{' ' + built_for() if built_for else ''} ({describe_cpu()})")
+    return 0

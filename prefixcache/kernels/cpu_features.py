@@ -103,21 +103,34 @@ def cpu_features() -> frozenset[str]:
     """:func:`reported_cpu_features` capped by ``PREFIXCACHE_KERNELS`` (see the module docstring).
 
     Raises:
-        ValueError: ``PREFIXCACHE_KERNELS`` is not ``auto`` or a tier name.
+        ValueError: ``PREFIXCACHE_KERNELS`` is not ``auto`` or a tier name, optionally followed by ``+`` and
+            features outside the tiers (:func:`_features_of`).
     """
     cap = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     reported = reported_cpu_features()
     if cap == "auto":
         return reported
-    tier, *extras = cap.split("+")
+    return reported & _features_of(cap)
+
+
+def _features_of(spec: str) -> frozenset[str]:
+    """The features ``spec``, a ``PREFIXCACHE_KERNELS`` value other than ``auto`` in lower case, names: its form is
+    ``tier+extra+...``, the tier's features of :data:`TIERS` and each extra (``avx2+avx_vnni``: AVX2, FMA, F16C and
+    AVX-VNNI). The one parser of that form, for the cap (:func:`cpu_features`) and :data:`AUTO_FORMATS`' rows alike.
+
+    Raises:
+        ValueError: the tier is not one of :data:`TIERS`, or an extra is not a feature outside the tiers (a tier's
+            own features come with its name), naming ``PREFIXCACHE_KERNELS``.
+    """
+    tier, *extras = spec.split("+")
     if tier not in TIERS:
         raise ValueError(f"{ENV_VAR} must be 'auto' or one of {list(TIERS)}, optionally followed by '+' and "
-                         f"features of {sorted(_EXTRA)}, got {cap!r}")
+                         f"features of {sorted(_EXTRA)}, got {spec!r}")
     unknown = sorted(set(extras) - _EXTRA)
     if unknown:
-        raise ValueError(f"{ENV_VAR}={cap!r}: {unknown} can't be added to a tier; the features that can are "
+        raise ValueError(f"{ENV_VAR}={spec!r}: {unknown} can't be added to a tier; the features that can are "
                          f"{sorted(_EXTRA)} (a tier's own features come with the tier's name)")
-    return reported & (TIERS[tier] | set(extras))
+    return TIERS[tier] | frozenset(extras)
 
 
 def cpu_has(*features: str) -> bool:
@@ -206,8 +219,7 @@ def auto_format(dtype: str, quantization: str, lora: bool = False) -> tuple[str,
     if "auto" not in (dtype, quantization):
         return dtype, quantization
     for needs, d, q in AUTO_FORMATS:
-        tier, *extras = needs.split("+")
-        if (cpu_has(*TIERS[tier], *extras) and dtype in ("auto", d) and quantization in ("auto", q)
+        if (cpu_has(*_features_of(needs)) and dtype in ("auto", d) and quantization in ("auto", q)
                 and not (lora and q in _INT4_FORMATS) and format_unavailable_reason(d, q) is None):
             return d, q
     d = dtype if dtype != "auto" else "bfloat16" if quantization in _INT4_FORMATS else "float32"

@@ -1,14 +1,21 @@
 """Which formats run on which CPU, read from its features: an AVX2-only CPU (AMD Zen 3), AVX2 with AVX-VNNI (Intel
 Alder Lake's P-cores without AVX-512), AVX-512 without VNNI (Skylake-SP), AVX-512 with VNNI and BF16 (AMD Zen 4),
-AMX (Intel Sapphire Rapids); and PREFIXCACHE_KERNELS' cap."""
+AMX (Intel Sapphire Rapids); PREFIXCACHE_KERNELS' cap; and the line and exit code each build's ``python -m``
+prints for scripts/setup.sh on each CPU."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from prefixcache.config import EngineConfig
 from prefixcache.errors import InvalidInputError
 from prefixcache.kernels import cpu_features as cf
+from prefixcache.kernels.build import build_main
 
 ZEN3 = frozenset({"avx2", "fma", "f16c"})
 ALDER_LAKE = ZEN3 | {"avx_vnni"}
@@ -17,21 +24,6 @@ ZEN4 = SKYLAKE_SP | {"avx512_vnni", "avx512_bf16"}
 SAPPHIRE_RAPIDS = ZEN4 | {"avx_vnni", "amx_tile", "amx_bf16", "amx_int8"}
 FORMATS = [("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("bfloat16", "int8"),
            ("bfloat16", "int4"), ("bfloat16", "int4-int8")]
-
-
-@pytest.fixture
-def fake_cpu(monkeypatch):
-    """Makes this process read ``flags`` as the CPU's features (and ``cap`` as PREFIXCACHE_KERNELS)."""
-    def use(flags: frozenset[str], cap: str | None = None) -> None:
-        monkeypatch.setattr(cf, "reported_cpu_features", lambda: frozenset(flags))
-        if cap is None:
-            monkeypatch.delenv(cf.ENV_VAR, raising=False)
-        else:
-            monkeypatch.setenv(cf.ENV_VAR, cap)
-        cf.cpu_features.cache_clear()
-
-    yield use
-    cf.cpu_features.cache_clear()
 
 
 @pytest.mark.parametrize("flags,runs", [
@@ -136,3 +128,71 @@ def test_auto_picks_each_cpus_row(fake_cpu, flags, picks, with_lora):
     assert cf.auto_format("auto", "auto", lora=True) == with_lora
     assert cf.auto_format("float32", "auto") == (("float32", "int8") if flags else ("float32", "none"))
     assert cf.auto_format("float32", "none") == ("float32", "none")  # nothing auto: as given
+
+
+def test_auto_reads_its_rows_as_the_cap_is_read(fake_cpu, monkeypatch):
+    """A row's first field is PREFIXCACHE_KERNELS' syntax, parsed by the same function: ``+`` features count, and
+    a row naming a tier's own feature after ``+`` is refused with the cap's message."""
+    monkeypatch.setattr(cf, "AUTO_FORMATS", (("avx2+avx_vnni", "float32", "int8"), ("reference", "float32", "none")))
+    fake_cpu(ALDER_LAKE)
+    assert cf.auto_format("auto", "auto") == ("float32", "int8")
+    fake_cpu(ZEN3)  # no AVX-VNNI: the row doesn't apply
+    assert cf.auto_format("auto", "auto") == ("float32", "none")
+    monkeypatch.setattr(cf, "AUTO_FORMATS", (("avx2+avx512f", "float32", "int8"),))
+    with pytest.raises(ValueError) as e:
+        cf.auto_format("auto", "auto")
+    assert str(e.value) == ("PREFIXCACHE_KERNELS='avx2+avx512f': ['avx512f'] can't be added to a tier; the features "
+                            "that can are ['asimd', 'asimddp', 'avx_ne_convert', 'avx_vnni'] (a tier's own features "
+                            "come with the tier's name)")
+
+
+class _Unavailable(RuntimeError):
+    pass
+
+
+def test_the_setup_line_and_exit_code_of_a_build(fake_cpu, capsys):
+    """Built: 0 and ``built``; not built: the error's first line only, 0 where the CPU (as capped) lacks what the
+    build needs (nothing to build), 1 where it has it (the build itself failed)."""
+    def fails():
+        raise _Unavailable("building the AVX2 kernels failed: g++ exited 1\nint8_gemm_avx2.cpp:12: error: ...")
+
+    fake_cpu(ZEN3)
+    assert build_main("avx2_kernels", fails, _Unavailable, cf.TIERS["avx2"]) == 1
+    assert capsys.readouterr().out == "avx2_kernels: not built: building the AVX2 kernels failed: g++ exited 1\n"
+    fake_cpu(SAPPHIRE_RAPIDS, cap="reference")
+    assert build_main("avx2_kernels", fails, _Unavailable, cf.TIERS["avx2"]) == 0
+    assert capsys.readouterr().out.startswith("avx2_kernels: not built: ")
+    fake_cpu(frozenset({"asimd", "asimddp"}))
+    assert build_main("neon_kernels", lambda: None, _Unavailable, ["asimd"],
+                      built_for=lambda: "for -march=armv8.2-a+dotprod") == 0
+    assert capsys.readouterr().out == ("neon_kernels: built for -march=armv8.2-a+dotprod (cpu: asimd+asimddp, "
+                                       "kernels: reference)\n")
+    fake_cpu(ZEN4)
+    assert build_main("cpu_kernels", lambda: None, _Unavailable, ["avx512_vnni"]) == 0
+    assert capsys.readouterr().out == ("cpu_kernels: built (cpu: avx2+fma+avx512f+avx512_vnni+avx512_bf16, "
+                                       "kernels: avx512_bf16)\n")
+
+
+def test_each_build_s_python_m_prints_one_line_where_the_cpu_cant_run_it():
+    """setup.sh's three ``python -m`` runs, capped to ``reference`` (so nothing is compiled): one line each, no
+    traceback, exit code 0."""
+    capped = " (capped by PREFIXCACHE_KERNELS)" if cf.reported_cpu_features() else ""
+    expected = {
+        "cpu_kernels": f"cpu_kernels: not built: our CPU kernels need AVX512-VNNI; cpu: baseline{capped}, kernels: "
+                       f"reference (float32 runs on torch's own kernels)\n",
+        "avx2_kernels": f"avx2_kernels: not built: our AVX2 kernels need AVX2, FMA and F16C; cpu: baseline{capped}, "
+                        f"kernels: reference\n",
+        "neon_kernels": f"neon_kernels: not built: our NEON kernels need an aarch64 CPU with NEON (asimd); cpu: "
+                        f"baseline{capped}, kernels: reference\n",
+    }
+    env = {**os.environ, cf.ENV_VAR: "reference"}
+
+    def run(module: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", f"prefixcache.kernels.{module}"], env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    with ThreadPoolExecutor(len(expected)) as pool:
+        done = dict(zip(expected, pool.map(run, expected)))
+    for module, line in expected.items():
+        assert (done[module].returncode, done[module].stdout) == (0, line), module
+        assert "Traceback" not in done[module].stderr, module
