@@ -40,8 +40,8 @@ import torch
 
 from prefixcache.config import QUANTIZATIONS
 from prefixcache.kernels.avx2_kernels import (int8_gemm_avx2, int8_gemm_vnni, int8_linear_avx2, int8_linear_vnni,
-                                              int8_product_vnni, pack_weight, pack_weight_vnni, uses_avx2_int8_gemm,
-                                              uses_vnni_int8_gemm)
+                                              int8_product_avx2, int8_product_vnni, pack_weight, pack_weight_vnni,
+                                              uses_avx2_int8_gemm, uses_vnni_int8_gemm)
 from prefixcache.kernels.cpu_kernels import CpuKernelsUnavailable, load_cpu_kernels, load_int4_kernels
 
 __all__ = ["INT4_GROUP", "INT4_OUTPUT_KEY", "QUANTIZATIONS", "GroupInt8Weight", "Int4Weight", "Int8Weight",
@@ -232,7 +232,9 @@ def int8_linear(
 
 def int8_product(x: torch.Tensor, weight: Int8Weight, out_dtype: torch.dtype) -> torch.Tensor:
     """``x @ w^T + b`` on the int8 weight: :func:`quantize_activations` (with the weight's
-    ``act_mul``) then :func:`int8_linear`. Inside :class:`recording_activation_amax` it also records
+    ``act_mul``) then :func:`int8_linear`, in one call of our AVX-VNNI or AVX2 kernel where the weight is packed
+    for it (``int8_product_vnni`` / ``int8_product_avx2``: the same bits, the quantization being
+    ``quantize_rows_int8``'s). Inside :class:`recording_activation_amax` it also records
     ``max|x_j|`` per input channel under ``id(weight)``, over the rows without a NaN or an infinity.
 
     Args:
@@ -248,9 +250,12 @@ def int8_product(x: torch.Tensor, weight: Int8Weight, out_dtype: torch.dtype) ->
             seen = finite.abs().amax(dim=0).float()  # [in_features]
             key = id(weight)
             stats[key] = seen if key not in stats else torch.maximum(stats[key], seen)
-    if (weight.vnni_packed is not None and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32)
-            and out_dtype in (torch.bfloat16, torch.float32)):  # both halves fused into our AVX-VNNI kernel
-        return int8_product_vnni(x, weight.act_mul, weight.vnni_packed, weight.scale, weight.bias, out_dtype)
+    if x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and out_dtype in (torch.bfloat16, torch.float32):
+        # both halves fused into our AVX-VNNI or AVX2 kernel (the same bits as the two calls below)
+        if weight.vnni_packed is not None:
+            return int8_product_vnni(x, weight.act_mul, weight.vnni_packed, weight.scale, weight.bias, out_dtype)
+        if weight.avx2_packed is not None:
+            return int8_product_avx2(x, weight.act_mul, weight.avx2_packed, weight.scale, weight.bias, out_dtype)
     return int8_linear(*quantize_activations(x, weight.act_mul), weight, out_dtype)
 
 
