@@ -19,12 +19,13 @@ needs a CPU with AVX512-VNNI (``TIERS["avx512"]``); at load it is told the tier
 own choices (the AVX512-BF16 attention form, AMX) honour ``PREFIXCACHE_KERNELS`` too.
 
 The int4 formats' generated-token kernels (``int4_mm``, ``int8_mm``, ``paged_decode_attention``,
-``DecodeLayers``) are built from the same sources a second time, for AVX2 + FMA + F16C, in
+``DecodeLayers``) and the prompt ops (prompt_ops.cpp, which :mod:`prefixcache.kernels.prompt_ops` picks a build
+of) are built from the same sources a second time, for AVX2 + FMA + F16C, in
 :mod:`prefixcache.kernels.avx2_kernels`, and on aarch64 for NEON in :mod:`prefixcache.kernels.neon_kernels`;
 :func:`load_int4_kernels` picks the best build this CPU (as capped) runs, ggml's way: one source per op family, a
 plain-loop reference beside the ISA forms (``int4_mm_reference``, ``int8_mm_reference``), each build with its own
-flags, one run-time choice. A build the compiler can't make is lost alone, with one line (``main``), never the
-others.
+flags, one run-time choice. A build the compiler can't make is lost alone, with one line
+(:func:`~prefixcache.kernels.build.build_main`), never the others.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-from prefixcache.kernels.build import load_extension
+from prefixcache.kernels.build import build_main, load_extension
 from prefixcache.kernels.cpu_features import TIERS, cpu_has, describe_cpu, kernel_tier
 
 __all__ = ["CpuKernelsUnavailable", "amx_ready", "int4_kernels_build", "kernels_compiler", "load_cpu_kernels",
@@ -151,17 +152,5 @@ def kernels_compiler() -> str:
         return ""
 
 
-def main() -> int:
-    """``python -m prefixcache.kernels.cpu_kernels``: build now (setup.sh), one line either way; 0 also where
-    this CPU can't run them (float32 needs none of them), 1 where the build itself failed."""
-    try:
-        load_cpu_kernels()
-    except CpuKernelsUnavailable as e:
-        print(f"cpu_kernels: not built: {str(e).splitlines()[0]}")
-        return 1 if cpu_has("avx512_vnni") else 0
-    print(f"cpu_kernels: built ({describe_cpu()})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # setup.sh; exit code 0 where the CPU can't run them too (float32 needs none of them)
+    sys.exit(build_main("cpu_kernels", load_cpu_kernels, CpuKernelsUnavailable, ["avx512_vnni"]))

@@ -2,7 +2,8 @@
 (qgemm.cpp over qgemm_core.h's NEON blocks: ``sdot`` where the CPU has the dot product extension, ``smull`` +
 ``saddlp`` where not, both exact), ``paged_decode_attention`` (paged_attention.cpp's float32 form,
 decode_attention_f32.h) and ``DecodeLayers`` (decode_layers.cpp), plus their plain-loop references
-(``int4_mm_reference``, ``int8_mm_reference``): the same sources, names and bits as the AVX-512 and AVX2 builds
+(``int4_mm_reference``, ``int8_mm_reference``), and a bf16 model's fused prompt-row ops (``add_rms_norm``,
+``rope_write_kv``, ``silu_mul``: prompt_ops.cpp): the same sources, names and bits as the AVX-512 and AVX2 builds
 (csrc/vec16.h's NEON backend runs each lane's IEEE operation and the reduction trees of the AVX-512 form).
 :func:`prefixcache.kernels.cpu_kernels.load_int4_kernels` returns this build on ARM (Graviton, Ampere, Apple
 silicon under Linux).
@@ -27,12 +28,13 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-from prefixcache.kernels.build import load_extension
+from prefixcache.kernels.build import build_main, load_extension
 from prefixcache.kernels.cpu_features import cpu_has, describe_cpu
 
 __all__ = ["MARCHES", "SOURCES", "NeonKernelsUnavailable", "extension_prefix", "flags", "load_neon_kernels", "march"]
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = [_CSRC / name for name in ("qgemm.cpp", "paged_attention.cpp", "decode_layers.cpp", "bindings_avx2.cpp")]
+SOURCES = [_CSRC / name for name in ("qgemm.cpp", "paged_attention.cpp", "decode_layers.cpp", "prompt_ops.cpp",
+                                     "bindings_avx2.cpp")]
 # -march -> what it compiles: armv8.2-a+dotprod gives qgemm_core.h's sdot blocks (__ARM_FEATURE_DOTPROD), armv8-a
 # its smull + saddlp ones; vec16.h's NEON backend is the same in both (NEON is part of armv8-a)
 MARCHES = {"armv8.2-a+dotprod": "asimddp", "armv8-a": "asimd"}
@@ -92,17 +94,6 @@ def load_neon_kernels() -> ModuleType:
                                      f"failed: {e}") from e
 
 
-def main() -> int:
-    """``python -m prefixcache.kernels.neon_kernels``: build now (setup.sh), one line either way; 0 also where this
-    CPU can't run them (x86: its own builds serve the int4 formats), 1 where the build itself failed."""
-    try:
-        load_neon_kernels()
-    except NeonKernelsUnavailable as e:
-        print(f"neon_kernels: not built: {str(e).splitlines()[0]}")
-        return 1 if cpu_has("asimd") else 0
-    print(f"neon_kernels: built for -march={march()} ({describe_cpu()})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # setup.sh; on x86 (its own builds serve the int4 formats) one line and exit code 0
+    sys.exit(build_main("neon_kernels", load_neon_kernels, NeonKernelsUnavailable, ["asimd"],
+                        built_for=lambda: f"for -march={march()}"))

@@ -15,13 +15,72 @@ The model uses them wherever the paged prompt kernel runs (``LlamaForCausalLM.pa
 their rounding (sum-of-squares order, the exp of SiLU) is our own, so the cache key's
 ``attention.PAGED_KV_NUMERICS`` names them. Each row's result depends on that row alone: the same bits
 in any batch.
+
+The one source is compiled into each of our extensions, ggml's way (csrc/vec16.h): the AVX-512 one
+(:mod:`prefixcache.kernels.cpu_kernels`), the AVX2 + FMA + F16C one (:mod:`prefixcache.kernels.avx2_kernels`)
+and the aarch64 NEON one (:mod:`prefixcache.kernels.neon_kernels`), each with the same bits, so a row's K/V
+and activations do not depend on which build ran them. Each call runs the best build the CPU, as capped by
+``PREFIXCACHE_KERNELS``, loads (:func:`prompt_ops_build`).
 """
 
 from __future__ import annotations
 
+from functools import cache
+from types import ModuleType
+
 import torch
 
-from prefixcache.kernels.cpu_kernels import load_cpu_kernels
+from prefixcache.kernels.avx2_kernels import Avx2KernelsUnavailable, load_avx2_kernels
+from prefixcache.kernels.cpu_features import TIERS, cpu_features, cpu_has, describe_cpu
+from prefixcache.kernels.cpu_kernels import CpuKernelsUnavailable, load_cpu_kernels
+from prefixcache.kernels.neon_kernels import NeonKernelsUnavailable, load_neon_kernels
+
+__all__ = ["add_rms_norm", "prompt_ops_build", "prompt_ops_supported", "rope_write_kv", "silu_mul"]
+
+
+@cache
+def _build_for(features: frozenset[str]) -> tuple[str, ModuleType | None]:
+    """(name, extension) of the best build that loads for ``features`` (:func:`cpu_features`: the key makes a
+    changed cap choose again, while a build that failed is not retried on every call)."""
+    if cpu_has(*TIERS["avx512"]):
+        try:
+            return "avx512", load_cpu_kernels()
+        except CpuKernelsUnavailable:
+            pass
+    if cpu_has(*TIERS["avx2"]):
+        try:
+            return "avx2", load_avx2_kernels()
+        except Avx2KernelsUnavailable:
+            pass
+    if cpu_has("asimd"):
+        try:
+            return "neon", load_neon_kernels()
+        except NeonKernelsUnavailable:
+            pass
+    return "", None
+
+
+def prompt_ops_build() -> str:
+    """Which build the three ops run on here: ``"avx512"`` (:mod:`~prefixcache.kernels.cpu_kernels`' extension,
+    where the CPU as capped by ``PREFIXCACHE_KERNELS`` has ``TIERS["avx512"]`` and it builds), ``"avx2"``
+    (:mod:`~prefixcache.kernels.avx2_kernels`', ``TIERS["avx2"]``), ``"neon"``
+    (:mod:`~prefixcache.kernels.neon_kernels`', an aarch64 CPU with ``asimd``) or ``""`` (none loads). Every build
+    gives the same bits. Chosen once per set of CPU features (a build is compiled on first use)."""
+    return _build_for(cpu_features())[0]
+
+
+def prompt_ops_supported() -> bool:
+    """Whether any build of the fused prompt ops loads on this CPU (as capped by ``PREFIXCACHE_KERNELS``):
+    where not, the model keeps torch's ops. Cached with :func:`prompt_ops_build`'s choice."""
+    return bool(prompt_ops_build())
+
+
+def _kernels() -> ModuleType:
+    module = _build_for(cpu_features())[1]
+    if module is None:
+        raise CpuKernelsUnavailable(f"the fused prompt ops need AVX-512, AVX2 + FMA + F16C or aarch64 NEON (and a "
+                                    f"build of them); {describe_cpu()}")
+    return module
 
 
 def add_rms_norm(x: list[torch.Tensor], residual: torch.Tensor | None, weight: torch.Tensor,
@@ -40,8 +99,9 @@ def add_rms_norm(x: list[torch.Tensor], residual: torch.Tensor | None, weight: t
 
     Raises:
         RuntimeError: shapes or dtypes it doesn't take.
+        CpuKernelsUnavailable: no build runs here (:func:`prompt_ops_supported`).
     """
-    return load_cpu_kernels().add_rms_norm(x, residual, weight, eps)
+    return _kernels().add_rms_norm(x, residual, weight, eps)
 
 
 def rope_write_kv(qkv: list[torch.Tensor], cos: torch.Tensor, sin_rot: torch.Tensor, kv_cache: torch.Tensor,
@@ -60,12 +120,12 @@ def rope_write_kv(qkv: list[torch.Tensor], cos: torch.Tensor, sin_rot: torch.Ten
 
     Raises:
         RuntimeError: shapes or dtypes it doesn't take, or a slot outside the pool.
+        CpuKernelsUnavailable: no build runs here (:func:`prompt_ops_supported`).
     """
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     slots = (num_blocks * block_size, kv_heads, head_dim)
-    return load_cpu_kernels().rope_write_kv(qkv, cos.view(-1, head_dim), sin_rot.view(-1, head_dim),
-                                            kv_cache[0].view(slots), kv_cache[1].view(slots), slot_mapping,
-                                            num_heads, num_kv_heads)
+    return _kernels().rope_write_kv(qkv, cos.view(-1, head_dim), sin_rot.view(-1, head_dim), kv_cache[0].view(slots),
+                                    kv_cache[1].view(slots), slot_mapping, num_heads, num_kv_heads)
 
 
 def silu_mul(gate_up: list[torch.Tensor]) -> torch.Tensor:
@@ -74,5 +134,6 @@ def silu_mul(gate_up: list[torch.Tensor]) -> torch.Tensor:
 
     Raises:
         RuntimeError: shapes or dtypes it doesn't take.
+        CpuKernelsUnavailable: no build runs here (:func:`prompt_ops_supported`).
     """
-    return load_cpu_kernels().silu_mul(gate_up)
+    return _kernels().silu_mul(gate_up)

@@ -37,9 +37,10 @@ from prefixcache.kernels.build import extension_name
 
 CXX, NM, OBJDUMP = "aarch64-linux-gnu-g++", "aarch64-linux-gnu-nm", "aarch64-linux-gnu-objdump"
 EM_AARCH64 = 183  # the ELF header's e_machine for aarch64
-# defined by the four objects together; the bindings reference them all
+# defined by the objects together; the bindings reference them all
 ENTRY_POINTS = {"int4_mm", "int8_mm", "int4_mm_reference", "int8_mm_reference", "paged_decode_attention",
-                "paged_decode_attention_float32", "bind_decode_layers", "prefixcache_kernel_tier"}
+                "paged_decode_attention_float32", "bind_decode_layers", "prefixcache_kernel_tier",
+                "add_rms_norm", "rope_write_kv", "silu_mul"}  # the last three: prompt_ops.cpp
 X86_ONLY = {"int8_gemm_avx2", "int8_linear_avx2"}  # int8_gemm_avx2.cpp: AVX2 intrinsics, not in this build
 GRAVITON2 = frozenset({"asimd", "asimddp"})  # Neoverse N1: NEON with the int8 dot product (sdot)
 CORTEX_A72 = frozenset({"asimd"})  # armv8-a NEON only (Graviton 1, a Raspberry Pi 4)
@@ -47,21 +48,6 @@ CORTEX_A72 = frozenset({"asimd"})  # armv8-a NEON only (Graviton 1, a Raspberry 
 needs_cross_compiler = pytest.mark.skipif(
     shutil.which(CXX) is None or shutil.which(NM) is None or shutil.which(OBJDUMP) is None,
     reason=f"{CXX} (and its binutils) not installed (apt-get install g++-aarch64-linux-gnu)")
-
-
-@pytest.fixture
-def fake_cpu(monkeypatch):
-    """Makes this process read ``flags`` as the CPU's features (and ``cap`` as PREFIXCACHE_KERNELS)."""
-    def use(flags: frozenset[str], cap: str | None = None) -> None:
-        monkeypatch.setattr(cf, "reported_cpu_features", lambda: frozenset(flags))
-        if cap is None:
-            monkeypatch.delenv(cf.ENV_VAR, raising=False)
-        else:
-            monkeypatch.setenv(cf.ENV_VAR, cap)
-        cf.cpu_features.cache_clear()
-
-    yield use
-    cf.cpu_features.cache_clear()
 
 
 def test_arm_cpus_run_int4_on_the_neon_build(fake_cpu):

@@ -5,28 +5,31 @@
 //   add_rms_norm:  h = bf16(residual + x)       (x alone in the first layer)
 //                  y = bf16(w * bf16(h * (1 / sqrt(mean(h^2) + eps))))
 //                  sum of squares of h in float32 over 16 lanes in index order, then across the lanes in a
-//                  fixed pattern (_mm512_reduce_add_ps); the rest torch's bf16 op order (RMSNorm in norm.py)
+//                  fixed pattern (v16_reduce_add: _mm512_reduce_add_ps's); the rest torch's bf16 op order
+//                  (RMSNorm in norm.py)
 //   rope_write_kv: q, k (heads of one [q | k | v] row) rotated as bf16(bf16(x cos) + bf16(roll(x, D/2) sin_rot)),
 //                  torch's bf16 ops' bits (layers/rotary.py's apply_rotary_emb); k and v written to the
 //                  row's pool slot, q returned contiguous for the attention kernel
-//   silu_mul:      a = bf16(bf16(g / (1 + e^-g)) * u) for the row's [g | u], e^x by exp512 (avx512.h)
+//   silu_mul:      a = bf16(bf16(g / (1 + e^-g)) * u) for the row's [g | u], e^x by v16_exp (exp512's bits)
 //
 // Every value depends only on its own row (and the weights), never on the other rows, the tiling or the
 // threads: a row gets the same bits in any batch. Rounding to bf16 is to nearest even, as torch's
 // (finite values; a NaN stays NaN).
+//
+// Built once per ISA like decode_layers.cpp (AVX-512 in cpu_kernels.py's extension, AVX2 + FMA + F16C in
+// avx2_kernels.py's, aarch64 NEON in neon_kernels.py's), written against vec16.h: each build runs the same IEEE
+// operation per lane and the same reduction tree, so the same bits. A row width that is not a multiple of 16
+// (add_rms_norm's hidden size, silu_mul's intermediate size) ends in a partial vector whose missing lanes are
+// +0.0f in every build (v16_load_bf16_n); only lanes < n are stored.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
-#include "avx512.h"
+#include "vec16.h"
 
 #include <algorithm>
 #include <cmath>
 #include <tuple>
 #include <vector>
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,fma")  // masked 256-bit bf16 loads and stores
 
 namespace {
 
@@ -56,18 +59,6 @@ Tiles make_tiles(const std::vector<at::Tensor>& tiles, const char* name) {
     out.start.push_back(out.start.back() + t.size(0));
   }
   return out;
-}
-
-// Masked tails (avx512vl, this file's target): rows whose width is not a multiple of 16.
-inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
-
-inline __m512 load_bf16_n(const at::BFloat16* p, int64_t n) {  // n <= 16 bf16 -> float32 (0 past n)
-  const __m256i w = _mm256_maskz_loadu_epi16(tail_mask(n), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
-}
-
-inline void store_bf16_n(at::BFloat16* p, __m512 x, int64_t n) {  // the first n <= 16 lanes, rounded as to_bf16_bits
-  _mm256_mask_storeu_epi16(p, tail_mask(n), _mm512_cvtepi32_epi16(_mm512_srli_epi32(to_bf16_bits(x), 16)));
 }
 
 constexpr int64_t kGrain = 8;  // rows per parallel_for grain
@@ -101,17 +92,17 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const std::vector<at::Tensor>& x
     for (int64_t t = begin; t < end; ++t) {
       const at::BFloat16* xr = x.row(t);
       at::BFloat16* hr = hp + t * n;
-      __m512 acc = _mm512_setzero_ps();
+      vec16 acc = v16_zero();  // lanes past n add +0 * +0: a lane stays +0 or its sum (never -0: squares are >= +0)
       for (int64_t i = 0; i < n; i += 16) {
-        __m512 v = load_bf16_n(xr + i, n - i);
-        if (res != nullptr) v = round_bf16(_mm512_add_ps(load_bf16_n(res + t * n + i, n - i), v));
-        if (copy) store_bf16_n(hr + i, v, n - i);
-        acc = _mm512_fmadd_ps(v, v, acc);
+        vec16 v = v16_load_bf16_n(xr + i, n - i);
+        if (res != nullptr) v = v16_round_bf16(v16_add(v16_load_bf16_n(res + t * n + i, n - i), v));
+        if (copy) v16_store_bf16_n(hr + i, v, n - i);
+        acc = v16_fmadd(v, v, acc);
       }
-      const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + static_cast<float>(eps)));
+      const vec16 r = v16_set1(1.f / std::sqrt(v16_reduce_add(acc) / static_cast<float>(n) + static_cast<float>(eps)));
       for (int64_t i = 0; i < n; i += 16) {
-        const __m512 normed = round_bf16(_mm512_mul_ps(load_bf16_n(hr + i, n - i), r));
-        store_bf16_n(yp + t * n + i, _mm512_mul_ps(load_bf16_n(w + i, n - i), normed), n - i);
+        const vec16 normed = v16_round_bf16(v16_mul(v16_load_bf16_n(hr + i, n - i), r));
+        v16_store_bf16_n(yp + t * n + i, v16_mul(v16_load_bf16_n(w + i, n - i), normed), n - i);
       }
     }
   });
@@ -153,9 +144,9 @@ at::Tensor rope_write_kv(const std::vector<at::Tensor>& qkv_tiles, const at::Ten
         const at::BFloat16* src = row + j * D;
         at::BFloat16* dst = j < H ? qp + (t * H + j) * D : kp + (slots[t] * KVH + j - H) * D;
         for (int64_t d = 0; d < D; d += 16) {
-          const __m512 a = round_bf16(_mm512_mul_ps(load_bf16(src + d), load_bf16(cp + t * D + d)));
-          const __m512 b = round_bf16(_mm512_mul_ps(load_bf16(src + (d + half) % D), load_bf16(sp + t * D + d)));
-          store_bf16_n(dst + d, _mm512_add_ps(a, b), 16);
+          const vec16 a = v16_round_bf16(v16_mul(v16_load_bf16(src + d), v16_load_bf16(cp + t * D + d)));
+          const vec16 b = v16_round_bf16(v16_mul(v16_load_bf16(src + (d + half) % D), v16_load_bf16(sp + t * D + d)));
+          v16_store_bf16(dst + d, v16_add(a, b));
         }
       }
       std::copy(row + (H + KVH) * D, row + (H + 2 * KVH) * D, vp + slots[t] * KVH * D);
@@ -175,14 +166,15 @@ at::Tensor silu_mul(const std::vector<at::Tensor>& gate_up_tiles) {
     for (int64_t t = begin; t < end; ++t) {
       const at::BFloat16* row = x.row(t);
       for (int64_t i = 0; i < I; i += 16) {
-        const __m512 g = load_bf16_n(row + i, I - i);
-        const __m512 silu = round_bf16(
-            _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-        store_bf16_n(op + t * I + i, _mm512_mul_ps(silu, load_bf16_n(row + I + i, I - i)), I - i);
+        const vec16 g = v16_load_bf16_n(row + i, I - i);
+        // v16_exp ends in p * 2^n, a multiply in the AVX2 and NEON forms (scalef in AVX-512's) that GCC may fuse
+        // with the 1 + into an fma: the same bits, as p * 2^n is exact wherever it is normal and 1 + a subnormal
+        // rounds to 1 either way
+        const vec16 silu = v16_round_bf16(v16_div(g, v16_add(v16_set1(1.f), v16_exp(v16_sub(v16_zero(), g)))));
+        v16_store_bf16_n(op + t * I + i, v16_mul(silu, v16_load_bf16_n(row + I + i, I - i)), I - i);
       }
     }
   });
   return out;
 }
 
-#pragma GCC pop_options

@@ -1,6 +1,6 @@
 // A 16-float vector for the kernels that are compiled once per ISA (qgemm.cpp, paged_attention.cpp's float32
-// form, decode_layers.cpp): one __m512 where the build has AVX-512 (cpu_kernels.py), two __m256 (lanes 0-7,
-// 8-15) where it has AVX2 + FMA + F16C only (avx2_kernels.py), four float32x4_t (lanes 0-3, ..., 12-15) on
+// form, decode_layers.cpp, prompt_ops.cpp): one __m512 where the build has AVX-512 (cpu_kernels.py), two __m256
+// (lanes 0-7, 8-15) where it has AVX2 + FMA + F16C only (avx2_kernels.py), four float32x4_t (lanes 0-3, ..., 12-15) on
 // aarch64 NEON (neon_kernels.py, and the standalone check driver aarch64_check.cpp). The kernels are written once against
 // it, as ggml writes its per-ISA forms against GGML_F32Cx* and at::vec against Vectorized<float>.
 //
@@ -13,7 +13,9 @@
 // agree (qgemm_core.h states why they do). x86's max takes the second operand where one is NaN or both are
 // zeros, NEON's fmax does not: the NEON form selects as x86 does (neon_detail::max_x86).
 #pragma once
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "scalar16.h"  // half_t, bf16_t: at::Half, at::BFloat16 in the extensions
 
@@ -42,6 +44,7 @@ inline vec16 v16_mul(vec16 a, vec16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline vec16 v16_div(vec16 a, vec16 b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline vec16 v16_fmadd(vec16 a, vec16 b, vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline vec16 v16_exp(vec16 x) { return {exp512(x.v)}; }
+inline vec16 v16_round_bf16(vec16 x) { return {round_bf16(x.v)}; }  // x's value as bf16, in float32
 inline float v16_reduce_add(vec16 x) { return _mm512_reduce_add_ps(x.v); }
 inline float v16_reduce_max(vec16 x) { return _mm512_reduce_max_ps(x.v); }
 inline void v16_store_aligned(float* p, vec16 x) { _mm512_store_ps(p, x.v); }
@@ -150,6 +153,9 @@ inline vec16 v16_fmadd(vec16 a, vec16 b, vec16 c) {
   return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
 inline vec16 v16_exp(vec16 x) { return {vec16_detail::exp8(x.lo), vec16_detail::exp8(x.hi)}; }
+inline vec16 v16_round_bf16(vec16 x) {  // x's value as bf16 (to_bf16_bits_8's rounding), in float32
+  return {_mm256_castsi256_ps(vec16_detail::to_bf16_bits_8(x.lo)), _mm256_castsi256_ps(vec16_detail::to_bf16_bits_8(x.hi))};
+}
 
 // _mm512_reduce_add_ps's tree (the header's): (hi + lo) per 256-bit half, its 128-bit halves, lanes (0, 2) and (1, 3)
 inline float v16_reduce_add(vec16 x) {
@@ -242,6 +248,13 @@ inline uint16x4_t to_bf16_4(float32x4_t x) {
   return vshrn_n_u32(kept, 16);
 }
 
+// to_bf16_4's rounding kept in float32: the bf16 in the high half, the low half zero (avx512.h's round_bf16)
+inline float32x4_t round_bf16_4(float32x4_t x) {
+  const uint32x4_t b = vreinterpretq_u32_f32(x);
+  const uint32x4_t r = vaddq_u32(b, vaddq_u32(vdupq_n_u32(0x7FFF), vandq_u32(vshrq_n_u32(b, 16), vdupq_n_u32(1))));
+  return vreinterpretq_f32_u32(vbslq_u32(vceqq_f32(x, x), vandq_u32(r, vdupq_n_u32(0xFFFF0000u)), vdupq_n_u32(0x7FC00000)));
+}
+
 inline uint32x4_t first_mask(int n, int quarter) {  // lanes 4 quarter + i < n
   const int32_t idx[4] = {0, 1, 2, 3};
   return vcltq_s32(vaddq_s32(vld1q_s32(idx), vdupq_n_s32(4 * quarter)), vdupq_n_s32(n));
@@ -288,6 +301,10 @@ inline vec16 v16_fmadd(vec16 a, vec16 b, vec16 c) {  // a * b + c, one rounding
 }
 inline vec16 v16_exp(vec16 x) {
   return {{neon_detail::exp4(x.q[0]), neon_detail::exp4(x.q[1]), neon_detail::exp4(x.q[2]), neon_detail::exp4(x.q[3])}};
+}
+inline vec16 v16_round_bf16(vec16 x) {  // x's value as bf16, in float32
+  return {{neon_detail::round_bf16_4(x.q[0]), neon_detail::round_bf16_4(x.q[1]), neon_detail::round_bf16_4(x.q[2]),
+           neon_detail::round_bf16_4(x.q[3])}};
 }
 
 // _mm512_reduce_add_ps's tree: the 256-bit halves (q2 + q0, q3 + q1), their 128-bit halves, lanes (0, 2) and (1, 3)
@@ -342,3 +359,22 @@ inline vec16 v16_hsum16(const vec16 (&x)[16]) {
 #else
 #error "vec16.h needs AVX-512 (-mavx512f), AVX2 + FMA + F16C (-mavx2 -mfma -mf16c) or aarch64 NEON"
 #endif
+
+// Rows whose width is not a multiple of 16, in every form alike: the first n bf16 at p (all 16 where n >= 16), lanes
+// n .. 15 +0.0f, the lanes an AVX-512 masked load (maskz) gives; through a zero-filled 16-element copy, so no element
+// past p + n is read. A kernel's tail lanes thus hold the same values in each build as in a masked AVX-512 form, not
+// merely values whose sum agrees (padding with -0, or summing fewer lanes, can turn a sum's -0 into +0 or back).
+inline vec16 v16_load_bf16_n(const bf16_t* p, int64_t n) {
+  if (n >= 16) return v16_load_bf16(p);
+  bf16_t buf[16];
+  std::memset(static_cast<void*>(buf), 0, sizeof buf);
+  std::memcpy(static_cast<void*>(buf), p, static_cast<size_t>(n) * sizeof(bf16_t));
+  return v16_load_bf16(buf);
+}
+// the first n lanes (all 16 where n >= 16), rounded as v16_store_bf16; nothing past p + n written
+inline void v16_store_bf16_n(bf16_t* p, vec16 x, int64_t n) {
+  if (n >= 16) return v16_store_bf16(p, x);
+  bf16_t buf[16];
+  v16_store_bf16(buf, x);
+  std::memcpy(static_cast<void*>(p), buf, static_cast<size_t>(n) * sizeof(bf16_t));
+}
