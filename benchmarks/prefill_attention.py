@@ -1,5 +1,5 @@
-"""Times one layer's prompt attention, our paged kernel (its AVX-512 form, and its AMX form where the
-CPU has AMX-BF16) vs torch's padded flash path, on SmolLM2's head shape, for the bench's shapes: a cold 2,178-token prefill, ten 150-token suffixes over 2,032
+"""Times one layer's prompt attention, our paged kernel (each of its forms this CPU runs: AMX tiles where the
+CPU has AMX-BF16, AVX512-BF16 dot products, AVX2 float32 FMAs) vs torch's padded flash path, on SmolLM2's head shape, for the bench's shapes: a cold 2,178-token prefill, ten 150-token suffixes over 2,032
 cached keys (the 10 x 32 run's second step), one such suffix (warm TTFT), and a 2,048-token chunk after
 6,000 cached keys (an 8,000-token prefill's last chunk). Both paths include the K/V write; best of --repeats.
 
@@ -21,6 +21,7 @@ from prefixcache.layers.attention.metadata import build_attention_metadata
 from prefixcache.layers.attention.torch_attention import Attention
 
 SECTION = "kernels-prefill-attention"  # the page section --report fills
+FORM_NAMES = {"amx": "AMX form", "avx512": "AVX-512 form", "avx2": "AVX2 form"}
 
 
 def main() -> None:
@@ -38,10 +39,8 @@ def main() -> None:
     blocks = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, as a busy pool's are
     shapes = {"cold 2178": [(0, 2178)], "10 x 150 over 2032": [(2032, 150)] * 10, "1 x 150 over 2032": [(2032, 150)],
               "2048 over 6000": [(6000, 2048)]}  # the last chunk of an 8,000-token prefill
-    has_amx = prefill_attention.prefill_amx_supported()
-    forms = [("torch", False, False), ("avx512", True, False)] + ([("amx", True, True)] if has_amx else [])
-    print(f"{'shape':<22}{'torch padded (ms)':>18}{'ours AVX-512 (ms)':>18}{'ratio':>7}"
-          + (f"{'ours AMX (ms)':>15}{'ratio':>7}" if has_amx else ""))
+    forms = [form for form in prefill_attention.FORMS if prefill_attention.form_supported(form)]
+    print(f"{'shape':<22}{'torch padded (ms)':>18}" + "".join(f"{'ours ' + form + ' (ms)':>18}{'ratio':>7}" for form in forms))
     rows = []
     for name, seqs in shapes.items():
         batch = [(c, n, blocks) for c, n in seqs]
@@ -50,10 +49,10 @@ def main() -> None:
         k = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).bfloat16()
         v = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).bfloat16()
         times = []
-        for _, paged, amx in forms:
-            prefill_attention.prefill_amx_supported = lambda amx=amx: amx  # the form the wrapper picks
+        for form in [None, *forms]:  # None: torch's path
+            prefill_attention.prefill_form = lambda form=form: form  # the form the wrapper picks
             md, _ = build_attention_metadata(batch, block_size, "cpu", batch_invariant=True, dtype=torch.bfloat16,
-                                             num_pool_blocks=num_blocks, paged_kernel=paged)
+                                             num_pool_blocks=num_blocks, paged_kernel=form is not None)
             attn(q, k, v, kv_cache, md)
             best = float("inf")
             for _ in range(args.repeats):
@@ -61,35 +60,31 @@ def main() -> None:
                 attn(q, k, v, kv_cache, md)
                 best = min(best, time.perf_counter() - start)
             times.append(best * 1e3)
-        line = f"{name:<22}{times[0]:>18.1f}{times[1]:>18.1f}{times[0] / times[1]:>7.2f}"
-        if has_amx:
-            line += f"{times[2]:>15.1f}{times[0] / times[2]:>7.2f}"
-        print(line)
+        print(f"{name:<22}{times[0]:>18.1f}" + "".join(f"{t:>18.1f}{times[0] / t:>7.2f}" for t in times[1:]))
         rows.append((name, times))
     if args.report:
-        from prefixcache.bench.report_page import report_section
+        from prefixcache.bench.report_page import report_section, section_name
 
         command = shlex.join([".venv/bin/python", "benchmarks/prefill_attention.py", *sys.argv[1:]])
-        report_section(args.report, SECTION, markdown(rows, has_amx, args.num_threads, args.repeats), command)
-        print(f"--report: {SECTION} written into {args.report}", file=sys.stderr)
+        section = section_name(SECTION)  # a run under PREFIXCACHE_KERNELS gets the cap in its name
+        report_section(args.report, section, markdown(rows, forms, args.num_threads, args.repeats), command)
+        print(f"--report: {section} written into {args.report}", file=sys.stderr)
 
 
-def markdown(rows: list[tuple[str, list[float]]], has_amx: bool, num_threads: int, repeats: int) -> str:
-    """The timings (``rows``: shape, then ms per form: torch, AVX-512, [AMX]) as a Markdown table."""
+def markdown(rows: list[tuple[str, list[float]]], forms: list[str], num_threads: int, repeats: int) -> str:
+    """The timings (``rows``: shape, then ms per path: torch, then each of ``forms``) as a Markdown table."""
     lines = [f"One layer's prompt attention on SmolLM2's head shape (9 query / 3 KV heads, head_dim 64, bf16 K/V in "
              f"16-token blocks scattered over the pool), K/V write included, {num_threads} threads, best of "
              f"{repeats}, in ms.", "",
-             "| shape (new tokens over cached keys) | torch's padded flash path | our kernel, AVX-512 form "
-             "| torch / ours"
-             + (" | our kernel, AMX form | torch / ours AMX |" if has_amx else " |"),
-             "|---|---|---|---|" + ("---|---|" if has_amx else "")]
+             "| shape (new tokens over cached keys) | torch's padded flash path | "
+             + " | ".join(f"our kernel, {FORM_NAMES[form]} | torch / ours" for form in forms) + " |",
+             "|---|---|" + "---|---|" * len(forms)]
     for name, times in rows:
-        cells = [f"{times[0]:.1f}", f"{times[1]:.1f}", f"{times[0] / times[1]:.2f}"]
-        if has_amx:
-            cells += [f"{times[2]:.1f}", f"{times[0] / times[2]:.2f}"]
+        cells = [f"{times[0]:.1f}"] + [f"{t:.1f} | {times[0] / t:.2f}" for t in times[1:]]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    if not has_amx:
-        lines += ["", "No AMX form: this CPU has no AMX-BF16 tiles (or PREFIXCACHE_AMX=0)."]
+    missing = [FORM_NAMES[form] for form in prefill_attention.FORMS if form not in forms]
+    if missing:
+        lines += ["", f"Not run on this CPU: {', '.join(missing)} (or PREFIXCACHE_AMX=0 / PREFIXCACHE_KERNELS capped it)."]
     return "\n".join(lines) + "\n"
 
 

@@ -4,8 +4,10 @@ exact int8 × int8 → int32 product on CPUs with AVX2 and FMA but without AVX51
 ``ONEDNN_MAX_CPU_ISA=AVX2`` forces on a bigger CPU, saturates its u8 × s8 pairs and gets sums wrong); and the AVX2
 build of the int4 formats' generated-token kernels: ``int4_mm``, ``int8_mm`` (qgemm.cpp, ``vpmaddubsw`` sums
 with no int16 saturation), ``paged_decode_attention`` (paged_attention.cpp's float32 form) and ``DecodeLayers``
-(decode_layers.cpp), from the same sources as :mod:`prefixcache.kernels.cpu_kernels`' AVX-512 build and with the
-same bits (the sources' headers say why), plus their plain-loop references (``int4_mm_reference``,
+(decode_layers.cpp), and a bf16 model's fused prompt-row ops ``add_rms_norm``, ``rope_write_kv``, ``silu_mul``
+(prompt_ops.cpp; :mod:`prefixcache.kernels.prompt_ops` picks the build), from the same sources as
+:mod:`prefixcache.kernels.cpu_kernels`' AVX-512 build and with the same bits (the sources' headers say why), plus
+their plain-loop references (``int4_mm_reference``,
 ``int8_mm_reference``). :func:`prefixcache.kernels.cpu_kernels.load_int4_kernels` picks between the builds.
 
 The sums are exact, so they equal ``torch._int_mm``'s bit for bit and a row's result never depends on the other
@@ -27,15 +29,16 @@ from types import ModuleType
 
 import torch
 
-from prefixcache.kernels.build import load_extension
+from prefixcache.kernels.build import build_main, load_extension
 from prefixcache.kernels.cpu_features import TIERS, cpu_has, describe_cpu, fast_int_mm, kernel_tier
 
 __all__ = ["Avx2KernelsUnavailable", "int8_gemm_avx2", "int8_gemm_vnni", "int8_linear_avx2", "int8_linear_vnni",
-           "int8_product_vnni",
+           "int8_product_avx2", "int8_product_vnni",
            "load_avx2_kernels", "pack_weight", "pack_weight_vnni", "uses_avx2_int8_gemm", "uses_vnni_int8_gemm"]
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("int8_gemm_avx2.cpp", "int8_gemm_vnni.cpp", "qgemm.cpp", "paged_attention.cpp",
-                                      "decode_layers.cpp", "bindings_avx2.cpp")]
+                                      "decode_layers.cpp", "prefill_attention_avx2.cpp", "prompt_ops.cpp",
+                                      "bindings_avx2.cpp")]
 # -fopenmp: ATen's parallel_for is inline OpenMP; the process's libgomp is torch's (same soname), one thread pool.
 # GCC's default contraction (a product and a sum into one fma), as in the AVX-512 build: the shared sources
 # (qgemm.cpp, paged_attention.cpp, decode_layers.cpp) fuse the same scalar products and sums in both builds
@@ -134,6 +137,27 @@ def int8_linear_avx2(x_q: torch.Tensor, x_scale: torch.Tensor, packed: torch.Ten
     return load_avx2_kernels().int8_linear_avx2(x_q, packed, x_scale, w_scale, bias)
 
 
+def int8_product_avx2(x: torch.Tensor, mul: torch.Tensor | None, packed: torch.Tensor, w_scale: torch.Tensor,
+                      bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``quant.int8_product`` in one call on AVX2: each row quantized (``quant.quantize_activations``' rule and
+    bits, a row with a NaN or an infinity getting a NaN scale), the exact product, the rescale (+ bias) in
+    ``out_dtype``: the bits of the unfused halves and of :func:`int8_product_vnni` (csrc/int8_gemm_common.h holds
+    the quantization and the rescale both run).
+
+    Args:
+        x: shape = [num_tokens, in_features], float32 or bfloat16.
+        mul: shape = [in_features] float32, contiguous (``Int8Weight.act_mul``), or None.
+        packed: :func:`pack_weight`'s result.
+        w_scale: shape = [out_features] float32, contiguous.
+        bias: shape = [out_features] float32, contiguous, or None.
+        out_dtype: float32 or bfloat16.
+
+    Returns:
+        shape = [num_tokens, out_features], ``out_dtype``.
+    """
+    return load_avx2_kernels().int8_product_avx2(x, mul, packed, w_scale, bias, out_dtype)
+
+
 def uses_vnni_int8_gemm() -> bool:
     """Whether int8 products run :func:`int8_gemm_vnni` here: the CPU has AVX2 and AVX-VNNI but neither AVX512-VNNI
     nor AMX-INT8 (where ``torch._int_mm``'s oneDNN kernels are fast at every size), and the extension loads. There
@@ -214,17 +238,5 @@ def int8_product_vnni(x: torch.Tensor, mul: torch.Tensor | None, packed: tuple[t
     return load_avx2_kernels().int8_product_vnni(x, mul, *packed, w_scale, bias, out_dtype)
 
 
-def main() -> int:
-    """``python -m prefixcache.kernels.avx2_kernels``: build now (setup.sh), one line either way; 0 also where this
-    CPU can't run them, 1 where the build itself failed."""
-    try:
-        load_avx2_kernels()
-    except Avx2KernelsUnavailable as e:
-        print(f"avx2_kernels: not built: {str(e).splitlines()[0]}")
-        return 1 if cpu_has(*TIERS["avx2"]) else 0
-    print(f"avx2_kernels: built ({describe_cpu()})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # setup.sh; exit code 0 where the CPU can't run them too
+    sys.exit(build_main("avx2_kernels", load_avx2_kernels, Avx2KernelsUnavailable, TIERS["avx2"]))

@@ -19,10 +19,16 @@ output as V^T . p^T) around an online softmax of the same order with fewer instr
 on the raw sums, ``p = 2^(s * scale - m)``, a -inf score making its row NaN like NaN and +inf); a tile product's element depends only on its own row and column, so the batch invariance
 above holds, but its sums and 2^x differ from the AVX-512 form's, so the cache key names the form.
 
+On a CPU without AVX512-BF16 (AMD Zen 2 and 3, Intel client cores) the kernel's AVX2 form runs instead
+(``prefixcache/kernels/csrc/prefill_attention_avx2.cpp``, in the AVX2 extension): the same work items and
+32-key blocks, rows across 8 lanes, bf16 widened to float32 and every product a float32 FMA in dim or key
+order, ``p`` kept in float32; batch-invariant by the same argument, with its own bits, which the cache key
+names too.
+
 A model uses it when it is batch-invariant in bfloat16 (``bfloat16``, ``int4``'s prompt rows, ``int8``
-with a bf16 model), its head shape fits (:func:`prefill_kernel_supported`) and the CPU has
-AVX512-BF16; its rounding differs from the torch path's, so the cache key names which one computed
-the K/V (:func:`prefixcache.layers.attention.numerics.kv_numerics`).
+with a bf16 model), its head shape fits (:func:`prefill_kernel_supported`) and the CPU has AVX512-BF16 or
+AVX2; its rounding differs from the torch path's, so the cache key names which one computed the K/V
+(:func:`prefixcache.layers.attention.numerics.kv_numerics`), and which form (:func:`prefill_form`).
 """
 
 from __future__ import annotations
@@ -32,11 +38,13 @@ from functools import cache
 
 import torch
 
-from prefixcache.kernels.cpu_features import cpu_has
+from prefixcache.kernels.avx2_kernels import Avx2KernelsUnavailable, load_avx2_kernels
+from prefixcache.kernels.cpu_features import TIERS, cpu_has
 from prefixcache.kernels.cpu_kernels import CpuKernelsUnavailable, amx_ready, load_cpu_kernels
 
 MAX_HEADS_PER_KV_HEAD = 48  # rows of one work item
 MAX_HEAD_DIM = 256
+FORMS = ("amx", "avx512", "avx2")  # the kernel's forms, fastest first: AMX tiles, AVX512-BF16, AVX2 + FMA
 
 
 @dataclass(slots=True)
@@ -62,17 +70,39 @@ def build_paged_rows(num_computed: list[int], num_new: list[int], block_table: t
 @cache
 def prefill_kernel_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether the kernel runs this head shape here: head_dim a multiple of 32 up to 256, at most 48
-    query heads per KV head, a CPU with AVX512-BF16 and AVX512-VNNI, the extension built. (False,
-    not an error: the model then keeps the torch path.)"""
+    query heads per KV head, and one of its forms runs on this CPU (:func:`prefill_form`). (False, not an
+    error: the model then keeps the torch path.)"""
     if head_dim % 32 or head_dim > MAX_HEAD_DIM or num_heads % num_kv_heads:
         return False
-    if num_heads // num_kv_heads > MAX_HEADS_PER_KV_HEAD or not cpu_has("avx512_bf16"):
-        return False
+    return num_heads // num_kv_heads <= MAX_HEADS_PER_KV_HEAD and prefill_form() is not None
+
+
+def form_supported(form: str) -> bool:
+    """Whether ``form`` (one of :data:`FORMS`) runs here: "amx" where :func:`prefill_amx_supported`, "avx512"
+    on a CPU with AVX512-BF16 and AVX512-VNNI, "avx2" on one with AVX2, FMA and F16C, each with its extension
+    built (as ``PREFIXCACHE_KERNELS`` caps the CPU).
+
+    Raises:
+        ValueError: ``form`` is not one of :data:`FORMS`.
+    """
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    if form == "amx":
+        return prefill_amx_supported()
     try:
-        load_cpu_kernels()
-    except CpuKernelsUnavailable:
+        if form == "avx512":
+            return cpu_has("avx512_bf16") and bool(load_cpu_kernels())
+        return cpu_has(*TIERS["avx2"]) and bool(load_avx2_kernels())
+    except (CpuKernelsUnavailable, Avx2KernelsUnavailable):
         return False
-    return True
+
+
+@cache
+def prefill_form() -> str | None:
+    """The form this machine runs, the first of :data:`FORMS` that :func:`form_supported` here; None where
+    none does (then no model uses the kernel). One per machine: the forms round differently, and the cache
+    key names this one (:func:`prefixcache.layers.attention.numerics.kv_numerics`)."""
+    return next((form for form in FORMS if form_supported(form)), None)
 
 
 def prefill_amx_supported() -> bool:
@@ -85,7 +115,7 @@ def prefill_amx_supported() -> bool:
 
 
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, rows: PagedRows, scale: float,
-                            amx: bool | None = None) -> torch.Tensor:
+                            form: str | None = None) -> torch.Tensor:
     """Causal attention of every new token over its sequence's context in the pool.
 
     Args:
@@ -95,17 +125,24 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, rows: Paged
             the step's K/V already written.
         rows: the step's :class:`PagedRows`.
         scale: softmax scale.
-        amx: the products on AMX tiles; None: where :func:`prefill_amx_supported` (tests pass False to
-            compare the forms).
+        form: one of :data:`FORMS`; None: :func:`prefill_form` (tests and benchmarks name one to compare
+            the forms).
 
     Returns:
         shape = [num_tokens, num_heads, head_dim] bf16.
 
     Raises:
-        RuntimeError: shapes or dtypes the kernel doesn't take, or a block id outside the pool.
+        ValueError: ``form`` is not one of :data:`FORMS`.
+        RuntimeError: shapes or dtypes the kernel doesn't take, a block id outside the pool, or a form this
+            CPU can't run.
     """
+    form = prefill_form() if form is None else form
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     slots = (num_blocks * block_size, num_kv_heads, head_dim)
-    return load_cpu_kernels().paged_prefill_attention(
-        q.contiguous(), kv_cache[0].view(slots), kv_cache[1].view(slots), rows.block_table, rows.query_start,
-        rows.num_computed, block_size, scale, prefill_amx_supported() if amx is None else amx)
+    args = (q.contiguous(), kv_cache[0].view(slots), kv_cache[1].view(slots), rows.block_table, rows.query_start,
+            rows.num_computed, block_size, scale)
+    if form == "avx2":
+        return load_avx2_kernels().paged_prefill_attention_avx2(*args)
+    return load_cpu_kernels().paged_prefill_attention(*args, form == "amx")

@@ -184,7 +184,8 @@ class LlamaModel(nn.Module):
         self.decode_layers: DecodeLayers | None = None  # quantization int4(-int8): generated rows' layers
         # layers' forward_fused (prompt_ops) in every step whose metadata runs the paged kernel (md.paged), which
         # the cache key names with them (attention.numerics.kv_numerics); False only in A/B runs
-        # (benchmarks/prompt_ops.py)
+        # (benchmarks/prompt_ops.py). Every extension that holds a form of the paged kernel (AVX-512, AVX2) also
+        # builds the prompt ops, so where the kernel runs they do.
         self.fused_prompt_ops = True
 
     def build_decode_layers(self, config: ModelConfig) -> None:
@@ -438,7 +439,8 @@ class LlamaForCausalLM(StackedLinearModel, nn.Module):
     @property
     def paged_attention(self) -> bool:
         """Whether attention runs our paged kernel (:mod:`prefixcache.kernels.prefill_attention`): a
-        batch-invariant bfloat16 model whose head shape the kernel takes, on a CPU with AVX512-BF16;
+        batch-invariant bfloat16 model whose head shape the kernel takes, on a CPU where one of its forms runs
+        (AVX512-BF16 or AVX2: :func:`~prefixcache.kernels.prefill_attention.prefill_form`);
         else torch's flash kernel with the padding of :mod:`prefixcache.layers.attention`. The two round
         differently, so the cache key names the one in use (``attention.numerics.kv_numerics``)."""
         cfg = self.config

@@ -229,10 +229,11 @@ def test_the_soak_table():
 
 def test_the_kernel_tables():
     attention = _script("benchmarks/prefill_attention.py")
-    md = attention.markdown([("cold 2178", [12.0, 30.0, 8.0])], True, 2, 3)
-    assert "| cold 2178 | 12.0 | 30.0 | 0.40 | 8.0 | 1.50 |\n" in md
-    md = attention.markdown([("cold 2178", [12.0, 30.0])], False, 2, 3)
-    assert "| cold 2178 | 12.0 | 30.0 | 0.40 |\n" in md and "No AMX form" in md
+    md = attention.markdown([("cold 2178", [12.0, 30.0, 8.0, 6.0])], ["amx", "avx512", "avx2"], 2, 3)
+    assert "| cold 2178 | 12.0 | 30.0 | 0.40 | 8.0 | 1.50 | 6.0 | 2.00 |\n" in md and "Not run" not in md
+    assert "| torch's padded flash path | our kernel, AMX form | torch / ours | our kernel, AVX-512 form |" in md
+    md = attention.markdown([("cold 2178", [12.0, 30.0])], ["avx2"], 2, 3)
+    assert "| cold 2178 | 12.0 | 30.0 | 0.40 |\n" in md and "Not run on this CPU: AMX form, AVX-512 form" in md
     linear = _script("benchmarks/amx_linear.py")
     assert "| 2,048 | 306.0 | 228.0 | 1.34 |\n" in linear.markdown([(2048, 306.0, 228.0)], 2, 3)
 

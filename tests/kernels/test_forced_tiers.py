@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 SUBSET = ["tests/models/test_llama_vs_transformers.py", "tests/models/test_quantized.py",
           "tests/layers/test_attention_invariance.py", "tests/engine/test_prefix_caching.py",
           "tests/kernels/test_cpu_features.py", "tests/models/test_decode_layers.py", "tests/layers/test_quant_int4.py",
-          "tests/kernels/test_int4_builds.py", "tests/kernels/test_int8_gemm_vnni.py"]
+          "tests/kernels/test_int4_builds.py", "tests/kernels/test_int8_gemm_avx2.py",
+          "tests/kernels/test_int8_gemm_vnni.py", "tests/models/test_paged_attention_model.py"]
 
 
 @pytest.mark.parametrize("tier", ["reference", "avx2", pytest.param("avx2+avx_vnni", marks=pytest.mark.requires_isa(
@@ -73,8 +74,8 @@ def _int4_tokens(tier: str) -> dict:
 def test_int4_formats_give_the_same_tokens_on_the_avx2_build_and_cache_on_equals_off():
     """In the AVX2 tier and the full tier: batched with the cache on (twice: the second run reuses the cached
     prefix) == each alone with the cache off. Where this CPU has AVX512-VNNI, the AVX2 tier also equals the
-    ``avx512`` tier (both run the decoder's float32 attention form, the same bits, and the same torch ops for
-    prompt rows): int4-int8 token for token; int4 too, its prompt rows' bf16 products running torch's plain
+    ``avx512`` tier (both run the decoder's float32 attention form and the prompt kernel's AVX2 form, the same
+    bits, and the fused prompt ops, whose AVX2 and AVX-512 builds have the same bits): int4-int8 token for token; int4 too, its prompt rows' bf16 products running torch's plain
     bf16 matmul in both (oneDNN's prepacked ones need AVX512-BF16-class features only at the ``avx512`` tier
     and above, see cpu_features._BF16_PRODUCTS, so they may round differently: compared where they agree). The
     full tier (AVX512-BF16, AMX) runs another attention form and prompt kernels, so its tokens may differ."""

@@ -1,5 +1,6 @@
-"""Our paged prompt-attention kernel (kernels/prefill_attention.py, csrc/prefill_attention.cpp), in both
-its forms (AVX-512 dot products; AMX tiles, where the CPU has them): right values against float64
+"""Our paged prompt-attention kernel (kernels/prefill_attention.py, csrc/prefill_attention.cpp and
+prefill_attention_avx2.cpp), in each of its forms this CPU runs (AVX512-BF16 dot products; AMX tiles; AVX2
+float32 FMAs): right values against float64
 attention, and a row's exact bits whatever its batch, chunking, cached prefix, or decode; the metadata
 that routes every row to it; the shapes it refuses."""
 
@@ -11,25 +12,26 @@ import torch
 
 from prefixcache.kernels.amx_gemm import amx_gemm_supported
 from prefixcache.kernels.cpu_kernels import kernels_compiler
-from prefixcache.kernels.prefill_attention import (build_paged_rows, paged_prefill_attention, prefill_amx_supported,
-                                                   prefill_kernel_supported)
+from prefixcache.kernels.prefill_attention import (FORMS, build_paged_rows, form_supported, paged_prefill_attention,
+                                                   prefill_form, prefill_kernel_supported)
 from prefixcache.layers.attention.metadata import build_attention_metadata
 from prefixcache.layers.attention.numerics import (AMX_GEMM_NUMERICS, KV_NUMERICS, PAGED_AMX_NUMERICS,
-                                                   PAGED_KV_NUMERICS, kv_numerics)
+                                                   PAGED_AVX2_NUMERICS, PAGED_KV_NUMERICS, kv_numerics)
 from prefixcache.layers.attention.torch_attention import Attention
 
 pytestmark = pytest.mark.skipif(not prefill_kernel_supported(9, 3, 64),
-                                reason="our paged attention kernel needs AVX512-BF16 and AVX512-VNNI")
+                                reason="our paged attention kernel needs AVX512-BF16 or AVX2")
 BLOCK, NUM_BLOCKS = 16, 300
-needs_amx = pytest.mark.skipif(not prefill_amx_supported(), reason="the AMX form needs AMX-BF16 tiles")
-FORMS = [False, pytest.param(True, marks=needs_amx)]  # amx: the kernel's two forms
+# each form where this CPU runs it (an AMX machine runs all three, an AVX2 one only "avx2")
+RUNNABLE = [pytest.param(form, marks=pytest.mark.skipif(not form_supported(form), reason=f"this CPU can't run {form}"))
+            for form in FORMS]
 
 
 class Pool:
     """A bf16 pool holding three 700-token sequences' K/V in scattered blocks, and their queries."""
 
-    def __init__(self, heads, kv_heads, head_dim, seed=0, amx=False, block=BLOCK):
-        self.amx, self.block = amx, block
+    def __init__(self, heads, kv_heads, head_dim, seed=0, form=None, block=BLOCK):
+        self.form, self.block = form, block
         gen = torch.Generator().manual_seed(seed)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.pool = torch.randn(2, NUM_BLOCKS, BLOCK, kv_heads, head_dim, generator=gen).bfloat16()
@@ -43,7 +45,7 @@ class Pool:
                                          batch_invariant=True, dtype=torch.bfloat16, num_pool_blocks=NUM_BLOCKS,
                                          paged_kernel=True)
         q = torch.cat([self.q[i][c : c + n] for i, c, n in batch])
-        return paged_prefill_attention(q, self.pool, md.paged, self.head_dim**-0.5, amx=self.amx)
+        return paged_prefill_attention(q, self.pool, md.paged, self.head_dim**-0.5, form=self.form)
 
     def reference(self, i, pos):
         """Token ``pos`` of sequence i over keys 0..pos, float64: [heads, head_dim]."""
@@ -55,12 +57,12 @@ class Pool:
         return torch.einsum("hk,khd->hd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("amx", FORMS)
+@pytest.mark.parametrize("form", RUNNABLE)
 @pytest.mark.parametrize("shape", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (16, 1, 64)])
-def test_rows_match_float64_attention(shape, amx):
+def test_rows_match_float64_attention(shape, form):
     """Every row of a batch (a cold prefill, a chunk after a cached prefix, decodes) is float64
     attention to bf16 accuracy: the error of bf16 p in the second product, at most 0.02 here."""
-    pool = Pool(*shape, amx=amx)
+    pool = Pool(*shape, form=form)
     batch = [(0, 0, 130), (1, 517, 1), (2, 300, 77), (0, 40, 1)]
     out = pool.run(batch)
     start = 0
@@ -71,11 +73,11 @@ def test_rows_match_float64_attention(shape, amx):
         start += n
 
 
-@pytest.mark.parametrize("amx", FORMS)
-def test_a_row_has_the_same_bits_in_any_batch_chunking_or_decode(amx):
+@pytest.mark.parametrize("form", RUNNABLE)
+def test_a_row_has_the_same_bits_in_any_batch_chunking_or_decode(form):
     """Sequence 2's tokens 300..499: one 200-token chunk, 37 + 163 after a cache hit, beside other
     sequences, and each token alone as a decode: identical bits (the property cache on == off rests on)."""
-    pool = Pool(9, 3, 64, amx=amx)
+    pool = Pool(9, 3, 64, form=form)
     whole = pool.run([(2, 300, 200)])
     split = torch.cat([pool.run([(2, 300, 37)]), pool.run([(0, 5, 90), (2, 337, 163), (1, 10, 1)])[90:253]])
     assert torch.equal(whole, split)
@@ -125,20 +127,20 @@ def test_refuses_what_it_cannot_run():
     rows = build_paged_rows([0], [4], torch.tensor([[NUM_BLOCKS]]))  # a block outside the pool
     with pytest.raises(RuntimeError, match="outside the pool"):
         paged_prefill_attention(pool.q[0][:4], pool.pool, rows, 0.125)
-    amx_key = PAGED_AMX_NUMERICS if prefill_amx_supported() else ""
+    form_key = {"amx": PAGED_AMX_NUMERICS, "avx512": "", "avx2": PAGED_AVX2_NUMERICS}[prefill_form()]
     gemm_key = AMX_GEMM_NUMERICS if amx_gemm_supported() else ""
     cc = "|cc:" + kernels_compiler()
     assert kernels_compiler()  # e.g. "12.2.0"
-    assert kv_numerics(True, True) == PAGED_KV_NUMERICS + amx_key + gemm_key + cc != kv_numerics(False, True)
+    assert kv_numerics(True, True) == PAGED_KV_NUMERICS + form_key + gemm_key + cc != kv_numerics(False, True)
     assert kv_numerics(False, False) == KV_NUMERICS  # a float32 model: none of our kernels, nothing more to name
     assert kv_numerics(False, False, int4=True) == KV_NUMERICS + cc  # int4's generated rows run our decoder
 
 
-@pytest.mark.parametrize("amx", FORMS)
-def test_a_nan_score_makes_its_rows_nan_in_every_tiling(amx):
+@pytest.mark.parametrize("form", RUNNABLE)
+def test_a_nan_score_makes_its_rows_nan_in_every_tiling(form):
     """A NaN key at position 35: rows that see it are NaN (as float attention gives), chunked or as
     decodes; the rows before it, in the same work item, are finite and keep their bits."""
-    pool = Pool(9, 3, 64, amx=amx)
+    pool = Pool(9, 3, 64, form=form)
     clean = pool.run([(0, 0, 40)])
     slot = pool.tables[0][35 // BLOCK] * BLOCK + 35 % BLOCK
     pool.pool[0].view(-1, 3, 64)[slot, 1] = float("nan")  # kv head 1: query heads 3-5
@@ -149,13 +151,13 @@ def test_a_nan_score_makes_its_rows_nan_in_every_tiling(amx):
         assert out[35:, 3:6].isnan().all() and torch.equal(out[35:, :3], clean[35:, :3])
 
 
-@pytest.mark.parametrize("amx", FORMS)
-def test_an_infinite_key_gives_nan_rows_by_each_forms_rule(amx):
+@pytest.mark.parametrize("form", RUNNABLE)
+def test_an_infinite_key_gives_nan_rows_by_each_forms_rule(form):
     """Key 35's head-1 K is -inf in dim 0 only: a row whose q has dim 0 > 0 scores it -inf, < 0 +inf.
-    +inf makes a row NaN in both forms. -inf: the AVX-512 form gives the key p = 0 (as if masked); the AMX
+    +inf makes a row NaN in every form. -inf: the AVX-512 and AVX2 forms give the key p = 0 (as if masked); the AMX
     form makes the row NaN (its softmax checks every non-finite score in one test). Rows before the key,
     and other heads, keep their bits; chunked and decoded rows agree."""
-    pool = Pool(9, 3, 64, amx=amx)
+    pool = Pool(9, 3, 64, form=form)
     clean = pool.run([(0, 0, 40)])
     slot = pool.tables[0][35 // BLOCK] * BLOCK + 35 % BLOCK
     pool.pool[0].view(-1, 3, 64)[slot, 1] = 0.0
@@ -167,13 +169,13 @@ def test_an_infinite_key_gives_nan_rows_by_each_forms_rule(amx):
     for out in (chunk, decodes):
         assert torch.equal(out[:35], clean[:35]) and torch.equal(out[35:, :3], clean[35:, :3])
         nan = out[35:, 3:6].isnan().all(-1)
-        assert torch.equal(nan, torch.ones_like(nan) if amx else q0 < 0)
+        assert torch.equal(nan, torch.ones_like(nan) if form == "amx" else q0 < 0)
         assert not out[35:, 3:6][~nan].isnan().any()
     assert torch.equal(chunk.isnan(), decodes.isnan()) and torch.equal(chunk.nan_to_num(), decodes.nan_to_num())
 
 
-@pytest.mark.parametrize("amx", FORMS)
-def test_huge_finite_scores_give_the_exact_softmax(amx):
+@pytest.mark.parametrize("form", RUNNABLE)
+def test_huge_finite_scores_give_the_exact_softmax(form):
     """Row 0 sees one key (score S), row 1 keys S and S/2 with V 1.0 and 2.0: outputs exactly 1.0 for S
     from 2^20 to 2^39 (a fresh reviewer found the AMX form's first softmax, p = 2^fma(s, scale, -m), NaN
     from S ~ 4e10 and 0.996 from ~4e7: m rounded, the fma's product not)."""
@@ -185,30 +187,59 @@ def test_huge_finite_scores_give_the_exact_softmax(amx):
         pool = torch.zeros(2, 1, BLOCK, 1, 64, dtype=torch.bfloat16)
         pool[0, 0, 0, 0, 0], pool[0, 0, 1, 0, 0] = 1.3 * 2.0**e / 64, 1.3 * 2.0**e / 128
         pool[1, 0, 0], pool[1, 0, 1] = 1.0, 2.0
-        out = paged_prefill_attention(q, pool, md.paged, 64**-0.5, amx=amx)
+        out = paged_prefill_attention(q, pool, md.paged, 64**-0.5, form=form)
         assert out[:, 0, 0].tolist() == [1.0, 1.0], e
 
 
-@needs_amx
-def test_the_amx_form_agrees_with_the_avx512_form_to_rounding_and_is_keyed_apart():
-    """The two forms sum in different orders: values within bf16 rounding of each other, bits not all
-    equal, so the cache key names the AMX form (K/V from one is never read as the other's)."""
-    pool = Pool(9, 3, 64)
+@pytest.mark.parametrize("form", [p for p in RUNNABLE if p.values[0] != "avx512"])
+def test_each_form_agrees_with_the_avx512_form_to_rounding_and_is_keyed_apart(form):
+    """The forms sum in different orders (AMX tiles; AVX2's float32 FMAs with p kept in float32): values
+    within bf16 rounding of the AVX-512 form's, bits not all equal, so the cache key names the form (K/V
+    from one is never read as another's)."""
+    if not form_supported("avx512"):
+        pytest.skip("no AVX-512 form to compare with on this CPU")
+    pool = Pool(9, 3, 64, form="avx512")
     batch = [(0, 0, 300), (1, 517, 1), (2, 300, 77)]
     avx512 = pool.run(batch).float()
-    pool.amx = True
-    amx = pool.run(batch).float()
-    assert (avx512 - amx).abs().max() < 0.02
-    assert not torch.equal(avx512, amx)
-    assert PAGED_AMX_NUMERICS in kv_numerics(True, True)
+    pool.form = form
+    other = pool.run(batch).float()
+    assert (avx512 - other).abs().max() < 0.02
+    assert not torch.equal(avx512, other)
+    assert len({PAGED_AMX_NUMERICS, PAGED_AVX2_NUMERICS, ""}) == 3
 
 
-@pytest.mark.parametrize("amx", FORMS)
+def test_a_form_this_cpu_cannot_run_or_does_not_know_is_refused():
+    pool = Pool(9, 3, 64)
+    rows = build_paged_rows([0], [4], torch.tensor([[0]]))
+    with pytest.raises(ValueError, match="form must be one of"):
+        paged_prefill_attention(pool.q[0][:4], pool.pool, rows, 0.125, form="avx1024")
+    with pytest.raises(ValueError, match="form must be one of"):
+        form_supported("neon")
+    assert prefill_form() == next(f for f in FORMS if form_supported(f))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_cache_key_names_the_form_that_computed_the_kv(form, monkeypatch):
+    """Each form's K/V gets its own key, so a disk or Redis tier shared by an AMX, an AVX-512 and an AVX2
+    machine never serves one's K/V to another."""
+    from prefixcache.kernels import prefill_attention
+
+    monkeypatch.setattr(prefill_attention, "prefill_form", lambda: form)
+    key = kv_numerics(True, False)
+    assert key.startswith(PAGED_KV_NUMERICS + {"amx": PAGED_AMX_NUMERICS, "avx512": "", "avx2": PAGED_AVX2_NUMERICS}[form])
+    keys = set()
+    for other in FORMS:
+        monkeypatch.setattr(prefill_attention, "prefill_form", lambda other=other: other)
+        keys.add(kv_numerics(True, False))
+    assert len(keys) == 3
+
+
+@pytest.mark.parametrize("form", RUNNABLE)
 @pytest.mark.parametrize("block_size", [8, 32, 1])
-def test_block_sizes_other_than_16(block_size, amx):
+def test_block_sizes_other_than_16(block_size, form):
     """Pool blocks of 8 or 1 tokens (the AMX form copies a tile's 16 K rows together) and of 32: a row
     has the same bits as with 16-token blocks holding the same K/V, chunked or as decodes."""
-    pool = Pool(9, 3, 64, amx=amx)
+    pool = Pool(9, 3, 64, form=form)
     slots = [[t * BLOCK + o for t in table for o in range(BLOCK)] for table in pool.tables]  # token -> slot
     reblocked = torch.zeros(2, NUM_BLOCKS * BLOCK // block_size, block_size, 3, 64, dtype=torch.bfloat16)
     flat_old, flat_new = pool.pool.view(2, -1, 3, 64), reblocked.view(2, -1, 3, 64)
@@ -219,16 +250,16 @@ def test_block_sizes_other_than_16(block_size, amx):
     md, _ = build_attention_metadata([(c, n, perm) for _, c, n in batch], block_size, "cpu", batch_invariant=True,
                                      dtype=torch.bfloat16, num_pool_blocks=reblocked.shape[1], paged_kernel=True)
     q = torch.cat([pool.q[0][c : c + n] for _, c, n in batch])
-    out = paged_prefill_attention(q, reblocked, md.paged, 0.125, amx=amx)
+    out = paged_prefill_attention(q, reblocked, md.paged, 0.125, form=form)
     assert torch.equal(out, pool.run(batch))
 
 
-@pytest.mark.parametrize("amx", FORMS)
-def test_an_infinite_value_at_a_rows_last_key_gives_the_same_bits_in_every_tiling(amx):
+@pytest.mark.parametrize("form", RUNNABLE)
+def test_an_infinite_value_at_a_rows_last_key_gives_the_same_bits_in_every_tiling(form):
     """V of token 20 is +inf in dim 0: token 20 sees it (its output there is +inf, as float attention
     gives), alone as a decode and as the first row of a chunk; the AMX form multiplies whole 32-key
     blocks, so the keys past a context must be zeros there, not copies of its last V (0 * inf = NaN)."""
-    pool = Pool(9, 3, 64, amx=amx)
+    pool = Pool(9, 3, 64, form=form)
     slot = pool.tables[0][20 // BLOCK] * BLOCK + 20 % BLOCK
     pool.pool[1].view(-1, 3, 64)[slot, 0, 0] = float("inf")  # kv head 0: query heads 0-2
     decode = pool.run([(0, 20, 1)])[0]

@@ -7,18 +7,23 @@ import torch
 from model_testlib import chunked_then_decoded, make_tiny_checkpoint
 from test_llama_vs_transformers import prefill_alone, random_ids, reference_logits
 
-from prefixcache.kernels.prefill_attention import prefill_kernel_supported
+from prefixcache.kernels import prefill_attention
+from prefixcache.kernels.prefill_attention import form_supported, prefill_kernel_supported
 from prefixcache.models.llama import LlamaDecoderLayer
 from prefixcache.models.loader import load_model
 
 LAYER_FORWARD_FUSED = LlamaDecoderLayer.forward_fused
 
-pytestmark = pytest.mark.skipif(not prefill_kernel_supported(4, 2, 32), reason="needs AVX512-BF16 and AVX512-VNNI")
+pytestmark = pytest.mark.skipif(not prefill_kernel_supported(4, 2, 32), reason="needs AVX512-BF16 or AVX2")
 
 
+@pytest.mark.parametrize("form", [None, pytest.param("avx2", marks=pytest.mark.skipif(
+    not form_supported("avx2"), reason="needs AVX2"))])  # None: this CPU's own form; "avx2": a Zen 3's
 @pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("llama", {"hidden_size": 128, "num_attention_heads": 2,
                                                                       "num_key_value_heads": 1})])
-def test_bf16_model_on_the_kernel_same_bits_chunked_and_close_to_fp32(tmp_path, monkeypatch, arch, overrides):
+def test_bf16_model_on_the_kernel_same_bits_chunked_and_close_to_fp32(tmp_path, monkeypatch, arch, overrides, form):
+    if form is not None:
+        monkeypatch.setattr(prefill_attention, "prefill_form", lambda: form)
     ref = make_tiny_checkpoint(tmp_path, arch, **overrides)
     loaded = load_model(str(tmp_path), dtype=torch.bfloat16, load_tokenizer=False)
     assert loaded.model.paged_attention  # head_dim 32 (qwen3) / 64 (llama here)

@@ -1,10 +1,10 @@
 // The Python bindings of the AVX2 kernels (built by prefixcache/kernels/avx2_kernels.py with -mavx2 -mfma -mf16c
 // only, so that every function runs on an AVX2 CPU without AVX-512) and of the aarch64 NEON ones (built by
 // prefixcache/kernels/neon_kernels.py, -march=armv8.2-a+dotprod or armv8-a): the int4 formats' generated-token
-// kernels (qgemm.cpp, paged_attention.cpp's float32 form, decode_layers.cpp), the same names and bits as
-// cpu_kernels.py's AVX-512 build, and on x86 int8's exact products (int8_gemm_avx2.cpp: AVX2 intrinsics;
-// int8_gemm_vnni.cpp: its functions compiled for AVX-VNNI, refusing to run without it), which the NEON build
-// neither compiles nor binds (there torch._int_mm serves int8).
+// kernels (qgemm.cpp, paged_attention.cpp's float32 form, decode_layers.cpp) and a bf16 model's fused prompt-row ops
+// (prompt_ops.cpp), the same names and bits as cpu_kernels.py's AVX-512 build, and on x86 int8's exact products
+// (int8_gemm_avx2.cpp: AVX2 intrinsics; int8_gemm_vnni.cpp: its functions compiled for AVX-VNNI, refusing to run
+// without it), which the NEON build neither compiles nor binds (there torch._int_mm serves int8).
 #include <torch/extension.h>
 
 #include "isa_tier.h"
@@ -18,10 +18,11 @@
 int prefixcache_kernel_tier = kTierAmx;
 
 #if defined(__x86_64__)
-at::Tensor int8_gemm_avx2(const at::Tensor& x, const at::Tensor& packed, int64_t N);
-at::Tensor int8_linear_avx2(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& x_scale,
-                            const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias);
+void bind_int8_avx2(pybind11::module& m);  // int8_gemm_avx2.cpp: the exact product, rescaled and fused forms
 void bind_int8_vnni(pybind11::module& m);  // int8_gemm_vnni.cpp: its functions compiled for AVX-VNNI
+at::Tensor paged_prefill_attention_avx2(const at::Tensor& q, const at::Tensor& k_slots, const at::Tensor& v_slots,
+                                        const at::Tensor& block_table, const at::Tensor& query_start,
+                                        const at::Tensor& num_computed, int64_t block_size, double scale);
 #endif
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min,
                    const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
@@ -38,13 +39,20 @@ at::Tensor paged_decode_attention_float32(const at::Tensor& q, const at::Tensor&
                                           const at::Tensor& block_table, const at::Tensor& context_lens,
                                           int64_t block_size, double scale);
 void bind_decode_layers(pybind11::module& m);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const std::vector<at::Tensor>& x_tiles,
+                                                const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
+                                                double eps);
+at::Tensor rope_write_kv(const std::vector<at::Tensor>& qkv_tiles, const at::Tensor& cos, const at::Tensor& sin_rot,
+                         const at::Tensor& k_slots, const at::Tensor& v_slots, const at::Tensor& slot_mapping,
+                         int64_t H, int64_t KVH);
+at::Tensor silu_mul(const std::vector<at::Tensor>& gate_up_tiles);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__x86_64__)
-  m.def("int8_gemm_avx2", &int8_gemm_avx2, "x [M, K] int8 @ packed int8 weight [K, N] -> [M, N] int32, exact");
-  m.def("int8_linear_avx2", &int8_linear_avx2,
-        "int8_gemm_avx2 * x_scale [M, 1] * w_scale [N] (+ bias) -> [M, N] float32 (int8_rows_to_float_torch's bits)");
+  bind_int8_avx2(m);
   bind_int8_vnni(m);
+  m.def("paged_prefill_attention_avx2", &paged_prefill_attention_avx2,
+        "prompt rows' causal attention over the paged pool, float32 FMAs (prefill_attention_avx2.cpp)");
 #endif
   m.def("int4_mm", &int4_mm, "x [M, K] @ int4 grouped weight^T (+ bias) -> [M, N] (qgemm.cpp, " PREFIXCACHE_BUILD_ISA ")");
   m.def("int8_mm", &int8_mm, "x [M, K] @ int8 grouped weight^T (+ bias) -> [M, N] (qgemm.cpp, " PREFIXCACHE_BUILD_ISA ")");
@@ -57,4 +65,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the highest tier (index in cpu_features.TIERS) any C++ dispatch may take (isa_tier.h)");
   m.def("compiler", [] { return std::string(__VERSION__); }, "the compiler that built these kernels");
   bind_decode_layers(m);  // generated tokens' decoder layers (decode_layers.cpp)
+  m.def("add_rms_norm", &add_rms_norm, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "row tiles x [T, n] (+ residual) -> (rms_norm(h) * w, h = residual + x), bf16 (prompt_ops.cpp)");
+  m.def("rope_write_kv", &rope_write_kv, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "row tiles [T, (H + 2 KVH) D] -> q [T, H, D] rotated; k rotated and v written to the pool (prompt_ops.cpp)");
+  m.def("silu_mul", &silu_mul, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "row tiles [T, 2 I] -> silu(gate) * up [T, I], bf16 (prompt_ops.cpp)");
 }

@@ -29,6 +29,7 @@
 
 #include "avx512.h"
 #include "isa_tier.h"
+#include "prefill_attention_common.h"
 
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -52,23 +53,10 @@ constexpr int kLanes = 16;       // rows per vector
 constexpr int kMaxVecs = 3;      // rows per work item: up to 48
 constexpr int kMaxDim = 256;     // head_dim <= 256, a multiple of 32
 constexpr int kDimChunk = 8;     // output dims per register block of the second product
+static_assert(kMaxVecs * kLanes == prefill_attention::kMaxRows && kMaxDim == prefill_attention::kMaxDim);
 
-struct Args {
-  const at::BFloat16* q;  // [T, H, D]
-  const at::BFloat16* k;  // [S, KVH, D]
-  const at::BFloat16* v;
-  const int32_t* table;        // [B, max_blocks]
-  const int32_t* query_start;  // [B + 1]: sequence b's tokens are rows query_start[b] .. query_start[b + 1] - 1
-  const int32_t* num_computed; // [B]: position of sequence b's first token
-  at::BFloat16* out;           // [T, H, D]
-  int64_t H, KVH, D, G, max_blocks, block_size;
-  float scale;
-};
-
-struct Work {
-  int32_t seq, kh, begin, end;  // tokens [begin, end) of the batch (rows of q)
-  int64_t cost;
-};
+using prefill_attention::Args;
+using prefill_attention::Work;
 
 struct Buffers {  // one work item's state, float32 unless said
   alignas(64) uint32_t qp[kMaxDim / 2][kMaxVecs * kLanes];  // q pairs by (dim pair, row)
@@ -561,59 +549,16 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_slot
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16") && tier_allows(kTierAvx512Bf16),
               "paged_prefill_attention needs a CPU with AVX512-BF16 (and PREFIXCACHE_KERNELS allowing it)");
   TORCH_CHECK(!amx || amx_bf16_ready(), "paged_prefill_attention(amx=True) needs AMX-BF16 tiles (amx_bf16_ready())");
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "q must be contiguous bf16 [T, H, D]");
-  TORCH_CHECK(k_slots.dim() == 3 && k_slots.scalar_type() == at::kBFloat16 && k_slots.is_contiguous() &&
-              v_slots.sizes() == k_slots.sizes() && v_slots.scalar_type() == at::kBFloat16 && v_slots.is_contiguous(),
-              "k_slots and v_slots must be contiguous bf16 [num_slots, KVH, D]");
-  TORCH_CHECK(q.is_cpu() && k_slots.is_cpu() && v_slots.is_cpu() && block_table.is_cpu() && query_start.is_cpu() &&
-              num_computed.is_cpu(), "paged_prefill_attention runs on CPU tensors");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_slots.size(1), B = num_computed.numel();
-  TORCH_CHECK(KVH >= 1 && H >= 1 && H % KVH == 0 && H / KVH <= kMaxVecs * kLanes,
-              "num_heads must be a multiple of num_kv_heads, <= 48 per kv head");
-  TORCH_CHECK(k_slots.size(2) == D && D % 32 == 0 && D <= kMaxDim, "head_dim must be a multiple of 32, <= 256");
-  TORCH_CHECK(block_size >= 1 && k_slots.size(0) % block_size == 0, "block_size must divide the pool's slots");
-  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B && block_table.scalar_type() == at::kInt &&
-              block_table.is_contiguous(), "block_table must be contiguous int32 [B, max_blocks]");
-  TORCH_CHECK(query_start.numel() == B + 1 && query_start.scalar_type() == at::kInt && query_start.is_contiguous() &&
-              num_computed.scalar_type() == at::kInt && num_computed.is_contiguous(),
-              "query_start must be int32 [B + 1], num_computed int32 [B]");
-  const int32_t* qs = query_start.data_ptr<int32_t>();
-  const int32_t* nc = num_computed.data_ptr<int32_t>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int64_t max_blocks = block_table.size(1), num_pool_blocks = k_slots.size(0) / block_size;
-  TORCH_CHECK(B >= 1 && qs[0] == 0 && qs[B] == T, "query_start must run from 0 to num_tokens");
-  const int64_t G = H / KVH, tokens_per_item = std::max<int64_t>(1, kMaxVecs * kLanes / G);
-  std::vector<Work> work;
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(qs[b + 1] > qs[b] && nc[b] >= 0, "every sequence needs >= 1 token and num_computed >= 0");
-    const int64_t context_len = static_cast<int64_t>(nc[b]) + qs[b + 1] - qs[b];
-    TORCH_CHECK(context_len <= max_blocks * block_size, "a context is longer than its block table");
-    for (int64_t i = 0; i < (context_len + block_size - 1) / block_size; ++i) {
-      const int32_t id = table[b * max_blocks + i];
-      TORCH_CHECK(id >= 0 && id < num_pool_blocks, "block_table holds a block outside the pool");
-    }
-    for (int64_t kh = 0; kh < KVH; ++kh)
-      for (int64_t t = qs[b]; t < qs[b + 1]; t += tokens_per_item) {
-        const int64_t end = std::min<int64_t>(qs[b + 1], t + tokens_per_item);
-        const int64_t keys = nc[b] + end - qs[b];
-        work.push_back(Work{static_cast<int32_t>(b), static_cast<int32_t>(kh), static_cast<int32_t>(t),
-                            static_cast<int32_t>(end), keys * ((end - t) * G + kLanes - 1) / kLanes});
-      }
-  }
-  std::stable_sort(work.begin(), work.end(), [](const Work& x, const Work& y) { return x.cost > y.cost; });
-  at::Tensor out = at::empty_like(q);
-  const Args a{q.data_ptr<at::BFloat16>(), k_slots.data_ptr<at::BFloat16>(), v_slots.data_ptr<at::BFloat16>(),
-               table, qs, nc, out.data_ptr<at::BFloat16>(), H, KVH, D, G, max_blocks, block_size,
-               static_cast<float>(scale)};
-  // Longest items first, each thread taking the next one when done (results don't depend on who runs what).
-  std::atomic<int64_t> next{0};
-  const int64_t num_items = static_cast<int64_t>(work.size());
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
-    if (amx) return run_items_amx(a, work.data(), next, num_items);
+  at::Tensor out;
+  Args a;
+  const std::vector<Work> work = prefill_attention::plan_work("paged_prefill_attention", q, k_slots, v_slots,
+                                                              block_table, query_start, num_computed, block_size,
+                                                              scale, out, a, kLanes);
+  const Work* items = work.data();
+  prefill_attention::run_work(work, [&](std::atomic<int64_t>& next, int64_t num_items) {
+    if (amx) return run_items_amx(a, items, next, num_items);
     auto buf = std::make_unique<Buffers>();
-    for (int64_t i = next++; i < num_items; i = next++) {
-      attend_item(a, work[i], *buf);
-    }
+    for (int64_t i = next++; i < num_items; i = next++) attend_item(a, items[i], *buf);
   });
   return out;
 }

@@ -1,19 +1,19 @@
 """The cache key's name for the rules that decide the bits of the pool's K/V.
 
 Two attention paths compute the pool's K/V, and they round differently: our paged kernel (a
-batch-invariant bfloat16 model on a CPU with AVX512-BF16, ``paged_kernel``, which
+batch-invariant bfloat16 model on a CPU with AVX512-BF16 or AVX2, ``paged_kernel``, which
 ``LlamaForCausalLM.paged_attention`` decides: :mod:`prefixcache.kernels.prefill_attention`, a row's bits
 fixed by construction, no padding; faster than the padded flash calls, as
 ``benchmarks/prefill_attention.py`` compares), and torch's flash calls padded as
 :mod:`prefixcache.layers.attention.metadata` says (float32, int8 over a float32 model, head shapes the
-kernel doesn't take and CPUs without AVX512-BF16). The cache key names which one computed the K/V
-(:func:`kv_numerics`). On a CPU with AMX-BF16 the kernel runs its products on AMX tiles, which the key
-names too.
+kernel doesn't take and CPUs without AVX2). The cache key names which one computed the K/V
+(:func:`kv_numerics`), and the kernel's form: AMX tiles on a CPU with AMX-BF16, float32 FMAs on one with
+AVX2 but no AVX512-BF16 (:func:`prefixcache.kernels.prefill_attention.prefill_form`).
 """
 
 from prefixcache.kernels.amx_gemm import amx_gemm_supported
 from prefixcache.kernels.cpu_kernels import kernels_compiler
-from prefixcache.kernels.prefill_attention import prefill_amx_supported
+from prefixcache.kernels import prefill_attention
 
 # Part of every cache key (engine.input_processor.model_key): names the rules that decide the bits of
 # every K/V the pool holds (layers.attention.metadata's padding, layers.linear.row_tiled_linear's row
@@ -23,16 +23,19 @@ KV_NUMERICS = "attention-rows:4-16-x16|gemm-rows:2+"
 # the same for our kernel's prompt rows, with the fused element-wise ops of kernels.prompt_ops around it
 # (their RMSNorm sum order and SiLU exp are ours, not torch's; the kernel's softmax is in base 2)
 PAGED_KV_NUMERICS = "paged-bf16-attention:keys32-exp2|gemm-rows:2+|prompt-ops:1"
-# added where our kernel runs its products on AMX tiles (prefill_attention.prefill_amx_supported); its softmax
+# added where our kernel runs its products on AMX tiles (prefill_attention.prefill_form() == "amx"); its softmax
 # is p = 2^(s * scale - m) by a floor-reduced polynomial, a -inf score making its row NaN
 PAGED_AMX_NUMERICS = "|prompt-products:amx-tiles|softmax:exp2-floor"
+# added where it runs its AVX2 form (prefill_form() == "avx2"): float32 FMAs in dim and key order, p in float32
+PAGED_AVX2_NUMERICS = "|prompt-products:avx2-fp32"
+_FORM_NUMERICS = {"amx": PAGED_AMX_NUMERICS, "avx512": "", "avx2": PAGED_AVX2_NUMERICS}
 # added where a bf16 model's prepacked linear layers run on our AMX kernel (amx_gemm.amx_gemm_supported)
 AMX_GEMM_NUMERICS = "|gemm:amx-tiles-k32"
 
 
 def kv_numerics(paged_kernel: bool, bf16_gemms: bool, int4: bool = False) -> str:
     """The cache key's name for the rules that decide the bits of the pool's K/V: our paged kernel
-    (:mod:`prefixcache.kernels.prefill_attention`), in its AMX or AVX-512 form, or torch's padded
+    (:mod:`prefixcache.kernels.prefill_attention`), in its AMX, AVX-512 or AVX2 form, or torch's padded
     flash calls; for a model whose linear layers run in bf16 (``bf16_gemms``), whose GEMMs those are
     (our AMX kernel or oneDNN's in row tiles; a float32 or int8 model's never run on it); and, wherever
     our C++ kernels compute K/V (the paged kernel, the AMX GEMM, ``int4``'s generated rows), the
@@ -40,7 +43,7 @@ def kv_numerics(paged_kernel: bool, bf16_gemms: bool, int4: bool = False) -> str
     if not paged_kernel:
         key = KV_NUMERICS
     else:
-        key = PAGED_KV_NUMERICS + (PAGED_AMX_NUMERICS if prefill_amx_supported() else "")
+        key = PAGED_KV_NUMERICS + _FORM_NUMERICS[prefill_attention.prefill_form()]
     amx_gemm = bf16_gemms and amx_gemm_supported()
     key += AMX_GEMM_NUMERICS if amx_gemm else ""
     return key + (f"|cc:{kernels_compiler()}" if paged_kernel or amx_gemm or int4 else "")

@@ -1,0 +1,275 @@
+// Causal attention of a step's prompt rows straight from the paged KV pool, in float32 on AVX2 + FMA: the form
+// of prefill_attention.cpp's kernel for CPUs without AVX512-BF16 (AMD Zen 2 and 3, Intel client cores from
+// Alder Lake on, older Xeons), built into the AVX2 extension (avx2_kernels.py: -mavx2 -mfma -mf16c).
+//
+// The same work items (prefill_attention_common.h) and key blocks of 32 at fixed positions (0-31, 32-63, ...) as
+// the AVX512-BF16 form; rows (token, query head of one KV head) lie across the 8 lanes of up to six vectors. The
+// bf16 q, K and V are widened to float32 (exact) and every product is a float32 FMA:
+//   s = (sum_d q_d k_d) * (scale log2(e))      one FMA per dim, in dim order
+//   m' = max(m, max_j s_j), alpha = 2^(m - m'), p_j = 2^(s_j - m'), l = alpha l + sum_j p_j (key order)
+//   o = alpha o + sum_j p_j v_j                one FMA per key, in key order; p stays float32
+//   out = bf16(o * (1 / l))
+// 2^x by exp2_8: 2^n times the AVX-512 form's degree-5 polynomial of the rest. Masked keys, NaN or +inf scores
+// and skipped blocks behave as that form's header says. No AVX2 instruction sums bf16 pairs as vdpbf16ps does,
+// so the sums run in another order and the bits differ from the AVX-512 form's: the cache key names the form
+// (layers/attention/numerics.py).
+//
+// Batch invariance, as in the AVX-512 form: every operation on a row's lane depends only on its own query, its
+// keys and values at their absolute positions, the head shape and the scale, so a row gets the same bits in a
+// prefill of any length after any cached prefix, in a decode and in any batch.
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include "isa_tier.h"
+#include "prefetch.h"
+#include "prefill_attention_common.h"
+#include "vec16.h"  // its AVX2 form in this build: load_bf16_8, v16_store_bf16's rounding
+
+#include <algorithm>
+#include <limits>
+#include <memory>
+
+namespace {
+
+using prefill_attention::Args;
+using prefill_attention::Work;
+
+constexpr int kKeys = 32;      // keys per softmax block, at absolute positions kKeys * i
+constexpr int kLanes = 8;      // rows per vector
+constexpr int kMaxVecs = 6;    // rows per work item: up to 48
+constexpr int kRows = kMaxVecs * kLanes;
+constexpr int kMaxDim = 256;
+constexpr int kKeyGroup = 4;   // keys per register block of the scores (4 keys x 3 row vectors of sums)
+constexpr int kDimChunk = 4;   // output dims per register block of the second product
+constexpr int kMaxBlockVecs = 3;  // row vectors per register block: 12 sums + 3 operands + 1 broadcast = 16 ymm
+static_assert(kRows == prefill_attention::kMaxRows && kMaxDim == prefill_attention::kMaxDim);
+
+struct Buffers {  // one work item's state, float32
+  alignas(32) float q[kMaxDim][kRows];  // q by (dim, row)
+  alignas(32) float s[kKeys][kRows];    // scores, then p, by (key, row)
+  alignas(32) float k[kKeys][kMaxDim];  // the block's K rows (rows past its keys zero)
+  alignas(32) float v[kKeys][kMaxDim];  // its V rows
+  alignas(32) float o[kMaxDim][kRows];  // unnormalized output by (dim, row)
+  alignas(32) int32_t pos[kRows];       // each row's position
+};
+
+// 2^x for x <= 0, as the AVX-512 form's exp2_512: x below -126, -inf and NaN give 2^-126; n = round(x),
+// f = x - n in [-0.5, 0.5], 2^f by its Taylor polynomial of degree 5 in f ln2, times 2^n built from its
+// exponent bits (n in [-126, 0], a normal float, so the product is one rounding, as vscalefps makes).
+inline __m256 exp2_8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));  // a NaN x gives -126: max returns its second operand
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.3333558146e-3f);                  // ln2^5 / 120
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076e-3f));  // ln2^4 / 24
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108665e-2f));  // ln2^3 / 6
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650696e-1f));  // ln2^2 / 2
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718056e-1f));  // ln2
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Scores of keys j0 .. j0 + 3 of the block for the NV row vectors from `base`: s = (q . k) * scale, -inf where
+// the key lies after the row's position.
+template <int NV>
+void score_keys(Buffers& b, int base, int64_t D, int j0, int64_t key0, const __m256i* pos, __m256 scale) {
+  __m256 acc[kKeyGroup][NV];
+  for (int j = 0; j < kKeyGroup; ++j)
+    for (int v = 0; v < NV; ++v) acc[j][v] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m256 qv[NV];
+    for (int v = 0; v < NV; ++v) qv[v] = _mm256_load_ps(&b.q[d][base + v * kLanes]);
+    for (int j = 0; j < kKeyGroup; ++j) {
+      const __m256 kb = _mm256_broadcast_ss(&b.k[j0 + j][d]);
+      for (int v = 0; v < NV; ++v) acc[j][v] = _mm256_fmadd_ps(qv[v], kb, acc[j][v]);
+    }
+  }
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int j = 0; j < kKeyGroup; ++j) {
+    const __m256i key = _mm256_set1_epi32(static_cast<int>(key0 + j0 + j));
+    for (int v = 0; v < NV; ++v) {
+      const __m256 after = _mm256_castsi256_ps(_mm256_cmpgt_epi32(key, pos[v]));
+      _mm256_store_ps(&b.s[j0 + j][base + v * kLanes], _mm256_blendv_ps(_mm256_mul_ps(acc[j][v], scale), neg_inf, after));
+    }
+  }
+}
+
+template <int NV>  // the block's scores of keys 0 .. nk - 1 (and up to the next multiple of 4, masked)
+void block_scores(Buffers& b, int v0, int64_t D, int64_t nk, int64_t key0, const __m256i* pos, __m256 scale) {
+  for (int j0 = 0; j0 < nk; j0 += kKeyGroup) score_keys<NV>(b, v0 * kLanes, D, j0, key0, pos + v0, scale);
+}
+
+// o = alpha o + p v for the NV row vectors from `base`, over keys 0 .. nk - 1 of the block: kDimChunk dims x NV
+// row vectors per register block.
+template <int NV>
+void add_values(Buffers& b, int base, int64_t D, int64_t nk, const __m256* alpha) {
+  bool rescale = false;  // alpha = 1 in every lane (no new maximum): o * 1 = o, the products skipped
+  for (int v = 0; v < NV; ++v)
+    rescale |= _mm256_movemask_ps(_mm256_cmp_ps(alpha[v], _mm256_set1_ps(1.f), _CMP_NEQ_UQ)) != 0;
+  for (int64_t d0 = 0; d0 < D; d0 += kDimChunk) {
+    __m256 acc[kDimChunk][NV];
+    for (int d = 0; d < kDimChunk; ++d)
+      for (int v = 0; v < NV; ++v) {
+        acc[d][v] = _mm256_load_ps(&b.o[d0 + d][base + v * kLanes]);
+        if (rescale) acc[d][v] = _mm256_mul_ps(acc[d][v], alpha[v]);
+      }
+    for (int64_t j = 0; j < nk; ++j) {
+      __m256 pv[NV];
+      for (int v = 0; v < NV; ++v) pv[v] = _mm256_load_ps(&b.s[j][base + v * kLanes]);
+      for (int d = 0; d < kDimChunk; ++d) {
+        const __m256 vb = _mm256_broadcast_ss(&b.v[j][d0 + d]);
+        for (int v = 0; v < NV; ++v) acc[d][v] = _mm256_fmadd_ps(pv[v], vb, acc[d][v]);
+      }
+    }
+    for (int d = 0; d < kDimChunk; ++d)
+      for (int v = 0; v < NV; ++v) _mm256_store_ps(&b.o[d0 + d][base + v * kLanes], acc[d][v]);
+  }
+}
+
+// Row vectors v0 .. RV - 1 in register blocks of up to three: f<NV>(first vector) for each block.
+template <template <int> class Op, class... A>
+void over_row_blocks(int v0, int RV, A&&... args) {
+  for (int v = v0; v < RV; v += kMaxBlockVecs) {
+    const int n = std::min(kMaxBlockVecs, RV - v);
+    if (n == 3) Op<3>::run(v, args...);
+    else if (n == 2) Op<2>::run(v, args...);
+    else Op<1>::run(v, args...);
+  }
+}
+
+template <int NV>
+struct Scores {
+  static void run(int v, Buffers& b, int64_t D, int64_t nk, int64_t key0, const __m256i* pos, __m256 scale) {
+    block_scores<NV>(b, v, D, nk, key0, pos, scale);
+  }
+};
+
+template <int NV>
+struct Values {
+  static void run(int v, Buffers& b, int64_t D, int64_t nk, const __m256* alpha) {
+    add_values<NV>(b, v * kLanes, D, nk, alpha + v);
+  }
+};
+
+// Softmax of the block for row vector v: running max m and sum l, p over the scores in place; returns alpha.
+// `bad` collects the lanes with a NaN or +inf score at a visible key (masked keys are -inf): their output is
+// NaN, as float attention's would be, in every tiling.
+inline __m256 softmax_block(Buffers& b, int base, int64_t nk, __m256& m, __m256& l, __m256& bad) {
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 pos_inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  __m256 mb = neg_inf;
+  for (int64_t j = 0; j < nk; ++j) {
+    const __m256 sj = _mm256_load_ps(&b.s[j][base]);
+    bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(sj, sj, _CMP_UNORD_Q), _mm256_cmp_ps(sj, pos_inf, _CMP_EQ_OQ)));
+    mb = _mm256_max_ps(mb, sj);
+  }
+  const __m256 m_new = _mm256_max_ps(m, mb);
+  const __m256 alpha = exp2_8(_mm256_sub_ps(m, m_new));  // m = -inf (first block): 2^-126, times o = l = 0
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < nk; ++j) {
+    const __m256 sj = _mm256_load_ps(&b.s[j][base]);
+    const __m256 pj = _mm256_and_ps(_mm256_cmp_ps(sj, neg_inf, _CMP_NEQ_OQ), exp2_8(_mm256_sub_ps(sj, m_new)));
+    _mm256_store_ps(&b.s[j][base], pj);
+    sum = _mm256_add_ps(sum, pj);
+  }
+  l = _mm256_add_ps(_mm256_mul_ps(l, alpha), sum);
+  m = m_new;
+  return alpha;
+}
+
+// Rows of item w: tokens w.begin .. w.end - 1, each with G query heads (row = token * G + g), padded to RV
+// vectors of 8 with copies of the last row: their positions and q into b, o zeroed. Returns RV.
+int item_rows(const Args& a, const Work& w, Buffers& b, int64_t& num_keys) {
+  const int64_t D = a.D, G = a.G, num_rows = (w.end - w.begin) * G;
+  const int RV = static_cast<int>((num_rows + kLanes - 1) / kLanes);
+  const int64_t first_pos = a.num_computed[w.seq] + (w.begin - a.query_start[w.seq]);
+  num_keys = first_pos + (w.end - w.begin);  // the last row's position + 1
+  for (int64_t r = 0; r < RV * kLanes; ++r) {
+    const int64_t rr = std::min(r, num_rows - 1);
+    b.pos[r] = static_cast<int32_t>(first_pos + rr / G);
+    const at::BFloat16* qrow = a.q + ((w.begin + rr / G) * a.H + w.kh * G + rr % G) * D;
+    for (int64_t d = 0; d < D; ++d) b.q[d][r] = bf16_to_float(qrow[d]);
+  }
+  for (int64_t d = 0; d < D; ++d)
+    for (int v = 0; v < RV; ++v) _mm256_store_ps(&b.o[d][v * kLanes], _mm256_setzero_ps());
+  return RV;
+}
+
+// out = bf16(o * (1 / l)) for the item's rows (NaN for the lanes in `bad`).
+void store_rows(const Args& a, const Work& w, const Buffers& b, int RV, const __m256* l, const __m256* bad) {
+  const int64_t D = a.D, G = a.G, num_rows = (w.end - w.begin) * G;
+  alignas(32) float inv_l[kRows], row[kMaxDim];
+  for (int v = 0; v < RV; ++v)
+    _mm256_store_ps(inv_l + v * kLanes, _mm256_blendv_ps(_mm256_div_ps(_mm256_set1_ps(1.f), l[v]),
+                                                         _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), bad[v]));
+  for (int64_t r = 0; r < num_rows; ++r) {
+    for (int64_t d = 0; d < D; ++d) row[d] = b.o[d][r];
+    at::BFloat16* orow = a.out + ((w.begin + r / G) * a.H + w.kh * G + r % G) * D;
+    const vec16 inv = v16_set1(inv_l[r]);
+    for (int64_t d = 0; d < D; d += 16) v16_store_bf16(orow + d, v16_mul(v16_load(row + d), inv));
+  }
+}
+
+// Attention of item w's rows over their keys.
+void attend_item(const Args& a, const Work& w, Buffers& b) {
+  const int64_t D = a.D;
+  int64_t num_keys = 0;
+  const int RV = item_rows(a, w, b, num_keys);
+  __m256i pos[kMaxVecs];
+  __m256 m[kMaxVecs], l[kMaxVecs], alpha[kMaxVecs], bad[kMaxVecs];
+  for (int v = 0; v < RV; ++v) {
+    pos[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(b.pos + v * kLanes));
+    m[v] = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    l[v] = _mm256_setzero_ps();
+    bad[v] = _mm256_setzero_ps();
+  }
+  const __m256 scale = _mm256_set1_ps(a.scale * 1.44269504088896341f);  // scores in base 2: * log2(e)
+  const int64_t row_stride = a.KVH * D;
+  const int32_t* table = a.table + w.seq * a.max_blocks;
+  for (int64_t k0 = 0; k0 < num_keys; k0 += kKeys) {
+    const int64_t nk = std::min<int64_t>(kKeys, num_keys - k0);
+    int v0 = 0;  // vectors whose rows all sit before this block skip it (no change: the AVX-512 form's header)
+    while (v0 < RV && b.pos[v0 * kLanes + kLanes - 1] < k0) ++v0;
+    for (int64_t j = 0, block = k0 / a.block_size, offset = k0 % a.block_size; j < nk; ++j) {
+      const int64_t slot = static_cast<int64_t>(table[block]) * a.block_size + offset;
+      const at::BFloat16* krow = a.k + slot * row_stride + w.kh * D;
+      const at::BFloat16* vrow = a.v + slot * row_stride + w.kh * D;
+      for (int64_t d = 0; d < D; d += 8) {
+        _mm256_store_ps(&b.k[j][d], vec16_detail::load_bf16_8(krow + d));
+        _mm256_store_ps(&b.v[j][d], vec16_detail::load_bf16_8(vrow + d));
+      }
+      if (++offset == a.block_size) offset = 0, ++block;
+    }
+    for (int64_t j = nk; j < (nk + kKeyGroup - 1) / kKeyGroup * kKeyGroup; ++j)  // masked, but finite
+      for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(&b.k[j][d], _mm256_setzero_ps());
+    // the next block's K and V rows asked for now, read by the time this block's products are done
+    prefetch_kv_rows(a.k, a.v, table, a.block_size, row_stride, w.kh * D, 2 * D, k0 + kKeys,
+                     std::min<int64_t>(k0 + 2 * kKeys, num_keys));
+    over_row_blocks<Scores>(v0, RV, b, D, nk, k0, static_cast<const __m256i*>(pos), scale);
+    for (int v = v0; v < RV; ++v) alpha[v] = softmax_block(b, v * kLanes, nk, m[v], l[v], bad[v]);
+    over_row_blocks<Values>(v0, RV, b, D, nk, static_cast<const __m256*>(alpha));
+  }
+  store_rows(a, w, b, RV, l, bad);
+}
+
+}  // namespace
+
+// Checked without needing AVX2 itself (the CPU is checked first); the kernel's code is AVX2 + FMA.
+at::Tensor paged_prefill_attention_avx2(const at::Tensor& q, const at::Tensor& k_slots, const at::Tensor& v_slots,
+                                        const at::Tensor& block_table, const at::Tensor& query_start,
+                                        const at::Tensor& num_computed, int64_t block_size, double scale) {
+  TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && tier_allows(kTierAvx2),
+              "paged_prefill_attention_avx2 needs a CPU with AVX2 and FMA (and PREFIXCACHE_KERNELS allowing it)");
+  at::Tensor out;
+  Args a;
+  const std::vector<Work> work = prefill_attention::plan_work("paged_prefill_attention_avx2", q, k_slots, v_slots,
+                                                              block_table, query_start, num_computed, block_size,
+                                                              scale, out, a, kLanes);
+  const Work* items = work.data();
+  prefill_attention::run_work(work, [&](std::atomic<int64_t>& next, int64_t num_items) {
+    auto buf = std::make_unique<Buffers>();
+    for (int64_t i = next++; i < num_items; i = next++) attend_item(a, items[i], *buf);
+  });
+  return out;
+}
