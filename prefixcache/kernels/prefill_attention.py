@@ -137,6 +137,9 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, rows: Paged
             CPU can't run.
     """
     form = prefill_form() if form is None else form
+    if form is None:
+        raise RuntimeError("no form of the paged prompt-attention kernel runs on this CPU (it needs AVX2, FMA and "
+                           "F16C, or AVX512-BF16, and its extension built); prefill_kernel_supported() says so first")
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape

@@ -218,6 +218,16 @@ def test_a_form_this_cpu_cannot_run_or_does_not_know_is_refused():
     assert prefill_form() == next(f for f in FORMS if form_supported(f))
 
 
+def test_a_cpu_where_no_form_runs_gets_a_runtime_error_not_a_form_name_error(monkeypatch):
+    from prefixcache.kernels import prefill_attention
+
+    monkeypatch.setattr(prefill_attention, "prefill_form", lambda: None)  # as under PREFIXCACHE_KERNELS=reference
+    pool = Pool(9, 3, 64)
+    rows = build_paged_rows([0], [4], torch.tensor([[0]]))
+    with pytest.raises(RuntimeError, match="no form of the paged prompt-attention kernel runs on this CPU"):
+        paged_prefill_attention(pool.q[0][:4], pool.pool, rows, 0.125)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_the_cache_key_names_the_form_that_computed_the_kv(form, monkeypatch):
     """Each form's K/V gets its own key, so a disk or Redis tier shared by an AMX, an AVX-512 and an AVX2
