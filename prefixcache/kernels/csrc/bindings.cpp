@@ -26,13 +26,7 @@ bool amx_bf16_ready();
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t N,
                       int64_t mode);
 
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const std::vector<at::Tensor>& x_tiles,
-                                                const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
-                                                double eps);
-at::Tensor rope_write_kv(const std::vector<at::Tensor>& qkv_tiles, const at::Tensor& cos, const at::Tensor& sin_rot,
-                         const at::Tensor& k_slots, const at::Tensor& v_slots, const at::Tensor& slot_mapping,
-                         int64_t H, int64_t KVH);
-at::Tensor silu_mul(const std::vector<at::Tensor>& gate_up_tiles);
+void bind_prompt_ops(pybind11::module& m);  // prompt_ops.cpp: the fused prompt-row ops
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const c10::optional<at::Tensor>& mul);
 at::Tensor int8_rows_to_float(const at::Tensor& acc, const at::Tensor& x_scale, const at::Tensor& w_scale,
                               const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
@@ -57,12 +51,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether AMX-BF16 tiles run here: the CPU has them and Linux gave this process the tile state");
   m.def("amx_linear", &amx_linear, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "bf16 x [M, K] @ packed W^T (+ bias) -> [M, N] bf16 on AMX tiles, a row's bits whatever M (amx_gemm.cpp)");
-  m.def("add_rms_norm", &add_rms_norm, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "row tiles x [T, n] (+ residual) -> (rms_norm(h) * w, h = residual + x), bf16 (prompt_ops.cpp)");
-  m.def("rope_write_kv", &rope_write_kv, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "row tiles [T, (H + 2 KVH) D] -> q [T, H, D] rotated; k rotated and v written to the pool (prompt_ops.cpp)");
-  m.def("silu_mul", &silu_mul, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "row tiles [T, 2 I] -> silu(gate) * up [T, I], bf16 (prompt_ops.cpp)");
+  bind_prompt_ops(m);  // a bf16 model's fused prompt-row ops (prompt_ops.cpp)
   m.def("quantize_rows_int8", &quantize_rows_int8, pybind11::arg("x"), pybind11::arg("mul") = pybind11::none(),
         pybind11::call_guard<pybind11::gil_scoped_release>(),
         "x [M, K] (times mul [K] or None) -> (int8 [M, K], float32 scale [M, 1]), per row (int8_rows.cpp)");

@@ -39,13 +39,7 @@ at::Tensor paged_decode_attention_float32(const at::Tensor& q, const at::Tensor&
                                           const at::Tensor& block_table, const at::Tensor& context_lens,
                                           int64_t block_size, double scale);
 void bind_decode_layers(pybind11::module& m);
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const std::vector<at::Tensor>& x_tiles,
-                                                const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
-                                                double eps);
-at::Tensor rope_write_kv(const std::vector<at::Tensor>& qkv_tiles, const at::Tensor& cos, const at::Tensor& sin_rot,
-                         const at::Tensor& k_slots, const at::Tensor& v_slots, const at::Tensor& slot_mapping,
-                         int64_t H, int64_t KVH);
-at::Tensor silu_mul(const std::vector<at::Tensor>& gate_up_tiles);
+void bind_prompt_ops(pybind11::module& m);  // prompt_ops.cpp: the fused prompt-row ops
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__x86_64__)
@@ -65,10 +59,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the highest tier (index in cpu_features.TIERS) any C++ dispatch may take (isa_tier.h)");
   m.def("compiler", [] { return std::string(__VERSION__); }, "the compiler that built these kernels");
   bind_decode_layers(m);  // generated tokens' decoder layers (decode_layers.cpp)
-  m.def("add_rms_norm", &add_rms_norm, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "row tiles x [T, n] (+ residual) -> (rms_norm(h) * w, h = residual + x), bf16 (prompt_ops.cpp)");
-  m.def("rope_write_kv", &rope_write_kv, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "row tiles [T, (H + 2 KVH) D] -> q [T, H, D] rotated; k rotated and v written to the pool (prompt_ops.cpp)");
-  m.def("silu_mul", &silu_mul, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "row tiles [T, 2 I] -> silu(gate) * up [T, I], bf16 (prompt_ops.cpp)");
+  bind_prompt_ops(m);  // a bf16 model's fused prompt-row ops (prompt_ops.cpp)
 }

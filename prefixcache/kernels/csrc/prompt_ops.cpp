@@ -178,3 +178,13 @@ at::Tensor silu_mul(const std::vector<at::Tensor>& gate_up_tiles) {
   return out;
 }
 
+// The three ops' Python bindings, one definition for every extension that builds this file (bindings.cpp,
+// bindings_avx2.cpp).
+void bind_prompt_ops(pybind11::module& m) {
+  m.def("add_rms_norm", &add_rms_norm, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "row tiles x [T, n] (+ residual) -> (rms_norm(h) * w, h = residual + x), bf16 (prompt_ops.cpp)");
+  m.def("rope_write_kv", &rope_write_kv, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "row tiles [T, (H + 2 KVH) D] -> q [T, H, D] rotated; k rotated and v written to the pool (prompt_ops.cpp)");
+  m.def("silu_mul", &silu_mul, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "row tiles [T, 2 I] -> silu(gate) * up [T, I], bf16 (prompt_ops.cpp)");
+}
