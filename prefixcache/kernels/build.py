@@ -3,8 +3,8 @@
 Our extensions share ``csrc/``, so each build's name covers its own sources and the local headers they
 ``#include "..."`` (transitively), not the whole folder: editing one extension's source rebuilds that
 extension only, an edited header rebuilds every extension that includes it (torch's own change check
-reads no headers), and checkouts with different sources keep separate builds instead of rebuilding over
-each other.
+reads no headers), checkouts with different sources keep separate builds instead of rebuilding over
+each other, and checkouts with the same sources share one build (compiled from a copy in the build folder).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 
-from prefixcache.kernels.cpu_features import cpu_has, describe_cpu
+from prefixcache.kernels.cpu_features import TIERS, cpu_has, describe_cpu, kernel_tier
 
 _LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 
@@ -89,8 +89,45 @@ def load_extension(prefix: str, sources: list[Path], cflags: list[str]) -> Modul
             print(f"prefixcache: removed {stale}, left by a build that was killed; building {name} again",
                   file=sys.stderr)
             stale.unlink()
-        return load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+        compiled = _copy_sources(sources, build_dir / "src")
+        return load(name=name, sources=[str(s) for s in compiled], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir), verbose=False)
+
+
+def _copy_sources(sources: list[Path], into: Path) -> list[Path]:
+    """Copies :func:`compiled_files` of ``sources`` into ``into`` (flat: our local includes name files beside the
+    includer) and returns the copies of ``sources``, in order.
+
+    The compiler is run on these copies, not on the checkout's files, because torch's ``load`` writes the source
+    paths into ``build.ninja`` and rebuilds everything when that file's text changes: compiled from the checkout, two
+    checkouts with the same sources (a developer's tree and a CI clone of it, which get one build folder since the
+    name is a digest of the contents) would recompile the whole extension, minutes each, every time the other one
+    loaded it. From a copy named by the digest, every checkout writes the same ``build.ninja`` and the second one
+    finds the build done. A copy is rewritten only when its bytes differ (ninja's change check reads mtimes).
+    Called under the build folder's flock.
+    """
+    into.mkdir(exist_ok=True)
+    for path in compiled_files(sources):
+        copy = into / path.name
+        data = path.read_bytes()
+        if not copy.is_file() or copy.read_bytes() != data:
+            copy.write_bytes(data)
+    return [into / path.name for path in sources]
+
+
+_TOLD: dict[str, int] = {}  # extension name -> the tier last passed to its set_kernel_tier
+
+
+def tell_tier(module: ModuleType) -> ModuleType:
+    """Passes :func:`~prefixcache.kernels.cpu_features.kernel_tier` to ``module.set_kernel_tier`` (csrc/isa_tier.h:
+    every C++ dispatch honours the cap) when it differs from what this function last passed it, and returns
+    ``module``. Called on every load, so a cap changed after the first load reaches C++ too; only on a change, so a
+    tier a test set by hand stays set until the cap itself changes."""
+    tier = list(TIERS).index(kernel_tier())
+    if _TOLD.get(module.__name__) != tier:
+        module.set_kernel_tier(tier)
+        _TOLD[module.__name__] = tier
+    return module
 
 
 def build_main(name: str, load: Callable[[], object], unavailable: type[Exception], needs: Iterable[str],

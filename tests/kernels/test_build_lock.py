@@ -1,7 +1,8 @@
 """A build killed half-way must not hang every later load (prefixcache.kernels.build.load_extension).
 
 torch's builder leaves its ``lock`` file behind when the build process dies; its next load would wait on
-it for ever. The real builder runs here, in a child process with a timeout, on a two-line extension.
+it for ever. The real builder runs here, in a child process with a timeout, on a two-line extension; a second
+checkout of the same source then loads that build without recompiling it.
 """
 
 import os
@@ -56,3 +57,16 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_the_build_runs(tmp_path, m
     again = subprocess.run([sys.executable, "-c", _CHILD, str(source)], env=env, capture_output=True, text=True,
                            timeout=300)  # built: a second load imports it and says nothing about locks
     assert again.stdout.split() == ["42", module_file] and "killed" not in again.stderr
+
+    # another checkout with the same source (a CI clone of a developer's tree) finds the build done: torch's builder
+    # compiles the copy in build_dir/src, so its build.ninja is the same text and nothing is recompiled
+    objects = {path: path.stat().st_mtime_ns for path in build_dir.glob("*.o")}
+    assert objects and (build_dir / "src" / "probe.cpp").read_text() == _SOURCE
+    other = tmp_path / "other_checkout" / "probe.cpp"
+    other.parent.mkdir()
+    other.write_text(_SOURCE)
+    elsewhere = subprocess.run([sys.executable, "-c", _CHILD, str(other)], env=env, capture_output=True, text=True,
+                               timeout=300)
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert elsewhere.stdout.split() == ["42", module_file]
+    assert {path: path.stat().st_mtime_ns for path in build_dir.glob("*.o")} == objects
