@@ -29,8 +29,8 @@ from types import ModuleType
 
 import torch
 
-from prefixcache.kernels.build import build_main, load_extension
-from prefixcache.kernels.cpu_features import TIERS, cpu_has, describe_cpu, fast_int_mm, kernel_tier
+from prefixcache.kernels.build import build_main, load_extension, tell_tier
+from prefixcache.kernels.cpu_features import TIERS, cpu_has, describe_cpu, fast_int_mm
 
 __all__ = ["Avx2KernelsUnavailable", "int8_gemm_avx2", "int8_gemm_vnni", "int8_linear_avx2", "int8_linear_vnni",
            "int8_product_avx2", "int8_product_vnni",
@@ -54,7 +54,6 @@ class Avx2KernelsUnavailable(RuntimeError):
     """The AVX2 kernels can't run here (no AVX2 + FMA, or the extension doesn't build)."""
 
 
-@cache
 def load_avx2_kernels() -> ModuleType:
     """The compiled extension (built on first use).
 
@@ -62,13 +61,17 @@ def load_avx2_kernels() -> ModuleType:
         Avx2KernelsUnavailable: the CPU (as capped by ``PREFIXCACHE_KERNELS``) lacks AVX2, FMA or F16C, or the
             build failed (the compiler's message).
     """
-    if not cpu_has(*TIERS["avx2"]):
+    if not cpu_has(*TIERS["avx2"]):  # before the cached module: a cap set after the first load still holds
         raise Avx2KernelsUnavailable(f"our AVX2 kernels need AVX2, FMA and F16C; {describe_cpu()}")
+    return tell_tier(_load())
+
+
+@cache
+def _load() -> ModuleType:
     try:
         module = load_extension("prefixcache_avx2_kernels", _SOURCES, _FLAGS)
     except (RuntimeError, OSError, ImportError) as e:
         raise Avx2KernelsUnavailable(f"building the AVX2 kernels (prefixcache/kernels/csrc) failed: {e}") from e
-    module.set_kernel_tier(list(TIERS).index(kernel_tier()))  # every C++ dispatch honours the cap (isa_tier.h)
     return module
 
 

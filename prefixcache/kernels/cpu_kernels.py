@@ -36,8 +36,8 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-from prefixcache.kernels.build import build_main, load_extension
-from prefixcache.kernels.cpu_features import TIERS, cpu_has, describe_cpu, kernel_tier
+from prefixcache.kernels.build import build_main, load_extension, tell_tier
+from prefixcache.kernels.cpu_features import TIERS, cpu_features, cpu_has, describe_cpu
 
 __all__ = ["CpuKernelsUnavailable", "amx_ready", "int4_kernels_build", "kernels_compiler", "load_cpu_kernels",
            "load_int4_kernels"]
@@ -59,45 +59,46 @@ def load_cpu_kernels() -> ModuleType:
     Raises:
         CpuKernelsUnavailable: the CPU lacks AVX512-VNNI, or the build failed (the compiler's message).
     """
-    if _LOADED:
-        return _LOADED[0]
-    if not cpu_has(*TIERS["avx512"]):
+    if not cpu_has(*TIERS["avx512"]):  # before the cached module: a cap set after the first load still holds
         raise CpuKernelsUnavailable(f"our CPU kernels need AVX512-VNNI; {describe_cpu()} (float32 runs on torch's own "
                                     f"kernels)")
-    try:
-        module = load_extension("prefixcache_cpu_kernels", _SOURCES, _FLAGS)
-    except (RuntimeError, OSError, ImportError) as e:
-        raise CpuKernelsUnavailable(f"building the CPU kernels (prefixcache/kernels/csrc) failed: {e}") from e
-    module.set_kernel_tier(list(TIERS).index(kernel_tier()))  # every C++ dispatch honours the cap (isa_tier.h)
-    _LOADED.append(module)
-    return module
+    if not _LOADED:
+        try:
+            _LOADED.append(load_extension("prefixcache_cpu_kernels", _SOURCES, _FLAGS))
+        except (RuntimeError, OSError, ImportError) as e:
+            raise CpuKernelsUnavailable(f"building the CPU kernels (prefixcache/kernels/csrc) failed: {e}") from e
+    return tell_tier(_LOADED[0])
 
 
-@cache
 def int4_kernels_build() -> str:
     """Which build :func:`load_int4_kernels` returns here: ``"avx512"`` (this module's extension, where the CPU
     as capped has ``TIERS["avx512"]`` and it builds), ``"avx2"`` (:mod:`prefixcache.kernels.avx2_kernels`' build of
     the same sources, where it has ``TIERS["avx2"]``), ``"neon"`` (:mod:`prefixcache.kernels.neon_kernels`' build,
-    on an aarch64 CPU reporting ``asimd``), or ``""`` (none: the int4 formats don't run here)."""
+    on an aarch64 CPU reporting ``asimd``), or ``""`` (none: the int4 formats don't run here). Chosen once per set
+    of CPU features (:func:`~prefixcache.kernels.cpu_features.cpu_features`, so a changed cap chooses again)."""
+    return _best_build(cpu_features())[0]
+
+
+@cache
+def _best_build(features: frozenset[str]) -> tuple[str, ModuleType | None]:
+    """(name, extension) of :func:`int4_kernels_build`; ``features`` is the cache key only (a build that failed to
+    load for these features is not tried again on every call)."""
     try:
-        load_cpu_kernels()
-        return "avx512"
+        return "avx512", load_cpu_kernels()
     except CpuKernelsUnavailable:
         pass
     from prefixcache.kernels.avx2_kernels import Avx2KernelsUnavailable, load_avx2_kernels
 
     try:
-        load_avx2_kernels()
-        return "avx2"
+        return "avx2", load_avx2_kernels()
     except Avx2KernelsUnavailable:
         pass
     from prefixcache.kernels.neon_kernels import NeonKernelsUnavailable, load_neon_kernels
 
     try:
-        load_neon_kernels()
-        return "neon"
+        return "neon", load_neon_kernels()
     except NeonKernelsUnavailable:
-        return ""
+        return "", None
 
 
 def load_int4_kernels() -> ModuleType:
@@ -110,17 +111,9 @@ def load_int4_kernels() -> ModuleType:
     Raises:
         CpuKernelsUnavailable: the CPU lacks AVX2 + FMA + F16C and NEON, or no build builds.
     """
-    build = int4_kernels_build()
-    if build == "avx512":
-        return load_cpu_kernels()
-    if build == "avx2":
-        from prefixcache.kernels.avx2_kernels import load_avx2_kernels
-
-        return load_avx2_kernels()
-    if build == "neon":
-        from prefixcache.kernels.neon_kernels import load_neon_kernels
-
-        return load_neon_kernels()
+    module = _best_build(cpu_features())[1]
+    if module is not None:
+        return module
     raise CpuKernelsUnavailable(f"the int4 kernels need AVX2 + FMA + F16C or aarch64 NEON (and a build of them); "
                                 f"{describe_cpu()}")
 

@@ -78,7 +78,6 @@ def extension_prefix(march_name: str) -> str:
     return "prefixcache_neon_kernels_" + march_name.replace(".", "_").replace("-", "_").replace("+", "_")
 
 
-@cache
 def load_neon_kernels() -> ModuleType:
     """The compiled extension for :func:`march` (built on first use).
 
@@ -86,7 +85,11 @@ def load_neon_kernels() -> ModuleType:
         NeonKernelsUnavailable: the CPU (as capped by ``PREFIXCACHE_KERNELS``) reports no NEON, or the build failed
             (the compiler's message).
     """
-    name = march()
+    return _load(march())  # march() first: a cap set after the first load still holds
+
+
+@cache
+def _load(name: str) -> ModuleType:
     try:
         return load_extension(extension_prefix(name), SOURCES, flags(name))
     except (RuntimeError, OSError, ImportError) as e:

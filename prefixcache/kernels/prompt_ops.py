@@ -25,39 +25,14 @@ and activations do not depend on which build ran them. Each call runs the best b
 
 from __future__ import annotations
 
-from functools import cache
 from types import ModuleType
 
 import torch
 
-from prefixcache.kernels.avx2_kernels import Avx2KernelsUnavailable, load_avx2_kernels
-from prefixcache.kernels.cpu_features import TIERS, cpu_features, cpu_has, describe_cpu
-from prefixcache.kernels.cpu_kernels import CpuKernelsUnavailable, load_cpu_kernels
-from prefixcache.kernels.neon_kernels import NeonKernelsUnavailable, load_neon_kernels
+from prefixcache.kernels.cpu_features import describe_cpu
+from prefixcache.kernels.cpu_kernels import CpuKernelsUnavailable, int4_kernels_build, load_int4_kernels
 
 __all__ = ["add_rms_norm", "prompt_ops_build", "prompt_ops_supported", "rope_write_kv", "silu_mul"]
-
-
-@cache
-def _build_for(features: frozenset[str]) -> tuple[str, ModuleType | None]:
-    """(name, extension) of the best build that loads for ``features`` (:func:`cpu_features`: the key makes a
-    changed cap choose again, while a build that failed is not retried on every call)."""
-    if cpu_has(*TIERS["avx512"]):
-        try:
-            return "avx512", load_cpu_kernels()
-        except CpuKernelsUnavailable:
-            pass
-    if cpu_has(*TIERS["avx2"]):
-        try:
-            return "avx2", load_avx2_kernels()
-        except Avx2KernelsUnavailable:
-            pass
-    if cpu_has("asimd"):
-        try:
-            return "neon", load_neon_kernels()
-        except NeonKernelsUnavailable:
-            pass
-    return "", None
 
 
 def prompt_ops_build() -> str:
@@ -65,8 +40,9 @@ def prompt_ops_build() -> str:
     where the CPU as capped by ``PREFIXCACHE_KERNELS`` has ``TIERS["avx512"]`` and it builds), ``"avx2"``
     (:mod:`~prefixcache.kernels.avx2_kernels`', ``TIERS["avx2"]``), ``"neon"``
     (:mod:`~prefixcache.kernels.neon_kernels`', an aarch64 CPU with ``asimd``) or ``""`` (none loads). Every build
-    gives the same bits. Chosen once per set of CPU features (a build is compiled on first use)."""
-    return _build_for(cpu_features())[0]
+    gives the same bits. The int4 kernels' choice (:func:`~prefixcache.kernels.cpu_kernels.int4_kernels_build`): one
+    extension per process serves both, chosen once per set of CPU features (a build is compiled on first use)."""
+    return int4_kernels_build()
 
 
 def prompt_ops_supported() -> bool:
@@ -76,11 +52,10 @@ def prompt_ops_supported() -> bool:
 
 
 def _kernels() -> ModuleType:
-    module = _build_for(cpu_features())[1]
-    if module is None:
+    if not prompt_ops_build():
         raise CpuKernelsUnavailable(f"the fused prompt ops need AVX-512, AVX2 + FMA + F16C or aarch64 NEON (and a "
                                     f"build of them); {describe_cpu()}")
-    return module
+    return load_int4_kernels()
 
 
 def add_rms_norm(x: list[torch.Tensor], residual: torch.Tensor | None, weight: torch.Tensor,

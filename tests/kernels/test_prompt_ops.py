@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixcache.kernels import prompt_ops
+from prefixcache.kernels import avx2_kernels, cpu_kernels, prompt_ops
 from prefixcache.kernels.cpu_features import TIERS, reported_cpu_features
 from prefixcache.kernels.cpu_kernels import CpuKernelsUnavailable
 from prefixcache.kernels.prompt_ops import add_rms_norm, prompt_ops_supported, rope_write_kv, silu_mul
@@ -227,10 +227,10 @@ def test_rope_write_kv_avx2_build_has_the_avx512_bits(heads, kv_heads, head_dim,
 
 @pytest.fixture
 def fresh_choice():
-    """prompt_ops' build choice (cached per CPU feature set) forgotten before and after the test."""
-    prompt_ops._build_for.cache_clear()
+    """The build choice (cpu_kernels', cached per CPU feature set) forgotten before and after the test."""
+    cpu_kernels._best_build.cache_clear()
     yield
-    prompt_ops._build_for.cache_clear()
+    cpu_kernels._best_build.cache_clear()
 
 
 class _Spy:
@@ -249,7 +249,7 @@ def test_capped_to_avx2_the_calls_run_on_the_avx2_build(fake_cpu, fresh_choice, 
     real = reported_cpu_features()
     kernels = _avx2()  # loaded uncapped, as the model's process would have it
     spy = _Spy(kernels)
-    monkeypatch.setattr(prompt_ops, "load_avx2_kernels", lambda: spy)
+    monkeypatch.setattr(avx2_kernels, "load_avx2_kernels", lambda: spy)
     fake_cpu(real, cap="avx2")
     assert prompt_ops.prompt_ops_build() == "avx2" and prompt_ops_supported()
     x, weight = bf16(5, 40, seed=12), bf16(40, seed=13)

@@ -1,5 +1,6 @@
 // The kernel tier the Python side chose (prefixcache.kernels.cpu_features.kernel_tier: what the CPU reports,
-// capped by PREFIXCACHE_KERNELS), passed into each extension once at load (set_kernel_tier, bindings*.cpp).
+// capped by PREFIXCACHE_KERNELS), passed into each extension at load and again when the cap changes
+// (build.tell_tier -> set_kernel_tier, bindings*.cpp).
 // Every run-time choice between forms in C++ asks tier_allows() as well as the CPU (__builtin_cpu_supports,
 // cpuid): without it a C++ dispatch would take a form the cap took away (PREFIXCACHE_KERNELS=avx512 must run
 // generated rows' attention in its float32 form, as a CPU without AVX512-BF16 does).
