@@ -2,7 +2,7 @@
 
 The AVX512-BF16 form (keys in blocks of 32 in vector lanes, bf16 dot products, rows over the same
 pool blocks in one work item that prepares each shared block once) against the float32 form (16-key
-pieces, float32 products; what a CPU without AVX512-BF16 runs, and what every CPU ran before
+pieces, float32 products, shared blocks widened to float32 once per work item; what a CPU without AVX512-BF16 runs, and what every CPU ran before
 2026-12-01), on SmolLM2's attention shape (9 heads, 3 KV heads, head_dim 64, 16-token blocks):
 
 - ten decodes over a 2,032-token prefix in shared blocks with own tails of 70-169 tokens (the speed

@@ -11,7 +11,7 @@ import argparse
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import prefixcache.layers.attention.torch_attention as attention
-import prefixcache.layers.lora as lora
+import prefixcache.layers.linear as linear
 import prefixcache.models.llama as llama
 
 from prefixcache import LLM, SamplingParams
@@ -46,8 +46,9 @@ def recorded(module, name: str) -> None:
 
 
 recorded(DecodeLayers, "run")  # int4: generated rows' layers (C++: products, attention, norms in one call)
-recorded(llama, "group_int8_linear")
-recorded(lora, "amx_linear")  # bf16 linear layers on our AMX kernel (C++), where the CPU has AMX-BF16
+recorded(llama, "group_int8_linear")  # the lm head of generated rows (int4 formats)
+recorded(linear, "int8_product")  # int8 / int4-int8 prompt rows' products (C++ or torch._int_mm)
+recorded(linear, "amx_linear")  # bf16 linear layers on our AMX kernel (C++), where the CPU has AMX-BF16
 recorded(attention, "paged_prefill_attention")  # bf16 prompt rows' attention (C++, one call per layer) ...
 recorded(llama, "paged_prefill_attention")  # ... from the fused layers too
 for fused_op in ("add_rms_norm", "rope_write_kv", "silu_mul"):  # bf16 prompt rows' element-wise ops (C++)

@@ -109,7 +109,8 @@ def test_generated_rows_get_the_same_bits_in_any_batch(shared_blocks):
 def test_kernel_reads_only_each_rows_keys_and_gives_it_the_same_bits_alone(block_size, heads, kv_heads, head_dim,
                                                                           float32_form):
     """Rows over shared and own blocks of any block size (the longest context in three 1,024-key
-    segments; the bf16 form prepares the shared blocks once for the rows that share them); every slot
+    segments; the bf16 form prepares the shared blocks once for the rows that share them, the float32 form
+    widens them to float32 once, in chunks that end at block ends or the shortest row's end); every slot
     outside the rows' contexts holds NaN (a read of one would show); each row alone = in the batch,
     and close to float64 softmax. Both forms (the bf16 one where the CPU has AVX512-BF16 and head_dim
     % 32 == 0, else float32)."""

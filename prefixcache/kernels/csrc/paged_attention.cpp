@@ -21,9 +21,11 @@
 // - float32 (elsewhere, and for rows whose context is longer than kBf16MaxContext = 4,096 keys: a lone long
 //   context streams its K/V faster this way; the row's own length decides, never its batch): keys in pieces
 //   of at most 16 that never cross a pool block, scores in float32 (bf16 K converted exactly) summed over 16
-//   lanes then across them in a fixed pattern, p @ v in float32. Its code is decode_attention_f32.h, torch-free
-//   and written against vec16.h: the AVX-512, AVX2 and aarch64 NEON builds run it (neon_kernels.py builds the
-//   last on ARM; its bits are checked under qemu with aarch64_check.cpp).
+//   lanes then across them in a fixed pattern, p @ v in float32. Rows over the same pool blocks form one item
+//   here too (make_items): each chunk of their shared keys is widened to float32 once and read from cache by every
+//   row, which converts no key of it again. Its code is decode_attention_f32.h, torch-free and written against
+//   vec16.h: the AVX-512, AVX2 and aarch64 NEON builds run it (neon_kernels.py builds the last on ARM; its bits are
+//   checked under qemu with aarch64_check.cpp).
 //
 // The prompt kernel (prefill_attention.cpp) runs exactly where the first form does, so the model's cache
 // key (layers/attention/numerics.py, kv_numerics) tells the two apart, and INT4_OUTPUT_KEY (layers/quant.py) names the form.
@@ -71,7 +73,6 @@ namespace bf16dp {
 
 constexpr int kKeys = 32;          // keys per softmax block, at absolute positions kKeys * i
 constexpr int kChunkBlocks = 2;    // blocks prepared at once (64 keys: 16 KB for head_dim 64, inside L1)
-constexpr int kMaxItemRows = 16;   // rows of one work item
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 
@@ -232,11 +233,6 @@ BlocksFn blocks_function(int64_t V, int64_t G) {
   return run_blocks<0, 0>;
 }
 
-struct Item {  // one kv head, one segment, rows order[begin, end) sharing its keys [segment start, shared_end)
-  int64_t kh, seg, shared_end, cost;
-  int32_t begin, end;
-};
-
 void run_item(const Args& a, const Item& it, const int32_t* order, int64_t part_size, float* parts,
               int64_t num_segments, uint32_t* prep, BlocksFn fn) {
   const int64_t G = a.H / a.KVH, D = a.D, prep_stride = 32 * D, seg_start = it.seg * kSegment;
@@ -283,57 +279,17 @@ void run_item(const Args& a, const Item& it, const int32_t* order, int64_t part_
   }
 }
 
-// Items: per kv head and segment, the rows whose context reaches the segment, grouped by the pool block
-// holding the segment's first key (up to 16 rows); a group shares the keys up to the last multiple of
-// kKeys (or the segment's end) before which every row's context is longer and their pool blocks the same.
-std::vector<Item> make_items(const Args& a, int64_t R, int64_t num_segments, std::vector<int32_t>& order) {
-  std::vector<Item> items;
-  std::vector<std::tuple<int32_t, int64_t, int32_t>> rows;
-  for (int64_t kh = 0; kh < a.KVH; ++kh) {
-    for (int64_t s = 0; s < num_segments; ++s) {
-      const int64_t seg_start = s * kSegment, seg_end = seg_start + kSegment, first = seg_start / a.block_size;
-      rows.clear();  // (first block, -keys in the segment, row): a group's longest contexts first
-      for (int64_t r = 0; r < R; ++r)
-        if (a.lens[r] > seg_start && a.runs(r))
-          rows.emplace_back(a.table[r * a.max_blocks + first], seg_start - std::min<int64_t>(a.lens[r], seg_end), r);
-      std::sort(rows.begin(), rows.end());
-      for (size_t i = 0; i < rows.size();) {
-        size_t j = i + 1;  // a row with fewer than two key blocks here stays alone (it would cut the others' share)
-        while (j < rows.size() && j - i < static_cast<size_t>(kMaxItemRows) && std::get<0>(rows[j]) == std::get<0>(rows[i]) &&
-               -std::get<1>(rows[j]) >= 2 * kKeys)
-          ++j;
-        int64_t cap = seg_end, same_end = seg_start;  // same_end: the rows' pool blocks agree before it
-        for (size_t t = i; t < j; ++t) cap = std::min<int64_t>(cap, a.lens[std::get<2>(rows[t])]);
-        for (int64_t b = first; j - i > 1 && same_end < cap; ++b) {
-          bool same = true;
-          for (size_t t = i + 1; same && t < j; ++t)
-            same = a.table[std::get<2>(rows[t]) * a.max_blocks + b] == a.table[std::get<2>(rows[i]) * a.max_blocks + b];
-          if (!same) break;
-          same_end = std::min((b + 1) * a.block_size, cap);
-        }
-        const int64_t shared_end = same_end == seg_end ? seg_end : seg_start + (same_end - seg_start) / kKeys * kKeys;
-        Item it{kh, s, shared_end, 2 * (shared_end - seg_start), static_cast<int32_t>(order.size()), 0};
-        for (size_t t = i; t < j; ++t) {
-          order.push_back(std::get<2>(rows[t]));
-          it.cost += 2 * (std::min<int64_t>(a.lens[std::get<2>(rows[t])], seg_end) - shared_end) + (shared_end - seg_start);
-        }
-        it.end = static_cast<int32_t>(order.size());
-        items.push_back(it);
-        i = j;
-      }
-    }
-  }
-  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
-  return items;
-}
-
 void launch(const Args& a, int64_t R) {
   int64_t num_segments = 1;
   for (int64_t r = 0; r < R; ++r) num_segments = std::max<int64_t>(num_segments, (a.lens[r] + kSegment - 1) / kSegment);
   const int64_t G = a.H / a.KVH, part_size = G * a.D + 3 * G;
   std::vector<float> parts(R * a.KVH * num_segments * part_size);
   std::vector<int32_t> order;
-  const std::vector<Item> items = make_items(a, R, num_segments, order);
+  // (make_items, decode_attention_f32.h) a shared range ends at a multiple of kKeys past the segment's start, or
+  // at its end: where every row's 32-key blocks end
+  const std::vector<Item> items = make_items(a, R, num_segments, 2 * kKeys, [](int64_t same_end, int64_t seg_start, int64_t seg_end) {
+    return same_end == seg_end ? seg_end : seg_start + (same_end - seg_start) / kKeys * kKeys;
+  }, order);
   const BlocksFn fn = blocks_function(a.D / 16, G);
   std::atomic<int64_t> next{0};  // longest items first, each thread taking the next when done
   const int64_t num_items = static_cast<int64_t>(items.size());
