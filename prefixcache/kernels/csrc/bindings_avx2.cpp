@@ -7,7 +7,7 @@
 // without it), which the NEON build neither compiles nor binds (there torch._int_mm serves int8).
 #include <torch/extension.h>
 
-#include "isa_tier.h"
+#include "shared_bindings.h"
 
 #if defined(__x86_64__)
 #define PREFIXCACHE_BUILD_ISA "AVX2"
@@ -24,22 +24,6 @@ at::Tensor paged_prefill_attention_avx2(const at::Tensor& q, const at::Tensor& k
                                         const at::Tensor& block_table, const at::Tensor& query_start,
                                         const at::Tensor& num_computed, int64_t block_size, double scale);
 #endif
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min,
-                   const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
-at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& corr,
-                   const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
-at::Tensor int4_mm_reference(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                             const at::Tensor& min, const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
-at::Tensor int8_mm_reference(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                             const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_slots, const at::Tensor& v_slots,
-                                  const at::Tensor& block_table, const at::Tensor& context_lens, int64_t block_size,
-                                  double scale);
-at::Tensor paged_decode_attention_float32(const at::Tensor& q, const at::Tensor& k_slots, const at::Tensor& v_slots,
-                                          const at::Tensor& block_table, const at::Tensor& context_lens,
-                                          int64_t block_size, double scale);
-void bind_decode_layers(pybind11::module& m);
-void bind_prompt_ops(pybind11::module& m);  // prompt_ops.cpp: the fused prompt-row ops
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__x86_64__)
@@ -48,16 +32,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention_avx2", &paged_prefill_attention_avx2,
         "prompt rows' causal attention over the paged pool, float32 FMAs (prefill_attention_avx2.cpp)");
 #endif
-  m.def("int4_mm", &int4_mm, "x [M, K] @ int4 grouped weight^T (+ bias) -> [M, N] (qgemm.cpp, " PREFIXCACHE_BUILD_ISA ")");
-  m.def("int8_mm", &int8_mm, "x [M, K] @ int8 grouped weight^T (+ bias) -> [M, N] (qgemm.cpp, " PREFIXCACHE_BUILD_ISA ")");
-  m.def("int4_mm_reference", &int4_mm_reference, "int4_mm's rule in plain loops: its bits (qgemm.cpp)");
-  m.def("int8_mm_reference", &int8_mm_reference, "int8_mm's rule in plain loops: its bits (qgemm.cpp)");
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "q [R, H, D] over each row's context in the paged pool -> [R, H, D] (paged_attention.cpp: its float32 form)");
-  m.def("paged_decode_attention_float32", &paged_decode_attention_float32, "the same (the only form of this build)");
-  m.def("set_kernel_tier", [](int64_t tier) { prefixcache_kernel_tier = static_cast<int>(tier); },
-        "the highest tier (index in cpu_features.TIERS) any C++ dispatch may take (isa_tier.h)");
-  m.def("compiler", [] { return std::string(__VERSION__); }, "the compiler that built these kernels");
-  bind_decode_layers(m);  // generated tokens' decoder layers (decode_layers.cpp)
-  bind_prompt_ops(m);  // a bf16 model's fused prompt-row ops (prompt_ops.cpp)
+  bind_shared_kernels(m, PREFIXCACHE_BUILD_ISA, "its float32 form", "the same (the only form of this build)");
 }
