@@ -135,3 +135,32 @@ def test_load_int4_kernels_picks_the_best_build_the_tier_allows():
     build = int4_kernels_build()
     assert build == ("avx512" if cpu_has("avx512_vnni", "avx512bw") else "avx2")
     assert hasattr(load_int4_kernels(), "DecodeLayers") and load_int4_kernels().compiler()
+
+
+@AVX2
+@pytest.mark.parametrize("build", ["avx2", pytest.param("avx512", marks=AVX512)])
+def test_products_and_references_refuse_a_malformed_weight_with_its_name(build):
+    """The products and their plain-loop references share their checks: a packed weight of the wrong layout,
+    scales or mins of the wrong shape, a wrong int8 correction or an input width off the 32-input groups is a
+    RuntimeError naming the tensor, never a read past the buffers."""
+    kernels = _avx2() if build == "avx2" else _avx512()
+    w, x, _ = _case(3, 48, 96, seed=5)
+    w4, w8 = quantize_weight_int4(w, None), quantize_weight_group_int8(w)
+    f32 = torch.float32
+    for int4 in (kernels.int4_mm, kernels.int4_mm_reference):
+        with pytest.raises(RuntimeError, match="packed must be contiguous uint8"):
+            int4(x, w4.packed[:, :-1], w4.scale, w4.min, None, f32)
+        with pytest.raises(RuntimeError, match="min must be contiguous"):
+            int4(x, w4.packed, w4.scale, w4.min[:, :-1], None, f32)
+        with pytest.raises(RuntimeError, match="scale must be contiguous"):
+            int4(x, w4.packed, w4.scale.float(), w4.min, None, f32)
+        with pytest.raises(RuntimeError, match="K % 32 == 0"):
+            int4(x[:, :40], w4.packed, w4.scale, w4.min, None, f32)
+    with pytest.raises(RuntimeError, match="packed must be contiguous int8"):
+        kernels.int8_mm_reference(x, w8.packed.view(torch.uint8), w8.scale, None, f32)
+    with pytest.raises(RuntimeError, match="packed must be contiguous int8"):
+        kernels.int8_mm(x, w8.packed[:, :-1], w8.scale, w8.correction, None, f32)
+    with pytest.raises(RuntimeError, match="corr must be contiguous"):
+        kernels.int8_mm(x, w8.packed, w8.scale, w8.correction.float(), None, f32)
+    with pytest.raises(RuntimeError, match="bias must be contiguous float32"):
+        kernels.int8_mm(x, w8.packed, w8.scale, w8.correction, torch.zeros(47), f32)

@@ -76,60 +76,65 @@ Call make_call(const QuantRows& xq, int64_t M, int64_t K, int64_t N, const at::T
               out.data_ptr(), out_dtype == at::kBFloat16};
 }
 
+// int4_mm's and its reference's checks and call (xq: x quantized; out: made here)
+Call int4_call(const QuantRows& xq, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+               const at::Tensor& min, const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kLanes;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+              packed.size(1) == K / 8 && packed.size(2) == 64, "packed must be contiguous uint8 [N / 16, K / 8, 64]");
+  check_grouped(min, at::kHalf, N, K, "min");
+  Call a = make_call(xq, M, K, N, scale, bias, out_dtype, out);
+  a.min = min.data_ptr<at::Half>();
+  return a;
+}
+
+// int8_mm's and its reference's (int8_mm adds its corr)
+Call int8_call(const QuantRows& xq, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+               const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kLanes;
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 3 &&
+              packed.size(1) == K / 4 && packed.size(2) == 64, "packed must be contiguous int8 [N / 16, K / 4, 64]");
+  return make_call(xq, M, K, N, scale, bias, out_dtype, out);
+}
+
 }  // namespace
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min,
                    const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
   const QuantRows xq = quantize(x, false);
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kLanes;
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
-              packed.size(1) == K / 8 && packed.size(2) == 64, "packed must be contiguous uint8 [N / 16, K / 8, 64]");
-  check_grouped(min, at::kHalf, N, K, "min");
   at::Tensor out;
-  Call a = make_call(xq, M, K, N, scale, bias, out_dtype, out);
-  a.min = min.data_ptr<at::Half>();
+  const Call a = int4_call(xq, x, packed, scale, min, bias, out_dtype, out);
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  for_blocks(M, N, [&](auto rows, int64_t r0, int64_t nb) { int4_block<decltype(rows)::value>(a, w, r0, nb); });
+  for_blocks(x.size(0), a.N, [&](auto rows, int64_t r0, int64_t nb) { int4_block<decltype(rows)::value>(a, w, r0, nb); });
   return out;
 }
 
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& corr,
                    const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
   const QuantRows xq = quantize(x, kOffsetActivations);
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kLanes;
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 3 &&
-              packed.size(1) == K / 4 && packed.size(2) == 64, "packed must be contiguous int8 [N / 16, K / 4, 64]");
-  check_grouped(corr, at::kInt, N, K, "corr");
   at::Tensor out;
-  Call a = make_call(xq, M, K, N, scale, bias, out_dtype, out);
+  Call a = int8_call(xq, x, packed, scale, bias, out_dtype, out);
+  check_grouped(corr, at::kInt, a.N, a.K, "corr");
   a.corr = corr.data_ptr<int32_t>();
   const int8_t* w = packed.data_ptr<int8_t>();
-  for_blocks(M, N, [&](auto rows, int64_t r0, int64_t nb) { int8_block<decltype(rows)::value>(a, w, r0, nb); });
+  for_blocks(x.size(0), a.N, [&](auto rows, int64_t r0, int64_t nb) { int8_block<decltype(rows)::value>(a, w, r0, nb); });
   return out;
 }
 
 at::Tensor int4_mm_reference(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                              const at::Tensor& min, const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
   const QuantRows xq = quantize(x, false);
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kLanes;
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
-              packed.size(1) == K / 8 && packed.size(2) == 64, "packed must be contiguous uint8 [N / 16, K / 8, 64]");
-  check_grouped(min, at::kHalf, N, K, "min");
   at::Tensor out;
-  Call a = make_call(xq, M, K, N, scale, bias, out_dtype, out);
-  a.min = min.data_ptr<at::Half>();
-  reference_rows(a, packed.data_ptr<uint8_t>(), nullptr, M);
+  const Call a = int4_call(xq, x, packed, scale, min, bias, out_dtype, out);  // checks before any data_ptr
+  reference_rows(a, packed.data_ptr<uint8_t>(), nullptr, x.size(0));
   return out;
 }
 
 at::Tensor int8_mm_reference(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                              const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
   const QuantRows xq = quantize(x, false);
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kLanes;
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 3 &&
-              packed.size(1) == K / 4 && packed.size(2) == 64, "packed must be contiguous int8 [N / 16, K / 4, 64]");
   at::Tensor out;
-  Call a = make_call(xq, M, K, N, scale, bias, out_dtype, out);
-  reference_rows(a, nullptr, packed.data_ptr<int8_t>(), M);
+  const Call a = int8_call(xq, x, packed, scale, bias, out_dtype, out);  // checks before any data_ptr
+  reference_rows(a, nullptr, packed.data_ptr<int8_t>(), x.size(0));
   return out;
 }
