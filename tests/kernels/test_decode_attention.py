@@ -110,7 +110,8 @@ def test_kernel_reads_only_each_rows_keys_and_gives_it_the_same_bits_alone(block
                                                                           float32_form):
     """Rows over shared and own blocks of any block size (the longest context in three 1,024-key
     segments; the bf16 form prepares the shared blocks once for the rows that share them, the float32 form
-    widens them to float32 once, in chunks that end at block ends or the shortest row's end); every slot
+    widens them to float32 once, in chunks of whole pieces up to the last block end before the shortest grouped
+    row's end); every slot
     outside the rows' contexts holds NaN (a read of one would show); each row alone = in the batch,
     and close to float64 softmax. Both forms (the bf16 one where the CPU has AVX512-BF16 and head_dim
     % 32 == 0, else float32)."""
@@ -142,6 +143,39 @@ def test_kernel_reads_only_each_rows_keys_and_gives_it_the_same_bits_alone(block
     # one key: the output is its value (softmax of one score is 1), to bf16 rounding
     slot = int(tables[2][0]) * block_size
     assert torch.equal(out[2], v_slots[slot].repeat_interleave(heads // kv_heads, 0))
+
+
+@pytest.mark.parametrize("block_size", [24, 100, 256])
+def test_float32_form_rows_whose_tables_diverge_mid_segment_keep_their_bits_alone(block_size):
+    """The float32 form widens the keys a group of rows shares in chunks of whole pieces: with blocks that don't
+    divide the 1,024-key segments or are longer than a chunk, and tables that part ways in the middle of a segment
+    (rows 0-2 share 1,500 keys' blocks, row 3 only the first two blocks, row 4 none), each row alone = in the
+    batch, bit for bit, and close to float64 softmax."""
+    g = torch.Generator().manual_seed(block_size)
+    heads, kv_heads, head_dim = 9, 3, 64
+    lens = [2300, 2111, 1700, 2050, 90]
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + 2
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    common = [perm.pop() for _ in range(-(-1500 // block_size))]
+    tables = []
+    for r, n in enumerate(need):
+        shared = common if r < 3 else common[:2] if r == 3 else []
+        own = [perm.pop() for _ in range(n - min(n, len(shared)))]
+        tables.append(torch.tensor((shared[:n] + own) + [0] * (max(need) - n), dtype=torch.int32))
+    table = torch.stack(tables)
+    k_slots = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=g).bfloat16()
+    v_slots = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=g).bfloat16()
+    q = torch.randn(len(lens), heads, head_dim, generator=g).bfloat16()
+    out = decode_attention(q, k_slots, v_slots, build_decode_rows(list(range(len(lens))), lens, table, block_size, "cpu"),
+                           head_dim**-0.5, float32_form=True)
+    for r, n in enumerate(lens):
+        alone = decode_attention(q[r : r + 1], k_slots, v_slots, build_decode_rows([0], [n], table[r : r + 1], block_size,
+                                                                                     "cpu"), head_dim**-0.5, float32_form=True)
+        assert torch.equal(alone[0].view(torch.int16), out[r].view(torch.int16)), r
+        slots = (table[r, :, None].long() * block_size + torch.arange(block_size)).flatten()[:n]
+        torch.testing.assert_close(out[r].double(), _reference(q[r], k_slots[slots], v_slots[slots], n), atol=2e-2,
+                                   rtol=0)
 
 
 def test_rows_past_4096_keys_take_the_float32_form_by_their_own_length():

@@ -80,9 +80,9 @@ struct WideKV {  // keys [base, base + kWideKeys) as float32 rows: key x at k + 
 
 // Keys [k_begin, k_end) of row r, kv head kh, read through `src`, onto the row's running (acc, max, sum, bad) in
 // `part` ([G][D] accumulators, then [G] maxima, [G] sums and [G] flags: 1 where a NaN or +inf score was seen; see
-// merge_row): started afresh, or resumed where an earlier call over the keys before k_begin left it. A call ends
-// only where a piece ends (a pool block's end, or the segment's), so a row split into calls has the pieces, and so
-// the bits, of one call. kV = head_dim / 16 and kG = query heads per kv head as compile-time constants keep query
+// merge_row): started afresh, or resumed where an earlier call over the keys before k_begin left it. Calls start and
+// end only where the row's own traversal of the segment ends a piece (a chunk's whole pieces; a shared range ends at a
+// pool block's end or the segment's), so a row split into calls has the pieces, and so the bits, of one call. kV = head_dim / 16 and kG = query heads per kv head as compile-time constants keep query
 // and accumulators in registers (SmolLM2's shape and a few others, see row_function); 0 reads them from `a` at run
 // time (the general path, same steps).
 template <int kV, int kG, typename Src>
