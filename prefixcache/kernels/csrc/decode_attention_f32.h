@@ -179,6 +179,30 @@ void merge_row(const Args& a, int64_t r, int64_t kh, const float* parts, int64_t
   }
 }
 
+// Every row's partial results per kv head and segment: [R, KVH, num_segments, part_size] float32, part_size =
+// G D + 3 G in attend_segment's layout (acc, max, sum, bad). Each work item writes only its own rows' parts.
+struct Parts {
+  int64_t KVH, num_segments, part_size;
+  std::vector<float> data;
+  Parts(const Args& a, int64_t R)
+      : KVH(a.KVH), num_segments(1), part_size(a.H / a.KVH * (a.D + 3)) {
+    for (int64_t r = 0; r < R; ++r) num_segments = std::max<int64_t>(num_segments, (a.lens[r] + kSegment - 1) / kSegment);
+    data.resize(R * KVH * num_segments * part_size);
+  }
+  float* at(int64_t r, int64_t kh, int64_t s) { return data.data() + ((r * KVH + kh) * num_segments + s) * part_size; }
+};
+
+// Each running row's segments merged (merge_row) into a.out, the (kv head, row) pairs split by parallel_for.
+template <typename ParallelFor>
+void merge_rows(const Args& a, int64_t R, Parts& parts, const ParallelFor& parallel_for) {
+  parallel_for(a.KVH * R, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i % R, kh = i / R;
+      if (a.runs(r)) merge_row(a, r, kh, parts.at(r, kh, 0), (a.lens[r] + kSegment - 1) / kSegment, parts.part_size);
+    }
+  });
+}
+
 template <typename Src>
 using RowFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, float*, bool, const Src&);
 
@@ -254,23 +278,30 @@ std::vector<Item> make_items(const Args& a, int64_t R, int64_t num_segments, int
 constexpr int64_t kWideKeys = 64;
 
 // Keys [begin, end) of kv head kh through `table_row`, widened to float32 into wide (K) and wide + kWideKeys D (V).
+// A pool block's keys are one slot stride apart, so each block's run is located once.
 inline void widen_keys(const Args& a, const int32_t* table_row, int64_t kh, int64_t begin, int64_t end, float* wide) {
   const PoolKV pool{a, table_row, kh};
-  for (int64_t x = begin; x < end; ++x) {
-    const KVPiece<bf16_t> row = pool.at(x);
-    float* k = wide + (x - begin) * a.D;
-    float* v = wide + (kWideKeys + x - begin) * a.D;
-    for (int64_t i = 0; i < a.D; i += 16) v16_store(k + i, v16_load_bf16(row.k + i)), v16_store(v + i, v16_load_bf16(row.v + i));
+  for (int64_t x = begin; x < end;) {
+    const int64_t n = std::min(end - x, a.block_size - x % a.block_size);
+    const KVPiece<bf16_t> run = pool.at(x);
+    for (int64_t t = 0; t < n; ++t) {
+      const bf16_t* k_in = run.k + t * run.stride;
+      const bf16_t* v_in = run.v + t * run.stride;
+      float* k = wide + (x + t - begin) * a.D;
+      float* v = wide + (kWideKeys + x + t - begin) * a.D;
+      for (int64_t i = 0; i < a.D; i += 16) v16_store(k + i, v16_load_bf16(k_in + i)), v16_store(v + i, v16_load_bf16(v_in + i));
+    }
+    x += n;
   }
 }
 
 // One float32 work item: the rows' shared keys in chunks of whole pieces (as every row's own traversal cuts them:
 // shared_end is a pool block's end or the segment's), each chunk widened once and then run by every row; then each
 // row's own keys straight from the pool; then a row whose scores saw a NaN or +inf gets a NaN sum (merge_row).
-inline void run_item_float32(const Args& a, const Item& it, const int32_t* order, int64_t part_size, float* parts,
-                             int64_t num_segments, float* wide, RowFn<PoolKV> from_pool, RowFn<WideKV> from_wide) {
+inline void run_item_float32(const Args& a, const Item& it, const int32_t* order, Parts& parts, float* wide,
+                             RowFn<PoolKV> from_pool, RowFn<WideKV> from_wide) {
   const int64_t G = a.H / a.KVH, seg_start = it.seg * kSegment, seg_end = seg_start + kSegment;
-  const auto part_of = [&](int64_t r) { return parts + ((r * a.KVH + it.kh) * num_segments + it.seg) * part_size; };
+  const auto part_of = [&](int64_t r) { return parts.at(r, it.kh, it.seg); };
   const bool shared = it.end - it.begin > 1 && it.shared_end > seg_start;
   const int32_t* first_table = a.table + order[it.begin] * a.max_blocks;
   for (int64_t x = seg_start; shared && x < it.shared_end;) {
@@ -303,15 +334,12 @@ inline void run_item_float32(const Args& a, const Item& it, const int32_t* order
 // items from a shared counter, longest first, until none is left; each item writes only its own rows' parts.
 template <typename ParallelFor>
 void run_float32(const Args& a, int64_t R, const ParallelFor& parallel_for) {
-  const int32_t* lens = a.lens;
-  int64_t num_segments = 1;
-  for (int64_t r = 0; r < R; ++r) num_segments = std::max<int64_t>(num_segments, (lens[r] + kSegment - 1) / kSegment);
-  const int64_t H = a.H, KVH = a.KVH, D = a.D, G = H / KVH, part_size = G * D + 3 * G;
-  std::vector<float> parts(R * KVH * num_segments * part_size);
+  const int64_t D = a.D, G = a.H / a.KVH;
+  Parts parts(a, R);
   std::vector<int32_t> order;
   const int64_t block_size = a.block_size;
   // a shared range ends at a pool block's end (or the segment's), where every row's traversal ends a piece
-  const std::vector<Item> items = make_items(a, R, num_segments, kWideKeys, [block_size](int64_t same_end, int64_t seg_start, int64_t seg_end) {
+  const std::vector<Item> items = make_items(a, R, parts.num_segments, kWideKeys, [block_size](int64_t same_end, int64_t seg_start, int64_t seg_end) {
     return same_end == seg_end ? seg_end : std::max(seg_start, same_end / block_size * block_size);
   }, order);
   const RowFn<PoolKV> from_pool = row_function<PoolKV>(D / 16, G);
@@ -322,13 +350,9 @@ void run_float32(const Args& a, int64_t R, const ParallelFor& parallel_for) {
     thread_local std::vector<float> wide;  // kept per thread across calls (every float read is written first)
     if (wide.size() < static_cast<size_t>(2 * kWideKeys * D)) wide.resize(2 * kWideKeys * D);
     for (int64_t i = next++; i < num_items; i = next++)
-      run_item_float32(a, items[i], order.data(), part_size, parts.data(), num_segments, wide.data(), from_pool, from_wide);
+      run_item_float32(a, items[i], order.data(), parts, wide.data(), from_pool, from_wide);
   });
-  const auto part_of = [&](int64_t r, int64_t kh, int64_t s) { return parts.data() + ((r * KVH + kh) * num_segments + s) * part_size; };
-  parallel_for(KVH * R, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      if (a.runs(i % R)) merge_row(a, i % R, i / R, part_of(i % R, i / R, 0), (lens[i % R] + kSegment - 1) / kSegment, part_size);
-  });
+  merge_rows(a, R, parts, parallel_for);
 }
 
 }  // namespace

@@ -233,11 +233,10 @@ BlocksFn blocks_function(int64_t V, int64_t G) {
   return run_blocks<0, 0>;
 }
 
-void run_item(const Args& a, const Item& it, const int32_t* order, int64_t part_size, float* parts,
-              int64_t num_segments, uint32_t* prep, BlocksFn fn) {
+void run_item(const Args& a, const Item& it, const int32_t* order, Parts& parts, uint32_t* prep, BlocksFn fn) {
   const int64_t G = a.H / a.KVH, D = a.D, prep_stride = 32 * D, seg_start = it.seg * kSegment;
   const int64_t seg_end = seg_start + kSegment;
-  const auto part_of = [&](int64_t r) { return parts + ((r * a.KVH + it.kh) * num_segments + it.seg) * part_size; };
+  const auto part_of = [&](int64_t r) { return parts.at(r, it.kh, it.seg); };
   for (int32_t j = it.begin; j < it.end; ++j) {
     float* part = part_of(order[j]);
     std::fill(part, part + G * D, 0.f);
@@ -280,14 +279,12 @@ void run_item(const Args& a, const Item& it, const int32_t* order, int64_t part_
 }
 
 void launch(const Args& a, int64_t R) {
-  int64_t num_segments = 1;
-  for (int64_t r = 0; r < R; ++r) num_segments = std::max<int64_t>(num_segments, (a.lens[r] + kSegment - 1) / kSegment);
-  const int64_t G = a.H / a.KVH, part_size = G * a.D + 3 * G;
-  std::vector<float> parts(R * a.KVH * num_segments * part_size);
+  const int64_t G = a.H / a.KVH;
+  Parts parts(a, R);
   std::vector<int32_t> order;
   // (make_items, decode_attention_f32.h) a shared range ends at a multiple of kKeys past the segment's start, or
   // at its end: where every row's 32-key blocks end
-  const std::vector<Item> items = make_items(a, R, num_segments, 2 * kKeys, [](int64_t same_end, int64_t seg_start, int64_t seg_end) {
+  const std::vector<Item> items = make_items(a, R, parts.num_segments, 2 * kKeys, [](int64_t same_end, int64_t seg_start, int64_t seg_end) {
     return same_end == seg_end ? seg_end : seg_start + (same_end - seg_start) / kKeys * kKeys;
   }, order);
   const BlocksFn fn = blocks_function(a.D / 16, G);
@@ -298,15 +295,9 @@ void launch(const Args& a, int64_t R) {
     thread_local std::vector<__m512i> prep;
     if (prep.size() < static_cast<size_t>(kChunkBlocks * 2 * a.D)) prep.resize(kChunkBlocks * 2 * a.D);
     for (int64_t i = next++; i < num_items; i = next++)
-      run_item(a, items[i], order.data(), part_size, parts.data(), num_segments, reinterpret_cast<uint32_t*>(prep.data()), fn);
+      run_item(a, items[i], order.data(), parts, reinterpret_cast<uint32_t*>(prep.data()), fn);
   });
-  at::parallel_for(0, a.KVH * R, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = i % R, kh = i / R;
-      if (a.runs(r)) merge_row(a, r, kh, parts.data() + (r * a.KVH + kh) * num_segments * part_size, (a.lens[r] + kSegment - 1) / kSegment,
-                part_size);
-    }
-  });
+  merge_rows(a, R, parts, [](int64_t n, const auto& f) { at::parallel_for(0, n, 1, f); });
 }
 
 }  // namespace bf16dp
