@@ -24,24 +24,25 @@ from prefixcache.kernels.cpu_features import TIERS, cpu_has, describe_cpu, kerne
 _LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 
 
-def compiled_files(sources: list[Path]) -> list[Path]:
-    """``sources`` and the local headers they include, sorted (a header missing from disk is left out:
-    the compiler names it)."""
-    seen: set[Path] = set()
+def compiled_files(sources: list[Path]) -> dict[Path, bytes]:
+    """``sources`` and the local headers they include, sorted by path, each with its contents as read once (a
+    header missing from disk is left out: the compiler names it)."""
+    found: dict[Path, bytes] = {}
     todo = list(sources)
     while todo:
         path = todo.pop()
-        if path in seen or not path.is_file():
+        if path in found or not path.is_file():
             continue
-        seen.add(path)
-        todo += [path.parent / name.decode() for name in _LOCAL_INCLUDE.findall(path.read_bytes())]
-    return sorted(seen)
+        found[path] = path.read_bytes()
+        todo += [path.parent / name.decode() for name in _LOCAL_INCLUDE.findall(found[path])]
+    return dict(sorted(found.items()))
 
 
-def extension_name(prefix: str, sources: list[Path]) -> str:
-    """``f"{prefix}_{digest}"``, the digest (12 hex digits of sha256) over :func:`compiled_files`."""
-    digest = hashlib.sha256(b"".join(path.read_bytes() for path in compiled_files(sources)))
-    return f"{prefix}_{digest.hexdigest()[:12]}"
+def extension_name(prefix: str, sources: list[Path], files: dict[Path, bytes] | None = None) -> str:
+    """``f"{prefix}_{digest}"``, the digest (12 hex digits of sha256) over :func:`compiled_files` (``files``, where
+    the caller read them already)."""
+    files = compiled_files(sources) if files is None else files
+    return f"{prefix}_{hashlib.sha256(b''.join(files.values())).hexdigest()[:12]}"
 
 
 def build_directory(name: str) -> Path:
@@ -79,7 +80,8 @@ def load_extension(prefix: str, sources: list[Path], cflags: list[str]) -> Modul
     venv_bin = str(Path(sys.executable).parent)
     if shutil.which("ninja") is None and venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
-    name = extension_name(prefix, sources)
+    files = compiled_files(sources)  # read once: the name and the compiled copy come from the same bytes
+    name = extension_name(prefix, sources, files)
     build_dir = build_directory(name)
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / "prefixcache.flock", "a+b") as held:
@@ -89,14 +91,14 @@ def load_extension(prefix: str, sources: list[Path], cflags: list[str]) -> Modul
             print(f"prefixcache: removed {stale}, left by a build that was killed; building {name} again",
                   file=sys.stderr)
             stale.unlink()
-        compiled = _copy_sources(sources, build_dir / "src")
+        compiled = _copy_sources(sources, files, build_dir / "src")
         return load(name=name, sources=[str(s) for s in compiled], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir), verbose=False)
 
 
-def _copy_sources(sources: list[Path], into: Path) -> list[Path]:
-    """Copies :func:`compiled_files` of ``sources`` into ``into`` (flat: our local includes name files beside the
-    includer) and returns the copies of ``sources``, in order.
+def _copy_sources(sources: list[Path], files: dict[Path, bytes], into: Path) -> list[Path]:
+    """Writes ``files`` (:func:`compiled_files` of ``sources``) into ``into`` (flat: our local includes name files
+    beside the includer) and returns the copies of ``sources``, in order.
 
     The compiler is run on these copies, not on the checkout's files, because torch's ``load`` writes the source
     paths into ``build.ninja`` and rebuilds everything when that file's text changes: compiled from the checkout, two
@@ -107,9 +109,8 @@ def _copy_sources(sources: list[Path], into: Path) -> list[Path]:
     Called under the build folder's flock.
     """
     into.mkdir(exist_ok=True)
-    for path in compiled_files(sources):
+    for path, data in files.items():
         copy = into / path.name
-        data = path.read_bytes()
         if not copy.is_file() or copy.read_bytes() != data:
             copy.write_bytes(data)
     return [into / path.name for path in sources]

@@ -52,10 +52,11 @@ def prompt_ops_supported() -> bool:
 
 
 def _kernels() -> ModuleType:
-    if not prompt_ops_build():
+    try:
+        return load_int4_kernels()  # the build prompt_ops_build names (one cached choice per CPU-feature set)
+    except CpuKernelsUnavailable:
         raise CpuKernelsUnavailable(f"the fused prompt ops need AVX-512, AVX2 + FMA + F16C or aarch64 NEON (and a "
-                                    f"build of them); {describe_cpu()}")
-    return load_int4_kernels()
+                                    f"build of them); {describe_cpu()}") from None
 
 
 def add_rms_norm(x: list[torch.Tensor], residual: torch.Tensor | None, weight: torch.Tensor,
