@@ -38,7 +38,9 @@ class VllmBackend:
 
         self.llm = LLM(model=s["model_dir"], tokenizer=s["model_dir"], dtype="float32",
                        enable_prefix_caching=True, max_model_len=s["max_model_len"], seed=0)
-        self.label = f"vLLM CPU {vllm.__version__} fp32"
+        # vllm_env put vllm_avx2_site (its sitecustomize) on PYTHONPATH: every process runs vLLM's AVX2 build
+        avx2 = " (AVX2 kernels)" if os.environ.get("PREFIXCACHE_VLLM_AVX2") == "1" else ""
+        self.label = f"vLLM CPU {vllm.__version__} fp32{avx2}"
         self.next_id = 0
 
     def _params(self, max_tokens: int):

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
 import sys
 
 import pytest
+import torch
 
 from prefixcache.bench import openvino_baseline, speed, venv_engine, venv_runner, vllm_baseline
 from prefixcache.bench.options import BenchOptions
@@ -119,6 +122,28 @@ def test_vllm_env_binds_its_threads_and_sizes_its_pool():
     assert vllm_baseline.vllm_env(4, 3)["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
     with pytest.raises(ValueError, match="num_threads"):
         vllm_baseline.vllm_env(0)
+
+
+def test_vllm_env_under_an_avx2_cap_hides_avx512_from_every_vllm_process(monkeypatch):
+    from prefixcache.kernels import cpu_features as cf
+
+    monkeypatch.setattr(cf, "reported_cpu_features", lambda: cf.TIERS["amx"])
+    try:
+        cf.cpu_features.cache_clear()
+        assert "PYTHONPATH" not in vllm_baseline.vllm_env(2) and "PREFIXCACHE_VLLM_AVX2" not in vllm_baseline.vllm_env(2)
+        monkeypatch.setenv(cf.ENV_VAR, "avx2")
+        cf.cpu_features.cache_clear()
+        env = vllm_baseline.vllm_env(2)
+    finally:
+        cf.cpu_features.cache_clear()
+    assert env["PREFIXCACHE_VLLM_AVX2"] == "1" and env["PYTHONPATH"] == str(vllm_baseline.AVX2_SITE)
+    # a fresh process (vLLM spawns its worker) on that path: torch's checks, from which vLLM picks its kernel
+    # build, answer as an AVX2 CPU's would
+    probe = ("import torch; print(torch.cpu._is_avx512_supported(), torch.cpu._is_avx512_bf16_supported(), "
+             "torch.cpu._is_vnni_supported(), torch.cpu._is_amx_tile_supported(), torch.cpu._is_avx2_supported())")
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": env["PYTHONPATH"]},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False", "False", "False", str(torch.cpu._is_avx2_supported())]
 
 
 def test_openvino_export_dir_is_per_model(tmp_path):
