@@ -59,9 +59,9 @@ if [ "${PREFIXCACHE_LLAMACPP:-0}" = "1" ]; then
         python -m pip install --quiet -e ".[llamacpp]"
 fi
 # Our CPU kernels (C++, AVX512-VNNI: bf16 attention, int8 rows, int4; prefixcache/kernels/csrc), built once here
-# (about a minute) instead of on first use. On a CPU without AVX512-VNNI they are not built and the formats that
+# (a few minutes on 2 cores) instead of on first use. On a CPU without AVX512-VNNI they are not built and the formats that
 # need them are refused at start-up (float32 runs everywhere); either way one line says so.
-step "building the CPU kernels (prefixcache/kernels/csrc, about a minute where the CPU runs them) ..."
+step "building the CPU kernels (prefixcache/kernels/csrc, a few minutes on 2 cores where the CPU runs them) ..."
 python -m prefixcache.kernels.cpu_kernels || echo "setup.sh: the CPU kernels did not build; float32 still runs" >&2
 # the AVX2 build: int8's exact product and the int4 formats' decoder (used where the CPU has AVX2 but no AVX512-VNNI;
 # built wherever AVX2 runs, for its tests); a build that fails loses only itself, with one line

@@ -48,7 +48,7 @@ def extension_name(prefix: str, sources: list[Path], files: dict[Path, bytes] | 
 def build_directory(name: str) -> Path:
     """Where extension ``name`` is built: ``TORCH_EXTENSIONS_DIR`` if set, else torch's public
     ``get_default_build_root()`` (``~/.cache/torch_extensions``); then a folder per Python ABI (``py311_cpu``),
-    then ``name``.
+    then ``name`` and :func:`_torch_paths_digest`.
 
     This is our rule, not a copy of torch's: :func:`load_extension` hands this directory to torch's ``load`` as
     its ``build_directory``, and torch builds exactly there (torch's own default placement is private, and with
@@ -60,7 +60,22 @@ def build_directory(name: str) -> Path:
 
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
     abi = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return root / f"{abi}_cpu" / name
+    return root / f"{abi}_cpu" / f"{name}_{_torch_paths_digest()}"
+
+
+def _torch_paths_digest() -> str:
+    """8 hex digits of a digest of the paths torch's builder writes into ``build.ninja`` besides the sources:
+    torch's headers and libraries (as this process reached them: a venv's path, or a symlink to one) and Python's
+    headers. ninja rebuilds everything when that file's text changes, so two venvs (a developer's and a CI
+    clone's) that shared a build folder would each recompile the whole extension, minutes, whenever the other had
+    loaded it last; a folder per set of paths builds once for each."""
+    import sysconfig
+
+    import torch
+
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))  # what torch's include_paths() and -L start from
+    python_include = sysconfig.get_path("include", scheme="posix_prefix") or ""
+    return hashlib.sha256(f"{torch_dir}\0{python_include}".encode()).hexdigest()[:8]
 
 
 def load_extension(prefix: str, sources: list[Path], cflags: list[str]) -> ModuleType:
@@ -92,6 +107,9 @@ def load_extension(prefix: str, sources: list[Path], cflags: list[str]) -> Modul
                   file=sys.stderr)
             stale.unlink()
         compiled = _copy_sources(sources, files, build_dir / "src")
+        if not (build_dir / f"{name}.so").is_file():
+            print(f"prefixcache: building {name}, once for these sources and this venv (minutes on 2 cores), in "
+                  f"{build_dir}", file=sys.stderr, flush=True)
         return load(name=name, sources=[str(s) for s in compiled], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir), verbose=False)
 

@@ -40,7 +40,7 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_the_build_runs(tmp_path, m
     name = extension_name("prefixcache_lock_probe", [source])
     build_dir = build_directory(name)
     abi = f"py{sys.version_info.major}{sys.version_info.minor}{sys.abiflags}_cpu"
-    assert build_dir == tmp_path / "ext" / abi / name
+    assert build_dir.parent == tmp_path / "ext" / abi and build_dir.name.startswith(name + "_")
     build_dir.mkdir(parents=True)
     (build_dir / "lock").touch()  # what torch's builder leaves when its process is killed mid-build
 
@@ -52,11 +52,11 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_the_build_runs(tmp_path, m
     assert answer == "42"
     # torch built and imported the module in build_directory(name): the flock and the lock it clears are there
     assert Path(module_file).parent == build_dir and Path(module_file).name.startswith(name)
-    assert "left by a build that was killed" in run.stderr
+    assert "left by a build that was killed" in run.stderr and f"prefixcache: building {name}, once" in run.stderr
     assert not (build_dir / "lock").exists()
     again = subprocess.run([sys.executable, "-c", _CHILD, str(source)], env=env, capture_output=True, text=True,
                            timeout=300)  # built: a second load imports it and says nothing about locks
-    assert again.stdout.split() == ["42", module_file] and "killed" not in again.stderr
+    assert again.stdout.split() == ["42", module_file] and "killed" not in again.stderr and "building" not in again.stderr
 
     # another checkout with the same source (a CI clone of a developer's tree) finds the build done: torch's builder
     # compiles the copy in build_dir/src, so its build.ninja is the same text and nothing is recompiled
@@ -69,4 +69,19 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_the_build_runs(tmp_path, m
                                timeout=300)
     assert elsewhere.returncode == 0, elsewhere.stderr
     assert elsewhere.stdout.split() == ["42", module_file]
+    assert {path: path.stat().st_mtime_ns for path in build_dir.glob("*.o")} == objects
+
+    # the same venv reached through another path (a clone whose .venv links to it; a CI clone's own venv) writes
+    # other paths into build.ninja, which would make ninja recompile everything: it builds in a folder of its own,
+    # once, and leaves the first build alone
+    linked = tmp_path / "linked_venv"
+    linked.symlink_to(Path(sys.prefix), target_is_directory=True)
+    python = linked / Path(sys.executable).relative_to(sys.prefix)
+    for attempt in range(2):
+        through_link = subprocess.run([str(python), "-c", _CHILD, str(other)], env=env, capture_output=True,
+                                      text=True, timeout=300)
+        assert through_link.returncode == 0, through_link.stderr
+        answer, linked_file = through_link.stdout.split()
+        assert answer == "42" and Path(linked_file).parent != build_dir
+        assert ("prefixcache: building" in through_link.stderr) == (attempt == 0)
     assert {path: path.stat().st_mtime_ns for path in build_dir.glob("*.o")} == objects
