@@ -100,13 +100,15 @@ class EngineConfig(CacheConfig, SchedulerConfig):
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "built-in name, HF directory or .gguf file"})
     dtype: str = field(default="float32", metadata={
         "help": "weights and KV dtype; auto: this CPU's fastest format within 1 % perplexity of float32, with "
-                "--quantization auto (docs/weight-formats-and-kernels.md)", "choices": ("auto", *DTYPES), "cli_default": "auto"})
+                "--quantization auto (docs/weight-formats-and-kernels.md); float16 on CUDA, or a CPU with AVX512-FP16",
+        "choices": ("auto", *DTYPES), "cli_default": "auto"})
     quantization: str = field(default="none", metadata={
         "help": "linear-layer weights: none (in --dtype), int8 (int8 weights x per-token int8 activations, "
                 "SmoothQuant-smoothed, exact int32 sums: batch-invariant), int4 (with --dtype bfloat16: generated tokens' projections "
                 "on 4-bit weights in our C++ decoder, prompt tokens' on bf16; no LoRA) or int4-int8 (int4's "
-                "generated tokens, int8's prompt tokens; docs/weight-formats-and-kernels.md) or auto (with --dtype auto: "
-                "this CPU's fastest)", "choices": ("auto", *QUANTIZATIONS), "cli_default": "auto"})
+                "generated tokens, int8's prompt tokens; docs/weight-formats-and-kernels.md) or auto (this CPU's fastest "
+                "format, with --dtype auto; with a --dtype named, the fastest for it: float32 + int8 on AVX2 and "
+                "AVX-512, so give --quantization none for plain float32)", "choices": ("auto", *QUANTIZATIONS), "cli_default": "auto"})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: CUDA if present)"})
     num_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks; overrides --kv-cache-memory"})

@@ -39,8 +39,9 @@ _AMX = _AVX512_BF16 | {"amx_tile", "amx_bf16", "amx_int8"}
 TIERS: dict[str, frozenset[str]] = {"reference": frozenset(), "avx2": _AVX2, "avx512": _AVX512,
                                     "avx512_bf16": _AVX512_BF16, "amx": _AMX}
 # Features outside the tiers that decide something: AVX-VNNI / AVX-NE-CONVERT (Alder Lake and later: oneDNN's
-# bf16 products run on avx_ne_convert too), and ARM's NEON (asimd) with its int8 dot product (asimddp).
-_EXTRA = frozenset({"avx_vnni", "avx_ne_convert", "asimd", "asimddp"})
+# bf16 products run on avx_ne_convert too), AVX512-FP16 (float16's products), and ARM's NEON (asimd) with its
+# int8 dot product (asimddp).
+_EXTRA = frozenset({"avx_vnni", "avx_ne_convert", "avx512_fp16", "asimd", "asimddp"})
 _KNOWN = _AMX | _EXTRA
 # oneDNN's bf16 linear needs one of these sets (torch raises "bf16 path needs the cpu support avx_ne_convert or
 # avx512bw, avx512vl and avx512dq" at the weight's reorder otherwise)
@@ -51,6 +52,10 @@ _BF16_PRODUCTS = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"a
 # u8 and subtracts 128 * the weight's column sums, and vpdpbusd sums in int32 without saturating, so its sums are
 # exact (torch._int_mm equals a float64 reference), and it ran about 3x float32's AVX2 GEMM at prompt shapes
 # where oneDNN was capped to it. Plain AVX2's oneDNN kernel (vpmaddubsw) saturates: our own exact kernel runs there.
+# torch's float16 linear on CPU is fast on oneDNN's AVX512-FP16 kernels only: a 1,000-token SmolLM2 prompt took
+# 1.0 s in float16 with oneDNN capped to AVX512_CORE_FP16 and 6.6-7.1 s capped to AVX2, AVX512_CORE_VNNI or
+# AVX512_CORE_BF16 (float32: 1.05-1.15 s), so float16 is refused on a CPU without it.
+_FP16_PRODUCTS = (frozenset({"avx512_fp16"}),)
 _INT8_PRODUCTS = (frozenset({"avx512_vnni"}), frozenset({"amx_int8"}), frozenset({"avx_vnni"}))
 _INT4_FORMATS = ("int4", "int4-int8")  # the formats whose generated tokens run our int4 decoder
 # Our int4 decoder has an AVX512-VNNI build and an AVX2 + FMA + F16C one (the same bits): either tier runs it.
@@ -143,13 +148,28 @@ def kernel_tier() -> str:
     return [name for name, needed in TIERS.items() if needed <= cpu_features()][-1]
 
 
-def describe_cpu() -> str:
-    """One line for the start-up log, e.g. ``"cpu: avx512+vnni+bf16+amx, kernels: amx"``."""
+def _shown_features() -> str:
+    """The features that decide something, as the start-up log names them (``avx2+fma+avx_vnni``)."""
     features = cpu_features()
-    shown = [name for name in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx_ne_convert",
-                               "amx_bf16", "amx_int8", "asimd", "asimddp") if name in features]
-    capped = "" if features == reported_cpu_features() else f" (capped by {ENV_VAR})"
-    return f"cpu: {'+'.join(shown) or 'baseline'}{capped}, kernels: {kernel_tier()}"
+    return "+".join(name for name in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16",
+                                      "avx512_fp16", "avx_ne_convert", "amx_bf16", "amx_int8", "asimd", "asimddp")
+                    if name in features) or "baseline"
+
+
+def _capped() -> bool:
+    return cpu_features() != reported_cpu_features()
+
+
+def describe_cpu() -> str:
+    """One line for the start-up log, e.g. ``"cpu: avx2+fma+avx512f+avx512_vnni+avx512_bf16+amx_bf16+amx_int8,
+    kernels: amx"``."""
+    capped = f" (capped by {ENV_VAR})" if _capped() else ""
+    return f"cpu: {_shown_features()}{capped}, kernels: {kernel_tier()}"
+
+
+def _this_cpu() -> str:
+    """How a refusal names the CPU: ``this CPU (avx2+fma)``, or ``this CPU as PREFIXCACHE_KERNELS caps it (...)``."""
+    return f"this CPU{f' as {ENV_VAR} caps it' if _capped() else ''} ({_shown_features()})"
 
 
 def _has_any(options: tuple[frozenset[str], ...]) -> bool:
@@ -169,26 +189,35 @@ def format_unavailable_reason(dtype: str, quantization: str) -> str | None:
     A format that would run pathologically slowly (int8 without VNNI or AMX int8) is refused like one that
     can't run at all: a user who picks it would wait tens of times longer than on float32.
     """
-    have = "+".join(sorted(f for f in cpu_features() if f in _AVX512_BF16 | _EXTRA)) or "no AVX2"
-    instead = "use dtype='float32', quantization='none', which run on every CPU (or auto: this CPU's fastest)"
+    cpu = _this_cpu()
+    instead = ("float32 with quantization none runs on every CPU (--dtype float32 --quantization none), and auto "
+               "picks this CPU's fastest format")
+    if dtype == "float16" and not _has_any(_FP16_PRODUCTS):
+        return (f"dtype='float16' needs AVX512-FP16 (Sapphire Rapids and later) for oneDNN's float16 products; "
+                f"without it a prompt takes about 6x float32's time. {cpu}: {instead}")
     if quantization in _INT4_FORMATS:
         if cpu_has("asimd") and not cpu_has(*TIERS["avx2"]):  # aarch64: the NEON build (neon_kernels.py)
             if quantization == "int4-int8" and not _has_any(_INT8_PRODUCTS):
                 return (f"quantization={quantization!r} runs its prompt rows' products in int8 (torch._int_mm), "
-                        f"which has no known fast kernel on this CPU ({have}); quantization='int4' runs the same "
+                        f"which has no known fast kernel on {cpu}; quantization 'int4' runs the same "
                         f"generated-token kernels with bf16 prompt products, or {instead}")
             return None
         if not cpu_has(*TIERS["avx2"]):
             return (f"quantization={quantization!r} runs our int4 kernels, which need a CPU with AVX2, FMA and "
-                    f"F16C, or aarch64 NEON; this one has {have}: {instead}")
-        return None  # bf16 prompt products fall back to torch's plain ones; int8's run our AVX2 kernel (above)
+                    f"F16C, or aarch64 NEON; {cpu}: {instead}")
+        if quantization == "int4" and not _has_any(_BF16_PRODUCTS):
+            return (f"quantization='int4' runs its prompt rows' products in bf16, which need AVX-512 (BW, VL, DQ) "
+                    f"or AVX-NE-CONVERT for oneDNN's kernels; torch's plain bf16 matmul on {cpu} takes about 4x "
+                    f"float32's prompt time. Quantization int4-int8 (--quantization int4-int8) runs the same int4 "
+                    f"generated-token kernels with our int8 prompt products, or {instead}")
+        return None  # int4-int8's prompt rows run our AVX2 int8 kernel where oneDNN has no exact one (above)
     if quantization == "int8" and not _has_any(_INT8_PRODUCTS) and not cpu_has(*TIERS["avx2"]):
         return (f"quantization={quantization!r} needs fast int8 products (AVX512-VNNI, AVX-VNNI or AMX-INT8, "
                 f"oneDNN's kernels behind torch._int_mm, or AVX2 + FMA + F16C for our exact AVX2 kernel); without "
-                f"them a prompt takes ~30x longer than in float32. This CPU has {have}: {instead}")
+                f"them a prompt takes ~30x longer than in float32. {cpu}: {instead}")
     if dtype == "bfloat16" and not _has_any(_BF16_PRODUCTS):
         return (f"dtype='bfloat16' needs a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT for oneDNN's bf16 "
-                f"products; this one has {have}: {instead}")
+                f"products; {cpu}: {instead}")
     return None
 
 

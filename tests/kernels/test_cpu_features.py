@@ -28,9 +28,10 @@ FORMATS = [("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("bfl
 
 @pytest.mark.parametrize("flags,runs", [
     (frozenset(), [("float32", "none")]),
-    # our AVX2 build: the exact int8 product and the int4 decoder; bf16 products need AVX-512 or AVX-NE-CONVERT
-    (ZEN3, [("float32", "none"), ("float32", "int8"), ("bfloat16", "int4"), ("bfloat16", "int4-int8")]),
-    (ALDER_LAKE, [("float32", "none"), ("float32", "int8"), ("bfloat16", "int4"), ("bfloat16", "int4-int8")]),
+    # our AVX2 build: the exact int8 product and the int4 decoder; bf16 products (bfloat16 / none, int4's prompt
+    # rows) need AVX-512 or AVX-NE-CONVERT
+    (ZEN3, [("float32", "none"), ("float32", "int8"), ("bfloat16", "int4-int8")]),
+    (ALDER_LAKE, [("float32", "none"), ("float32", "int8"), ("bfloat16", "int4-int8")]),
     (SKYLAKE_SP, FORMATS),  # int8 on our AVX2 kernel (no VNNI), bf16 on oneDNN
     (ZEN4, FORMATS),
     (SAPPHIRE_RAPIDS, FORMATS),
@@ -84,25 +85,54 @@ def test_the_cap_adds_features_outside_the_tiers_back_with_a_plus(fake_cpu):
         with pytest.raises(ValueError) as e:
             cf.cpu_features()
         assert str(e.value) == (f"PREFIXCACHE_KERNELS={cap!r}: {bad} can't be added to a tier; the features that can "
-                                "are ['asimd', 'asimddp', 'avx_ne_convert', 'avx_vnni'] (a tier's own features come "
+                                "are ['asimd', 'asimddp', 'avx512_fp16', 'avx_ne_convert', 'avx_vnni'] (a tier's own features come "
                                 "with the tier's name)")
 
 
-@pytest.mark.parametrize("dtype,quantization,field,start", [
-    ("bfloat16", "none", "dtype", "dtype='bfloat16' needs a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT"),
-    ("float32", "int8", "quantization", "quantization='int8' needs fast int8 products (AVX512-VNNI, AVX-VNNI or "
-                                        "AMX-INT8, oneDNN's kernels behind torch._int_mm, or AVX2 + FMA + F16C"),
-    ("bfloat16", "int4", "quantization", "quantization='int4' runs our int4 kernels, which need a CPU with "
-                                         "AVX2, FMA and F16C, or aarch64 NEON; this one has no AVX2: use dtype='float32'"),
+@pytest.mark.parametrize("flags,dtype,quantization,field,start", [
+    (ZEN3, "bfloat16", "none", "dtype", "dtype='bfloat16' needs a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT"),
+    (frozenset(), "float32", "int8", "quantization", "quantization='int8' needs fast int8 products (AVX512-VNNI, "
+                                                     "AVX-VNNI or AMX-INT8, oneDNN's kernels behind torch._int_mm, or "
+                                                     "AVX2 + FMA + F16C"),
+    (frozenset(), "bfloat16", "int4", "quantization", "quantization='int4' runs our int4 kernels, which need a CPU "
+                                                      "with AVX2, FMA and F16C, or aarch64 NEON; this CPU (baseline): "),
+    # int4's prompt rows are bf16 products: as slow as bfloat16 / none where that is refused (a 2,000-token prompt
+    # took 38-53 s on AVX2, int4-int8 2.6 s); int4-int8 runs the same decoder
+    (ZEN3, "bfloat16", "int4", "quantization", "quantization='int4' runs its prompt rows' products in bf16, which "
+                                               "need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT for oneDNN's kernels; "
+                                               "torch's plain bf16 matmul on this CPU (avx2+fma) takes about 4x"),
+    (ZEN4, "float16", "none", "dtype", "dtype='float16' needs AVX512-FP16 (Sapphire Rapids and later) for oneDNN's "
+                                       "float16 products; without it a prompt takes about 6x float32's time. this CPU "
+                                       "(avx2+fma+avx512f+avx512_vnni+avx512_bf16): "),
 ])
-def test_a_format_the_cpu_cannot_run_is_refused_by_the_config_naming_the_field(fake_cpu, dtype, quantization, field,
-                                                                               start):
-    fake_cpu(ZEN3 if dtype == "bfloat16" and quantization == "none" else frozenset())
+def test_a_format_the_cpu_cannot_run_is_refused_by_the_config_naming_the_field(fake_cpu, flags, dtype, quantization,
+                                                                               field, start):
+    fake_cpu(flags)
     with pytest.raises(InvalidInputError) as e:
         EngineConfig.from_kwargs(dtype=dtype, quantization=quantization, device="cpu")
     assert e.value.field == field and str(e.value).startswith(start)
-    assert "use dtype='float32', quantization='none', which run on every CPU (or auto: this CPU's fastest)" in str(e.value)
+    assert str(e.value).endswith("float32 with quantization none runs on every CPU (--dtype float32 --quantization "
+                                 "none), and auto picks this CPU's fastest format")
     assert EngineConfig.from_kwargs(dtype=dtype, quantization=quantization, device="cuda").dtype == dtype  # not a CPU's
+
+
+def test_int4_and_float16_run_where_their_prompt_products_are_fast_and_a_capped_cpu_is_named_so(fake_cpu):
+    fake_cpu(ZEN4)
+    assert cf.format_unavailable_reason("bfloat16", "int4") is None
+    assert cf.format_unavailable_reason("bfloat16", "int4-int8") is None
+    fake_cpu(ZEN3)
+    assert cf.format_unavailable_reason("bfloat16", "int4-int8") is None
+    assert "Quantization int4-int8 (--quantization int4-int8) runs the same int4" in cf.format_unavailable_reason(
+        "bfloat16", "int4")
+    fake_cpu(SAPPHIRE_RAPIDS | {"avx512_fp16"})
+    assert cf.format_unavailable_reason("float16", "none") is None
+    fake_cpu(SAPPHIRE_RAPIDS | {"avx512_fp16"}, cap="amx")  # the cap keeps a tier's features and named extras
+    assert "this CPU as PREFIXCACHE_KERNELS caps it (avx2+fma+avx512f+avx512_vnni+avx512_bf16+amx_bf16+amx_int8)" in (
+        cf.format_unavailable_reason("float16", "none"))
+    fake_cpu(SAPPHIRE_RAPIDS | {"avx512_fp16"}, cap="amx+avx512_fp16")
+    assert cf.format_unavailable_reason("float16", "none") is None
+    fake_cpu(SAPPHIRE_RAPIDS, cap="reference")
+    assert "this CPU as PREFIXCACHE_KERNELS caps it (baseline)" in cf.format_unavailable_reason("float32", "int8")
 
 
 def test_this_cpus_features_are_read_from_cpuinfo():
@@ -142,7 +172,7 @@ def test_auto_reads_its_rows_as_the_cap_is_read(fake_cpu, monkeypatch):
     with pytest.raises(ValueError) as e:
         cf.auto_format("auto", "auto")
     assert str(e.value) == ("PREFIXCACHE_KERNELS='avx2+avx512f': ['avx512f'] can't be added to a tier; the features "
-                            "that can are ['asimd', 'asimddp', 'avx_ne_convert', 'avx_vnni'] (a tier's own features "
+                            "that can are ['asimd', 'asimddp', 'avx512_fp16', 'avx_ne_convert', 'avx_vnni'] (a tier's own features "
                             "come with the tier's name)")
 
 

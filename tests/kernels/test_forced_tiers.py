@@ -36,10 +36,11 @@ def test_the_tiny_model_tests_pass_with_the_tier_capped(tier):
     assert passed and int(passed.group(1)) >= 30 and "failed" not in summary, summary
 
 
-# One process per tier: the default model (SmolLM2-135M) in int4 and int4-int8, three prompts over a shared 40-token
+# One process per tier: the default model (SmolLM2-135M) in int4 (where the tier runs it) and int4-int8, three prompts over a shared 40-token
 # prefix, 12 greedy tokens each, batched with the cache on, then each alone with the cache off. Prints {format: [tokens...]} as JSON.
 _GENERATE = r"""
 import json, sys, torch
+from prefixcache.kernels.cpu_features import format_unavailable_reason
 from prefixcache.llm import LLM
 from prefixcache.models.loader import load_model
 from prefixcache.sampling_params import SamplingParams
@@ -49,6 +50,8 @@ prompts = [prefix + torch.randint(3, 250, (n,), generator=g).tolist() for n in (
 params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 out = {}
 for quantization in ("int4", "int4-int8"):
+    if format_unavailable_reason("bfloat16", quantization):  # int4 below the avx512 tier: bf16 prompt products
+        continue
     loaded = load_model("smollm2-135m", dtype=torch.bfloat16, quantization=quantization)
     options = dict(loaded=loaded, dtype="bfloat16", quantization=quantization, num_threads=2, block_size=16)
     on = LLM("smollm2-135m", **options)
@@ -75,10 +78,10 @@ def test_int4_formats_give_the_same_tokens_on_the_avx2_build_and_cache_on_equals
     """In the AVX2 tier and the full tier: batched with the cache on (twice: the second run reuses the cached
     prefix) == each alone with the cache off. Where this CPU has AVX512-VNNI, the AVX2 tier also equals the
     ``avx512`` tier (both run the decoder's float32 attention form and the prompt kernel's AVX2 form, the same
-    bits, and the fused prompt ops, whose AVX2 and AVX-512 builds have the same bits): int4-int8 token for token; int4 too, its prompt rows' bf16 products running torch's plain
-    bf16 matmul in both (oneDNN's prepacked ones need AVX512-BF16-class features only at the ``avx512`` tier
-    and above, see cpu_features._BF16_PRODUCTS, so they may round differently: compared where they agree). The
-    full tier (AVX512-BF16, AMX) runs another attention form and prompt kernels, so its tokens may differ."""
+    bits, and the fused prompt ops, whose AVX2 and AVX-512 builds have the same bits): int4-int8 token for token.
+    int4 runs from the ``avx512`` tier up (below it, its bf16 prompt products have no fast kernel and the config
+    refuses it). The full tier (AVX512-BF16, AMX) runs another attention form and prompt kernels, so its tokens may
+    differ."""
     from prefixcache.kernels.cpu_features import cpu_has
 
     tiers = ["avx2", "auto"] + (["avx512"] if cpu_has("avx512_vnni", "avx512bw") else [])
@@ -87,5 +90,8 @@ def test_int4_formats_give_the_same_tokens_on_the_avx2_build_and_cache_on_equals
         for quantization, runs in by_format.items():
             assert runs["batched"] == runs["again"] == runs["alone"], (tier, quantization)
             assert all(len(t) == 12 for t in runs["alone"])
+    assert set(results["avx2"]) == {"int4-int8"} and "int4-int8" in results["auto"]
+    if "avx512" in results:
+        assert set(results["avx512"]) == {"int4", "int4-int8"}
     if "avx512" in results:
         assert results["avx2"]["int4-int8"] == results["avx512"]["int4-int8"]

@@ -154,8 +154,8 @@ def test_bf16_prepacked_holds_the_prepacked_copy_only(llama_dir, adapter_dir):
     assert torch.equal(run(released, IDS, adapter_dir), run(kept, IDS, adapter_dir))
 
 
-@pytest.mark.requires_format("bfloat16", "int4")
-@pytest.mark.parametrize("quantization", ["int4", "int4-int8"])
+@pytest.mark.parametrize("quantization", [pytest.param(q, marks=pytest.mark.requires_format("bfloat16", q))
+                                          for q in ("int4", "int4-int8")])
 def test_int4_formats_hold_their_prompt_and_4_bit_copies_only(llama_dir, quantization):
     kept = load_model(str(llama_dir), load_tokenizer=False, dtype=torch.bfloat16, quantization=quantization)
     released = load_model(str(llama_dir), load_tokenizer=False, dtype=torch.bfloat16, quantization=quantization,

@@ -73,7 +73,7 @@ def _default_cell(action: argparse.Action) -> str:
 
 def _help_cell(action: argparse.Action) -> str:
     text = action.help or ""
-    if "%(" in text:
+    if "%" in text:  # argparse formats every help text: %(default)s and friends, and %% for a percent sign
         params = dict(vars(action), prog="prefixcache")
         params = {k: (v.__name__ if hasattr(v, "__name__") else v) for k, v in params.items()}
         if params.get("choices") is not None:
