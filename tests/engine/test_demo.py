@@ -1,10 +1,12 @@
 """The seed demo's report on the real model (issue 2's "done when" numbers)."""
 
 from prefixcache.entrypoints.cli.demo import run_demo
+from prefixcache.kernels.cpu_features import describe_cpu
 
 
 def test_demo_report(smollm2):
     r = run_demo(loaded=smollm2, num_threads=2)
+    assert r["format"] == "dtype float32, quantization none" and r["cpu"] == describe_cpu()
     assert r["outputs_equal"] is True
     assert (r["num_requests"], r["hit_requests"]) == (10, 9)
     assert r["prefill_tokens_no_cache"] == r["prompt_tokens"]

@@ -284,6 +284,7 @@ def test_bad_requests_get_anthropic_errors(anthropic_server, anthropic_client):
         "type": "invalid_request_error", "message": "max_tokens: Field required"}}
     r = httpx.post(anthropic_server.base_url + "/v1/messages", content=b"{nope",
                    headers={"content-type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["message"].startswith("malformed JSON body")
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "malformed JSON body at character 1: Expecting property name enclosed in double quotes")
     ok = create(anthropic_client, model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
     assert ok.usage.output_tokens == 2

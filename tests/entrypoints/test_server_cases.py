@@ -138,6 +138,10 @@ def test_http_layer_answers_are_json_and_documented(server):
     latin1 = httpx.post(server.base_url + "/v1/completions", content='{"prompt": "caf\xe9"}'.encode("latin-1"),
                         headers={"content-type": "application/json"})
     assert latin1.status_code == 400 and latin1.json()["error"]["code"] == "invalid_json"
+    broken = httpx.post(server.base_url + "/v1/completions", content=b'{"prompt": "hi",, "max_tokens": 2}',
+                        headers={"content-type": "application/json"})
+    assert broken.status_code == 400 and broken.json()["error"]["message"] == (
+        "malformed JSON body at character 16: Expecting property name enclosed in double quotes")
     slash = httpx.post(server.base_url + "/v1/completions/", json={"model": MODEL, "prompt": "hi"})
     assert slash.status_code == 404 and "error" in slash.json()  # no redirect
     head = httpx.get(server.base_url + "/v1/completions")

@@ -15,6 +15,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from prefixcache.config import DEFAULT_MODEL, EngineConfig
+from prefixcache.kernels.cpu_features import describe_cpu
 from prefixcache.llm import LLM
 from prefixcache.outputs import RequestOutput
 from prefixcache.models.loader import LoadedModel, check_model_arg, load_model
@@ -65,11 +66,12 @@ def run_demo(model: str = DEFAULT_MODEL, loaded: LoadedModel | None = None, prog
         InvalidInputError: a bad engine option, naming it (before the model loads).
         ValueError: a missing model path or a Hub id (before anything loads).
     """
-    EngineConfig.from_kwargs(model=model, **engine_options)  # every option checked before the load
+    config = EngineConfig.from_kwargs(model=model, **engine_options)  # every option checked before the load
+    fmt = f"dtype {config.dtype}, quantization {config.quantization}"
     if loaded is None:
         check_model_arg(model)  # a missing path or a Hub id: one clear error before anything loads
         if progress:
-            print(f"prefixcache demo: loading {model} ...", file=sys.stderr, flush=True)
+            print(f"prefixcache demo: loading {model} ({fmt}; {describe_cpu()}) ...", file=sys.stderr, flush=True)
         loaded = load_model(model)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     runs = {}
@@ -82,6 +84,8 @@ def run_demo(model: str = DEFAULT_MODEL, loaded: LoadedModel | None = None, prog
         runs[caching] = (outputs, wall_s, llm.get_metrics())
     (off, wall_off, m_off), (on, wall_on, m_on) = runs[False], runs[True]
     report = {
+        "format": fmt,
+        "cpu": describe_cpu(),
         "num_requests": len(on),
         "prompt_tokens": sum(o.num_prompt_tokens for o in on),
         "prefill_tokens_no_cache": m_off.prompt_tokens_computed,
@@ -103,6 +107,7 @@ def print_report(report: dict[str, Any], as_json: bool) -> None:
         print(json.dumps(report, indent=2))
         return
     rows = [
+        ("format", f"{report['format']} ({report['cpu']})"),
         ("requests", report["num_requests"]),
         ("prompt tokens", report["prompt_tokens"]),
         ("prefill tokens computed, caching off", report["prefill_tokens_no_cache"]),

@@ -157,6 +157,16 @@ def _union_tag_at(loc: list, paths: frozenset[tuple]) -> int | None:
     return None
 
 
+def json_error_message(error: dict) -> str:
+    """The 400 message of a body that is not JSON (pydantic's ``json_invalid`` error, first of
+    ``RequestValidationError.errors()``): where the decoder stopped (FastAPI's character offset) and why, e.g.
+    ``malformed JSON body at character 8: Expecting property name enclosed in double quotes``."""
+    loc = error.get("loc") or ()
+    at = f" at character {loc[1]}" if len(loc) > 1 and isinstance(loc[1], int) else ""
+    reason = (error.get("ctx") or {}).get("error") or error.get("msg")
+    return f"malformed JSON body{at}: {cut(str(reason), 200)}"
+
+
 def validation_message(errors: Sequence[dict], paths: frozenset[tuple] = _UNION_PATHS) -> tuple[str, str | None]:
     """(message, param) of pydantic's errors for a request body (FastAPI's
     ``RequestValidationError.errors()``, at least one): the first error's field, dotted with list

@@ -47,7 +47,8 @@ from prefixcache.entrypoints.anthropic.serving_messages import (MESSAGES_RESPONS
 from prefixcache.entrypoints.dashboard.routes import cache_stats, dashboard, static_file
 from prefixcache.entrypoints.dashboard.state import DashboardOptions, DashboardState
 from prefixcache.entrypoints.openai.api_docs import add_docs_routes
-from prefixcache.entrypoints.openai.api_errors import APIError, clip, error_docs, error_response, validation_message
+from prefixcache.entrypoints.openai.api_errors import (APIError, clip, error_docs, error_response, json_error_message,
+                                                     validation_message)
 from prefixcache.entrypoints.openai.auth import APIKeyMiddleware, tenants_by_key
 from prefixcache.entrypoints.openai.http_limits import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestBodyLimitMiddleware
 from prefixcache.entrypoints.openai.metrics import ServerMetrics
@@ -211,7 +212,7 @@ async def _api_error(_: Request, e: APIError) -> JSONResponse:
 async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
     errors = e.errors()
     if errors[0].get("type") == "json_invalid":
-        return error_response(400, f"malformed JSON body: {clip(errors[0].get('msg'), 200)}", None, "invalid_json")
+        return error_response(400, json_error_message(errors[0]), None, "invalid_json")
     message, param = validation_message(errors)
     return error_response(400, message, param, "invalid_type")
 
