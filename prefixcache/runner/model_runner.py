@@ -19,13 +19,14 @@ and each layer's ``(group, tensor)``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from prefixcache.cache.kv_cache_groups import KVCacheGroups, single_group
 from prefixcache.config import INT4_DECODER_FORMATS
-from prefixcache.layers.attention.metadata import build_attention_metadata
+from prefixcache.layers.attention.metadata import build_attention_metadata, torch_attention_batch_invariant
 from prefixcache.layers.grouped_attention import build_grouped_attention_metadata
 from prefixcache.layers.lora import LoRABatch
 from prefixcache.layers.quant import RowSplit, row_split
@@ -37,6 +38,8 @@ from prefixcache.runner.structured_output import StructuredOutputManager
 from prefixcache.runner.token_history import TokenHistories
 from prefixcache.sampling_params import SamplingParams
 from prefixcache.scheduler_output import LoadOp, ScheduledSeq, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at a time (each row: vocab_size floats)
 
@@ -109,6 +112,11 @@ class ModelRunner:
         self.sliding_window = cfg.sliding_window  # a model with local layers: their window's metadata too
         # Prompt tokens run through the model so far (recomputes after preemption included).
         self.num_prompt_tokens_computed = 0
+        if (device.type == "cpu" and getattr(self.model, "batch_invariant", False)
+                and not getattr(self.model, "paged_attention", False) and not torch_attention_batch_invariant()):
+            logger.warning("torch's attention kernels on this CPU give a row other bits in another batch (MKL's AVX2 "
+                           "path; layers/attention/metadata.py), so this model's outputs with the cache on equal "
+                           "those with it off to float rounding only, as float32's do")
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -1,5 +1,10 @@
 """Per-step attention metadata (positions, slots, prefill/decode groups), with exact numbers."""
 
+import os
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -102,3 +107,14 @@ def test_decodes_sharing_prefix_blocks_form_a_cascade_group():
     assert md.cascade_groups == []  # 31 blocks = 124 tokens < 128
     md, _ = build_attention_metadata(seqs, 4, "cpu", batch_invariant=True)
     assert md.cascade_groups == []
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="MKL's instruction cap is an x86 one")
+def test_the_batch_invariance_check_fails_on_mkls_avx2_path():
+    """MKL's AVX2 GEMMs (an AVX2-only CPU; forced here by MKL's own cap) round a row by its block of rows, which the
+    padding rule does not fix: the check says so there. (Where it holds, tests/layers/test_attention_invariance.py
+    runs in full.)"""
+    probe = "from prefixcache.layers.attention.metadata import torch_attention_batch_invariant as f; print(f())"
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+                         capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    assert out == ["False"]

@@ -21,9 +21,16 @@ give a row its one-row bits), so cache on and off give bit-identical logits; flo
 differently by batch size anyway, so it keeps the cheaper unpadded calls. The padding costs
 compute only: masked key blocks add exact zeros. (float32 activations without GQA are a known
 exception: a decode row then differs from its prefill row in the last bits.)
+
+Those row counts are what MKL's AVX-512 GEMMs, behind torch's kernel, give the same bits for. MKL's AVX2 path (an
+AVX2-only CPU, or MKL_ENABLE_INSTRUCTIONS=AVX2) runs other row blocks, and no padding rule above holds there:
+:func:`torch_attention_batch_invariant` checks the rule on this machine's kernels once, and where it fails the
+torch path's formats agree with cache off only to float rounding (logged at start-up; our own kernels, which
+the bfloat16 Llama formats run on AVX2, keep their bits).
 """
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -50,6 +57,40 @@ def padded_num_queries(num_queries: int, batch_invariant: bool = True) -> int:
         return num_queries
     n = max(num_queries, MIN_Q_ROWS)
     return n if n <= Q_ROW_QUANTUM else -(-n // Q_ROW_QUANTUM) * Q_ROW_QUANTUM
+
+
+@cache
+def torch_attention_batch_invariant() -> bool:
+    """Whether torch's CPU attention kernel, called as the batch-invariant path calls it, gives a query row the
+    same bits in a call of any padded row count (:func:`padded_num_queries`: 4 to 16, or a multiple of 16) at any
+    place in the call, with rows masked to different key counts. Checked once per process on this machine's
+    kernels (float32 and bfloat16; SmolLM2's head shape and a 2-heads-per-KV-head one), about 0.1 s: the answer
+    depends on which GEMM path MKL and oneDNN take on this CPU, which no feature flag names."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    keys, rows = 2 * KV_SPLIT, 80
+    lens = torch.randint(1, keys + 1, (rows,), generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        bias = torch.where(torch.arange(keys)[None] < lens[:, None], 0.0, float("-inf")).to(dtype)
+        for heads, kv_heads, head_dim in ((9, 3, 64), (4, 2, 32)):
+            q = torch.randn(1, heads, rows, head_dim, generator=g).to(dtype)
+            k = torch.randn(1, kv_heads, keys, head_dim, generator=g).to(dtype)
+            v = torch.randn(1, kv_heads, keys, head_dim, generator=g).to(dtype)
+
+            def call(a: int, b: int) -> torch.Tensor:
+                return F.scaled_dot_product_attention(q[:, :, a:b], k, v, attn_mask=bias[a:b], scale=head_dim**-0.5,
+                                                      enable_gqa=True)[0]  # [heads, b - a, head_dim]
+
+            try:
+                whole = call(0, rows)
+                for n in [*range(MIN_Q_ROWS, Q_ROW_QUANTUM + 1), 2 * Q_ROW_QUANTUM, 4 * Q_ROW_QUANTUM]:
+                    for a in (0, 3, rows - n):
+                        if not torch.equal(call(a, a + n), whole[:, a : a + n]):
+                            return False
+            except RuntimeError:  # a kernel that can't run here at all (a capped build): nothing to promise
+                return False
+    return True
 
 
 Q_TILE = 256  # new tokens of a prefill attended per call: each call reads only the keys up to its tile
