@@ -199,8 +199,8 @@ def format_unavailable_reason(dtype: str, quantization: str) -> str | None:
         if cpu_has("asimd") and not cpu_has(*TIERS["avx2"]):  # aarch64: the NEON build (neon_kernels.py)
             if quantization == "int4-int8" and not _has_any(_INT8_PRODUCTS):
                 return (f"quantization={quantization!r} runs its prompt rows' products in int8 (torch._int_mm), "
-                        f"which has no known fast kernel on {cpu}; quantization 'int4' runs the same "
-                        f"generated-token kernels with bf16 prompt products, or {instead}")
+                        f"which has no known fast kernel on {cpu}; quantization int4 (--quantization int4) runs the "
+                        f"same generated-token kernels with bf16 prompt products, or {instead}")
             return None
         if not cpu_has(*TIERS["avx2"]):
             return (f"quantization={quantization!r} runs our int4 kernels, which need a CPU with AVX2, FMA and "

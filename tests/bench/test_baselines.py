@@ -128,6 +128,7 @@ def test_vllm_env_under_an_avx2_cap_hides_avx512_from_every_vllm_process(monkeyp
     from prefixcache.kernels import cpu_features as cf
 
     monkeypatch.setattr(cf, "reported_cpu_features", lambda: cf.TIERS["amx"])
+    monkeypatch.delenv(cf.ENV_VAR, raising=False)
     try:
         cf.cpu_features.cache_clear()
         assert "PYTHONPATH" not in vllm_baseline.vllm_env(2) and "PREFIXCACHE_VLLM_AVX2" not in vllm_baseline.vllm_env(2)

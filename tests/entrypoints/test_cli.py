@@ -72,7 +72,8 @@ def test_serve_help_shows_defaults_and_choices(capsys):
     assert "--served-model-name SERVED_MODEL_NAME name clients send (default: MODEL)" in text
     assert "--model MODEL the same as the positional MODEL" in text
     assert "--dtype {auto,float32,bfloat16,float16} weights and KV dtype; auto: this CPU's fastest format within 1 % " \
-           "perplexity of float32, with --quantization auto (docs/weight-formats-and-kernels.md) (default: auto)" in text
+           "perplexity of float32, with --quantization auto (docs/weight-formats-and-kernels.md); float16 on CUDA, or " \
+           "a CPU with AVX512-FP16 (default: auto)" in text
     assert "--port PORT TCP port, 0-65535 (default: 8000)" in text
 
 

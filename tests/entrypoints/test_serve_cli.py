@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+import prefixcache.config
 from prefixcache.config import EngineConfig
 from prefixcache.kernels.cpu_features import auto_format, format_unavailable_reason
 from prefixcache.engine import llm_engine
@@ -56,13 +57,13 @@ def test_existing_flag_names_still_work():
     args = parse([
         "some-model", "--block-size", "32", "--num-blocks", "10", "--kv-cache-memory", "2GiB", "--max-num-seqs", "4",
         "--max-num-batched-tokens", "512", "--max-model-len", "256", "--no-enable-prefix-caching",
-        "--hash-algo", "sha256", "--dtype", "float16", "--device", "cpu", "--num-threads", "1", "--seed", "3",
+        "--hash-algo", "sha256", "--dtype", "float16", "--device", "cuda", "--num-threads", "1", "--seed", "3",
         "--hash-seed", "7", "--eviction-policy", "ttl", "--cache-ttl-s", "5.5", "--no-enable-partial-block-reuse",
         "--cost-half-life-s", "9", "--cost-attention-tokens", "100"])
     assert engine_config_from_args(args) == EngineConfig(
         model="some-model", block_size=32, num_blocks=10, kv_cache_memory_bytes=2 << 30, max_num_seqs=4,
         max_num_batched_tokens=512, max_model_len=256, enable_prefix_caching=False, hash_algo="sha256",
-        dtype="float16", device="cpu", num_threads=1, seed=3, hash_seed=7, eviction_policy="ttl", cache_ttl_s=5.5,
+        dtype="float16", device="cuda", num_threads=1, seed=3, hash_seed=7, eviction_policy="ttl", cache_ttl_s=5.5,
         enable_partial_block_reuse=False, cost_half_life_s=9.0, cost_attention_tokens=100.0)
     assert parse(["--kv-cache-memory", "512MiB"]).kv_cache_memory_bytes == 512 << 20
     sizes = {"2GB": 2 * 10**9, "2G": 2 << 30, "2Gi": 2 << 30, "1.5MB": 1_500_000, "3kB": 3000, "4KiB": 4096, "7B": 7}
@@ -163,7 +164,7 @@ def default_model_fetched() -> bool:
     pytest.param(["--quantization", "int8"], "--quantization: quantization='int8' needs fast int8 products",
                  marks=pytest.mark.skipif(format_unavailable_reason("float32", "int8") is None,
                                           reason="int8 runs here")),
-    pytest.param(["--dtype", "bfloat16"], "--dtype: dtype='bfloat16' needs a CPU with AVX-512",
+    pytest.param(["--dtype", "bfloat16", "--quantization", "none"], "--dtype: dtype='bfloat16' needs a CPU with AVX-512",
                  marks=pytest.mark.skipif(format_unavailable_reason("bfloat16", "none") is None,
                                           reason="bfloat16 runs here")),
     (["--num-blocks", "99999999999"], "--num-blocks: a KV pool of 99999999999 blocks needs "),
@@ -207,6 +208,8 @@ def test_kv_pool_is_sized_from_the_model_config_and_refused_beyond_memory(no_mod
     monkeypatch.setattr(host_memory, "physical_memory_bytes", lambda: 1 << 20)  # 1 MiB: 1024 blocks of 1024 bytes
     model = [str(tiny_model), "--device", "cpu", "--dtype", "float32"]  # serve's default is auto
     assert model_shape(str(tiny_model)) == ModelShape(num_layers=2, num_kv_heads=1, head_dim=4, context=64)
+    # float16: 2-byte K/V, twice the blocks (its products' speed on this CPU is another test's)
+    monkeypatch.setattr(prefixcache.config, "format_unavailable_reason", lambda dtype, quantization: None)
     for ok in (["--num-blocks", "1024"], ["--num-blocks", "2048", "--dtype", "float16"], ["--kv-cache-memory", "1MiB"],
                ["--block-size", "64", "--max-model-len", "64", "--kv-cache-memory", "4096"]):
         assert check_serve_args(parse([*model, *ok])).config.model == str(tiny_model)

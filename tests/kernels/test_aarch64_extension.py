@@ -58,7 +58,8 @@ def test_arm_cpus_run_int4_on_the_neon_build(fake_cpu):
         assert neon_kernels.march() == march
         assert cf.format_unavailable_reason("bfloat16", "int4") is None
         assert cf.format_unavailable_reason("float32", "int4") is None
-        assert "quantization='int4' runs the same" in cf.format_unavailable_reason("bfloat16", "int4-int8")
+        assert "quantization int4 (--quantization int4) runs the same" in cf.format_unavailable_reason("bfloat16",
+                                                                                                    "int4-int8")
         assert "needs fast int8 products" in cf.format_unavailable_reason("float32", "int8")
         assert "dtype='bfloat16' needs" in cf.format_unavailable_reason("bfloat16", "none")
         assert cf.auto_format("auto", "auto") == ("float32", "none")
