@@ -73,6 +73,10 @@ def max_tokens_that_fit(block_size: int, num_blocks: int, max_model_len: int, nu
     return min(max_model_len, (full + per_sample) * block_size) - num_prompt_tokens
 
 
+# How a refusal says to make the pool bigger: the flags, and the options' names offline
+POOL_HINT = "raise --num-blocks or --kv-cache-memory (num_blocks / kv_cache_memory_bytes offline)"
+
+
 class InputProcessor:
     """Turns what a caller sends into a validated, keyed :class:`Request`.
 
@@ -80,16 +84,20 @@ class InputProcessor:
         config: the engine's options (``block_size``, ``hash_seed``, ``hash_seed_file``).
         loaded: the model (tokenizer, vocabulary, the weights' fingerprint).
         max_model_len: the context limit in tokens.
-        num_blocks: the KV pool's size (a request that can never fit is refused).
+        num_blocks: the KV pool's blocks one request's full-attention context may count on (a request that can
+            never fit is refused).
+        held_blocks: blocks of the pool held back from that for sliding-window layers (named in the refusal).
     """
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int, num_blocks: int,
+                 held_blocks: int = 0) -> None:
         self.block_size = config.block_size
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.config.vocab_size
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
+        self.held_blocks = held_blocks
         # int4: generated tokens run other kernels than prompt tokens, their blocks get their own key
         self.block_hasher = BlockHasher(config.block_size, config.hash_algo,
                                         INT4_OUTPUT_KEY if config.quantization in INT4_DECODER_FORMATS else b"")
@@ -351,12 +359,25 @@ class InputProcessor:
                                                   f"{self.max_model_len}; lower max_tokens to at most "
                                                   f"{self.max_model_len - num_prompt_tokens}")
         needed = self.kv_blocks_needed(num_prompt_tokens, params.max_tokens, params.n)
-        if needed > self.num_blocks:
-            samples = f" x n={params.n} samples" if params.n > 1 else ""
-            raise InvalidInputError("max_tokens", f"prompt + max_tokens ({counted(max_len, 'token')}{samples}) needs "
-                                                  f"{counted(needed, 'KV block')} but the pool has "
-                                                  f"{counted(self.num_blocks, 'block')}; lower max_tokens "
-                                                  "or raise num_blocks / kv_cache_memory_bytes")
+        if needed <= self.num_blocks:
+            return
+        alone = self.kv_blocks_needed(num_prompt_tokens, 1)
+        if alone > self.num_blocks:  # the prompt itself: no max_tokens or n would fit
+            raise InvalidInputError("prompt", f"the prompt ({counted(num_prompt_tokens, 'token')}) plus 1 token needs "
+                                              f"{counted(alone, 'KV block')} but the pool has {self.pool_text()}; "
+                                              f"shorten the prompt or {POOL_HINT}")
+        samples = f" x n={params.n} samples" if params.n > 1 else ""
+        raise InvalidInputError("max_tokens", f"prompt + max_tokens ({counted(max_len, 'token')}{samples}) needs "
+                                              f"{counted(needed, 'KV block')} but the pool has {self.pool_text()}; "
+                                              f"lower max_tokens or {POOL_HINT}")
+
+    def pool_text(self) -> str:
+        """The pool a request may count on, for a refusal: ``"32 blocks"``, or with sliding-window layers
+        ``"32 blocks for it (202, less 170 that the sliding-window layers hold)"``."""
+        if not self.held_blocks:
+            return counted(self.num_blocks, "block")
+        return (f"{counted(self.num_blocks, 'block')} for it ({self.num_blocks + self.held_blocks}, less "
+                f"{self.held_blocks} that the sliding-window layers hold)")
 
     def make_request(
         self,

@@ -141,7 +141,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache_manager, config)
         self.runner = ModelRunner(self.loaded, self.num_blocks, config.block_size, self.device, config.seed,
                                   self.kv_cache_groups)
-        self.input_processor = InputProcessor(config, self.loaded, self.max_model_len, self._request_blocks())
+        held = self._sliding_blocks()
+        self.input_processor = InputProcessor(config, self.loaded, self.max_model_len, self.num_blocks - held, held)
         self.output_processor = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids, self.max_model_len)
         self.lora_manager = LoRAManager(self.loaded.model, self.kv_cache_manager)
         self.sample_groups = SampleGroups()
@@ -152,15 +153,14 @@ class LLMEngine:
         self.finish_hooks: list[Callable[[Request], None]] = []
         self.kv_event_recorder, self.kv_event_publisher = self._start_kv_events()
 
-    def _request_blocks(self) -> int:
-        """The pool blocks one request's full-attention context may count on (what the input checks
-        size ``max_tokens`` against): all of them with one KV-cache group; with sliding groups, less
-        the ``ceil(window / block_size) + 2`` blocks each of them holds for a running request at
-        most (its window, the block being filled, one new block), so that a request that passes the
-        checks always runs to the end instead of waiting for room forever. At least 1."""
+    def _sliding_blocks(self) -> int:
+        """The pool blocks held back from one request's full-attention context (what the input checks size
+        ``max_tokens`` against): none with one KV-cache group; with sliding groups, the ``ceil(window /
+        block_size) + 2`` blocks each of them holds for a running request at most (its window, the block being
+        filled, one new block), so that a request that passes the checks always runs to the end instead of
+        waiting for room forever. :meth:`_check_pool_fits` refuses a pool they would fill."""
         bs = self.config.block_size
-        sliding = sum(g.num_retained_blocks(bs) + 1 for g in self.kv_cache_groups.groups if g.is_sliding)
-        return max(1, self.num_blocks - sliding)
+        return sum(g.num_retained_blocks(bs) + 1 for g in self.kv_cache_groups.groups if g.is_sliding)
 
     def _check_pool_fits(self) -> None:
         """Refuses, before anything is allocated, a block larger than the model's context and a KV
@@ -175,6 +175,15 @@ class LLMEngine:
             raise InvalidInputError("block_size", f"block_size {config.block_size} is more than the model's context "
                                                   f"of {context} tokens (its max_position_embeddings): such a block "
                                                   "never fills")
+        held = self._sliding_blocks()
+        if self.num_blocks <= held:
+            field = "num_blocks" if config.num_blocks else "kv_cache_memory"
+            groups = sum(g.is_sliding for g in self.kv_cache_groups.groups)
+            raise InvalidInputError(field, f"{field}: a KV pool of {self.num_blocks} blocks leaves none for a request's "
+                                           f"full-attention layers: the model's {groups} sliding-window KV-cache groups "
+                                           f"hold up to {held} blocks of {config.block_size} tokens for a running "
+                                           f"request (window / block_size + 2 each); give more than {held} blocks "
+                                           f"(--num-blocks), or a bigger --kv-cache-memory")
         need = self.num_blocks * self.kv_cache_bytes_per_block
         limit = pool_memory_limit(str(self.device), need)
         if limit is not None:

@@ -190,34 +190,34 @@ def format_unavailable_reason(dtype: str, quantization: str) -> str | None:
     can't run at all: a user who picks it would wait tens of times longer than on float32.
     """
     cpu = _this_cpu()
-    instead = ("float32 with quantization none runs on every CPU (--dtype float32 --quantization none), and auto "
-               "picks this CPU's fastest format")
+    instead = ("use float32 with quantization none (--dtype float32 --quantization none), which runs on every CPU, "
+               "or auto, this CPU's fastest format")
     if dtype == "float16" and not _has_any(_FP16_PRODUCTS):
-        return (f"dtype='float16' needs AVX512-FP16 (Sapphire Rapids and later) for oneDNN's float16 products; "
-                f"without it a prompt takes about 6x float32's time. {cpu}: {instead}")
+        return (f"dtype='float16' needs AVX512-FP16 (Sapphire Rapids and later) for oneDNN's float16 products, "
+                f"which {cpu} lacks (without it a prompt takes about 6x float32's time): {instead}")
     if quantization in _INT4_FORMATS:
         if cpu_has("asimd") and not cpu_has(*TIERS["avx2"]):  # aarch64: the NEON build (neon_kernels.py)
             if quantization == "int4-int8" and not _has_any(_INT8_PRODUCTS):
                 return (f"quantization={quantization!r} runs its prompt rows' products in int8 (torch._int_mm), "
                         f"which has no known fast kernel on {cpu}; quantization int4 (--quantization int4) runs the "
-                        f"same generated-token kernels with bf16 prompt products, or {instead}")
+                        f"same generated-token kernels with bf16 prompt products; or {instead}")
             return None
         if not cpu_has(*TIERS["avx2"]):
             return (f"quantization={quantization!r} runs our int4 kernels, which need a CPU with AVX2, FMA and "
-                    f"F16C, or aarch64 NEON; {cpu}: {instead}")
+                    f"F16C, or aarch64 NEON, and {cpu} has neither: {instead}")
         if quantization == "int4" and not _has_any(_BF16_PRODUCTS):
             return (f"quantization='int4' runs its prompt rows' products in bf16, which need AVX-512 (BW, VL, DQ) "
                     f"or AVX-NE-CONVERT for oneDNN's kernels; torch's plain bf16 matmul on {cpu} takes about 4x "
                     f"float32's prompt time. Quantization int4-int8 (--quantization int4-int8) runs the same int4 "
-                    f"generated-token kernels with our int8 prompt products, or {instead}")
+                    f"generated-token kernels with our int8 prompt products; or {instead}")
         return None  # int4-int8's prompt rows run our AVX2 int8 kernel where oneDNN has no exact one (above)
     if quantization == "int8" and not _has_any(_INT8_PRODUCTS) and not cpu_has(*TIERS["avx2"]):
         return (f"quantization={quantization!r} needs fast int8 products (AVX512-VNNI, AVX-VNNI or AMX-INT8, "
                 f"oneDNN's kernels behind torch._int_mm, or AVX2 + FMA + F16C for our exact AVX2 kernel); without "
-                f"them a prompt takes ~30x longer than in float32. {cpu}: {instead}")
+                f"them a prompt takes ~30x longer than in float32, and {cpu} has none: {instead}")
     if dtype == "bfloat16" and not _has_any(_BF16_PRODUCTS):
         return (f"dtype='bfloat16' needs a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT for oneDNN's bf16 "
-                f"products; {cpu}: {instead}")
+                f"products, and {cpu} has neither: {instead}")
     return None
 
 

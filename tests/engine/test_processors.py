@@ -79,6 +79,22 @@ def test_fit_errors_count_in_the_right_number(inputs):
         "prompt + max_tokens (17 tokens x n=33 samples) needs 66 KV blocks but the pool has 32 blocks;")
 
 
+def test_a_prompt_the_pool_cannot_hold_is_the_prompts_fault_and_held_blocks_are_named(inputs, monkeypatch):
+    """No max_tokens or n would fit a prompt whose own blocks exceed the pool: the prompt is named, and the hint
+    gives the flags. With sliding-window layers the pool a request counts on is said to be the rest."""
+    monkeypatch.setattr(inputs, "num_blocks", 8)  # 128 tokens, under the 256-token context
+    with pytest.raises(InvalidInputError) as e:
+        inputs.check_fits(200, SamplingParams(max_tokens=4))
+    assert e.value.field == "prompt" and e.value.message == (
+        "the prompt (200 tokens) plus 1 token needs 13 KV blocks but the pool has 8 blocks; shorten the prompt or "
+        "raise --num-blocks or --kv-cache-memory (num_blocks / kv_cache_memory_bytes offline)")
+    monkeypatch.setattr(inputs, "held_blocks", 170)
+    assert message_of(lambda: inputs.check_fits(100, SamplingParams(max_tokens=50))) == (
+        "prompt + max_tokens (150 tokens) needs 10 KV blocks but the pool has 8 blocks for it (178, less 170 that the "
+        "sliding-window layers hold); lower max_tokens or raise --num-blocks or --kv-cache-memory (num_blocks / "
+        "kv_cache_memory_bytes offline)")
+
+
 def test_text_too_long_for_any_tokenization_is_refused_without_tokenizing(inputs):
     longest = inputs.max_prompt_chars // (256 * 4)
     assert longest >= 16  # the longest token's text, in characters

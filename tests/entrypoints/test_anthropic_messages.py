@@ -286,5 +286,8 @@ def test_bad_requests_get_anthropic_errors(anthropic_server, anthropic_client):
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["message"] == (
         "malformed JSON body at character 1: Expecting property name enclosed in double quotes")
+    r = httpx.post(anthropic_server.base_url + "/v1/messages", content=b'{"max_tokens": 2}')  # no content-type
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "body: send a JSON object with content-type: application/json (this request had no content-type)")
     ok = create(anthropic_client, model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
     assert ok.usage.output_tokens == 2

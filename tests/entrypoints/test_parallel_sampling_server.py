@@ -102,7 +102,7 @@ def test_chat_n_that_the_pool_cant_hold_names_n_without_max_tokens(smollm2):
             assert r.json()["error"]["message"] == (
                 f"n={n} samples don't fit the KV pool even with the smallest default max_tokens (1): the prompt "
                 f"({p} tokens) plus 1 token for each of n={n} samples needs {full + n} KV blocks but the pool has "
-                f"24 blocks; lower n to at most {fitting} or raise num_blocks / kv_cache_memory_bytes")
+                f"24 blocks; lower n to at most {fitting} or raise --num-blocks or --kv-cache-memory (num_blocks / kv_cache_memory_bytes offline)")
         r = post("/v1/chat/completions", {"messages": messages, "n": 22, "ignore_eos": True})  # the most that fit
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 22 * ((full + 1) * 16 - p)
@@ -113,7 +113,7 @@ def test_chat_n_that_the_pool_cant_hold_names_n_without_max_tokens(smollm2):
             assert r.status_code == 400 and r.json()["error"]["param"] == field
             assert r.json()["error"]["message"] == (
                 f"prompt + {field} ({p + 1} tokens x n=64 samples) needs 66 KV blocks but the pool has 24 "
-                f"blocks; lower {field} or raise num_blocks / kv_cache_memory_bytes")
+                f"blocks; lower {field} or raise --num-blocks or --kv-cache-memory (num_blocks / kv_cache_memory_bytes offline)")
 
         # A prompt the pool can't hold even for one sample: no n would fit, the messages are at fault.
         long = [{"role": "user", "content": "word " * 400}]
@@ -123,7 +123,8 @@ def test_chat_n_that_the_pool_cant_hold_names_n_without_max_tokens(smollm2):
             assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
             assert r.json()["error"]["message"] == (
                 f"messages: the prompt ({q} tokens) plus 1 token needs {-(-(q + 1) // 16)} KV blocks but the pool "
-                "has 24 blocks; shorten the messages or raise num_blocks / kv_cache_memory_bytes")
+                "has 24 blocks; shorten the prompt or raise --num-blocks or --kv-cache-memory (num_blocks / "
+                "kv_cache_memory_bytes offline)")
         assert s.wait_idle()["prefixcache:kv_blocks_in_use"] == 0
     finally:
         stop_server(s)

@@ -142,6 +142,11 @@ def test_http_layer_answers_are_json_and_documented(server):
                         headers={"content-type": "application/json"})
     assert broken.status_code == 400 and broken.json()["error"]["message"] == (
         "malformed JSON body at character 16: Expecting property name enclosed in double quotes")
+    form = httpx.post(server.base_url + "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}',
+                      headers={"content-type": "application/x-www-form-urlencoded"})  # what curl -d sends
+    assert form.status_code == 400 and form.json()["error"]["message"] == (
+        "body: send a JSON object with content-type: application/json (this request had content-type "
+        "'application/x-www-form-urlencoded')")
     slash = httpx.post(server.base_url + "/v1/completions/", json={"model": MODEL, "prompt": "hi"})
     assert slash.status_code == 404 and "error" in slash.json()  # no redirect
     head = httpx.get(server.base_url + "/v1/completions")

@@ -95,15 +95,16 @@ def test_the_cap_adds_features_outside_the_tiers_back_with_a_plus(fake_cpu):
                                                      "AVX-VNNI or AMX-INT8, oneDNN's kernels behind torch._int_mm, or "
                                                      "AVX2 + FMA + F16C"),
     (frozenset(), "bfloat16", "int4", "quantization", "quantization='int4' runs our int4 kernels, which need a CPU "
-                                                      "with AVX2, FMA and F16C, or aarch64 NEON; this CPU (baseline): "),
+                                                      "with AVX2, FMA and F16C, or aarch64 NEON, and this CPU (baseline) has "
+                                                      "neither: "),
     # int4's prompt rows are bf16 products: as slow as bfloat16 / none where that is refused (a 2,000-token prompt
     # took 38-53 s on AVX2, int4-int8 2.6 s); int4-int8 runs the same decoder
     (ZEN3, "bfloat16", "int4", "quantization", "quantization='int4' runs its prompt rows' products in bf16, which "
                                                "need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT for oneDNN's kernels; "
                                                "torch's plain bf16 matmul on this CPU (avx2+fma) takes about 4x"),
     (ZEN4, "float16", "none", "dtype", "dtype='float16' needs AVX512-FP16 (Sapphire Rapids and later) for oneDNN's "
-                                       "float16 products; without it a prompt takes about 6x float32's time. this CPU "
-                                       "(avx2+fma+avx512f+avx512_vnni+avx512_bf16): "),
+                                       "float16 products, which this CPU (avx2+fma+avx512f+avx512_vnni+avx512_bf16) "
+                                       "lacks (without it a prompt takes about 6x float32's time): use float32"),
 ])
 def test_a_format_the_cpu_cannot_run_is_refused_by_the_config_naming_the_field(fake_cpu, flags, dtype, quantization,
                                                                                field, start):
@@ -111,8 +112,8 @@ def test_a_format_the_cpu_cannot_run_is_refused_by_the_config_naming_the_field(f
     with pytest.raises(InvalidInputError) as e:
         EngineConfig.from_kwargs(dtype=dtype, quantization=quantization, device="cpu")
     assert e.value.field == field and str(e.value).startswith(start)
-    assert str(e.value).endswith("float32 with quantization none runs on every CPU (--dtype float32 --quantization "
-                                 "none), and auto picks this CPU's fastest format")
+    assert str(e.value).endswith("use float32 with quantization none (--dtype float32 --quantization none), which "
+                                 "runs on every CPU, or auto, this CPU's fastest format")
     assert EngineConfig.from_kwargs(dtype=dtype, quantization=quantization, device="cuda").dtype == dtype  # not a CPU's
 
 

@@ -272,3 +272,25 @@ def test_a_prompt_whose_one_chunk_needs_the_pool_three_times_runs_in_smaller_chu
     small = run(make_engine(loaded, num_blocks=60), prompt, max_tokens=4)
     assert small.finish_reason == "length"
     assert small.token_ids == run(make_engine(loaded, enable_prefix_caching=False), prompt, max_tokens=4).token_ids
+
+
+def test_a_pool_the_sliding_groups_would_fill_is_refused_at_start_and_a_small_one_names_its_share(tiny):
+    """Each sliding group holds up to ceil(W / B) + 2 blocks for a running request: a pool of no more than their
+    sum leaves a request's full-attention layers nothing, and used to start, then refuse every request saying
+    "the pool has 1 block"."""
+    _, loaded = tiny
+    groups = make_engine(loaded).kv_cache_groups.groups
+    held = sum(g.is_sliding for g in groups) * (-(-W // B) + 2)
+    assert held == make_engine(loaded)._sliding_blocks() > 0
+    with pytest.raises(InvalidInputError) as e:
+        make_engine(loaded, num_blocks=held)
+    assert e.value.field == "num_blocks" and e.value.message.startswith(
+        f"num_blocks: a KV pool of {held} blocks leaves none for a request's full-attention layers: the model's "
+        f"{sum(g.is_sliding for g in groups)} sliding-window KV-cache groups hold up to {held} blocks of {B} tokens")
+    engine = make_engine(loaded, num_blocks=held + 2)  # 2 blocks (8 tokens) for the full-attention layers
+    with pytest.raises(InvalidInputError) as e:
+        engine.add_request(PREFIX[:6], greedy(4))
+    assert e.value.field == "max_tokens" and e.value.message == (
+        f"prompt + max_tokens (10 tokens) needs 3 KV blocks but the pool has 2 blocks for it ({held + 2}, less "
+        f"{held} that the sliding-window layers hold); lower max_tokens or raise --num-blocks or --kv-cache-memory "
+        "(num_blocks / kv_cache_memory_bytes offline)")

@@ -58,7 +58,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prefixcache.cache.block import common_prefix_length
 from prefixcache.cache.pins import CACHE_TTLS_S, MAX_CACHE_BREAKPOINTS, CacheBreakpoint, cache_usage
 from prefixcache.engine.async_engine import EngineDeadError
-from prefixcache.entrypoints.openai.api_errors import (APIError, clip, cut, error_docs, error_json, json_error_message, union_paths,
+from prefixcache.entrypoints.openai.api_errors import (APIError, clip, cut, error_docs, error_json, json_error_message,
+                                                     unparsed_body_message, union_paths,
                                                      validation_message)
 from prefixcache.entrypoints.openai.protocol import Int64
 from prefixcache.entrypoints.openai.serving_engine import OpenAIServing, lone_surrogate_field
@@ -249,6 +250,8 @@ class AnthropicRoute(APIRoute):
                 errors = e.errors()
                 if errors and errors[0].get("type") == "json_invalid":
                     return anthropic_error_response(400, json_error_message(errors[0]))
+                if errors and (unparsed := unparsed_body_message(errors[0], request.headers.get("content-type"))):
+                    return anthropic_error_response(400, unparsed)
                 return anthropic_error_response(400, validation_message(errors, MESSAGES_UNION_PATHS)[0])
             except APIError as e:
                 return anthropic_error_response(e.status, e.message)

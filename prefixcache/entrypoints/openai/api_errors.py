@@ -167,6 +167,16 @@ def json_error_message(error: dict) -> str:
     return f"malformed JSON body{at}: {cut(str(reason), 200)}"
 
 
+def unparsed_body_message(error: dict, content_type: str | None) -> str | None:
+    """The 400 message of a body FastAPI did not parse as JSON because of its content type (its first validation
+    error is then the whole body, still bytes: ``curl -d`` sends form-urlencoded), naming the header; None for any
+    other error."""
+    if tuple(error.get("loc") or ()) != ("body",) or not isinstance(error.get("input"), (bytes, str)):
+        return None
+    got = f"content-type {cut(content_type, 80)!r}" if content_type else "no content-type"
+    return f"body: send a JSON object with content-type: application/json (this request had {got})"
+
+
 def validation_message(errors: Sequence[dict], paths: frozenset[tuple] = _UNION_PATHS) -> tuple[str, str | None]:
     """(message, param) of pydantic's errors for a request body (FastAPI's
     ``RequestValidationError.errors()``, at least one): the first error's field, dotted with list

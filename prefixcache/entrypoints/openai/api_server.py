@@ -48,7 +48,7 @@ from prefixcache.entrypoints.dashboard.routes import cache_stats, dashboard, sta
 from prefixcache.entrypoints.dashboard.state import DashboardOptions, DashboardState
 from prefixcache.entrypoints.openai.api_docs import add_docs_routes
 from prefixcache.entrypoints.openai.api_errors import (APIError, clip, error_docs, error_response, json_error_message,
-                                                     validation_message)
+                                                     unparsed_body_message, validation_message)
 from prefixcache.entrypoints.openai.auth import APIKeyMiddleware, tenants_by_key
 from prefixcache.entrypoints.openai.http_limits import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestBodyLimitMiddleware
 from prefixcache.entrypoints.openai.metrics import ServerMetrics
@@ -209,10 +209,12 @@ async def _api_error(_: Request, e: APIError) -> JSONResponse:
     return error_response(e.status, e.message, e.param, e.code)
 
 
-async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
     errors = e.errors()
     if errors[0].get("type") == "json_invalid":
         return error_response(400, json_error_message(errors[0]), None, "invalid_json")
+    if (unparsed := unparsed_body_message(errors[0], request.headers.get("content-type"))) is not None:
+        return error_response(400, unparsed, None, "invalid_json")
     message, param = validation_message(errors)
     return error_response(400, message, param, "invalid_type")
 

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from prefixcache.engine.detokenizer import TokenDecoder
+from prefixcache.engine.input_processor import POOL_HINT
 from prefixcache.entrypoints.openai.api_errors import APIError
 from prefixcache.entrypoints.openai.protocol import (
     ChatChoice,
@@ -164,7 +165,8 @@ class OpenAIServingChat:
         ``messages`` (the prompt itself is too long for the pool). The blocks are counted by the
         engine's own rule (``InputProcessor.kv_blocks_needed``)."""
         engine = self.engine.engine
-        num_blocks, blocks_needed = engine.num_blocks, engine.input_processor.kv_blocks_needed
+        inputs = engine.input_processor
+        num_blocks, blocks_needed = inputs.num_blocks, inputs.kv_blocks_needed
         full = num_prompt_tokens // engine.config.block_size
         per_sample = blocks_needed(num_prompt_tokens, 1) - full  # blocks after the shared ones
         needed = blocks_needed(num_prompt_tokens, 1, n)
@@ -173,8 +175,7 @@ class OpenAIServingChat:
         if fitting >= 1:
             return APIError(400, f"n={n} samples don't fit the KV pool even with the smallest default max_tokens "
                                  f"(1): {prompt} for each of n={n} samples needs {counted(needed, 'KV block')} but "
-                                 f"the pool has {counted(num_blocks, 'block')}; lower n to at most {fitting} or "
-                                 "raise num_blocks / kv_cache_memory_bytes", "n")
+                                 f"the pool has {inputs.pool_text()}; lower n to at most {fitting} or {POOL_HINT}",
+                            "n")
         return APIError(400, f"messages: {prompt} needs {counted(full + per_sample, 'KV block')} but the pool has "
-                             f"{counted(num_blocks, 'block')}; shorten the messages or raise num_blocks / "
-                             "kv_cache_memory_bytes", "messages")
+                             f"{inputs.pool_text()}; shorten the messages or {POOL_HINT}", "messages")
