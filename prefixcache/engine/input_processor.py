@@ -195,7 +195,8 @@ class InputProcessor:
                 return list(token_ids)
         for t in token_ids:
             if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.vocab_size:
-                raise InvalidInputError(field, f"{field} token ids must be integers in [0, {self.vocab_size}), "
+                what = "tokens" if field == "tokens" else f"{field} token ids"  # /detokenize's field is the ids
+                raise InvalidInputError(field, f"{what} must be integers in [0, {self.vocab_size}), "
                                                f"got {str(t)[:40]!r} ({type(t).__name__})")
         return [int(t) for t in token_ids]
 

@@ -352,6 +352,9 @@ def test_detokenize_round_trip(server):
     rendered = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
     assert post(server, "/detokenize", {"tokens": chat_ids}).json()["prompt"] == rendered  # special tokens kept
     assert post(server, "/detokenize", {"tokens": []}).json() == {"prompt": ""}
+    r = httpx.post(server.base_url + "/detokenize", json={"model": MODEL, "tokens": [5, 49152]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "tokens must be integers in [0, 49152), got '49152' (int)")
 
 
 @pytest.mark.parametrize("path,body,status,param", [
