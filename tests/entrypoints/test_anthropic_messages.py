@@ -291,3 +291,43 @@ def test_bad_requests_get_anthropic_errors(anthropic_server, anthropic_client):
         "body: send a JSON object with content-type: application/json (this request had no content-type)")
     ok = create(anthropic_client, model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
     assert ok.usage.output_tokens == 2
+
+
+class _Renderer:
+    """The engine side of ``AnthropicServing.breakpoints`` over a real tokenizer and its chat template."""
+
+    def __init__(self, tokenizer):
+        self.engine = type("Engine", (), {"tokenizer": tokenizer})()
+        self.tokenizer = tokenizer
+
+    async def apply_chat_template(self, messages, add_generation_prompt=True):
+        return self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                                  return_dict=False)
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_a_system_breakpoint_ends_after_the_system_text_whatever_the_template(model):
+    """Gemma 3's template folds the system prompt into the first user turn and renders a system prompt alone as
+    <bos>: the cut after the system block was 1 token, so the breakpoint pinned nothing. The cut is then rendered
+    with a stand-in turn after it: the breakpoint ends just past the system text, as with SmolLM2's own turn."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from prefixcache.entrypoints.anthropic.serving_messages import (AnthropicServing, MessagesRequest, conversation,
+                                                                    marked_blocks)
+    from prefixcache.models.fetch import builtin_model_dir, is_complete
+
+    if not is_complete(builtin_model_dir(model)):
+        pytest.skip(f"{model} is not fetched (scripts/setup.sh fetches it)")
+    tokenizer = AutoTokenizer.from_pretrained(builtin_model_dir(model))
+    system = "You are a librarian. " * 40
+    req = MessagesRequest(model=model, max_tokens=4, system=system_blocks(system, "5m"),
+                          messages=[{"role": "user", "content": "How do I renew a book?"}])
+    renderer = _Renderer(tokenizer)
+    serving = AnthropicServing(type("Serving", (), {"engine": renderer})())
+    prompt_ids = asyncio.run(renderer.apply_chat_template(conversation(req)))
+    (point,) = asyncio.run(serving.breakpoints(req, marked_blocks(req), prompt_ids))
+    pinned = tokenizer.decode(prompt_ids[: point.num_tokens])
+    assert system.strip() in pinned and "renew" not in pinned
+    assert point.num_tokens >= len(tokenizer(system.strip(), add_special_tokens=False)["input_ids"])

@@ -579,6 +579,9 @@ async def message_events(stream: AsyncIterator[RequestOutput], head: dict, stops
 
 
 # ---------------------------------------------------------------------------- serving
+_STAND_IN = "\u2063"  # a turn's text after a breakpoint's cut where the template needs one (see breakpoints)
+
+
 class AnthropicServing:
     """Runs Messages requests on the engine of an :class:`OpenAIServing` (its model names, adapters
     and chat template)."""
@@ -628,11 +631,23 @@ class AnthropicServing:
         (or tool) shares with the whole prompt."""
         found = []
         for _, index, block, ttl_s in marked:
-            cut_ids = await self.engine.apply_chat_template(conversation(req, (index, block)), False)
+            cut = conversation(req, (index, block))
+            cut_ids = await self.engine.apply_chat_template(cut, False)
+            if not self._renders(cut[-1]["content"], cut_ids):
+                # A template that writes this turn only before a later one (Gemma 3 folds the system prompt into the
+                # first user turn, and renders a system prompt alone as <bos>): render it with a stand-in turn after
+                # it; the prompt shares that rendering up to the stand-in's text, just past the block.
+                after = "assistant" if cut[-1]["role"] == "user" else "user"
+                cut_ids = await self.engine.apply_chat_template(cut + [{"role": after, "content": _STAND_IN}], False)
             num_tokens = common_prefix_length(cut_ids, prompt_ids)
             if num_tokens >= 1:
                 found.append(CacheBreakpoint(num_tokens, ttl_s))
         return found
+
+    def _renders(self, text: str, ids: list[int]) -> bool:
+        """Whether the rendering ``ids`` holds the end of ``text`` (the cut turn's content; "" counts as held)."""
+        tail = text.strip()[-64:]
+        return not tail or tail in self.engine.engine.tokenizer.decode(ids)
 
     async def create_message(self, req: MessagesRequest, raw_request: Request, tenant: str | None) -> Response:
         """``POST /v1/messages``.
