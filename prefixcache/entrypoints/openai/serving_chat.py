@@ -161,21 +161,16 @@ class OpenAIServingChat:
 
     def default_does_not_fit(self, num_prompt_tokens: int, n: int) -> APIError:
         """The 400 for a chat request without ``max_tokens`` that the pool can't hold even with the
-        smallest default (1 token per sample): it names ``n`` when fewer samples would fit, else
-        ``messages`` (the prompt itself is too long for the pool). The blocks are counted by the
-        engine's own rule (``InputProcessor.kv_blocks_needed``)."""
+        smallest default (1 token per sample), naming ``n`` and how many samples would fit. (The engine
+        refuses a prompt that doesn't fit even once itself, naming the prompt, so here one sample fits.)
+        The blocks are counted by the engine's own rule (``InputProcessor.kv_blocks_needed``)."""
         engine = self.engine.engine
         inputs = engine.input_processor
-        num_blocks, blocks_needed = inputs.num_blocks, inputs.kv_blocks_needed
         full = num_prompt_tokens // engine.config.block_size
-        per_sample = blocks_needed(num_prompt_tokens, 1) - full  # blocks after the shared ones
-        needed = blocks_needed(num_prompt_tokens, 1, n)
-        fitting = (num_blocks - full) // per_sample if num_blocks > full else 0
-        prompt = f"the prompt ({counted(num_prompt_tokens, 'token')}) plus 1 token"
-        if fitting >= 1:
-            return APIError(400, f"n={n} samples don't fit the KV pool even with the smallest default max_tokens "
-                                 f"(1): {prompt} for each of n={n} samples needs {counted(needed, 'KV block')} but "
-                                 f"the pool has {inputs.pool_text()}; lower n to at most {fitting} or {POOL_HINT}",
-                            "n")
-        return APIError(400, f"messages: {prompt} needs {counted(full + per_sample, 'KV block')} but the pool has "
-                             f"{inputs.pool_text()}; shorten the messages or {POOL_HINT}", "messages")
+        per_sample = inputs.kv_blocks_needed(num_prompt_tokens, 1) - full  # blocks after the shared ones
+        needed = inputs.kv_blocks_needed(num_prompt_tokens, 1, n)
+        fitting = (inputs.num_blocks - full) // per_sample
+        return APIError(400, f"n={n} samples don't fit the KV pool even with the smallest default max_tokens (1): "
+                             f"the prompt ({counted(num_prompt_tokens, 'token')}) plus 1 token for each of n={n} "
+                             f"samples needs {counted(needed, 'KV block')} but the pool has {inputs.pool_text()}; "
+                             f"lower n to at most {fitting} or {POOL_HINT}", "n")
