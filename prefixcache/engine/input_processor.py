@@ -116,15 +116,19 @@ class InputProcessor:
         (``numerics_key``: Gemma 3's window, "" for the Llama family, whose key then is the one it
         always was): K/V computed at another precision or with other bits is never reused. Follows
         the loaded model's fingerprint, which changes whenever its weights are replaced."""
-        paged = self.loaded.model.paged_attention
-        quantization_key = self.loaded.model.quantization_key  # int8's smoothing and its calibration
-        numerics_key = self.loaded.model.numerics_key  # a model's attention rules (e.g. a sliding window)
-        memo = (self.loaded.fingerprint + self.loaded.quantization.encode() + bytes([paged])
+        model = self.loaded.model
+        paged = model.paged_attention
+        # the paged kernel's forms (a model with sliding-window layers runs them on another) and its fused ops
+        forms = (model.paged_attention_form, getattr(model, "sliding_attention_form", None), model.fuses_prompt_ops)
+        quantization_key = model.quantization_key  # int8's smoothing and its calibration
+        numerics_key = model.numerics_key  # a model's attention rules (e.g. a sliding window)
+        memo = (self.loaded.fingerprint + self.loaded.quantization.encode() + bytes([paged]) + repr(forms).encode()
                 + quantization_key.encode() + b"\0" + numerics_key.encode())
         if self._model_key is None or self._model_key[0] != memo:
             quantization = self.loaded.quantization  # int8, int4-int8: W8A8 products, no bf16 GEMM at all
             numerics = kv_numerics(paged, bf16_gemms=self.loaded.dtype == torch.bfloat16
-                                   and quantization not in W8A8_FORMATS, int4=quantization in INT4_DECODER_FORMATS)
+                                   and quantization not in W8A8_FORMATS, int4=quantization in INT4_DECODER_FORMATS,
+                                   form=forms[0], sliding_form=forms[1], prompt_ops=forms[2])
             weights_format = f"{self.loaded.dtype}|quantization={quantization}|{quantization_key}|{numerics}"
             if numerics_key:  # appended only when set: an empty one leaves the key byte-identical
                 weights_format += f"|model-numerics={numerics_key}"

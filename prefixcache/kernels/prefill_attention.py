@@ -23,12 +23,19 @@ On a CPU without AVX512-BF16 (AMD Zen 2 and 3, Intel client cores) the kernel's 
 (``prefixcache/kernels/csrc/prefill_attention_avx2.cpp``, in the AVX2 extension): the same work items and
 32-key blocks, rows across 8 lanes, bf16 widened to float32 and every product a float32 FMA in dim or key
 order, ``p`` kept in float32; batch-invariant by the same argument, with its own bits, which the cache key
-names too.
+names too. Only this form takes a float32 pool (the same arithmetic, nothing to widen, float32 out) and a
+sliding window (a row at position p reads keys p - window + 1 .. p), so a float32 model (float32 + int8) and a
+model with sliding-window layers run it (:func:`kernel_form`) where torch's padded flash path gives a row other
+bits by batch (MKL's AVX2 path: an AVX2-only CPU); on AVX-512 CPUs they keep that path, batch-invariant there
+and the faster for those pools (``benchmarks/prefill_attention.py --dtype float32``, ``--window 512``).
 
-A model uses it when it is batch-invariant in bfloat16 (``bfloat16``, ``int4``'s prompt rows, ``int8``
-with a bf16 model), its head shape fits (:func:`prefill_kernel_supported`) and the CPU has AVX512-BF16 or
-AVX2; its rounding differs from the torch path's, so the cache key names which one computed the K/V
-(:func:`prefixcache.layers.attention.numerics.kv_numerics`), and which form (:func:`prefill_form`).
+A model uses it when it is batch-invariant (``bfloat16``, ``int4``'s prompt rows, ``int8``; float32 with
+``int8`` and Gemma 3 in every format as above), its head shape fits (:func:`prefill_kernel_supported`) and the CPU
+runs the form its pool needs; its rounding differs from the torch path's, so the cache key names which one
+computed the K/V (:func:`prefixcache.layers.attention.numerics.kv_numerics`), and which form. Where it runs
+no form (ARM, CPUs without AVX2, ``PREFIXCACHE_KERNELS=reference``), torch's flash path runs, padded so that
+it is batch-invariant on MKL's AVX-512 path (:func:`prefixcache.layers.attention.metadata.torch_attention_batch_invariant`
+checks that on the machine's own kernels).
 """
 
 from __future__ import annotations
@@ -54,27 +61,43 @@ class PagedRows:
     block_table: torch.Tensor  # [num_seqs, max_blocks] int32: each sequence's context blocks, in order
     query_start: torch.Tensor  # [num_seqs + 1] int32: sequence i's new tokens are rows query_start[i:i + 2]
     num_computed: torch.Tensor  # [num_seqs] int32: the position of each sequence's first new token
+    window: int = 0  # 0: causal only; else each row reads only the last `window` positions, its own included
 
 
-def build_paged_rows(num_computed: list[int], num_new: list[int], block_table: torch.Tensor) -> PagedRows:
+def build_paged_rows(num_computed: list[int], num_new: list[int], block_table: torch.Tensor,
+                     window: int = 0) -> PagedRows:
     """Args: per sequence its cached and new tokens; block_table [num_seqs, max_blocks] int64 covering
-    each one's context (validated by the caller)."""
+    each one's context (validated by the caller; with a window, blocks wholly before every row's window may
+    be block 0); window: a sliding window's size, 0 for none."""
     starts = [0]
     for n in num_new:
         starts.append(starts[-1] + n)
     return PagedRows(block_table=block_table.to(torch.int32).contiguous(),
                      query_start=torch.tensor(starts, dtype=torch.int32),
-                     num_computed=torch.tensor(num_computed, dtype=torch.int32))
+                     num_computed=torch.tensor(num_computed, dtype=torch.int32), window=window)
 
 
 @cache
-def prefill_kernel_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+def prefill_kernel_supported(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
+                             windowed: bool = False) -> bool:
     """Whether the kernel runs this head shape here: head_dim a multiple of 32 up to 256, at most 48
-    query heads per KV head, and one of its forms runs on this CPU (:func:`prefill_form`). (False, not an
-    error: the model then keeps the torch path.)"""
+    query heads per KV head, and a form for a ``dtype`` pool (with a window where ``windowed``) runs on
+    this CPU (:func:`kernel_form`). (False, not an error: the model then keeps the torch path.)"""
     if head_dim % 32 or head_dim > MAX_HEAD_DIM or num_heads % num_kv_heads:
         return False
-    return num_heads // num_kv_heads <= MAX_HEADS_PER_KV_HEAD and prefill_form() is not None
+    return num_heads // num_kv_heads <= MAX_HEADS_PER_KV_HEAD and kernel_form(dtype, windowed) is not None
+
+
+def kernel_form(dtype: torch.dtype = torch.bfloat16, windowed: bool = False) -> str | None:
+    """The form that runs a model's attention here: for a bf16 pool without a window, this machine's
+    fastest (:func:`prefill_form`); for a float32 pool or a sliding window, "avx2", the only form that takes
+    them, wherever it runs; None where no form does, or for another dtype. (Whether a model takes the kernel
+    is the model's choice: ``LlamaForCausalLM.paged_attention``.)"""
+    if dtype == torch.bfloat16 and not windowed:
+        return prefill_form()
+    if dtype in (torch.bfloat16, torch.float32):
+        return "avx2" if form_supported("avx2") else None
+    return None
 
 
 def form_supported(form: str) -> bool:
@@ -119,33 +142,37 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, rows: Paged
     """Causal attention of every new token over its sequence's context in the pool.
 
     Args:
-        q: shape = [num_tokens, num_heads, head_dim] bf16, RoPE applied, sequences laid out in
-            ``rows``' order.
-        kv_cache: one layer's pool, shape = [2, num_blocks, block_size, num_kv_heads, head_dim] bf16,
-            the step's K/V already written.
-        rows: the step's :class:`PagedRows`.
+        q: shape = [num_tokens, num_heads, head_dim] bf16 (float32: the "avx2" form only), RoPE applied,
+            sequences laid out in ``rows``' order.
+        kv_cache: one layer's pool, shape = [2, num_blocks, block_size, num_kv_heads, head_dim] of q's
+            dtype, the step's K/V already written.
+        rows: the step's :class:`PagedRows` (a window: the "avx2" form only).
         scale: softmax scale.
-        form: one of :data:`FORMS`; None: :func:`prefill_form` (tests and benchmarks name one to compare
-            the forms).
+        form: one of :data:`FORMS`; None: :func:`kernel_form` for q's dtype and the window (tests and
+            benchmarks name one to compare the forms).
 
     Returns:
-        shape = [num_tokens, num_heads, head_dim] bf16.
+        shape = [num_tokens, num_heads, head_dim], q's dtype.
 
     Raises:
-        ValueError: ``form`` is not one of :data:`FORMS`.
+        ValueError: ``form`` is not one of :data:`FORMS`, or is not "avx2" with a float32 q or a window.
         RuntimeError: shapes or dtypes the kernel doesn't take, a block id outside the pool, or a form this
             CPU can't run.
     """
-    form = prefill_form() if form is None else form
+    form = kernel_form(q.dtype, rows.window > 0) if form is None else form
     if form is None:
-        raise RuntimeError("no form of the paged prompt-attention kernel runs on this CPU (it needs AVX2, FMA and "
-                           "F16C, or AVX512-BF16, and its extension built); prefill_kernel_supported() says so first")
+        raise RuntimeError("no form of the paged prompt-attention kernel runs on this CPU for this pool (it needs "
+                           "AVX2, FMA and F16C, or AVX512-BF16 for a bf16 pool without a window, and its extension "
+                           "built); prefill_kernel_supported() says so first")
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    if form != "avx2" and (q.dtype != torch.bfloat16 or rows.window > 0):
+        raise ValueError(f"form {form!r} takes a bf16 pool without a window; the 'avx2' form takes float32 pools and "
+                         "sliding windows")
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     slots = (num_blocks * block_size, num_kv_heads, head_dim)
     args = (q.contiguous(), kv_cache[0].view(slots), kv_cache[1].view(slots), rows.block_table, rows.query_start,
             rows.num_computed, block_size, scale)
     if form == "avx2":
-        return load_avx2_kernels().paged_prefill_attention_avx2(*args)
+        return load_avx2_kernels().paged_prefill_attention_avx2(*args, rows.window)
     return load_cpu_kernels().paged_prefill_attention(*args, form == "amx")

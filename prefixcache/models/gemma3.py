@@ -55,7 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixcache.layers.attention.metadata import AttentionMetadata
+from prefixcache.kernels.prefill_attention import kernel_form, prefill_kernel_supported
+from prefixcache.layers.attention.metadata import AttentionMetadata, torch_attention_batch_invariant
 from prefixcache.layers.attention.torch_attention import Attention
 from prefixcache.layers.grouped_attention import GroupedAttentionMetadata
 from prefixcache.layers.linear import (DENSE, FixedTileLinear, LinearMethod, StackedLinear, StackedLinearModel,
@@ -302,8 +303,41 @@ class Gemma3ForCausalLM(StackedLinearModel, nn.Module):
 
     @property
     def paged_attention(self) -> bool:
-        """False: attention runs torch's kernels over the pool, also in bf16 (our paged kernel masks
-        no window: ``build_attention_metadata`` refuses a window with ``paged_kernel``)."""
+        """Whether attention runs our paged kernel (:mod:`prefixcache.kernels.prefill_attention`): where torch's
+        padded flash path is not batch-invariant (MKL's AVX2 path, an AVX2-only CPU:
+        :func:`torch_attention_batch_invariant`) and a form for its pool's dtype with a sliding window runs
+        (the kernel's AVX2 form). Elsewhere torch's flash kernel with the padding of
+        :mod:`prefixcache.layers.attention`, batch-invariant there and the faster on AVX-512 CPUs for a window
+        (``benchmarks/prefill_attention.py --window 512``). The cache key names the forms
+        (``attention.numerics.kv_numerics``)."""
+        cfg = self.config
+        dtype = self.model.embed_tokens.weight.dtype
+        shape = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        return (self.model.embed_tokens.weight.device.type == "cpu" and not torch_attention_batch_invariant()
+                and prefill_kernel_supported(*shape, dtype, windowed=self._has_sliding_layers)
+                and prefill_kernel_supported(*shape, dtype))
+
+    @property
+    def _has_sliding_layers(self) -> bool:
+        return any(layer.is_sliding for layer in self.model.layers)
+
+    @property
+    def paged_attention_form(self) -> str | None:
+        """The paged kernel's form of its global layers (``kernel_form`` of its dtype; for bf16 this machine's
+        fastest), None off the kernel."""
+        return kernel_form(self.model.embed_tokens.weight.dtype) if self.paged_attention else None
+
+    @property
+    def sliding_attention_form(self) -> str | None:
+        """The form of its sliding-window layers ("avx2", the form that masks a window), None off the kernel
+        or without such layers."""
+        if not (self.paged_attention and self._has_sliding_layers):
+            return None
+        return kernel_form(self.model.embed_tokens.weight.dtype, windowed=True)
+
+    @property
+    def fuses_prompt_ops(self) -> bool:
+        """False: its element-wise ops stay torch's."""
         return False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.config import W8A8_FORMATS
-from prefixcache.kernels.prefill_attention import paged_prefill_attention, prefill_kernel_supported
+from prefixcache.kernels.prefill_attention import kernel_form, paged_prefill_attention, prefill_kernel_supported
 from prefixcache.kernels.prompt_ops import add_rms_norm, rope_write_kv, silu_mul
-from prefixcache.layers.attention.metadata import AttentionMetadata, build_attention_metadata
+from prefixcache.layers.attention.metadata import (AttentionMetadata, build_attention_metadata,
+                                                   torch_attention_batch_invariant)
 from prefixcache.layers.attention.torch_attention import Attention
 from prefixcache.layers.decode_layers import DecodeLayers, DecoderLayerWeights
 from prefixcache.layers.linear import DENSE, LinearMethod, StackedLinear, StackedLinearModel, linear_method
@@ -182,8 +183,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.decode_layers: DecodeLayers | None = None  # quantization int4(-int8): generated rows' layers
-        # layers' forward_fused (prompt_ops) in every step whose metadata runs the paged kernel (md.paged), which
-        # the cache key names with them (attention.numerics.kv_numerics); False only in A/B runs
+        # layers' forward_fused (prompt_ops) in every step of a bf16 model whose metadata runs the paged kernel
+        # (md.paged), which the cache key names with them (attention.numerics.kv_numerics); False only in A/B runs
         # (benchmarks/prompt_ops.py). Every extension that holds a form of the paged kernel (AVX-512, AVX2) also
         # builds the prompt ops, so where the kernel runs they do.
         self.fused_prompt_ops = True
@@ -214,7 +215,7 @@ class LlamaModel(nn.Module):
         if attn_metadata.generated is not None:
             return self._forward_split(hidden_states, positions, attn_metadata, kv_caches, lora)
         cos_sin = self.rotary_emb(positions, hidden_states.dtype)  # computed once, shared by all layers
-        if self.fused_prompt_ops and attn_metadata.paged is not None:
+        if self.fused_prompt_ops and attn_metadata.paged is not None and hidden_states.dtype == torch.bfloat16:
             return self._run_fused(hidden_states, cos_sin, kv_caches, attn_metadata, lora)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states = layer(hidden_states, cos_sin, kv_cache, attn_metadata, lora)
@@ -250,7 +251,7 @@ class LlamaModel(nn.Module):
             return self.decode_layers.final_norm(gen_hidden)
         dense_hidden = hidden_states.index_select(0, dense)  # [P, hidden]
         cos_sin = self.rotary_emb(positions.index_select(0, dense), hidden_states.dtype)
-        if self.fused_prompt_ops and md.paged is not None:
+        if self.fused_prompt_ops and md.paged is not None and dense_hidden.dtype == torch.bfloat16:
             dense_hidden = self._run_fused(dense_hidden, cos_sin, kv_caches, md, None,
                                            lambda i: self.decode_layers.run(gen_hidden, gen, kv_caches, i, i + 1))
         else:
@@ -439,11 +440,27 @@ class LlamaForCausalLM(StackedLinearModel, nn.Module):
     @property
     def paged_attention(self) -> bool:
         """Whether attention runs our paged kernel (:mod:`prefixcache.kernels.prefill_attention`): a
-        batch-invariant bfloat16 model whose head shape the kernel takes, on a CPU where one of its forms runs
-        (AVX512-BF16 or AVX2: :func:`~prefixcache.kernels.prefill_attention.prefill_form`);
-        else torch's flash kernel with the padding of :mod:`prefixcache.layers.attention`. The two round
-        differently, so the cache key names the one in use (``attention.numerics.kv_numerics``)."""
+        batch-invariant model (bfloat16, int4, int8 over either dtype) whose head shape the kernel takes, on
+        a CPU where a form for its pool's dtype runs (:func:`~prefixcache.kernels.prefill_attention.kernel_form`:
+        AVX2 or AVX512-BF16 for bf16, AVX2 for float32); else torch's flash kernel with the padding of
+        :mod:`prefixcache.layers.attention`. A float32 pool (float32 + int8) keeps torch's padded path where
+        that is batch-invariant (MKL's AVX-512 path: :func:`torch_attention_batch_invariant`), which is the
+        faster there on a cold prompt (``benchmarks/prefill_attention.py --dtype float32``), and takes the
+        kernel where it isn't (AVX2-only CPUs). The two round differently, so the cache key names the one in use
+        (``attention.numerics.kv_numerics``)."""
         cfg = self.config
-        return (self.batch_invariant and self.lm_head.weight.dtype == torch.bfloat16
-                and self.lm_head.weight.device.type == "cpu"
-                and prefill_kernel_supported(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim))
+        dtype = self.lm_head.weight.dtype
+        return (self.batch_invariant and self.lm_head.weight.device.type == "cpu"
+                and prefill_kernel_supported(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype)
+                and (dtype == torch.bfloat16 or not torch_attention_batch_invariant()))
+
+    @property
+    def paged_attention_form(self) -> str | None:
+        """The paged kernel's form this model runs (``kernel_form`` of its dtype), None off the kernel."""
+        return kernel_form(self.lm_head.weight.dtype) if self.paged_attention else None
+
+    @property
+    def fuses_prompt_ops(self) -> bool:
+        """Whether its prompt rows run :mod:`prefixcache.kernels.prompt_ops` around the paged kernel: a bf16
+        model on the kernel (the ops are bf16 only)."""
+        return self.paged_attention and self.model.fused_prompt_ops and self.lm_head.weight.dtype == torch.bfloat16

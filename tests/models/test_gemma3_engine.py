@@ -23,8 +23,11 @@ from model_testlib import token_ids as ids
 from prefixcache.cache.kv_cache_groups import group_block_hash
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.errors import InvalidInputError
+from prefixcache.kernels import prefill_attention
+from prefixcache.kernels.prefill_attention import form_supported, kernel_form
 from prefixcache.layers.attention import metadata as attention_metadata
 from prefixcache.layers.lora import LoRARequest
+from prefixcache.models import gemma3
 from prefixcache.models.loader import load_model
 from prefixcache.request import Request
 
@@ -294,3 +297,33 @@ def test_a_pool_the_sliding_groups_would_fill_is_refused_at_start_and_a_small_on
         f"prompt + max_tokens (10 tokens) needs 3 KV blocks but the pool has 2 blocks for it ({held + 2}, less "
         f"{held} that the sliding-window layers hold); lower max_tokens or raise --num-blocks or --kv-cache-memory "
         "(num_blocks / kv_cache_memory_bytes offline)")
+
+
+@pytest.mark.skipif(not form_supported("avx2"), reason="the paged kernel's window form needs AVX2")
+def test_on_the_paged_kernel_cache_on_equals_cache_off_equals_transformers_to_the_bit_in_a_batch(tiny, monkeypatch):
+    """Where torch's padded attention is not batch-invariant (MKL's AVX2 path, as on an AVX2-only CPU: the
+    check is made to say so here), Gemma 3 runs our paged kernel's AVX2 form, the sliding layers with their
+    window: greedy tokens equal transformers' and cache off's, a prompt's logits have the same bits alone and
+    in a batch, and the cache key names the kernel, so K/V from torch's path is never served to it."""
+    ref, loaded = tiny
+    monkeypatch.setattr(gemma3, "torch_attention_batch_invariant", lambda: True)  # as on MKL's AVX-512 path
+    assert not loaded.model.paged_attention
+    torch_key = make_engine(loaded).input_processor.model_key
+    monkeypatch.setattr(gemma3, "torch_attention_batch_invariant", lambda: False)
+    model = loaded.model
+    assert model.paged_attention and model.sliding_attention_form == "avx2" and not model.fuses_prompt_ops
+    assert model.paged_attention_form == kernel_form(torch.float32) == "avx2"  # the tiny checkpoint is float32
+    on, off = make_engine(loaded), make_engine(loaded, enable_prefix_caching=False)
+    assert on.input_processor.model_key != torch_key
+    windows = []
+    real = prefill_attention.paged_prefill_attention
+    monkeypatch.setattr("prefixcache.layers.attention.torch_attention.paged_prefill_attention",
+                        lambda q, kv, rows, scale: windows.append(rows.window) or real(q, kv, rows, scale))
+    prompts = [PREFIX + tail for tail in TAILS]
+    outs_on = [run(on, p) for p in prompts]
+    outs_off = [run(off, p) for p in prompts]
+    assert [o.token_ids for o in outs_on] == [o.token_ids for o in outs_off] == [reference_greedy(ref, p, 6)
+                                                                                 for p in prompts]
+    assert [o.num_cached_tokens for o in outs_on] == [0, 40, 40]
+    assert set(windows) == {0, W} and windows.count(W) == 2 * windows.count(0)  # 4 sliding layers, 2 global
+    test_a_prompt_alone_and_in_a_batch_of_three_gives_the_same_logits_bits(tiny)

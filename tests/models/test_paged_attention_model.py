@@ -58,3 +58,41 @@ def test_bf16_model_on_the_kernel_same_bits_chunked_and_close_to_fp32(tmp_path, 
         hidden = loaded.model(torch.tensor(ids), positions, md, pool)
     assert hidden.shape == (len(ids), loaded.model.config.hidden_size)
     assert len(calls) == loaded.model.config.num_hidden_layers
+
+
+@pytest.mark.skipif(not form_supported("avx2"), reason="a float32 pool needs the kernel's AVX2 form")
+def test_float32_int8_model_on_the_kernels_float32_form_same_bits_chunked(tmp_path, monkeypatch):
+    """float32 with int8 weights is batch-invariant (exact integer products). Where torch's padded flash path
+    gives a row other bits by batch (MKL's AVX2 path, as on an AVX2-only CPU: the check is made to say so here)
+    it runs the kernel's AVX2 form over its float32 pool: a prompt's logits have the same bits whole and chunked
+    then decoded, with torch's element-wise ops (the fused ones are bf16), within float rounding of the same
+    model's logits on torch's path."""
+    from prefixcache.layers.attention.metadata import torch_attention_batch_invariant
+    from prefixcache.models import llama
+
+    make_tiny_checkpoint(tmp_path, "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    loaded = load_model(str(tmp_path), quantization="int8", load_tokenizer=False)
+    model = loaded.model
+    assert model.batch_invariant and model.paged_attention == (not torch_attention_batch_invariant())
+    ids = random_ids(45, seed=7)
+    before = prefill_alone(loaded, ids)  # torch's path where it is batch-invariant here, else the kernel
+    monkeypatch.setattr(llama, "torch_attention_batch_invariant", lambda: False)
+    assert model.paged_attention and model.paged_attention_form == "avx2"
+    assert not model.fuses_prompt_ops
+    calls = []
+    monkeypatch.setattr(LlamaDecoderLayer, "forward_fused",
+                        lambda self, *a: calls.append(1) or LAYER_FORWARD_FUSED(self, *a))
+    kernel_dtypes = []
+    real = prefill_attention.paged_prefill_attention
+
+    def spy(q, *args, **kwargs):
+        kernel_dtypes.append(q.dtype)
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr("prefixcache.layers.attention.torch_attention.paged_prefill_attention", spy)
+    whole = prefill_alone(loaded, ids)
+    chunked, _ = chunked_then_decoded(loaded, ids)
+    assert torch.equal(whole, chunked)
+    assert calls == [] and set(kernel_dtypes) == {torch.float32}
+    assert len(kernel_dtypes) == model.config.num_hidden_layers * (1 + 2 + len(ids) - 11)
+    torch.testing.assert_close(whole, before, atol=1e-4, rtol=1e-4)

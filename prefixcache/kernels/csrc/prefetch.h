@@ -18,8 +18,9 @@ inline void prefetch_t0(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p
 // element offset head_offset within a slot's row of row_stride elements) to be brought into L1 ahead of
 // their use: a long context's K/V is out of cache (a decode step ran every other layer since; a prompt item
 // streams all of it), and one kv head's rows lie row_stride elements apart, a stride the hardware
-// prefetcher follows poorly. row_bytes: bytes of one head's row (2 D for bf16).
-inline void prefetch_kv_rows(const bf16_t* k, const bf16_t* v, const int32_t* table, int64_t block_size,
+// prefetcher follows poorly. row_bytes: bytes of one head's row (D sizeof(T)); T: the pool's element type.
+template <class T>
+inline void prefetch_kv_rows(const T* k, const T* v, const int32_t* table, int64_t block_size,
                              int64_t row_stride, int64_t head_offset, int64_t row_bytes, int64_t begin, int64_t end) {
   if (begin >= end) return;
   for (int64_t pos = begin, block = begin / block_size, offset = begin % block_size; pos < end; ++pos) {

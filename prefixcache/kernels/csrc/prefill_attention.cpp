@@ -190,7 +190,7 @@ ItemRows item_rows(const Args& a, const Work& w, Buffers& buf) {
   for (int64_t r = 0; r < rows.RV * kLanes; ++r) {
     const int64_t rr = std::min(r, num_rows - 1);
     rows.pos_rows[r] = static_cast<int32_t>(first_pos + rr / G);
-    const uint32_t* qrow = reinterpret_cast<const uint32_t*>(a.q + ((w.begin + rr / G) * a.H + w.kh * G + rr % G) * D);
+    const uint32_t* qrow = reinterpret_cast<const uint32_t*>(a.q_as<at::BFloat16>() + ((w.begin + rr / G) * a.H + w.kh * G + rr % G) * D);
     for (int64_t p = 0; p < P; ++p) buf.qp[p][r] = qrow[p];
   }
   for (int64_t d = 0; d < D; ++d)
@@ -207,7 +207,7 @@ void store_rows(const Args& a, const Work& w, const Buffers& buf, int RV, const 
                                                            _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN())));
   for (int64_t r = 0; r < num_rows; ++r) {
     for (int64_t d = 0; d < D; ++d) row[d] = buf.o[d][r];
-    at::BFloat16* orow = a.out + ((w.begin + r / G) * a.H + w.kh * G + r % G) * D;
+    at::BFloat16* orow = a.out_as<at::BFloat16>() + ((w.begin + r / G) * a.H + w.kh * G + r % G) * D;
     const __m512 inv = _mm512_set1_ps(inv_l[r]);
     for (int64_t d = 0; d < D; d += 16) store_bf16(orow + d, _mm512_mul_ps(_mm512_load_ps(row + d), inv));
   }
@@ -249,8 +249,8 @@ void attend_item(const Args& a, const Work& w, Buffers& buf) {
     for (int64_t j = 0, block = k0 / a.block_size, offset = k0 % a.block_size; j < kKeys; ++j) {
       if (j < nk) {  // keys past num_keys: the last valid one again, masked
         const int64_t slot = static_cast<int64_t>(table[block]) * a.block_size + offset;
-        kw[j] = reinterpret_cast<const uint32_t*>(a.k + slot * row_stride + w.kh * D);
-        vrow[j] = a.v + slot * row_stride + w.kh * D;
+        kw[j] = reinterpret_cast<const uint32_t*>(a.k_as<at::BFloat16>() + slot * row_stride + w.kh * D);
+        vrow[j] = a.v_as<at::BFloat16>() + slot * row_stride + w.kh * D;
         if (++offset == a.block_size) offset = 0, ++block;
       } else {
         kw[j] = kw[nk - 1], vrow[j] = vrow[nk - 1];
@@ -258,8 +258,8 @@ void attend_item(const Args& a, const Work& w, Buffers& buf) {
     }
     // the next block's K and V rows asked for now, read by the time this block's products are done
     // (a long context's K/V is out of L2: each work item streams all of it)
-    prefetch_kv_rows(a.k, a.v, table, a.block_size, row_stride, w.kh * D, 2 * D, k0 + kKeys,
-                     std::min<int64_t>(k0 + 2 * kKeys, num_keys));
+    prefetch_kv_rows(a.k_as<at::BFloat16>(), a.v_as<at::BFloat16>(), table, a.block_size, row_stride, w.kh * D,
+                     2 * D, k0 + kKeys, std::min<int64_t>(k0 + 2 * kKeys, num_keys));
     if (RV - v0 == 3) block_scores<3>(buf, v0, kw, P, pos, k0, scale);
     else if (RV - v0 == 2) block_scores<2>(buf, v0, kw, P, pos, k0, scale);
     else block_scores<1>(buf, v0, kw, P, pos, k0, scale);
@@ -498,15 +498,15 @@ void attend_item_amx(const Args& a, const Work& w, Buffers& buf, AmxBuffers& ab)
     for (int64_t j = 0, block = k0 / a.block_size, offset = k0 % a.block_size; j < kKeys; ++j) {
       if (j < nk) {
         const int64_t slot = static_cast<int64_t>(table[block]) * a.block_size + offset;
-        krow[j] = a.k + slot * row_stride + w.kh * D;
-        vrow[j] = a.v + slot * row_stride + w.kh * D;
+        krow[j] = a.k_as<at::BFloat16>() + slot * row_stride + w.kh * D;
+        vrow[j] = a.v_as<at::BFloat16>() + slot * row_stride + w.kh * D;
         if (++offset == a.block_size) offset = 0, ++block;
       } else {
         krow[j] = krow[nk - 1], vrow[j] = vrow[nk - 1];
       }
     }
-    prefetch_kv_rows(a.k, a.v, table, a.block_size, row_stride, w.kh * D, 2 * D, k0 + kKeys,
-                     std::min<int64_t>(k0 + 2 * kKeys, num_keys));
+    prefetch_kv_rows(a.k_as<at::BFloat16>(), a.v_as<at::BFloat16>(), table, a.block_size, row_stride, w.kh * D,
+                     2 * D, k0 + kKeys, std::min<int64_t>(k0 + 2 * kKeys, num_keys));
     scores_amx(buf, ab, krow, nk, D, v0, RV, row_bytes, whole_halves);
     for (int v = v0; v < RV; ++v)
       alpha[v] = softmax_block_amx(buf, v * kLanes, nk, m[v], l[v], bad[v], pair_idx, scale, pos[v], k0);
@@ -553,7 +553,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_slot
   Args a;
   const std::vector<Work> work = prefill_attention::plan_work("paged_prefill_attention", q, k_slots, v_slots,
                                                               block_table, query_start, num_computed, block_size,
-                                                              scale, out, a, kLanes);
+                                                              scale, /*window=*/0, /*float32_ok=*/false, out, a,
+                                                              kLanes);
   const Work* items = work.data();
   prefill_attention::run_work(work, [&](std::atomic<int64_t>& next, int64_t num_items) {
     if (amx) return run_items_amx(a, items, next, num_items);

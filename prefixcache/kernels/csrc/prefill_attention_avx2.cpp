@@ -9,14 +9,24 @@
 //   m' = max(m, max_j s_j), alpha = 2^(m - m'), p_j = 2^(s_j - m'), l = alpha l + sum_j p_j (key order)
 //   o = alpha o + sum_j p_j v_j                one FMA per key, in key order; p stays float32
 //   out = bf16(o * (1 / l))
+// Two things only this form takes, so a float32 model (float32 + int8) and a model with sliding-window layers run it
+// wherever torch's padded flash path gives a row other bits by batch (MKL's AVX2 path; models/llama.py, gemma3.py):
+// - a float32 pool and q: the same arithmetic with nothing to widen, out = o * (1 / l) in float32;
+// - a sliding window (window > 0): a row at position p masks keys before p - window + 1 as it masks keys after
+//   p. An item's key blocks start at the one holding its first row's first key; keys of that block before it
+//   are not read (zero K and V, masked): a sliding KV-cache group may have released their blocks
+//   (layers/grouped_attention.py).
 // 2^x by exp2_8: 2^n times the AVX-512 form's degree-5 polynomial of the rest. Masked keys, NaN or +inf scores
 // and skipped blocks behave as that form's header says. No AVX2 instruction sums bf16 pairs as vdpbf16ps does,
 // so the sums run in another order and the bits differ from the AVX-512 form's: the cache key names the form
 // (layers/attention/numerics.py).
 //
 // Batch invariance, as in the AVX-512 form: every operation on a row's lane depends only on its own query, its
-// keys and values at their absolute positions, the head shape and the scale, so a row gets the same bits in a
-// prefill of any length after any cached prefix, in a decode and in any batch.
+// keys and values at their absolute positions, the head shape, the scale and the window, so a row gets the same
+// bits in a prefill of any length after any cached prefix, in a decode and in any batch. Which blocks an item
+// reads depends on its other rows; a block wholly masked for a row changes nothing in its lane: its scores are
+// -inf, so m stays, alpha = 2^0 = 1 exactly, p = 0 and o + 0 v = o (K/V in the pool are finite), and before the
+// row's first visible key its state stays o = l = 0.
 #include <torch/extension.h>
 #include <immintrin.h>
 
@@ -71,9 +81,10 @@ inline __m256 exp2_8(__m256 x) {
 }
 
 // Scores of keys j0 .. j0 + 3 of the block for the NV row vectors from `base`: s = (q . k) * scale, -inf where
-// the key lies after the row's position.
+// the key lies after the row's position or before its window's first key (`first`; INT32_MIN: no window).
 template <int NV>
-void score_keys(Buffers& b, int base, int64_t D, int j0, int64_t key0, const __m256i* pos, __m256 scale) {
+void score_keys(Buffers& b, int base, int64_t D, int j0, int64_t key0, const __m256i* pos, const __m256i* first,
+                __m256 scale) {
   __m256 acc[kKeyGroup][NV];
   for (int j = 0; j < kKeyGroup; ++j)
     for (int v = 0; v < NV; ++v) acc[j][v] = _mm256_setzero_ps();
@@ -89,15 +100,18 @@ void score_keys(Buffers& b, int base, int64_t D, int j0, int64_t key0, const __m
   for (int j = 0; j < kKeyGroup; ++j) {
     const __m256i key = _mm256_set1_epi32(static_cast<int>(key0 + j0 + j));
     for (int v = 0; v < NV; ++v) {
-      const __m256 after = _mm256_castsi256_ps(_mm256_cmpgt_epi32(key, pos[v]));
-      _mm256_store_ps(&b.s[j0 + j][base + v * kLanes], _mm256_blendv_ps(_mm256_mul_ps(acc[j][v], scale), neg_inf, after));
+      const __m256 masked = _mm256_castsi256_ps(_mm256_or_si256(_mm256_cmpgt_epi32(key, pos[v]),
+                                                                _mm256_cmpgt_epi32(first[v], key)));
+      _mm256_store_ps(&b.s[j0 + j][base + v * kLanes], _mm256_blendv_ps(_mm256_mul_ps(acc[j][v], scale), neg_inf, masked));
     }
   }
 }
 
 template <int NV>  // the block's scores of keys 0 .. nk - 1 (and up to the next multiple of 4, masked)
-void block_scores(Buffers& b, int v0, int64_t D, int64_t nk, int64_t key0, const __m256i* pos, __m256 scale) {
-  for (int j0 = 0; j0 < nk; j0 += kKeyGroup) score_keys<NV>(b, v0 * kLanes, D, j0, key0, pos + v0, scale);
+void block_scores(Buffers& b, int v0, int64_t D, int64_t nk, int64_t key0, const __m256i* pos, const __m256i* first,
+                  __m256 scale) {
+  for (int j0 = 0; j0 < nk; j0 += kKeyGroup)
+    score_keys<NV>(b, v0 * kLanes, D, j0, key0, pos + v0, first + v0, scale);
 }
 
 // o = alpha o + p v for the NV row vectors from `base`, over keys 0 .. nk - 1 of the block: kDimChunk dims x NV
@@ -127,11 +141,11 @@ void add_values(Buffers& b, int base, int64_t D, int64_t nk, const __m256* alpha
   }
 }
 
-// Row vectors v0 .. RV - 1 in register blocks of up to three: f<NV>(first vector) for each block.
+// Row vectors v0 .. v1 - 1 in register blocks of up to three: f<NV>(first vector) for each block.
 template <template <int> class Op, class... A>
-void over_row_blocks(int v0, int RV, A&&... args) {
-  for (int v = v0; v < RV; v += kMaxBlockVecs) {
-    const int n = std::min(kMaxBlockVecs, RV - v);
+void over_row_blocks(int v0, int v1, A&&... args) {
+  for (int v = v0; v < v1; v += kMaxBlockVecs) {
+    const int n = std::min(kMaxBlockVecs, v1 - v);
     if (n == 3) Op<3>::run(v, args...);
     else if (n == 2) Op<2>::run(v, args...);
     else Op<1>::run(v, args...);
@@ -140,8 +154,9 @@ void over_row_blocks(int v0, int RV, A&&... args) {
 
 template <int NV>
 struct Scores {
-  static void run(int v, Buffers& b, int64_t D, int64_t nk, int64_t key0, const __m256i* pos, __m256 scale) {
-    block_scores<NV>(b, v, D, nk, key0, pos, scale);
+  static void run(int v, Buffers& b, int64_t D, int64_t nk, int64_t key0, const __m256i* pos, const __m256i* first,
+                  __m256 scale) {
+    block_scores<NV>(b, v, D, nk, key0, pos, first, scale);
   }
 };
 
@@ -178,8 +193,17 @@ inline __m256 softmax_block(Buffers& b, int base, int64_t nk, __m256& m, __m256&
   return alpha;
 }
 
+// The pool's element types: bf16 widened (exact), float32 as it is.
+inline float to_float(at::BFloat16 x) { return bf16_to_float(x); }
+inline float to_float(float x) { return x; }
+inline __m256 load_8(const at::BFloat16* p) { return vec16_detail::load_bf16_8(p); }
+inline __m256 load_8(const float* p) { return _mm256_loadu_ps(p); }
+inline void store_16(at::BFloat16* p, vec16 x) { v16_store_bf16(p, x); }
+inline void store_16(float* p, vec16 x) { v16_store(p, x); }
+
 // Rows of item w: tokens w.begin .. w.end - 1, each with G query heads (row = token * G + g), padded to RV
 // vectors of 8 with copies of the last row: their positions and q into b, o zeroed. Returns RV.
+template <class T>
 int item_rows(const Args& a, const Work& w, Buffers& b, int64_t& num_keys) {
   const int64_t D = a.D, G = a.G, num_rows = (w.end - w.begin) * G;
   const int RV = static_cast<int>((num_rows + kLanes - 1) / kLanes);
@@ -188,15 +212,16 @@ int item_rows(const Args& a, const Work& w, Buffers& b, int64_t& num_keys) {
   for (int64_t r = 0; r < RV * kLanes; ++r) {
     const int64_t rr = std::min(r, num_rows - 1);
     b.pos[r] = static_cast<int32_t>(first_pos + rr / G);
-    const at::BFloat16* qrow = a.q + ((w.begin + rr / G) * a.H + w.kh * G + rr % G) * D;
-    for (int64_t d = 0; d < D; ++d) b.q[d][r] = bf16_to_float(qrow[d]);
+    const T* qrow = a.q_as<T>() + ((w.begin + rr / G) * a.H + w.kh * G + rr % G) * D;
+    for (int64_t d = 0; d < D; ++d) b.q[d][r] = to_float(qrow[d]);
   }
   for (int64_t d = 0; d < D; ++d)
     for (int v = 0; v < RV; ++v) _mm256_store_ps(&b.o[d][v * kLanes], _mm256_setzero_ps());
   return RV;
 }
 
-// out = bf16(o * (1 / l)) for the item's rows (NaN for the lanes in `bad`).
+// out = o * (1 / l) for the item's rows, rounded to T (NaN for the lanes in `bad`).
+template <class T>
 void store_rows(const Args& a, const Work& w, const Buffers& b, int RV, const __m256* l, const __m256* bad) {
   const int64_t D = a.D, G = a.G, num_rows = (w.end - w.begin) * G;
   alignas(32) float inv_l[kRows], row[kMaxDim];
@@ -205,21 +230,27 @@ void store_rows(const Args& a, const Work& w, const Buffers& b, int RV, const __
                                                          _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), bad[v]));
   for (int64_t r = 0; r < num_rows; ++r) {
     for (int64_t d = 0; d < D; ++d) row[d] = b.o[d][r];
-    at::BFloat16* orow = a.out + ((w.begin + r / G) * a.H + w.kh * G + r % G) * D;
+    T* orow = a.out_as<T>() + ((w.begin + r / G) * a.H + w.kh * G + r % G) * D;
     const vec16 inv = v16_set1(inv_l[r]);
-    for (int64_t d = 0; d < D; d += 16) v16_store_bf16(orow + d, v16_mul(v16_load(row + d), inv));
+    for (int64_t d = 0; d < D; d += 16) store_16(orow + d, v16_mul(v16_load(row + d), inv));
   }
 }
 
 // Attention of item w's rows over their keys.
+template <class T>
 void attend_item(const Args& a, const Work& w, Buffers& b) {
   const int64_t D = a.D;
   int64_t num_keys = 0;
-  const int RV = item_rows(a, w, b, num_keys);
-  __m256i pos[kMaxVecs];
+  const int RV = item_rows<T>(a, w, b, num_keys);
+  // with a window, row r's first key is pos - window + 1 (lane 0 of a vector holds its least), else none
+  const int32_t window = static_cast<int32_t>(a.window);
+  const auto first_key = [&](int r) { return window > 0 ? b.pos[r] - window + 1 : std::numeric_limits<int32_t>::min(); };
+  __m256i pos[kMaxVecs], first[kMaxVecs];
   __m256 m[kMaxVecs], l[kMaxVecs], alpha[kMaxVecs], bad[kMaxVecs];
   for (int v = 0; v < RV; ++v) {
     pos[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(b.pos + v * kLanes));
+    first[v] = window > 0 ? _mm256_sub_epi32(pos[v], _mm256_set1_epi32(window - 1))
+                          : _mm256_set1_epi32(std::numeric_limits<int32_t>::min());
     m[v] = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     l[v] = _mm256_setzero_ps();
     bad[v] = _mm256_setzero_ps();
@@ -227,49 +258,67 @@ void attend_item(const Args& a, const Work& w, Buffers& b) {
   const __m256 scale = _mm256_set1_ps(a.scale * 1.44269504088896341f);  // scores in base 2: * log2(e)
   const int64_t row_stride = a.KVH * D;
   const int32_t* table = a.table + w.seq * a.max_blocks;
-  for (int64_t k0 = 0; k0 < num_keys; k0 += kKeys) {
+  const int64_t item_first = std::max<int64_t>(0, first_key(0));  // the first key any row of the item reads
+  for (int64_t k0 = item_first / kKeys * kKeys; k0 < num_keys; k0 += kKeys) {
     const int64_t nk = std::min<int64_t>(kKeys, num_keys - k0);
-    int v0 = 0;  // vectors whose rows all sit before this block skip it (no change: the AVX-512 form's header)
+    // vectors whose rows all sit before this block, or whose windows all start after it, skip it (no change in
+    // their lanes: the header); rows lie in position order, lane 0 of a vector first
+    int v0 = 0, v1 = RV;
     while (v0 < RV && b.pos[v0 * kLanes + kLanes - 1] < k0) ++v0;
-    for (int64_t j = 0, block = k0 / a.block_size, offset = k0 % a.block_size; j < nk; ++j) {
-      const int64_t slot = static_cast<int64_t>(table[block]) * a.block_size + offset;
-      const at::BFloat16* krow = a.k + slot * row_stride + w.kh * D;
-      const at::BFloat16* vrow = a.v + slot * row_stride + w.kh * D;
+    while (v1 > v0 && first_key((v1 - 1) * kLanes) >= k0 + nk) --v1;
+    const int64_t j_first = std::max<int64_t>(0, item_first - k0);  // keys before it: not read, zero, masked
+    for (int64_t j = 0; j < j_first; ++j)
       for (int64_t d = 0; d < D; d += 8) {
-        _mm256_store_ps(&b.k[j][d], vec16_detail::load_bf16_8(krow + d));
-        _mm256_store_ps(&b.v[j][d], vec16_detail::load_bf16_8(vrow + d));
+        _mm256_store_ps(&b.k[j][d], _mm256_setzero_ps());
+        _mm256_store_ps(&b.v[j][d], _mm256_setzero_ps());
+      }
+    for (int64_t j = j_first, block = (k0 + j_first) / a.block_size, offset = (k0 + j_first) % a.block_size; j < nk;
+         ++j) {
+      const int64_t slot = static_cast<int64_t>(table[block]) * a.block_size + offset;
+      const T* krow = a.k_as<T>() + slot * row_stride + w.kh * D;
+      const T* vrow = a.v_as<T>() + slot * row_stride + w.kh * D;
+      for (int64_t d = 0; d < D; d += 8) {
+        _mm256_store_ps(&b.k[j][d], load_8(krow + d));
+        _mm256_store_ps(&b.v[j][d], load_8(vrow + d));
       }
       if (++offset == a.block_size) offset = 0, ++block;
     }
     for (int64_t j = nk; j < (nk + kKeyGroup - 1) / kKeyGroup * kKeyGroup; ++j)  // masked, but finite
       for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(&b.k[j][d], _mm256_setzero_ps());
     // the next block's K and V rows asked for now, read by the time this block's products are done
-    prefetch_kv_rows(a.k, a.v, table, a.block_size, row_stride, w.kh * D, 2 * D, k0 + kKeys,
-                     std::min<int64_t>(k0 + 2 * kKeys, num_keys));
-    over_row_blocks<Scores>(v0, RV, b, D, nk, k0, static_cast<const __m256i*>(pos), scale);
-    for (int v = v0; v < RV; ++v) alpha[v] = softmax_block(b, v * kLanes, nk, m[v], l[v], bad[v]);
-    over_row_blocks<Values>(v0, RV, b, D, nk, static_cast<const __m256*>(alpha));
+    prefetch_kv_rows(a.k_as<T>(), a.v_as<T>(), table, a.block_size, row_stride, w.kh * D,
+                     static_cast<int64_t>(sizeof(T)) * D, k0 + kKeys, std::min<int64_t>(k0 + 2 * kKeys, num_keys));
+    over_row_blocks<Scores>(v0, v1, b, D, nk, k0, static_cast<const __m256i*>(pos), static_cast<const __m256i*>(first),
+                            scale);
+    for (int v = v0; v < v1; ++v) alpha[v] = softmax_block(b, v * kLanes, nk, m[v], l[v], bad[v]);
+    over_row_blocks<Values>(v0, v1, b, D, nk, static_cast<const __m256*>(alpha));
   }
-  store_rows(a, w, b, RV, l, bad);
+  store_rows<T>(a, w, b, RV, l, bad);
 }
 
 }  // namespace
 
-// Checked without needing AVX2 itself (the CPU is checked first); the kernel's code is AVX2 + FMA.
+// Checked without needing AVX2 itself (the CPU is checked first); the kernel's code is AVX2 + FMA. q and the pool
+// bf16 or float32 (out: q's dtype); window 0: causal only.
 at::Tensor paged_prefill_attention_avx2(const at::Tensor& q, const at::Tensor& k_slots, const at::Tensor& v_slots,
                                         const at::Tensor& block_table, const at::Tensor& query_start,
-                                        const at::Tensor& num_computed, int64_t block_size, double scale) {
+                                        const at::Tensor& num_computed, int64_t block_size, double scale,
+                                        int64_t window) {
   TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && tier_allows(kTierAvx2),
               "paged_prefill_attention_avx2 needs a CPU with AVX2 and FMA (and PREFIXCACHE_KERNELS allowing it)");
   at::Tensor out;
   Args a;
   const std::vector<Work> work = prefill_attention::plan_work("paged_prefill_attention_avx2", q, k_slots, v_slots,
                                                               block_table, query_start, num_computed, block_size,
-                                                              scale, out, a, kLanes);
+                                                              scale, window, /*float32_ok=*/true, out, a, kLanes);
   const Work* items = work.data();
+  const bool float32 = q.scalar_type() == at::kFloat;
   prefill_attention::run_work(work, [&](std::atomic<int64_t>& next, int64_t num_items) {
     auto buf = std::make_unique<Buffers>();
-    for (int64_t i = next++; i < num_items; i = next++) attend_item(a, items[i], *buf);
+    for (int64_t i = next++; i < num_items; i = next++) {
+      if (float32) attend_item<float>(a, items[i], *buf);
+      else attend_item<at::BFloat16>(a, items[i], *buf);
+    }
   });
   return out;
 }

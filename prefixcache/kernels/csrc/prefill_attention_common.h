@@ -4,7 +4,8 @@
 // it outside its target pragma.
 //
 // A work item is one sequence, one KV head and up to kMaxRows rows (token, query head of that KV head):
-// floor(kMaxRows / G) tokens, G = query heads per KV head. Items are taken longest first, each thread taking
+// floor(kMaxRows / G) tokens, G = query heads per KV head. With a sliding window (window > 0) a row at position
+// p reads keys p - window + 1 .. p (transformers' sliding_window_overlay: the query itself counts). Items are taken longest first, each thread taking
 // the next one when done; a row's result never depends on which thread runs it or what else its item holds.
 #pragma once
 #include <torch/extension.h>
@@ -21,15 +22,21 @@ constexpr int64_t kMaxRows = 48;   // rows of one work item
 constexpr int64_t kMaxDim = 256;   // head_dim <= 256, a multiple of 32
 
 struct Args {
-  const at::BFloat16* q;  // [T, H, D]
-  const at::BFloat16* k;  // [S, KVH, D]
-  const at::BFloat16* v;
+  const void* q;  // [T, H, D], the pool's element type (bf16, or float32 where the form takes it)
+  const void* k;  // [S, KVH, D]
+  const void* v;
   const int32_t* table;        // [B, max_blocks]
   const int32_t* query_start;  // [B + 1]: sequence b's tokens are rows query_start[b] .. query_start[b + 1] - 1
   const int32_t* num_computed; // [B]: position of sequence b's first token
-  at::BFloat16* out;           // [T, H, D]
+  void* out;                   // [T, H, D], q's element type
   int64_t H, KVH, D, G, max_blocks, block_size;
   float scale;
+  int64_t window;  // 0: causal only; else each row reads the last `window` positions, its own included
+
+  template <class T> const T* q_as() const { return static_cast<const T*>(q); }
+  template <class T> const T* k_as() const { return static_cast<const T*>(k); }
+  template <class T> const T* v_as() const { return static_cast<const T*>(v); }
+  template <class T> T* out_as() const { return static_cast<T*>(out); }
 };
 
 struct Work {
@@ -37,17 +44,21 @@ struct Work {
   int64_t cost;
 };
 
-// Checks the tensors (TORCH_CHECK: shapes, dtypes, a block id outside the pool), fills `a` (out included) and
-// returns the work items, longest first. cost_lanes: rows per vector of the form, for the cost estimate.
+// Checks the tensors (TORCH_CHECK: shapes, dtypes, a block id outside the pool, a negative window), fills `a`
+// (out included) and returns the work items, longest first. cost_lanes: rows per vector of the form, for the
+// cost estimate; float32_ok: the form also takes a float32 q and pool (its output then float32).
 inline std::vector<Work> plan_work(const char* name, const at::Tensor& q, const at::Tensor& k_slots,
                                    const at::Tensor& v_slots, const at::Tensor& block_table,
                                    const at::Tensor& query_start, const at::Tensor& num_computed, int64_t block_size,
-                                   double scale, at::Tensor& out, Args& a, int64_t cost_lanes) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), name,
-              ": q must be contiguous bf16 [T, H, D]");
-  TORCH_CHECK(k_slots.dim() == 3 && k_slots.scalar_type() == at::kBFloat16 && k_slots.is_contiguous() &&
-              v_slots.sizes() == k_slots.sizes() && v_slots.scalar_type() == at::kBFloat16 && v_slots.is_contiguous(),
-              name, ": k_slots and v_slots must be contiguous bf16 [num_slots, KVH, D]");
+                                   double scale, int64_t window, bool float32_ok, at::Tensor& out, Args& a,
+                                   int64_t cost_lanes) {
+  const at::ScalarType dtype = q.scalar_type();
+  TORCH_CHECK(q.dim() == 3 && (dtype == at::kBFloat16 || (float32_ok && dtype == at::kFloat)) && q.is_contiguous(),
+              name, float32_ok ? ": q must be contiguous bf16 or float32 [T, H, D]" : ": q must be contiguous bf16 [T, H, D]");
+  TORCH_CHECK(k_slots.dim() == 3 && k_slots.scalar_type() == dtype && k_slots.is_contiguous() &&
+              v_slots.sizes() == k_slots.sizes() && v_slots.scalar_type() == dtype && v_slots.is_contiguous(),
+              name, ": k_slots and v_slots must be contiguous [num_slots, KVH, D] of q's dtype");
+  TORCH_CHECK(window >= 0, name, ": window must be >= 0 (0: no window)");
   TORCH_CHECK(q.is_cpu() && k_slots.is_cpu() && v_slots.is_cpu() && block_table.is_cpu() && query_start.is_cpu() &&
               num_computed.is_cpu(), name, " runs on CPU tensors");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_slots.size(1), B = num_computed.numel();
@@ -78,16 +89,16 @@ inline std::vector<Work> plan_work(const char* name, const at::Tensor& q, const 
     for (int64_t kh = 0; kh < KVH; ++kh)
       for (int64_t t = qs[b]; t < qs[b + 1]; t += tokens_per_item) {
         const int64_t end = std::min<int64_t>(qs[b + 1], t + tokens_per_item);
-        const int64_t keys = nc[b] + end - qs[b];
+        const int64_t last = nc[b] + end - qs[b];  // keys up to the item's last row, + 1
+        const int64_t keys = window > 0 ? std::min(last, window + end - t) : last;
         work.push_back(Work{static_cast<int32_t>(b), static_cast<int32_t>(kh), static_cast<int32_t>(t),
                             static_cast<int32_t>(end), keys * ((end - t) * G + cost_lanes - 1) / cost_lanes});
       }
   }
   std::stable_sort(work.begin(), work.end(), [](const Work& x, const Work& y) { return x.cost > y.cost; });
   out = at::empty_like(q);
-  a = Args{q.data_ptr<at::BFloat16>(), k_slots.data_ptr<at::BFloat16>(), v_slots.data_ptr<at::BFloat16>(),
-           table, qs, nc, out.data_ptr<at::BFloat16>(), H, KVH, D, G, max_blocks, block_size,
-           static_cast<float>(scale)};
+  a = Args{q.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(), table, qs, nc, out.data_ptr(),
+           H, KVH, D, G, max_blocks, block_size, static_cast<float>(scale), window};
   return work;
 }
 

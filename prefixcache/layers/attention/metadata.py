@@ -24,9 +24,11 @@ exception: a decode row then differs from its prefill row in the last bits.)
 
 Those row counts are what MKL's AVX-512 GEMMs, behind torch's kernel, give the same bits for. MKL's AVX2 path (an
 AVX2-only CPU, or MKL_ENABLE_INSTRUCTIONS=AVX2) runs other row blocks, and no padding rule above holds there:
-:func:`torch_attention_batch_invariant` checks the rule on this machine's kernels once, and where it fails the
-torch path's formats agree with cache off only to float rounding (logged at start-up; our own kernels, which
-the bfloat16 Llama formats run on AVX2, keep their bits).
+:func:`torch_attention_batch_invariant` checks the rule on this machine's kernels once. That is why every
+batch-invariant model runs our paged kernel wherever a form of it runs (any x86 CPU with AVX2: bf16 and float32
+pools, sliding windows; ``paged_kernel``), whose bits are fixed by construction; the torch path serves the rest
+(CPUs without AVX2, ``PREFIXCACHE_KERNELS=reference``, head shapes the kernel doesn't take), and where the check
+fails there its formats agree with cache off only to float rounding (logged at start-up).
 """
 
 from dataclasses import dataclass
@@ -187,15 +189,16 @@ def build_attention_metadata(
             ``generated`` (the int4 format runs them through :mod:`prefixcache.layers.decode_layers`;
             their blocks are keyed apart) and the rest of the metadata describes the other tokens,
             ``dense_token_indices`` (none when every token is generated).
-        paged_kernel: (with ``batch_invariant``, a bf16 pool) the (prompt) rows run our paged kernel
-            (:mod:`prefixcache.kernels.prefill_attention`, ``paged``), which needs no padding; the
-            model decides, as its cache key names it (``LlamaForCausalLM.paged_attention``).
+        paged_kernel: (with ``batch_invariant``) the (prompt) rows run our paged kernel
+            (:mod:`prefixcache.kernels.prefill_attention`, ``paged``; with ``sliding_window``, the local
+            layers' ``paged`` carries the window), which needs no padding; the model decides, as its cache
+            key names it (``LlamaForCausalLM.paged_attention``).
         sliding_window: (a model with local layers, e.g. Gemma 3) also build ``sliding``: the
             metadata of its local layers, where the query at position q attends to the keys at
             positions ``q - sliding_window < k <= q`` (transformers' ``sliding_window_overlay``: the
             window counts the query itself). Every layer keeps the whole context in the pool; the
             window is a mask (a decode reads only the blocks its window reaches). Not with
-            ``paged_kernel`` or ``num_prompt_tokens``.
+            ``num_prompt_tokens``.
 
     Returns:
         (metadata, positions), positions shape = [num_tokens] int64, num_computed_tokens +
@@ -203,16 +206,16 @@ def build_attention_metadata(
 
     Raises:
         ValueError: Empty batch, a sequence with no new token or negative computed tokens, block_ids too
-            short for the sequence's context, or a sliding_window < 1 or given with paged_kernel or
-            num_prompt_tokens.
+            short for the sequence's context, or a sliding_window < 1 or given with num_prompt_tokens.
     """
     if paged_kernel and not batch_invariant:
         raise ValueError("paged_kernel needs batch_invariant")
     if sliding_window is not None:
-        _check_window(sliding_window, paged_kernel, num_prompt_tokens)
-        metadata, positions = _build_metadata(seqs, block_size, device, batch_invariant, dtype, num_pool_blocks)
+        _check_window(sliding_window, num_prompt_tokens)
+        metadata, positions = _build_metadata(seqs, block_size, device, batch_invariant, dtype, num_pool_blocks,
+                                              paged_kernel)
         metadata.sliding = _build_metadata(seqs, block_size, device, batch_invariant, dtype, num_pool_blocks,
-                                           window=sliding_window)[0]
+                                           paged_kernel, window=sliding_window)[0]
         return metadata, positions
     if num_prompt_tokens is not None and batch_invariant:
         return _split_metadata(seqs, block_size, device, dtype, num_pool_blocks, num_prompt_tokens, paged_kernel)
@@ -236,17 +239,18 @@ def build_sliding_attention_metadata(
     """
     if paged_kernel and not batch_invariant:
         raise ValueError("paged_kernel needs batch_invariant")
-    _check_window(sliding_window, paged_kernel, num_prompt_tokens)
-    return _build_metadata(seqs, block_size, device, batch_invariant, dtype, num_pool_blocks, window=sliding_window)
+    _check_window(sliding_window, num_prompt_tokens)
+    return _build_metadata(seqs, block_size, device, batch_invariant, dtype, num_pool_blocks, paged_kernel,
+                           window=sliding_window)
 
 
-def _check_window(sliding_window: int, paged_kernel: bool, num_prompt_tokens: list[int] | None) -> None:
-    """Raises ValueError naming ``sliding_window`` when it is < 1 or given with paged_kernel or
-    num_prompt_tokens (neither our paged kernel nor the int4 split masks a window)."""
+def _check_window(sliding_window: int, num_prompt_tokens: list[int] | None) -> None:
+    """Raises ValueError naming ``sliding_window`` when it is < 1 or given with num_prompt_tokens
+    (the int4 split's decoder masks no window)."""
     if sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-    if paged_kernel or num_prompt_tokens is not None:
-        raise ValueError("sliding_window is not supported with paged_kernel or num_prompt_tokens")
+    if num_prompt_tokens is not None:
+        raise ValueError("sliding_window is not supported with num_prompt_tokens")
 
 
 def _build_metadata(
@@ -256,7 +260,7 @@ def _build_metadata(
     """build_attention_metadata without generated rows; with ``window``, a local layers' metadata (no
     cascade groups: a group's shared run may lie outside a member's window)."""
     if paged_kernel:
-        return _paged_metadata(seqs, block_size, device)
+        return _paged_metadata(seqs, block_size, device, window or 0)
     block_table = _padded_block_table(seqs, block_size, inv)  # [num_seqs, max_num_blocks]
     slot_mapping, positions = _slots_and_positions(seqs, block_table, block_size)
     prefills, decode_rows, decode_token_indices = _split_prefills_and_decodes(seqs, block_table, block_size, device,
@@ -295,12 +299,13 @@ def _build_metadata(
 
 
 def _paged_metadata(
-    seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device | str,
+    seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device | str, window: int = 0,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
-    """build_attention_metadata for our paged kernel: slots, positions and the kernel's tables only."""
+    """build_attention_metadata for our paged kernel: slots, positions and the kernel's tables only
+    (``window`` > 0: a local layers' rows, each reading its last ``window`` positions)."""
     block_table = _padded_block_table(seqs, block_size, False)  # [num_seqs, max_num_blocks]; validates
     slot_mapping, positions = _slots_and_positions(seqs, block_table, block_size)
-    paged = build_paged_rows([c for c, _, _ in seqs], [n for _, n, _ in seqs], block_table)
+    paged = build_paged_rows([c for c, _, _ in seqs], [n for _, n, _ in seqs], block_table, window)
     return _metadata_without_calls(slot_mapping.to(device), paged), positions.to(device)
 
 

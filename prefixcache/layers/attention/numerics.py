@@ -1,14 +1,14 @@
 """The cache key's name for the rules that decide the bits of the pool's K/V.
 
 Two attention paths compute the pool's K/V, and they round differently: our paged kernel (a
-batch-invariant bfloat16 model on a CPU with AVX512-BF16 or AVX2, ``paged_kernel``, which
-``LlamaForCausalLM.paged_attention`` decides: :mod:`prefixcache.kernels.prefill_attention`, a row's bits
-fixed by construction, no padding; faster than the padded flash calls, as
-``benchmarks/prefill_attention.py`` compares), and torch's flash calls padded as
-:mod:`prefixcache.layers.attention.metadata` says (float32, int8 over a float32 model, head shapes the
-kernel doesn't take and CPUs without AVX2). The cache key names which one computed the K/V
+batch-invariant model on a CPU with AVX2, ``paged_kernel``, which the model's ``paged_attention``
+decides: :mod:`prefixcache.kernels.prefill_attention`, a row's bits fixed by construction, no padding;
+faster than the padded flash calls, as ``benchmarks/prefill_attention.py`` compares), and torch's flash
+calls padded as :mod:`prefixcache.layers.attention.metadata` says (float32 without int8, head shapes the
+kernel doesn't take, CPUs without AVX2). The cache key names which one computed the K/V
 (:func:`kv_numerics`), and the kernel's form: AMX tiles on a CPU with AMX-BF16, float32 FMAs on one with
-AVX2 but no AVX512-BF16 (:func:`prefixcache.kernels.prefill_attention.prefill_form`).
+AVX2 but no AVX512-BF16 (:func:`prefixcache.kernels.prefill_attention.prefill_form`), and the float32 FMA
+form wherever a float32 pool or a sliding window needs it (:func:`prefixcache.kernels.prefill_attention.kernel_form`).
 """
 
 from prefixcache.kernels.amx_gemm import amx_gemm_supported
@@ -23,6 +23,9 @@ KV_NUMERICS = "attention-rows:4-16-x16|gemm-rows:2+"
 # the same for our kernel's prompt rows, with the fused element-wise ops of kernels.prompt_ops around it
 # (their RMSNorm sum order and SiLU exp are ours, not torch's; the kernel's softmax is in base 2)
 PAGED_KV_NUMERICS = "paged-bf16-attention:keys32-exp2|gemm-rows:2+|prompt-ops:1"
+# the same kernel for a model whose element-wise ops stay torch's (float32 pools, Gemma 3), the pool's dtype in
+# the key beside it
+PAGED_ATTENTION_NUMERICS = "paged-attention:keys32-exp2|gemm-rows:2+"
 # added where our kernel runs its products on AMX tiles (prefill_attention.prefill_form() == "amx"); its softmax
 # is p = 2^(s * scale - m) by a floor-reduced polynomial, a -inf score making its row NaN
 PAGED_AMX_NUMERICS = "|prompt-products:amx-tiles|softmax:exp2-floor"
@@ -33,17 +36,24 @@ _FORM_NUMERICS = {"amx": PAGED_AMX_NUMERICS, "avx512": "", "avx2": PAGED_AVX2_NU
 AMX_GEMM_NUMERICS = "|gemm:amx-tiles-k32"
 
 
-def kv_numerics(paged_kernel: bool, bf16_gemms: bool, int4: bool = False) -> str:
+def kv_numerics(paged_kernel: bool, bf16_gemms: bool, int4: bool = False, form: str | None = None,
+                prompt_ops: bool = True, sliding_form: str | None = None) -> str:
     """The cache key's name for the rules that decide the bits of the pool's K/V: our paged kernel
-    (:mod:`prefixcache.kernels.prefill_attention`), in its AMX, AVX-512 or AVX2 form, or torch's padded
-    flash calls; for a model whose linear layers run in bf16 (``bf16_gemms``), whose GEMMs those are
-    (our AMX kernel or oneDNN's in row tiles; a float32 or int8 model's never run on it); and, wherever
-    our C++ kernels compute K/V (the paged kernel, the AMX GEMM, ``int4``'s generated rows), the
-    compiler that built them (:func:`prefixcache.kernels.cpu_kernels.kernels_compiler`)."""
+    (:mod:`prefixcache.kernels.prefill_attention`), in its AMX, AVX-512 or AVX2 form (``form``; None: this
+    machine's :func:`~prefixcache.kernels.prefill_attention.prefill_form`), with our fused element-wise ops
+    around it (``prompt_ops``: :mod:`prefixcache.kernels.prompt_ops`) or torch's, and the form of a model's
+    sliding-window layers (``sliding_form``), or torch's padded flash calls; for a model whose linear
+    layers run in bf16 (``bf16_gemms``), whose GEMMs those are (our AMX kernel or oneDNN's in row tiles; a
+    float32 or int8 model's never run on it); and, wherever our C++ kernels compute K/V (the paged kernel,
+    the AMX GEMM, ``int4``'s generated rows), the compiler that built them
+    (:func:`prefixcache.kernels.cpu_kernels.kernels_compiler`)."""
     if not paged_kernel:
         key = KV_NUMERICS
     else:
-        key = PAGED_KV_NUMERICS + _FORM_NUMERICS[prefill_attention.prefill_form()]
+        key = ((PAGED_KV_NUMERICS if prompt_ops else PAGED_ATTENTION_NUMERICS)
+               + _FORM_NUMERICS[form or prefill_attention.prefill_form()])
+        if sliding_form is not None:  # named as a form, "avx2" included, so that its absence can't be confused
+            key += f"|sliding-layers:{sliding_form}"
     amx_gemm = bf16_gemms and amx_gemm_supported()
     key += AMX_GEMM_NUMERICS if amx_gemm else ""
     return key + (f"|cc:{kernels_compiler()}" if paged_kernel or amx_gemm or int4 else "")

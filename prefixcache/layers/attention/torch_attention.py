@@ -13,8 +13,8 @@ they run through :mod:`prefixcache.layers.decode_layers` and our own paged kerne
 blocks read once into cache); its prompt tokens, and every token of int8 and bfloat16, keep one
 call over the whole context, which gives a decode the bits of a prefill row.
 
-Our paged kernel: a batch-invariant bfloat16 model on a CPU with AVX512-BF16 (``paged_kernel``, which
-``LlamaForCausalLM.paged_attention`` decides) runs every row that reaches this module through
+Our paged kernel: a batch-invariant model on a CPU with AVX2 (``paged_kernel``, which the model's
+``paged_attention`` decides) runs every row that reaches this module through
 :mod:`prefixcache.kernels.prefill_attention` instead (``AttentionMetadata.paged``): one call per layer
 for the whole step, keys read in place through the block tables, a row's bits fixed by construction,
 so none of the padding of the torch path (:mod:`prefixcache.layers.attention.numerics` says which
