@@ -170,6 +170,9 @@ def test_serve_model_option_is_the_positional(model_dir):
     assert settings.served_model_name == str(model_dir)
     with pytest.raises(ValueError, match=r"^MODEL given twice \('a' and --model 'b'\); give one of the two$"):
         check_serve_args(serve_args(["a", "--model", "b"]))
+    # the default's own name typed is a choice too, not the default (a new user's `serve smollm2-135m --model X`)
+    with pytest.raises(ValueError, match=r"^MODEL given twice \('smollm2-135m' and --model 'gemma3-270m'\)"):
+        check_serve_args(serve_args(["smollm2-135m", "--model", "gemma3-270m"]))
 
 
 @pytest.mark.parametrize("argv", [["serve", "--port", "0", HUB_ID], ["serve", "--port", "0", "--model", HUB_ID],

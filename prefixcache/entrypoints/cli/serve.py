@@ -167,7 +167,8 @@ def engine_config_from_args(args: argparse.Namespace, model_flag: str = "MODEL",
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Adds ``prefixcache serve``'s options (server and engine) to ``parser``."""
     model = next(f for f in dataclasses.fields(EngineConfig) if f.name == "model")
-    parser.add_argument("model", nargs="?", default=model.default, help=_field_help(model, model.default))
+    parser.add_argument("model", nargs="?", default=_DefaultModel(model.default),
+                        help=_field_help(model, model.default))
     parser.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
                         help="the same as the positional MODEL (vLLM's `serve --model` habit); give one of the two")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -374,6 +375,12 @@ def check_serve_args(args: argparse.Namespace, replicas: int = 1) -> ServeSettin
                          approved_systems, http_options(args))
 
 
+class _DefaultModel(str):
+    """The positional MODEL's default: told apart from the same name typed, so that ``serve smollm2-135m
+    --model gemma3-270m`` is refused rather than read as ``--model`` alone (argparse, with no ``type``, hands
+    an absent positional's default over as this same object)."""
+
+
 def merge_model_option(args: argparse.Namespace) -> None:
     """``--model X`` (vLLM's form) sets the positional MODEL.
 
@@ -381,12 +388,9 @@ def merge_model_option(args: argparse.Namespace) -> None:
         ValueError: both given, with different values.
     """
     option = getattr(args, "model_option", None)
-    if option is None:
-        return
-    default = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "model")
-    if args.model not in (default, option):
+    if option is not None and not isinstance(args.model, _DefaultModel) and args.model != option:
         raise ValueError(f"MODEL given twice ({args.model!r} and --model {option!r}); give one of the two")
-    args.model = option
+    args.model = str(args.model if option is None else option)  # a plain str from here on
 
 
 @contextlib.contextmanager
