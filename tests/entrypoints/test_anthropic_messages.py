@@ -293,6 +293,36 @@ def test_bad_requests_get_anthropic_errors(anthropic_server, anthropic_client):
     assert ok.usage.output_tokens == 2
 
 
+def test_count_tokens_is_the_prompt_that_messages_runs(anthropic_server, anthropic_client):
+    """``messages.count_tokens`` (the real SDK) answers every token ``messages.create`` runs for the same body:
+    the rendering's length, and the sum of the message's input, cache read and cache creation tokens; its
+    errors are /v1/messages' (no max_tokens needed); nothing runs on the model."""
+    system = "Count test. " + SYSTEM
+    messages = [{"role": "user", "content": "Which gallery is closed?"}]
+    tools = [{"name": "ticket_price", "description": "A ticket's price.",
+              "input_schema": {"type": "object", "properties": {"age": {"type": "integer"}}}}]
+    runner = anthropic_server.engine.engine.runner
+    counts = []
+    for extra in ({}, {"tools": tools}):
+        computed = runner.num_prompt_tokens_computed
+        count = anthropic_client.messages.count_tokens(model=MODEL, system=system, messages=messages, **extra)
+        assert runner.num_prompt_tokens_computed == computed  # counted, not run
+        msg = create(anthropic_client, model=MODEL, max_tokens=2, system=system, messages=messages, **extra)
+        u = msg.usage
+        assert count.input_tokens == u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
+        counts.append(count.input_tokens)
+    assert counts[0] == len(ids_of(anthropic_server, [{"role": "system", "content": system}, *messages]))
+    assert counts[1] > counts[0]  # the tools' signatures are in the prompt
+    with pytest.raises(anthropic.NotFoundError):
+        anthropic_client.messages.count_tokens(model="claude-nope", messages=messages)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        anthropic_client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": ""}])
+    assert e.value.body == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "messages.0.content: a message's content must not be empty"}}
+    r = httpx.post(anthropic_server.base_url + "/v1/messages/count_tokens", json={"model": MODEL, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "messages: at least one message is required"
+
+
 class _Renderer:
     """The engine side of ``AnthropicServing.breakpoints`` over a real tokenizer and its chat template."""
 

@@ -1,4 +1,5 @@
-"""``POST /v1/messages``: Anthropic's Messages API on the engine, with cache breakpoints.
+"""``POST /v1/messages``: Anthropic's Messages API on the engine, with cache breakpoints; and
+``POST /v1/messages/count_tokens``, the prompt's tokens as that route would run it.
 
 The request is rendered by the model's chat template exactly as a chat completion is (system
 blocks, then the messages; each message's text blocks joined as chat joins content parts), and run
@@ -157,6 +158,13 @@ class MessagesRequest(_Request):
     cache_salt: str | None = None  # the request's prefix-cache namespace, as on the OpenAI routes
 
 
+class CountTokensRequest(MessagesRequest):
+    """Anthropic's ``POST /v1/messages/count_tokens`` body: a Messages request, ``max_tokens`` not needed (the
+    sampling fields, given, are checked and unused)."""
+
+    max_tokens: Int64 | None = None
+
+
 # ---------------------------------------------------------------------------- response models
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -195,6 +203,13 @@ class MessageResponse(_Model):
     usage: MessageUsage
 
 
+class MessageTokensCount(_Model):
+    """``count_tokens``' answer: every token of the prompt (cached or not; /v1/messages' usage splits the same
+    total into input, cache read and cache creation)."""
+
+    input_tokens: int
+
+
 class AnthropicErrorInfo(_Model):
     type: str  # invalid_request_error, not_found_error, api_error, overloaded_error
     message: str
@@ -217,6 +232,12 @@ MESSAGES_RESPONSES: dict[int | str, dict] = {
     200: {"model": MessageResponse, "description": "the message, or with `stream: true` its SSE events",
           "content": {"text/event-stream": {"schema": _SSE_EVENT}}},
     **{status: {"model": AnthropicErrorResponse, "description": text} for status, text in _ERROR_DESCRIPTIONS.items()},
+    **error_docs(401, 405, 408, 413),
+}
+COUNT_TOKENS_RESPONSES: dict[int | str, dict] = {
+    200: {"model": MessageTokensCount, "description": "the prompt's tokens"},
+    **{status: {"model": AnthropicErrorResponse, "description": text} for status, text in _ERROR_DESCRIPTIONS.items()
+       if status != 500 and status != 503},
     **error_docs(401, 405, 408, 413),
 }
 
@@ -648,6 +669,24 @@ class AnthropicServing:
         """Whether the rendering ``ids`` holds the end of ``text`` (the cut turn's content; "" counts as held)."""
         tail = text.strip()[-64:]
         return not tail or tail in self.engine.engine.tokenizer.decode(ids)
+
+    async def count_tokens(self, req: CountTokensRequest) -> JSONResponse:
+        """``POST /v1/messages/count_tokens``: the tokens ``POST /v1/messages`` would run for the same body
+        (system, tools and messages through the chat template, the generation prompt included), with the
+        same checks; nothing runs on the engine.
+
+        Raises:
+            APIError: 400 naming the field, 404 for an unknown model.
+        """
+        self.check(req)
+        self.serving.lora_for(req.model)
+        if req.max_tokens is not None:
+            self.sampling_params(req)  # a given max_tokens (or stop sequence, temperature) is checked as there
+        try:
+            prompt_ids = await self.engine.apply_chat_template(conversation(req))
+        except ValueError as e:
+            raise _field_error(e) from e
+        return JSONResponse(MessageTokensCount(input_tokens=len(prompt_ids)).model_dump())
 
     async def create_message(self, req: MessagesRequest, raw_request: Request, tenant: str | None) -> Response:
         """``POST /v1/messages``.

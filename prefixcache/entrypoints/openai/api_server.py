@@ -4,7 +4,7 @@
 :mod:`~prefixcache.entrypoints.cli.serve`; running under uvicorn: :mod:`.launcher`). Endpoints:
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE streams ending with
 ``data: [DONE]``; logic in :mod:`.serving_completion` and :mod:`.serving_chat`, on the shared
-:mod:`.serving_engine`), ``POST /v1/messages`` (Anthropic's Messages API, its errors in
+:mod:`.serving_engine`), ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic's Messages API, its errors in
 Anthropic's shape: :mod:`~prefixcache.entrypoints.anthropic.serving_messages`), ``GET /v1/models``,
 ``GET /health``, ``POST /reset_prefix_cache`` (also as SGLang's ``POST /flush_cache``),
 ``GET /metrics`` (Prometheus), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's,
@@ -42,8 +42,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prefixcache.config import INT4_DECODER_FORMATS
 from prefixcache.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from prefixcache.engine.llm_engine import LLMEngine
-from prefixcache.entrypoints.anthropic.serving_messages import (MESSAGES_RESPONSES, AnthropicRoute,
-                                                               AnthropicServing, MessagesRequest)
+from prefixcache.entrypoints.anthropic.serving_messages import (COUNT_TOKENS_RESPONSES, MESSAGES_RESPONSES,
+                                                               AnthropicRoute, AnthropicServing, CountTokensRequest,
+                                                               MessagesRequest)
 from prefixcache.entrypoints.dashboard.routes import cache_stats, dashboard, static_file
 from prefixcache.entrypoints.dashboard.state import DashboardOptions, DashboardState
 from prefixcache.entrypoints.openai.api_docs import add_docs_routes
@@ -159,6 +160,11 @@ async def create_message(req: MessagesRequest, raw_request: Request) -> Any:
     """``POST /v1/messages``: Anthropic's Messages API
     (:mod:`~prefixcache.entrypoints.anthropic.serving_messages`)."""
     return await raw_request.app.state.messages.create_message(req, raw_request, _tenant(raw_request))
+
+
+async def count_message_tokens(req: CountTokensRequest, raw_request: Request) -> Any:
+    """``POST /v1/messages/count_tokens``: Anthropic's token count of a Messages body."""
+    return await raw_request.app.state.messages.count_tokens(req)
 
 
 async def tokenize(req: TokenizeRequest, raw_request: Request) -> TokenizeResponse:
@@ -373,6 +379,8 @@ def build_app(
         if method == "GET":  # HEAD: the GET's status and headers, no body (the server drops it); probes use it
             app.add_api_route(path, endpoint, methods=["HEAD"], **{**options, "include_in_schema": False})
     app.router.add_api_route("/v1/messages", create_message, methods=["POST"], **_MESSAGES_ROUTE)
+    app.router.add_api_route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"],
+                             **{**_MESSAGES_ROUTE, "responses": COUNT_TOKENS_RESPONSES})
     for exc_class, handler in _EXCEPTION_HANDLERS:
         app.add_exception_handler(exc_class, handler)
     if key_to_tenant:
