@@ -26,7 +26,10 @@ stream, so their outputs arrive in the order the engine made them.
 Invariants:
 - a request id is in ``_queues`` from just before its add is submitted until its stream ends;
 - a stream that ends early (client gone, task cancelled, a sample failed) submits an abort of each
-  of its requests, which frees their blocks.
+  of its requests, which frees their blocks;
+- a request id is in ``_unfinished`` until ``on_finish`` has heard its last sample: an abort's
+  outputs reach the event loop after those of every step that ran before it on the engine thread,
+  so a sample the step in flight finished still counts as one of the request's.
 """
 
 from __future__ import annotations
@@ -84,9 +87,10 @@ class AsyncLLMEngine:
 
     Args:
         engine: the engine to drive; only this object's thread may call it from now on.
-        on_finish: called on the event loop as ``on_finish(out, request_done)`` with each finished
-            (or aborted) sample's output; ``request_done`` is True for the last one of a request
-            (metrics hook).
+        on_finish: called on the event loop as ``on_finish(out, request_done)`` once with each
+            finished (or aborted) sample's output; ``request_done`` is True exactly once per request,
+            with its last call (metrics hook). A failed sample ends its request: its siblings, aborted,
+            come first, then it, done.
 
     Call :meth:`start` from the event loop that will serve requests, :meth:`shutdown` at the end.
     """
@@ -108,7 +112,8 @@ class AsyncLLMEngine:
         )
         self._tokenizer = copy.deepcopy(engine.tokenizer)
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._unfinished: dict[str, int] = {}  # request id -> samples not finished yet (n)
+        self._unfinished: dict[str, int] = {}  # request id -> samples on_finish hasn't heard yet (n)
+        self._failed: dict[str, RequestOutput] = {}  # request id -> its failed sample, told once its siblings are aborted
         self._counter = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
@@ -222,20 +227,44 @@ class AsyncLLMEngine:
         sample finished, or one failed (its siblings, if any still run, are aborted)."""
         queue = self._queues.get(out.request_id)
         if out.finished:
-            left = self._unfinished.get(out.request_id, 1) - 1
-            failed = out.finish_reason == "error"
-            if left > 0 and not failed:
-                self._unfinished[out.request_id] = left
-            else:  # the request is done
-                self._queues.pop(out.request_id, None)
-                self._unfinished.pop(out.request_id, None)
-                if left > 0:  # a failed sample ends its request: stop the others
-                    future = self._executor.submit(self._abort_samples, out.request_id)
-                    future.add_done_callback(self._on_abort_done)
-            if self.on_finish is not None:
-                self.on_finish(out, left <= 0 or failed)
+            self._finish_sample(out)
         if queue is not None:
             queue.put_nowait(out)
+
+    def _finish_sample(self, out: RequestOutput) -> None:
+        """Tells ``on_finish`` of a finished sample that a step (not an abort) output."""
+        request_id = out.request_id
+        left = self._unfinished.get(request_id, 1) - 1
+        if request_id in self._failed:  # a sibling failed: it is told last, as the request's end
+            self._unfinished[request_id] = left
+            self._tell(out, False)
+        elif left > 0 and out.finish_reason == "error":  # it ends its request: stop the others first
+            self._queues.pop(request_id, None)
+            self._unfinished[request_id] = left
+            self._failed[request_id] = out
+            self._submit_abort(request_id)
+        elif left > 0:
+            self._unfinished[request_id] = left
+            self._tell(out, False)
+        else:  # the request's last sample
+            self._queues.pop(request_id, None)
+            self._unfinished.pop(request_id, None)
+            self._tell(out, True)
+
+    def _tell(self, out: RequestOutput, request_done: bool) -> None:
+        if self.on_finish is not None:
+            self.on_finish(out, request_done)
+
+    def _aborted(self, request_id: str, outs: list[RequestOutput]) -> None:
+        """After an abort of ``request_id`` ran (and the outputs of the steps before it were
+        dispatched): no sample of it runs any more, so the request ends here. Tells ``on_finish``
+        of the samples the abort stopped, then of a failed one held back; the last is done. With
+        nothing to tell, the request was done already (or never started)."""
+        failed = self._failed.pop(request_id, None)
+        outs = outs if failed is None else [*outs, failed]
+        self._unfinished.pop(request_id, None)  # an unforked sample 0 takes its siblings with it
+        for i, out in enumerate(outs):
+            self._tell(out, i == len(outs) - 1)
 
     # ------------------------------------------------------------------ requests
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -413,34 +442,38 @@ class AsyncLLMEngine:
 
     def abort_nowait(self, request_id: str) -> None:
         """Queues an abort of ``request_id`` on the engine thread without waiting for it."""
-        self._unfinished.pop(request_id, None)
         if self._queues.pop(request_id, None) is None:
-            return
+            return  # done already, or its failed sample's abort is on its way
         if self.error is not None or self._loop is None:
+            self._unfinished.pop(request_id, None)  # no step or abort will tell of its samples
             return
-        future = self._executor.submit(self._abort_samples, request_id)
-        future.add_done_callback(self._on_abort_done)
+        self._submit_abort(request_id)
+
+    def _submit_abort(self, request_id: str) -> None:
+        """Submits an abort of ``request_id``; :meth:`_aborted` gets its outputs on the event loop."""
+        # Wrapped as run_in_executor wraps the loop's steps: each result reaches the loop in two hops
+        # (call_soon_threadsafe, then the future's call_soon), both in order, so this abort's outputs
+        # come after those of the step it queued behind. A plain done callback hopped once: an
+        # in-flight step's last samples came after the abort, each taken for the request's end.
+        future = asyncio.wrap_future(self._executor.submit(self._abort_samples, request_id), loop=self._loop)
+        future.add_done_callback(functools.partial(self._on_abort_done, request_id))
 
     def _abort_samples(self, request_id: str) -> list[RequestOutput]:
         """On the engine thread: aborts every sample of ``request_id``, then refreshes the stats."""
         return self._taking_stats(self.engine.abort_request_samples, request_id)
 
-    def _on_abort_done(self, future: concurrent.futures.Future) -> None:
-        outs = [] if future.cancelled() or future.exception() else future.result()
-        if self.on_finish is not None and self._loop is not None:
-            for i, out in enumerate(outs):  # every sample of an n > 1 request
-                self._loop.call_soon_threadsafe(self.on_finish, out, i == len(outs) - 1)
+    def _on_abort_done(self, request_id: str, future: asyncio.Future) -> None:
+        self._aborted(request_id, [] if future.cancelled() or future.exception() else future.result())
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request and waits until its blocks are freed; unknown ids are ignored."""
         queue = self._queues.pop(request_id, None)
-        self._unfinished.pop(request_id, None)
+        # awaited as the loop awaits its steps: the outputs of the step it queued behind come first
         outs = await self._call(self.engine.abort_request_samples, request_id)
-        for i, out in enumerate(outs):
+        for out in outs:
             if queue is not None:
                 queue.put_nowait(out)
-            if self.on_finish is not None:
-                self.on_finish(out, i == len(outs) - 1)
+        self._aborted(request_id, outs)
 
     # ------------------------------------------------------------------ engine state
     async def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,

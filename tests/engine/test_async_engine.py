@@ -1,9 +1,12 @@
-"""AsyncLLMEngine's bookkeeping without a model (a fake engine): request ids reserved before the
-await on tokenization, a cancelled add aborted, a failed n > 1 request forgotten whole."""
+"""AsyncLLMEngine's bookkeeping, mostly without a model (a fake engine): request ids reserved before
+the await on tokenization, a cancelled add aborted, a failed n > 1 request forgotten whole, on_finish
+told once per sample and once per request (one SmolLM2 test: a stream left mid-way)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import threading
 import types
 
@@ -235,3 +238,104 @@ def test_the_heap_is_trimmed_once_when_the_loop_goes_idle_after_serving(monkeypa
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def _n2_fake(first_out: RequestOutput) -> tuple[FakeEngine, threading.Event, threading.Event]:
+    """A fake running one n=2 request: its first step (held until ``gate`` is set; ``entered`` set when it
+    starts) ends sample 0 with ``first_out``; sample 1 runs on until aborted (its abort output says
+    ``"abort"``)."""
+    fake = FakeEngine()
+    gate, entered = threading.Event(), threading.Event()
+
+    def step():
+        entered.set()
+        gate.wait(5)
+        outs = [first_out] if fake.requests else []
+        fake.step = lambda: []  # sample 1 never finishes by itself
+        return outs
+
+    def abort_request_samples(rid):
+        alive = fake.requests.pop(rid, None)
+        return [RequestOutput(rid, 1, None, [1], "x", [5], "abort", None, 3, 0, None, None)] if alive else []
+
+    fake.step, fake.abort_request_samples = step, abort_request_samples
+    return fake, gate, entered
+
+
+def test_n2_stream_left_while_the_step_ends_a_sample_reports_the_request_done_once():
+    """The client leaves an n=2 stream while the step in flight finishes sample 0: the abort that
+    follows stops sample 1. on_finish hears each sample once and ``request_done`` once, last (the
+    server logged the request twice: the in-flight sample counted as the request's last)."""
+    async def main():
+        calls = []
+        fake, gate, entered = _n2_fake(RequestOutput("r", 0, None, [1], "x", [5], "length", None, 3, 0, None, None))
+        engine = AsyncLLMEngine(fake, on_finish=lambda out, done: calls.append((out.index, done)))
+        stream = await engine.generate([1, 2], SamplingParams(max_tokens=1, n=2), request_id="r")
+        task = asyncio.ensure_future(stream.__anext__())
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 5)  # the step is in flight
+        assert entered.is_set()
+        task.cancel()  # the client is gone: the stream submits the abort, behind the step
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()
+        await asyncio.sleep(0.1)
+        left = dict(engine._unfinished)
+        await engine.shutdown()
+        assert calls == [(0, False), (1, True)]
+        assert left == {}
+
+    asyncio.run(main())
+
+
+def test_n2_failed_sample_is_reported_last_and_once_as_the_request_end():
+    """A sample fails while its sibling runs: the sibling is aborted and reported first, then the
+    failed sample, with ``request_done`` (the request's one log line says "error")."""
+    async def main():
+        calls = []
+        fake, gate, _ = _n2_fake(RequestOutput("f", 0, None, [1], "", [], "error", None, 3, 0, None, None,
+                                            error="boom"))
+        gate.set()
+        engine = AsyncLLMEngine(fake, on_finish=lambda out, done: calls.append((out.finish_reason, done)))
+        stream = await engine.generate([1, 2], SamplingParams(max_tokens=1, n=2), request_id="f")
+        outs = await asyncio.wait_for(_collect(stream), 2)
+        await asyncio.sleep(0.1)
+        left = dict(engine._unfinished)
+        await engine.shutdown()
+        assert outs[-1].finish_reason == "error"
+        assert calls == [("abort", False), ("error", True)]
+        assert left == {}
+
+    asyncio.run(main())
+
+
+def test_n2_stream_left_mid_way_logs_one_request_line_on_the_real_engine(make_llm, caplog):
+    """SmolLM2, n=2 streaming, max_tokens=2: the client leaves after the first token, while the
+    step that ends both samples is already in flight (submitted before the stream's consumer
+    resumes). RequestLog (``prefixcache serve``'s hook) writes one line for the request."""
+    from prefixcache.entrypoints.openai.server_log import RequestLog
+
+    calls = []
+
+    def hook(out, done):
+        calls.append((out.index, done))
+
+    async def main():
+        engine = AsyncLLMEngine(make_llm(num_blocks=64).engine, on_finish=RequestLog(then=hook))
+        try:
+            params = SamplingParams(max_tokens=2, n=2, ignore_eos=True, temperature=0.8, seed=1)
+            async with contextlib.aclosing(await engine.generate("Hello there", params, request_id="s")) as stream:
+                first = await stream.__anext__()
+                assert not first.finished
+            for _ in range(200):  # the abort and the step's outputs reach the loop
+                if engine._unfinished == {} and not engine._queues and len(calls) >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.1)
+        finally:
+            await engine.shutdown()
+
+    with caplog.at_level(logging.INFO, logger="prefixcache.requests"):
+        asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if r.name == "prefixcache.requests"]
+    assert sorted(i for i, _ in calls) == [0, 1] and [d for _, d in calls] == [False, True]
+    assert len(lines) == 1 and lines[0].startswith("request s ")
