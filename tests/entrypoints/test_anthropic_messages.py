@@ -321,6 +321,18 @@ def test_count_tokens_is_the_prompt_that_messages_runs(anthropic_server, anthrop
         "type": "invalid_request_error", "message": "messages.0.content: a message's content must not be empty"}}
     r = httpx.post(anthropic_server.base_url + "/v1/messages/count_tokens", json={"model": MODEL, "messages": []})
     assert r.status_code == 400 and r.json()["error"]["message"] == "messages: at least one message is required"
+    # what /v1/messages refuses, count_tokens refuses with the same message: sampling fields without max_tokens, a
+    # max_tokens or a prompt the context can't hold
+    max_model_len = anthropic_server.engine.engine.max_model_len
+    long_text = "word " * (max_model_len + 10)  # over max_model_len in tokens, under the character screen
+    for body in ({"top_p": 2.0}, {"max_tokens": 10**9}, {"messages": [{"role": "user", "content": long_text}]}):
+        replies = [httpx.post(anthropic_server.base_url + path, json={
+            "model": MODEL, "messages": messages, **({"max_tokens": 4} if path == "/v1/messages" else {}), **body})
+            for path in ("/v1/messages/count_tokens", "/v1/messages")]
+        assert [r.status_code for r in replies] == [400, 400], body
+        count_message, messages_message = (r.json()["error"]["message"] for r in replies)
+        assert count_message == messages_message.replace("max_tokens 4 ", "max_tokens 1 "), body
+        assert count_message.startswith(next(iter(body)) if "messages" not in body else "messages"), count_message
 
 
 class _Renderer:

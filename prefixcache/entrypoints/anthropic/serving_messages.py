@@ -160,7 +160,7 @@ class MessagesRequest(_Request):
 
 class CountTokensRequest(MessagesRequest):
     """Anthropic's ``POST /v1/messages/count_tokens`` body: a Messages request, ``max_tokens`` not needed (the
-    sampling fields, given, are checked and unused)."""
+    sampling fields are checked as /v1/messages checks them, then unused)."""
 
     max_tokens: Int64 | None = None
 
@@ -673,17 +673,20 @@ class AnthropicServing:
     async def count_tokens(self, req: CountTokensRequest) -> JSONResponse:
         """``POST /v1/messages/count_tokens``: the tokens ``POST /v1/messages`` would run for the same body
         (system, tools and messages through the chat template, the generation prompt included), with the
-        same checks; nothing runs on the engine.
+        same checks and refusals (``max_tokens`` absent: as if 1); nothing runs on the engine.
 
         Raises:
             APIError: 400 naming the field, 404 for an unknown model.
         """
         self.check(req)
         self.serving.lora_for(req.model)
-        if req.max_tokens is not None:
-            self.sampling_params(req)  # a given max_tokens (or stop sequence, temperature) is checked as there
+        # the sampling fields are checked as there; without max_tokens, as for one generated token
+        params = self.sampling_params(req if req.max_tokens is not None else req.model_copy(update={"max_tokens": 1}))
         try:
             prompt_ids = await self.engine.apply_chat_template(conversation(req))
+            # what /v1/messages refuses for this prompt (one that max_model_len or the KV pool can't hold with
+            # max_tokens, or with one token), so a count never says yes to a body the route says no to
+            self.engine.engine.input_processor.check_fits(len(prompt_ids), params)
         except ValueError as e:
             raise _field_error(e) from e
         return JSONResponse(MessageTokensCount(input_tokens=len(prompt_ids)).model_dump())
