@@ -162,7 +162,7 @@ def model_dir(tmp_path) -> Path:
     return d
 
 
-def test_serve_model_option_is_the_positional(model_dir):
+def test_serve_model_option_is_the_positional(model_dir, capsys):
     assert check_serve_args(serve_args(["--model", str(model_dir)])).config.model == str(model_dir)
     assert check_serve_args(serve_args([str(model_dir)])).config.model == str(model_dir)
     assert check_serve_args(serve_args([str(model_dir), "--model", str(model_dir)])).config.model == str(model_dir)
@@ -170,6 +170,11 @@ def test_serve_model_option_is_the_positional(model_dir):
     assert settings.served_model_name == str(model_dir)
     with pytest.raises(ValueError, match=r"^MODEL given twice \('a' and --model 'b'\); give one of the two$"):
         check_serve_args(serve_args(["a", "--model", "b"]))
+    with pytest.raises(SystemExit) as exit_info:  # argparse would keep the last one silently
+        serve_args(["--model", "a", "--model", "b"])
+    assert exit_info.value.code == 2
+    assert "--model given twice ('a' and 'b'); give one of the two" in capsys.readouterr().err
+    assert serve_args(["--model", "a", "--model", "a"]).model_option == "a"
     # the default's own name typed is a choice too, not the default (a new user's `serve smollm2-135m --model X`)
     with pytest.raises(ValueError, match=r"^MODEL given twice \('smollm2-135m' and --model 'gemma3-270m'\)"):
         check_serve_args(serve_args(["smollm2-135m", "--model", "gemma3-270m"]))

@@ -169,7 +169,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     model = next(f for f in dataclasses.fields(EngineConfig) if f.name == "model")
     parser.add_argument("model", nargs="?", default=_DefaultModel(model.default),
                         help=_field_help(model, model.default))
-    parser.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+    parser.add_argument("--model", dest="model_option", default=None, metavar="MODEL", action=_GivenOnce,
                         help="the same as the positional MODEL (vLLM's `serve --model` habit); give one of the two")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=port, default=8000, help="TCP port, 0-65535 (default: %(default)s)")
@@ -373,6 +373,17 @@ def check_serve_args(args: argparse.Namespace, replicas: int = 1) -> ServeSettin
         raise ValueError("--served-model-name must not be empty")
     return ServeSettings(config, args.served_model_name or args.model, lora_modules, api_keys, approved_texts,
                          approved_systems, http_options(args))
+
+
+class _GivenOnce(argparse.Action):
+    """Stores an option's value and refuses a second, different one (argparse would keep the last silently: two
+    ``--model`` would serve whichever came last, where MODEL with ``--model`` is refused)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        previous = getattr(namespace, self.dest, None)
+        if previous is not None and previous != values:
+            parser.error(f"{option_string} given twice ({previous!r} and {values!r}); give one of the two")
+        setattr(namespace, self.dest, values)
 
 
 class _DefaultModel(str):
