@@ -147,6 +147,10 @@ def test_http_layer_answers_are_json_and_documented(server):
     assert form.status_code == 400 and form.json()["error"]["message"] == (
         "body: send a JSON object with content-type: application/json (this request had content-type "
         "'application/x-www-form-urlencoded')")
+    for body, message in ((b'"x"', "body: must be a JSON object, got a JSON string"),  # not "send ... (it had json)"
+                          (b'[1]', "body: Input should be a valid dictionary or object to extract fields from")):
+        r = httpx.post(server.base_url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"] == message, r.json()
     slash = httpx.post(server.base_url + "/v1/completions/", json={"model": MODEL, "prompt": "hi"})
     assert slash.status_code == 404 and "error" in slash.json()  # no redirect
     head = httpx.get(server.base_url + "/v1/completions")

@@ -169,10 +169,13 @@ def json_error_message(error: dict) -> str:
 
 def unparsed_body_message(error: dict, content_type: str | None) -> str | None:
     """The 400 message of a body FastAPI did not parse as JSON because of its content type (its first validation
-    error is then the whole body, still bytes: ``curl -d`` sends form-urlencoded), naming the header; None for any
-    other error."""
+    error is then the whole body, still bytes: ``curl -d`` sends form-urlencoded), naming the header, or of a JSON
+    string body (parsed, then no object); None for any other error."""
     if tuple(error.get("loc") or ()) != ("body",) or not isinstance(error.get("input"), (bytes, str)):
         return None
+    media = (content_type or "").split(";")[0].strip().lower()
+    if isinstance(error["input"], str) and (media == "application/json" or media.endswith("+json")):
+        return "body: must be a JSON object, got a JSON string"  # parsed as JSON (FastAPI's rule): the header is right
     got = f"content-type {cut(content_type, 80)!r}" if content_type else "no content-type"
     return f"body: send a JSON object with content-type: application/json (this request had {got})"
 
