@@ -129,6 +129,24 @@ class KVCacheGroups:
     def num_layers(self) -> int:
         return len(self.layer_to_group)
 
+    def sliding_blocks_held(self, block_size: int) -> int:
+        """Pool blocks the sliding groups hold for one running request at most: ``ceil(window / block_size) + 2``
+        each (its window, the block being filled, one new block); 0 with none."""
+        return sum(g.num_retained_blocks(block_size) + 1 for g in self.groups if g.is_sliding)
+
+    def pool_too_small(self, num_blocks: int, block_size: int) -> str | None:
+        """Why a pool of ``num_blocks`` blocks can serve no request (the sliding groups would hold all of it),
+        naming the flags; None where it can. The engine and the command line's check before the load
+        (``entrypoints/cli/preflight.py``) say the same."""
+        held = self.sliding_blocks_held(block_size)
+        if num_blocks > held:
+            return None
+        groups = sum(g.is_sliding for g in self.groups)
+        return (f"a KV pool of {num_blocks} blocks leaves none for a request's full-attention layers: the model's "
+                f"{groups} sliding-window KV-cache groups hold up to {held} blocks of {block_size} tokens for a "
+                f"running request (window / block_size + 2 each); give more than {held} blocks (--num-blocks), or "
+                "a bigger --kv-cache-memory")
+
 
 def make_kv_cache_groups(specs: Sequence[LayerSpec]) -> KVCacheGroups:
     """Cuts layers into groups of equal size, one kind each (vLLM v1's uniform-page-size grouping).

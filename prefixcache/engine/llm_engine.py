@@ -159,8 +159,7 @@ class LLMEngine:
         block_size) + 2`` blocks each of them holds for a running request at most (its window, the block being
         filled, one new block), so that a request that passes the checks always runs to the end instead of
         waiting for room forever. :meth:`_check_pool_fits` refuses a pool they would fill."""
-        bs = self.config.block_size
-        return sum(g.num_retained_blocks(bs) + 1 for g in self.kv_cache_groups.groups if g.is_sliding)
+        return self.kv_cache_groups.sliding_blocks_held(self.config.block_size)
 
     def _check_pool_fits(self) -> None:
         """Refuses, before anything is allocated, a block larger than the model's context and a KV
@@ -175,15 +174,10 @@ class LLMEngine:
             raise InvalidInputError("block_size", f"block_size {config.block_size} is more than the model's context "
                                                   f"of {context} tokens (its max_position_embeddings): such a block "
                                                   "never fills")
-        held = self._sliding_blocks()
-        if self.num_blocks <= held:
+        too_small = self.kv_cache_groups.pool_too_small(self.num_blocks, config.block_size)
+        if too_small is not None:
             field = "num_blocks" if config.num_blocks else "kv_cache_memory"
-            groups = sum(g.is_sliding for g in self.kv_cache_groups.groups)
-            raise InvalidInputError(field, f"{field}: a KV pool of {self.num_blocks} blocks leaves none for a request's "
-                                           f"full-attention layers: the model's {groups} sliding-window KV-cache groups "
-                                           f"hold up to {held} blocks of {config.block_size} tokens for a running "
-                                           f"request (window / block_size + 2 each); give more than {held} blocks "
-                                           f"(--num-blocks), or a bigger --kv-cache-memory")
+            raise InvalidInputError(field, f"{field}: {too_small}")
         need = self.num_blocks * self.kv_cache_bytes_per_block
         limit = pool_memory_limit(str(self.device), need)
         if limit is not None:

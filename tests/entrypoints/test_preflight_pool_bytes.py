@@ -80,7 +80,10 @@ def test_gemma3_270m_blocks_hold_three_layers():
     if not fetch.is_complete(path):
         pytest.skip("gemma3-270m is not fetched")
     shape = model_shape(fetch.GEMMA3_MODEL_NAME)
-    assert shape == ModelShape(18, 1, 256, 32768, shape.weights_bytes, layers_per_block=3)
+    assert shape == ModelShape(18, 1, 256, 32768, shape.weights_bytes, layers_per_block=3,
+                               kv_cache_groups=shape.kv_cache_groups)
+    assert [g.layer_ids for g in shape.kv_cache_groups.groups][:2] == [(5, 11, 17), (0, 1, 2)]
+    assert shape.kv_cache_groups.sliding_blocks_held(16) == 5 * (32 + 1 + 1)  # 5 sliding groups, window 512
     assert kv_block_bytes(shape, 16, "float32") == 2 * 3 * 16 * 1 * 256 * 4
 
 
@@ -91,3 +94,27 @@ def test_a_gemma3_config_without_layer_types_takes_the_lower_bound(tmp_path):
         "num_key_value_heads": 1, "head_dim": 32, "hidden_size": 64, "max_position_embeddings": 512,
         "sliding_window": 8}))
     assert model_shape(str(tmp_path)) is None
+
+
+def test_a_pool_the_sliding_groups_would_fill_is_refused_before_the_load_as_the_engine_refuses_it(tiny_gemma_dir):
+    """Blocks of 4 tokens, window 8: each of the two sliding groups holds up to ceil(8 / 4) + 2 = 4 blocks for a
+    running request, so 8 blocks leave none for the full-attention layers. The command line's check (from
+    config.json, before the weights load) refuses it with the engine's words; 9 blocks pass both."""
+    from prefixcache.entrypoints.cli.preflight import check_kv_pool
+    from prefixcache.errors import InvalidInputError
+
+    shape = model_shape(str(tiny_gemma_dir))
+    assert shape.kv_cache_groups.sliding_blocks_held(4) == 8
+    per_block = kv_block_bytes(shape, 4, "float32")
+    configs = {flag: EngineConfig(model=str(tiny_gemma_dir), block_size=4, num_threads=1, **pool)
+               for flag, pool in (("--num-blocks", {"num_blocks": 8}),
+                                  ("--kv-cache-memory", {"kv_cache_memory_bytes": 8 * per_block + 1}))}
+    for flag, config in configs.items():
+        with pytest.raises(ValueError) as refused:
+            check_kv_pool(config, shape)
+        assert str(refused.value).startswith(f"{flag}: a KV pool of 8 blocks leaves none for a request's "
+                                             "full-attention layers"), refused.value
+        with pytest.raises(InvalidInputError) as engine_refused:
+            LLMEngine(config, loaded=load_model(str(tiny_gemma_dir)))
+        assert str(refused.value).split(": ", 1)[1] == str(engine_refused.value).split(": ", 1)[1]
+    check_kv_pool(EngineConfig(model=str(tiny_gemma_dir), block_size=4, num_blocks=9, num_threads=1), shape)

@@ -18,10 +18,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 from prefixcache.config import BUILTIN_MODELS, DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from prefixcache.errors import InvalidInputError
 from prefixcache.host_memory import pool_memory_limit
+
+if TYPE_CHECKING:
+    from prefixcache.cache.kv_cache_groups import KVCacheGroups
 
 
 _DEVICE = re.compile(r"(cpu|cuda)(?::([0-9]+))?")  # what LLMEngine's _resolve_device accepts
@@ -115,6 +119,7 @@ class ModelShape:
     # Layers whose K/V one block holds: one KV-cache group's (prefixcache/cache/kv_cache_groups.py's
     # layers_per_group) for a model with sliding-window layers; None: every layer (one group).
     layers_per_block: int | None = None
+    kv_cache_groups: KVCacheGroups | None = None  # the groups of a model with sliding-window layers
 
     @property
     def block_layers(self) -> int:
@@ -145,17 +150,17 @@ def model_shape(model: str) -> ModelShape | None:
             return None
         c = json.loads((path / "config.json").read_text())
         heads = c["num_attention_heads"]
-        layers_per_block = None
+        layers_per_block, hybrid = None, None
         if c.get("layer_types"):
             groups = make_kv_cache_groups(layer_specs_from_config(SimpleNamespace(
                 num_hidden_layers=c["num_hidden_layers"], layer_types=c["layer_types"],
                 sliding_window=c.get("sliding_window"))))
-            layers_per_block = groups.layers_per_group if groups.is_hybrid else None
+            layers_per_block, hybrid = (groups.layers_per_group, groups) if groups.is_hybrid else (None, None)
         elif "Gemma3ForCausalLM" in (c.get("architectures") or []):
             return None
         shape = ModelShape(c["num_hidden_layers"], c.get("num_key_value_heads") or heads,
                            c.get("head_dim") or c["hidden_size"] // heads, c.get("max_position_embeddings"),
-                           sum(f.stat().st_size for f in path.glob("*.safetensors")), layers_per_block)
+                           sum(f.stat().st_size for f in path.glob("*.safetensors")), layers_per_block, hybrid)
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None
     return shape if _valid_shape(shape) else None
@@ -215,8 +220,9 @@ def check_kv_pool(config: EngineConfig, shape: ModelShape | None, pool: bool = T
                              f"bytes, more than the KV pool budget of {budget} bytes (--kv-cache-memory); lower "
                              "--block-size or raise --kv-cache-memory")
         pool_flag, need, what = "--kv-cache-memory", budget - budget % per_block, f"a KV pool budget of {budget} bytes is"
+        num_blocks = budget // per_block
     else:
-        pool_flag, need = "--num-blocks", config.num_blocks * per_block
+        pool_flag, need, num_blocks = "--num-blocks", config.num_blocks * per_block, config.num_blocks
         what = f"a KV pool of {config.num_blocks} blocks needs {at_least}{need} bytes ({_size(need)}; " \
                f"{at_least}{per_block} bytes per block),"
     if replicas > 1:  # `cluster`: every replica allocates its own pool and loads the weights on this machine
@@ -228,6 +234,10 @@ def check_kv_pool(config: EngineConfig, shape: ModelShape | None, pool: bool = T
     limit = pool_memory_limit(config.device, need)
     if limit is not None:
         raise ValueError(f"{flag or pool_flag}: {what} more than the {limit[0]} bytes ({_size(limit[0])}) of {limit[1]}")
+    if shape is not None and shape.kv_cache_groups is not None:  # sliding groups that would hold the whole pool
+        too_small = shape.kv_cache_groups.pool_too_small(num_blocks, config.block_size)
+        if too_small is not None:
+            raise ValueError(f"{flag or pool_flag}: {too_small}")
 
 
 def check_engine_resources(config: EngineConfig, pool: bool = True, replicas: int = 1) -> None:
