@@ -29,8 +29,9 @@ OPERATIONS = [("/health", "GET"), ("/v1/models", "GET"), ("/metrics", "GET"), ("
               ("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/tokenize", "POST"),
               ("/detokenize", "POST"), ("/v1/cache/stats", "GET"), ("/dashboard", "GET"), ("/server_info", "GET"),
               ("/get_server_info", "GET"), ("/model_info", "GET"), ("/get_model_info", "GET"),
-              ("/v1/messages", "POST")]
-WITH_BODY = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/messages"}
+              ("/v1/messages", "POST"), ("/v1/messages/count_tokens", "POST")]
+WITH_BODY = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/messages",
+             "/v1/messages/count_tokens"}
 
 
 @pytest.fixture(scope="module")

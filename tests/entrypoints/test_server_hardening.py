@@ -300,9 +300,9 @@ def test_openapi_documents_400_with_the_error_schema_and_no_422(server):
             responses = operation["responses"]
             assert "422" not in responses, (method, path)
             for status, response in responses.items():
-                if int(status) >= 400:  # /v1/messages answers its own errors in Anthropic's shape
-                    shape = ("AnthropicErrorResponse" if path == "/v1/messages" and status in ("400", "404", "500", "503")
-                             else "ErrorResponse")
+                if int(status) >= 400:  # the Messages routes answer their own errors in Anthropic's shape
+                    anthropic = path.startswith("/v1/messages") and status in ("400", "404", "500", "503")
+                    shape = "AnthropicErrorResponse" if anthropic else "ErrorResponse"
                     assert response["content"] == {"application/json": {
                         "schema": {"$ref": f"#/components/schemas/{shape}"}}}, (method, path, status)
     for path in ("/v1/completions", "/v1/chat/completions"):

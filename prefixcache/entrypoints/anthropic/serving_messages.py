@@ -236,8 +236,7 @@ MESSAGES_RESPONSES: dict[int | str, dict] = {
 }
 COUNT_TOKENS_RESPONSES: dict[int | str, dict] = {
     200: {"model": MessageTokensCount, "description": "the prompt's tokens"},
-    **{status: {"model": AnthropicErrorResponse, "description": text} for status, text in _ERROR_DESCRIPTIONS.items()
-       if status != 500 and status != 503},
+    **{status: {"model": AnthropicErrorResponse, "description": text} for status, text in _ERROR_DESCRIPTIONS.items()},
     **error_docs(401, 405, 408, 413),
 }
 
