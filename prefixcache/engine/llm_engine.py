@@ -141,7 +141,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache_manager, config)
         self.runner = ModelRunner(self.loaded, self.num_blocks, config.block_size, self.device, config.seed,
                                   self.kv_cache_groups)
-        held = self._sliding_blocks()
+        # held back from one request's full-attention context, which the input checks size max_tokens against, so
+        # that a request that passes them always runs to the end instead of waiting for room forever
+        held = self.kv_cache_groups.sliding_blocks_held(config.block_size)
         self.input_processor = InputProcessor(config, self.loaded, self.max_model_len, self.num_blocks - held, held)
         self.output_processor = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids, self.max_model_len)
         self.lora_manager = LoRAManager(self.loaded.model, self.kv_cache_manager)
@@ -152,14 +154,6 @@ class LLMEngine:
         # CacheInsight); on the engine thread, so a hook must be quick and must not raise.
         self.finish_hooks: list[Callable[[Request], None]] = []
         self.kv_event_recorder, self.kv_event_publisher = self._start_kv_events()
-
-    def _sliding_blocks(self) -> int:
-        """The pool blocks held back from one request's full-attention context (what the input checks size
-        ``max_tokens`` against): none with one KV-cache group; with sliding groups, the ``ceil(window /
-        block_size) + 2`` blocks each of them holds for a running request at most (its window, the block being
-        filled, one new block), so that a request that passes the checks always runs to the end instead of
-        waiting for room forever. :meth:`_check_pool_fits` refuses a pool they would fill."""
-        return self.kv_cache_groups.sliding_blocks_held(self.config.block_size)
 
     def _check_pool_fits(self) -> None:
         """Refuses, before anything is allocated, a block larger than the model's context and a KV

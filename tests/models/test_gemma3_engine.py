@@ -284,7 +284,7 @@ def test_a_pool_the_sliding_groups_would_fill_is_refused_at_start_and_a_small_on
     _, loaded = tiny
     groups = make_engine(loaded).kv_cache_groups.groups
     held = sum(g.is_sliding for g in groups) * (-(-W // B) + 2)
-    assert held == make_engine(loaded)._sliding_blocks() > 0
+    assert held == make_engine(loaded).kv_cache_groups.sliding_blocks_held(B) > 0
     with pytest.raises(InvalidInputError) as e:
         make_engine(loaded, num_blocks=held)
     assert e.value.field == "num_blocks" and e.value.message.startswith(

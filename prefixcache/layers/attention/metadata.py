@@ -24,11 +24,12 @@ exception: a decode row then differs from its prefill row in the last bits.)
 
 Those row counts are what MKL's AVX-512 GEMMs, behind torch's kernel, give the same bits for. MKL's AVX2 path (an
 AVX2-only CPU, or MKL_ENABLE_INSTRUCTIONS=AVX2) runs other row blocks, and no padding rule above holds there:
-:func:`torch_attention_batch_invariant` checks the rule on this machine's kernels once. That is why every
-batch-invariant model runs our paged kernel wherever a form of it runs (any x86 CPU with AVX2: bf16 and float32
-pools, sliding windows; ``paged_kernel``), whose bits are fixed by construction; the torch path serves the rest
-(CPUs without AVX2, ``PREFIXCACHE_KERNELS=reference``, head shapes the kernel doesn't take), and where the check
-fails there its formats agree with cache off only to float rounding (logged at start-up).
+:func:`torch_attention_batch_invariant` checks the rule on this machine's kernels once. Our paged kernel
+(``paged_kernel``), whose bits are fixed by construction, runs a batch-invariant model's bf16 pool on every CPU
+with AVX2, and its float32 pool or sliding windows where that check fails; the torch path serves the rest (CPUs
+without AVX2, ``PREFIXCACHE_KERNELS=reference``, head shapes the kernel doesn't take, float32 pools and windows
+where the rule holds), and where the check fails there its formats agree with cache off only to float rounding
+(logged at start-up).
 """
 
 from dataclasses import dataclass
