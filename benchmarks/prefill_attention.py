@@ -1,5 +1,6 @@
 """Times one layer's prompt attention, our paged kernel (each of its forms this CPU runs: AMX tiles where the
-CPU has AMX-BF16, AVX512-BF16 dot products, AVX2 float32 FMAs) vs torch's padded flash path, on SmolLM2's head shape, for the bench's shapes: a cold 2,178-token prefill, ten 150-token suffixes over 2,032
+CPU has AMX-BF16, AVX512-BF16 dot products, AVX2 float32 FMAs, and the AVX2 form's int8 products that
+``attention_dtype="int8"`` runs) vs torch's padded flash path, on SmolLM2's head shape, for the bench's shapes: a cold 2,178-token prefill, ten 150-token suffixes over 2,032
 cached keys (the 10 x 32 run's second step), one such suffix (warm TTFT), and a 2,048-token chunk after
 6,000 cached keys (an 8,000-token prefill's last chunk). Both paths include the K/V write; best of --repeats.
 ``--dtype float32`` times a float32 pool (float32 + int8's), ``--window 512`` a sliding-window layer's (Gemma 3's
@@ -24,7 +25,8 @@ from prefixcache.layers.attention.metadata import build_attention_metadata, buil
 from prefixcache.layers.attention.torch_attention import Attention
 
 SECTION = "kernels-prefill-attention"  # the page section --report fills
-FORM_NAMES = {"amx": "AMX form", "avx512": "AVX-512 form", "avx2": "AVX2 form"}
+FORM_NAMES = {"amx": "AMX form", "avx512": "AVX-512 form", "avx2": "AVX2 form",
+              prefill_attention.INT8_FORM: "AVX2 form, int8 products"}
 
 
 def main() -> None:
@@ -47,8 +49,9 @@ def main() -> None:
     blocks = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, as a busy pool's are
     shapes = {"cold 2178": [(0, 2178)], "10 x 150 over 2032": [(2032, 150)] * 10, "1 x 150 over 2032": [(2032, 150)],
               "2048 over 6000": [(6000, 2048)]}  # the last chunk of an 8,000-token prefill
-    forms = [form for form in prefill_attention.FORMS if prefill_attention.form_supported(form)
-             and (form == "avx2" or (dtype == torch.bfloat16 and not args.window))]
+    forms = [form for form in (*prefill_attention.FORMS, prefill_attention.INT8_FORM)
+             if prefill_attention.form_supported(form)
+             and (form in ("avx2", prefill_attention.INT8_FORM) or (dtype == torch.bfloat16 and not args.window))]
     print(f"{'shape':<22}{'torch padded (ms)':>18}" + "".join(f"{'ours ' + form + ' (ms)':>18}{'ratio':>7}" for form in forms))
     rows = []
     for name, seqs in shapes.items():
@@ -59,7 +62,7 @@ def main() -> None:
         v = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
         times = []
         for form in [None, *forms]:  # None: torch's path
-            prefill_attention.prefill_form = lambda form=form: form  # the form the wrapper picks
+            attn.kernel_form = form  # the form the layer runs
             options = dict(batch_invariant=True, dtype=dtype, num_pool_blocks=num_blocks, paged_kernel=form is not None)
             if args.window:
                 md, _ = build_sliding_attention_metadata(batch, block_size, "cpu", args.window, **options)
@@ -103,7 +106,7 @@ def markdown(rows: list[tuple[str, list[float]]], forms: list[str], num_threads:
     missing = [FORM_NAMES[form] for form in prefill_attention.FORMS if form not in forms]
     if dtype != "bfloat16" or window:
         lines += ["", "Only the AVX2 form takes a float32 pool or a window (a model runs it where torch's path is not "
-                  "batch-invariant: models/llama.py)."]
+                  "batch-invariant, or with attention_dtype int8: models/llama.py)."]
     elif missing:
         lines += ["", f"Not run on this CPU: {', '.join(missing)} (or PREFIXCACHE_AMX=0 / PREFIXCACHE_KERNELS capped it)."]
     return "\n".join(lines) + "\n"

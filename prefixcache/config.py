@@ -18,7 +18,11 @@ from prefixcache.cache.config import CacheConfig, check_int, check_positive_floa
 from prefixcache.cache.eviction import EVICTION_POLICIES
 from prefixcache.cache.kv_events import KVEventsConfig
 from prefixcache.errors import InvalidInputError
-from prefixcache.kernels.cpu_features import auto_format, format_unavailable_reason
+from prefixcache.kernels.cpu_features import TIERS, auto_format, cpu_has, format_unavailable_reason
+
+# a model's attention_dtype (prefixcache.layers.attention.attention_dtype): float products, or the paged kernel's
+# AVX2 form with int8 products
+ATTENTION_DTYPES = ("float", "int8")
 
 if TYPE_CHECKING:
     import torch
@@ -109,6 +113,11 @@ class EngineConfig(CacheConfig, SchedulerConfig):
                 "generated tokens, int8's prompt tokens; docs/weight-formats-and-kernels.md) or auto (this CPU's fastest "
                 "format, with --dtype auto; with a --dtype named, the fastest for it: float32 + int8 on AVX2 and "
                 "AVX-512, so give --quantization none for plain float32)", "choices": ("auto", *QUANTIZATIONS), "cli_default": "auto"})
+    attention_dtype: str = field(default="float", metadata={
+        "help": "the prompt attention's products: float (the KV dtype's, float32 sums) or int8 (q, K, p and V "
+                "rounded to int8 with per-row scales, exact integer sums, on the paged kernel's AVX2 form: about "
+                "1.3x faster attention on AVX2 CPUs for a small quality cost; bfloat16 or an int8 format; "
+                "docs/weight-formats-and-kernels.md)", "choices": ATTENTION_DTYPES})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: CUDA if present)"})
     num_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks; overrides --kv-cache-memory"})
@@ -156,10 +165,14 @@ class EngineConfig(CacheConfig, SchedulerConfig):
             raise InvalidInputError("quantization", f"quantization={self.quantization!r} runs a bfloat16 model "
                                                     f"(generated tokens on 4-bit copies of its weights): give "
                                                     f"dtype='bfloat16' (--dtype bfloat16), got dtype={self.dtype!r}")
+        if self.attention_dtype not in ATTENTION_DTYPES:
+            raise InvalidInputError("attention_dtype", f"attention_dtype must be one of {ATTENTION_DTYPES}, "
+                                                       f"got {self.attention_dtype!r}")
         if self.device is not None and (not isinstance(self.device, str) or not self.device):
             raise InvalidInputError("device", f"device must be a torch device name such as 'cpu' or 'cuda', "
                                               f"got {self.device!r}")
         self._check_format_runs_here()
+        self._check_attention_dtype_runs_here()
         for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
@@ -181,6 +194,24 @@ class EngineConfig(CacheConfig, SchedulerConfig):
         reason = format_unavailable_reason(self.dtype, self.quantization)
         if reason is not None and self._on_cpu():  # device None: "CUDA if present", where the CPU doesn't matter
             raise InvalidInputError(reason.split("=", 1)[0], reason)
+
+    def _check_attention_dtype_runs_here(self) -> None:
+        """``attention_dtype="int8"`` where it can't run is refused before the model loads, as the model would
+        refuse it (``AttentionDtypeModel.set_attention_dtype``; the head shape is checked there)."""
+        if self.attention_dtype != "int8":
+            return
+        if not self._on_cpu() or (self.device or "cpu").split(":")[0] != "cpu":
+            raise InvalidInputError("attention_dtype", "attention_dtype='int8' runs on the CPU's paged kernel only; "
+                                                       "use attention_dtype='float' on another device")
+        if self.dtype == "float32" and self.quantization == "none":
+            raise InvalidInputError("attention_dtype", "attention_dtype='int8' runs on the paged kernel, which a "
+                                                       "float32 model without int8 weights doesn't take (its GEMMs "
+                                                       "round by batch size): give --dtype bfloat16 or "
+                                                       "--quantization int8 too, or use attention_dtype='float'")
+        if not cpu_has(*TIERS["avx2"]):
+            raise InvalidInputError("attention_dtype", "attention_dtype='int8' needs the paged kernel's AVX2 form, "
+                                                       "a CPU with AVX2, FMA and F16C (PREFIXCACHE_KERNELS may cap "
+                                                       "it); use attention_dtype='float'")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -15,7 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from prefixcache.bench.quality import FORMATS, weight_format_quality
+from prefixcache.bench.quality import FORMATS, INT8_ATTENTION_FORMATS, format_options, weight_format_quality
 
 SECTION = "quality"  # the page section --report fills
 
@@ -28,7 +28,7 @@ def quality_markdown(result: dict, max_tokens: int) -> str:
     lines = [f"Perplexity of the bench's {any_row['num_text_tokens']:,}-token RAG document teacher-forced in one "
              f"prefill, and greedy agreement with float32 on the {any_row['num_prompts']} seed chat prompts × "
              f"{max_tokens} tokens (`prefixcache/bench/quality.py`).", "",
-             "| format (`--dtype` / `--quantization`) | perplexity | prompts identical to float32 "
+             "| format (`--dtype` / `--quantization` / `--attention-dtype`) | perplexity | prompts identical to float32 "
              "| mean tokens before the first difference |", "|---|---|---|---|"]
     for name, r in result.items():
         ppl = f"{r['perplexity']:.3f}"
@@ -36,15 +36,16 @@ def quality_markdown(result: dict, max_tokens: int) -> str:
             ppl += f" ({r['perplexity'] / base - 1:+.2%})"
         if "generated_rows_perplexity" in r:
             ppl += f" as prompt rows, {r['generated_rows_perplexity']:.3f} as generated rows"
-        dtype, quantization = FORMATS[name]
-        lines.append(f"| {name} ({dtype} / {quantization}) | {ppl} | {r['identical_prompts']} / {r['num_prompts']} | "
+        dtype, quantization, attention_dtype = format_options(name)
+        lines.append(f"| {name} ({dtype} / {quantization} / {attention_dtype}) | {ppl} | {r['identical_prompts']} / {r['num_prompts']} | "
                      f"{r['mean_matching_prefix']:.0%} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--formats", default=",".join(FORMATS), help=f"comma list of {list(FORMATS)}")
+    names = [*FORMATS, *INT8_ATTENTION_FORMATS]
+    p.add_argument("--formats", default=",".join(names), help=f"comma list of {names}")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--out", default="bench_results/quality.json")

@@ -72,6 +72,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=EngineConfig.choices("quantization"),
                    help="our engine's weight format (default none; int8, int4, int4-int8: see "
                         "docs/weight-formats-and-kernels.md)")
+    p.add_argument("--attention-dtype", default=None, choices=EngineConfig.choices("attention_dtype"),
+                   help="our engine's prompt-attention products (default float; int8: the paged kernel's AVX2 "
+                        "form's int8 products, docs/weight-formats-and-kernels.md)")
     p.add_argument("--skip-micro", action="store_true", help="skip the hash + lookup micro-benchmark")
     p.add_argument("--no-plots", action="store_true", help="write JSON and Markdown only")
     p.add_argument("--out", default=d.out, help="output directory")
@@ -217,6 +220,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
         options["dtype"] = args.dtype
     if args.quantization is not None:
         options["quantization"] = args.quantization
+    if getattr(args, "attention_dtype", None) is not None:
+        options["attention_dtype"] = args.attention_dtype
     if args.scheduling_policy is not None:
         options["scheduling_policy"] = args.scheduling_policy
     return options
@@ -318,7 +323,9 @@ def run_cli(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args, model_flag="--model", overrides=_engine_options(args))
         for i, page in enumerate(args.report):  # the first page gets new sections appended, the others don't
             stems = report_run(page, args.out, started_s, command, model=args.model, append=i == 0,
-                               fmt=(config.dtype, config.quantization), variants={QUEUE: queue_variant(args)})
+                               fmt=(config.dtype, config.quantization + ("-int8-attention" if config.attention_dtype == "int8"
+                                                                         else "")),
+                               variants={QUEUE: queue_variant(args)})
             print(f"prefixcache bench: --report: {', '.join(stems) or 'no table'} written into {page}", file=sys.stderr)
     return status
 

@@ -1,6 +1,7 @@
 """What a weight format costs in quality: perplexity on a fixed text and greedy agreement with fp32.
 
-Per format (``float32``, ``bfloat16``, ``int8``, ``int4``, ``int4-int8``), on the same model:
+Per format (``float32``, ``bfloat16``, ``int8``, ``int4``, ``int4-int8``, and bfloat16 and int4-int8 with
+``attention_dtype="int8"``), on the same model:
 
 - perplexity: ``exp(mean NLL)`` of the bench's RAG document (``bench/texts.py``, ~2,000 tokens),
   teacher-forced in one prefill through our own model over the paged pool (``int4``: every row as a
@@ -28,6 +29,21 @@ from prefixcache.sampling_params import SamplingParams
 
 FORMATS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int8": ("float32", "int8"),
            "int4": ("bfloat16", "int4"), "int4-int8": ("bfloat16", "int4-int8")}
+# the same weights with the prompt attention's products in int8 (attention_dtype "int8"): name -> (format, attention)
+INT8_ATTENTION_FORMATS = {"bfloat16+int8-attention": ("bfloat16", "int8"),
+                          "int4-int8+int8-attention": ("int4-int8", "int8")}
+
+
+def format_options(name: str) -> tuple[str, str, str]:
+    """(dtype, quantization, attention_dtype) of a format name of :data:`FORMATS` or :data:`INT8_ATTENTION_FORMATS`.
+
+    Raises:
+        KeyError: an unknown name.
+    """
+    if name in INT8_ATTENTION_FORMATS:
+        weights, attention_dtype = INT8_ATTENTION_FORMATS[name]
+        return (*FORMATS[weights], attention_dtype)
+    return (*FORMATS[name], "float")
 
 
 @torch.inference_mode()
@@ -65,22 +81,24 @@ def greedy_agreement(outputs: list[list[int]], reference: list[list[int]]) -> di
             "mean_matching_prefix": sum(prefix) / len(prefix)}
 
 
-def weight_format_quality(model: str = "smollm2-135m", formats: tuple[str, ...] = tuple(FORMATS),
+def weight_format_quality(model: str = "smollm2-135m", formats: tuple[str, ...] = (*FORMATS, *INT8_ATTENTION_FORMATS),
                           max_tokens: int = 32, num_threads: int | None = None, log=print) -> dict:
     """Perplexity and greedy agreement with float32 per format (see the module docstring).
 
     Raises:
         ValueError: an unknown format name.
     """
-    unknown = [f for f in formats if f not in FORMATS]
+    known = {*FORMATS, *INT8_ATTENTION_FORMATS}
+    unknown = [f for f in formats if f not in known]
     if unknown:
-        raise ValueError(f"formats must be among {sorted(FORMATS)}, got {unknown}")
+        raise ValueError(f"formats must be among {sorted(known)}, got {unknown}")
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     results, reference = {}, None
     for name in ("float32", *[f for f in formats if f != "float32"]):
-        dtype, quantization = FORMATS[name]
-        loaded = load_model(model, dtype=getattr(torch, dtype), quantization=quantization)
-        llm = LLM(model, loaded=loaded, dtype=dtype, quantization=quantization, num_threads=num_threads)
+        dtype, quantization, attention_dtype = format_options(name)
+        loaded = load_model(model, dtype=getattr(torch, dtype), quantization=quantization, attention_dtype=attention_dtype)
+        llm = LLM(model, loaded=loaded, dtype=dtype, quantization=quantization, attention_dtype=attention_dtype,
+                  num_threads=num_threads)
         text_ids = loaded.tokenizer(RAG_DOCUMENT).input_ids
         prompts = [llm.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
                                             {"role": "user", "content": q}]) for q in QUESTIONS]

@@ -472,7 +472,8 @@ def run_bench(opts: BenchOptions, loaded: LoadedModel | None = None, log=print) 
     if opts.micro:  # first: pure-Python bookkeeping, timed before any model or engine thread runs here
         log("[micro] hash + verify + lookup ...")
         micro = [hash_lookup_throughput(bs, seconds=opts.micro_seconds) for bs in opts.micro_block_sizes]
-    loaded = loaded or load_model(opts.model, dtype=engine_config.torch_dtype, quantization=engine_config.quantization)
+    loaded = loaded or load_model(opts.model, dtype=engine_config.torch_dtype, quantization=engine_config.quantization,
+                                  attention_dtype=engine_config.attention_dtype)
     torch.set_num_threads(opts.num_threads)
     hf = None
     if not opts.skip_hf:

@@ -94,7 +94,8 @@ class OursEngine:
         self.llm = llm
         loaded = llm.engine.loaded
         self.label = f"prefixcache {str(loaded.dtype).removeprefix('torch.')}" + (
-            f" {loaded.quantization}" if loaded.quantization != "none" else "")
+            f" {loaded.quantization}" if loaded.quantization != "none" else "") + (
+            " int8-attention" if loaded.model.attention_dtype == "int8" else "")
 
     def reset(self) -> None:
         self.llm.reset_prefix_cache()

@@ -109,10 +109,14 @@ class LLMEngine:
             torch.set_num_threads(config.resolved_num_threads())
         # its own model: each weight held once (the float copies its format doesn't read are released)
         self.loaded = loaded or load_model(config.model, dtype=config.torch_dtype, device=self.device,
-                                           quantization=config.quantization, keep_float_weights=False)
+                                           quantization=config.quantization, keep_float_weights=False,
+                                           attention_dtype=config.attention_dtype)
         if self.loaded.quantization != config.quantization:
             raise InvalidInputError("quantization", f"quantization={config.quantization!r} but the given model "
                                                     f"was loaded with {self.loaded.quantization!r}")
+        if self.loaded.model.attention_dtype != config.attention_dtype:
+            raise InvalidInputError("attention_dtype", f"attention_dtype={config.attention_dtype!r} but the given "
+                                                       f"model was loaded with {self.loaded.model.attention_dtype!r}")
         if config.max_model_len is not None and config.max_model_len > self.loaded.max_model_len:
             raise InvalidInputError("max_model_len", f"max_model_len {config.max_model_len} is more than the model's "
                                                      f"context of {self.loaded.max_model_len} tokens (its "

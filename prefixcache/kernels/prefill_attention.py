@@ -52,6 +52,9 @@ from prefixcache.kernels.cpu_kernels import CpuKernelsUnavailable, amx_ready, lo
 MAX_HEADS_PER_KV_HEAD = 48  # rows of one work item
 MAX_HEAD_DIM = 256
 FORMS = ("amx", "avx512", "avx2")  # the kernel's forms, fastest first: AMX tiles, AVX512-BF16, AVX2 + FMA
+# The AVX2 form with int8 products (q, K, p and V rounded to int8 with scales of their own): never a machine's
+# choice (it costs quality), a model's where asked (``attention_dtype="int8"``), on any CPU that runs the AVX2 form.
+INT8_FORM = "avx2-int8"
 
 
 @dataclass(slots=True)
@@ -79,20 +82,25 @@ def build_paged_rows(num_computed: list[int], num_new: list[int], block_table: t
 
 @cache
 def prefill_kernel_supported(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
-                             windowed: bool = False) -> bool:
+                             windowed: bool = False, int8: bool = False) -> bool:
     """Whether the kernel runs this head shape here: head_dim a multiple of 32 up to 256, at most 48
-    query heads per KV head, and a form for a ``dtype`` pool (with a window where ``windowed``) runs on
-    this CPU (:func:`kernel_form`). (False, not an error: the model then keeps the torch path.)"""
+    query heads per KV head, and a form for a ``dtype`` pool (with a window where ``windowed``, with int8
+    products where ``int8``) runs on this CPU (:func:`kernel_form`). (False, not an error: the model then keeps
+    the torch path.)"""
     if head_dim % 32 or head_dim > MAX_HEAD_DIM or num_heads % num_kv_heads:
         return False
-    return num_heads // num_kv_heads <= MAX_HEADS_PER_KV_HEAD and kernel_form(dtype, windowed) is not None
+    return num_heads // num_kv_heads <= MAX_HEADS_PER_KV_HEAD and kernel_form(dtype, windowed, int8) is not None
 
 
-def kernel_form(dtype: torch.dtype = torch.bfloat16, windowed: bool = False) -> str | None:
-    """The form that runs a model's attention here: for a bf16 pool without a window, this machine's
-    fastest (:func:`prefill_form`); for a float32 pool or a sliding window, "avx2", the only form that takes
-    them, wherever it runs; None where no form does, or for another dtype. (Whether a model takes the kernel
-    is the model's choice: ``LlamaForCausalLM.paged_attention``.)"""
+def kernel_form(dtype: torch.dtype = torch.bfloat16, windowed: bool = False, int8: bool = False) -> str | None:
+    """The form that runs a model's attention here: with ``int8`` products, :data:`INT8_FORM` wherever the
+    AVX2 form runs; for a bf16 pool without a window, this machine's fastest (:func:`prefill_form`); for a
+    float32 pool or a sliding window, "avx2", the only form that takes them, wherever it runs; None where no
+    form does, or for another dtype. (Whether a model takes the kernel is the model's choice:
+    ``LlamaForCausalLM.paged_attention``.)"""
+    if int8:
+        avx2 = kernel_form(dtype, windowed=True)  # the AVX2 form, for this dtype
+        return INT8_FORM if avx2 is not None else None
     if dtype == torch.bfloat16 and not windowed:
         return prefill_form()
     if dtype in (torch.bfloat16, torch.float32):
@@ -101,15 +109,17 @@ def kernel_form(dtype: torch.dtype = torch.bfloat16, windowed: bool = False) -> 
 
 
 def form_supported(form: str) -> bool:
-    """Whether ``form`` (one of :data:`FORMS`) runs here: "amx" where :func:`prefill_amx_supported`, "avx512"
-    on a CPU with AVX512-BF16 and AVX512-VNNI, "avx2" on one with AVX2, FMA and F16C, each with its extension
-    built (as ``PREFIXCACHE_KERNELS`` caps the CPU).
+    """Whether ``form`` (one of :data:`FORMS` or :data:`INT8_FORM`) runs here: "amx" where
+    :func:`prefill_amx_supported`, "avx512" on a CPU with AVX512-BF16 and AVX512-VNNI, "avx2" and "avx2-int8" on
+    one with AVX2, FMA and F16C, each with its extension built (as ``PREFIXCACHE_KERNELS`` caps the CPU).
 
     Raises:
-        ValueError: ``form`` is not one of :data:`FORMS`.
+        ValueError: ``form`` is not one of :data:`FORMS` or :data:`INT8_FORM`.
     """
+    if form == INT8_FORM:
+        form = "avx2"
     if form not in FORMS:
-        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        raise ValueError(f"form must be one of {(*FORMS, INT8_FORM)}, got {form!r}")
     if form == "amx":
         return prefill_amx_supported()
     try:
@@ -142,20 +152,20 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, rows: Paged
     """Causal attention of every new token over its sequence's context in the pool.
 
     Args:
-        q: shape = [num_tokens, num_heads, head_dim] bf16 (float32: the "avx2" form only), RoPE applied,
+        q: shape = [num_tokens, num_heads, head_dim] bf16 (float32: the "avx2" forms only), RoPE applied,
             sequences laid out in ``rows``' order.
         kv_cache: one layer's pool, shape = [2, num_blocks, block_size, num_kv_heads, head_dim] of q's
             dtype, the step's K/V already written.
-        rows: the step's :class:`PagedRows` (a window: the "avx2" form only).
+        rows: the step's :class:`PagedRows` (a window: the "avx2" forms only).
         scale: softmax scale.
-        form: one of :data:`FORMS`; None: :func:`kernel_form` for q's dtype and the window (tests and
-            benchmarks name one to compare the forms).
+        form: one of :data:`FORMS` or :data:`INT8_FORM`; None: :func:`kernel_form` for q's dtype and the window
+            (a model names its own; tests and benchmarks name one to compare the forms).
 
     Returns:
         shape = [num_tokens, num_heads, head_dim], q's dtype.
 
     Raises:
-        ValueError: ``form`` is not one of :data:`FORMS`, or is not "avx2" with a float32 q or a window.
+        ValueError: ``form`` is not one of :data:`FORMS` or :data:`INT8_FORM`, or takes no float32 q or window.
         RuntimeError: shapes or dtypes the kernel doesn't take, a block id outside the pool, or a form this
             CPU can't run.
     """
@@ -164,15 +174,15 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, rows: Paged
         raise RuntimeError("no form of the paged prompt-attention kernel runs on this CPU for this pool (it needs "
                            "AVX2, FMA and F16C, or AVX512-BF16 for a bf16 pool without a window, and its extension "
                            "built); prefill_kernel_supported() says so first")
-    if form not in FORMS:
-        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-    if form != "avx2" and (q.dtype != torch.bfloat16 or rows.window > 0):
-        raise ValueError(f"form {form!r} takes a bf16 pool without a window; the 'avx2' form takes float32 pools and "
+    if form not in FORMS and form != INT8_FORM:
+        raise ValueError(f"form must be one of {(*FORMS, INT8_FORM)}, got {form!r}")
+    if form not in ("avx2", INT8_FORM) and (q.dtype != torch.bfloat16 or rows.window > 0):
+        raise ValueError(f"form {form!r} takes a bf16 pool without a window; the 'avx2' forms take float32 pools and "
                          "sliding windows")
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     slots = (num_blocks * block_size, num_kv_heads, head_dim)
     args = (q.contiguous(), kv_cache[0].view(slots), kv_cache[1].view(slots), rows.block_table, rows.query_start,
             rows.num_computed, block_size, scale)
-    if form == "avx2":
-        return load_avx2_kernels().paged_prefill_attention_avx2(*args, rows.window)
+    if form in ("avx2", INT8_FORM):
+        return load_avx2_kernels().paged_prefill_attention_avx2(*args, rows.window, form == INT8_FORM)
     return load_cpu_kernels().paged_prefill_attention(*args, form == "amx")

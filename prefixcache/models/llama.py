@@ -17,6 +17,7 @@ from torch import nn
 
 from prefixcache.config import W8A8_FORMATS
 from prefixcache.kernels.prefill_attention import kernel_form, paged_prefill_attention, prefill_kernel_supported
+from prefixcache.layers.attention.attention_dtype import AttentionDtypeModel
 from prefixcache.kernels.prompt_ops import add_rms_norm, rope_write_kv, silu_mul
 from prefixcache.layers.attention.metadata import (AttentionMetadata, build_attention_metadata,
                                                    torch_attention_batch_invariant)
@@ -80,7 +81,7 @@ class LlamaAttention(nn.Module):
             out = self._attend(x, cos_sin, kv_cache, md, lora)
         else:
             q = rope_write_kv(qkv, *cos_sin, kv_cache, md.slot_mapping, self.num_heads, self.num_kv_heads)
-            out = paged_prefill_attention(q, kv_cache, md.paged, self.attn.scale).view(x.shape[0], -1)
+            out = paged_prefill_attention(q, kv_cache, md.paged, self.attn.scale, self.attn.kernel_form).view(x.shape[0], -1)
         return self.o.tiles(out, lora)
 
     def _attend(self, hidden_states: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
@@ -264,7 +265,7 @@ class LlamaModel(nn.Module):
         return out.index_copy_(0, gen.token_indices, self.decode_layers.final_norm(gen_hidden))
 
 
-class LlamaForCausalLM(StackedLinearModel, nn.Module):
+class LlamaForCausalLM(StackedLinearModel, AttentionDtypeModel, nn.Module):
     """Causal LM for Llama, Qwen2 and Qwen3 checkpoints.
 
     Args:
@@ -446,18 +447,36 @@ class LlamaForCausalLM(StackedLinearModel, nn.Module):
         :mod:`prefixcache.layers.attention`. A float32 pool (float32 + int8) keeps torch's padded path where
         that is batch-invariant (MKL's AVX-512 path: :func:`torch_attention_batch_invariant`), which is the
         faster there on a cold prompt (``benchmarks/prefill_attention.py --dtype float32``), and takes the
-        kernel where it isn't (AVX2-only CPUs). The two round differently, so the cache key names the one in use
+        kernel where it isn't (AVX2-only CPUs); with ``attention_dtype="int8"`` it always takes the kernel (its
+        AVX2 form's int8 products). The paths round differently, so the cache key names the one in use
         (``attention.numerics.kv_numerics``)."""
         cfg = self.config
         dtype = self.lm_head.weight.dtype
+        int8 = self.attention_dtype == "int8"
         return (self.batch_invariant and self.lm_head.weight.device.type == "cpu"
-                and prefill_kernel_supported(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype)
-                and (dtype == torch.bfloat16 or not torch_attention_batch_invariant()))
+                and prefill_kernel_supported(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype,
+                                             int8=int8)
+                and (dtype == torch.bfloat16 or int8 or not torch_attention_batch_invariant()))
+
+    def int8_attention_unavailable_reason(self) -> str | None:
+        """Why ``attention_dtype="int8"`` can't run (None: it can): it runs on the paged kernel, which takes a
+        batch-invariant format only, in its AVX2 form."""
+        cfg = self.config
+        if not self.batch_invariant:
+            return ("runs on the paged kernel, which a float32 model without int8 weights doesn't take (its GEMMs "
+                    "round by batch size): give --dtype bfloat16 or --quantization int8 too")
+        if self.lm_head.weight.device.type != "cpu" or not prefill_kernel_supported(
+                cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self.lm_head.weight.dtype, int8=True):
+            return ("needs the paged kernel's AVX2 form: a CPU with AVX2, FMA and F16C (and its extension built), "
+                    "head_dim a multiple of 32 up to 256, at most 48 query heads per KV head")
+        return None
 
     @property
     def paged_attention_form(self) -> str | None:
-        """The paged kernel's form this model runs (``kernel_form`` of its dtype), None off the kernel."""
-        return kernel_form(self.lm_head.weight.dtype) if self.paged_attention else None
+        """The paged kernel's form this model runs (``kernel_form`` of its dtype and attention_dtype), None off
+        the kernel."""
+        return (kernel_form(self.lm_head.weight.dtype, int8=self.attention_dtype == "int8")
+                if self.paged_attention else None)
 
     @property
     def fuses_prompt_ops(self) -> bool:

@@ -309,6 +309,7 @@ def load_model(
     home: Path | None = None,
     quantization: str = "none",
     keep_float_weights: bool = True,
+    attention_dtype: str = "float",
 ) -> LoadedModel:
     """Loads a model for inference.
 
@@ -324,6 +325,8 @@ def load_model(
             reads once its copies are derived (``LlamaForCausalLM.release_float_weights``: each weight
             held once; the engine's load). True keeps them, so the model can be quantized again to
             another format or take a partial weight update.
+        attention_dtype: ``"float"`` or ``"int8"``: the prompt attention's products
+            (:mod:`prefixcache.layers.attention.attention_dtype`).
 
     Returns:
         The loaded model and its metadata.
@@ -359,6 +362,7 @@ def load_model(
             raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {e}") from e
         net.calibration_ids = list(tokenizer(CALIBRATION_TEXT).input_ids)  # int8's smoothing
     net.quantize(quantization)
+    net.set_attention_dtype(attention_dtype)  # after quantize: int8 attention needs a batch-invariant format
     if not keep_float_weights and hasattr(net, "release_float_weights"):
         net.release_float_weights()
     net.eval()

@@ -202,12 +202,15 @@ def test_the_quality_table():
     result = {"float32": {"perplexity": 21.567, "num_text_tokens": 2699, "identical_prompts": 10, "num_prompts": 10,
                           "mean_matching_prefix": 1.0},
               "int4-int8": {"perplexity": 21.647, "num_text_tokens": 2699, "identical_prompts": 3, "num_prompts": 10,
-                            "mean_matching_prefix": 0.54, "generated_rows_perplexity": 21.604}}
+                            "mean_matching_prefix": 0.54, "generated_rows_perplexity": 21.604},
+              "bfloat16+int8-attention": {"perplexity": 21.494, "num_text_tokens": 2699, "identical_prompts": 4,
+                                          "num_prompts": 10, "mean_matching_prefix": 0.66}}
     md = quality.quality_markdown(result, 32)
     assert md.startswith("Perplexity of the bench's 2,699-token RAG document")
-    assert "| float32 (float32 / none) | 21.567 | 10 / 10 | 100% |\n" in md
-    assert ("| int4-int8 (bfloat16 / int4-int8) | 21.647 (+0.37%) as prompt rows, 21.604 as generated rows | 3 / 10 "
-            "| 54% |\n") in md
+    assert "| float32 (float32 / none / float) | 21.567 | 10 / 10 | 100% |\n" in md
+    assert ("| int4-int8 (bfloat16 / int4-int8 / float) | 21.647 (+0.37%) as prompt rows, 21.604 as generated rows "
+            "| 3 / 10 | 54% |\n") in md
+    assert "| bfloat16+int8-attention (bfloat16 / none / int8) | 21.494 (-0.34%) | 4 / 10 | 66% |\n" in md
 
 
 def test_the_soak_table():

@@ -318,7 +318,7 @@ def test_on_the_paged_kernel_cache_on_equals_cache_off_equals_transformers_to_th
     windows = []
     real = prefill_attention.paged_prefill_attention
     monkeypatch.setattr("prefixcache.layers.attention.torch_attention.paged_prefill_attention",
-                        lambda q, kv, rows, scale: windows.append(rows.window) or real(q, kv, rows, scale))
+                        lambda q, kv, rows, scale, form=None: windows.append(rows.window) or real(q, kv, rows, scale, form))
     prompts = [PREFIX + tail for tail in TAILS]
     outs_on = [run(on, p) for p in prompts]
     outs_off = [run(off, p) for p in prompts]

@@ -23,7 +23,7 @@ void bind_int8_vnni(pybind11::module& m);  // int8_gemm_vnni.cpp: its functions 
 at::Tensor paged_prefill_attention_avx2(const at::Tensor& q, const at::Tensor& k_slots, const at::Tensor& v_slots,
                                         const at::Tensor& block_table, const at::Tensor& query_start,
                                         const at::Tensor& num_computed, int64_t block_size, double scale,
-                                        int64_t window);
+                                        int64_t window, bool int8);
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -32,7 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_int8_vnni(m);
   m.def("paged_prefill_attention_avx2", &paged_prefill_attention_avx2,
         "prompt rows' causal attention over the paged pool, bf16 or float32, an optional sliding window; "
-        "float32 FMAs (prefill_attention_avx2.cpp)");
+        "float32 FMAs, or int8 products where int8 (prefill_attention_avx2.cpp)");
 #endif
   bind_shared_kernels(m, PREFIXCACHE_BUILD_ISA, "its float32 form", "the same (the only form of this build)");
 }

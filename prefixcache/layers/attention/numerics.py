@@ -7,8 +7,9 @@ faster than the padded flash calls, as ``benchmarks/prefill_attention.py`` compa
 calls padded as :mod:`prefixcache.layers.attention.metadata` says (float32 without int8, head shapes the
 kernel doesn't take, CPUs without AVX2). The cache key names which one computed the K/V
 (:func:`kv_numerics`), and the kernel's form: AMX tiles on a CPU with AMX-BF16, float32 FMAs on one with
-AVX2 but no AVX512-BF16 (:func:`prefixcache.kernels.prefill_attention.prefill_form`), and the float32 FMA
-form wherever a float32 pool or a sliding window needs it (:func:`prefixcache.kernels.prefill_attention.kernel_form`).
+AVX2 but no AVX512-BF16 (:func:`prefixcache.kernels.prefill_attention.prefill_form`), the float32 FMA
+form wherever a float32 pool or a sliding window needs it (:func:`prefixcache.kernels.prefill_attention.kernel_form`),
+and its int8 products where a model asks for them (``attention_dtype="int8"``).
 """
 
 from prefixcache.kernels.amx_gemm import amx_gemm_supported
@@ -31,7 +32,11 @@ PAGED_ATTENTION_NUMERICS = "paged-attention:keys32-exp2|gemm-rows:2+"
 PAGED_AMX_NUMERICS = "|prompt-products:amx-tiles|softmax:exp2-floor"
 # added where it runs its AVX2 form (prefill_form() == "avx2"): float32 FMAs in dim and key order, p in float32
 PAGED_AVX2_NUMERICS = "|prompt-products:avx2-fp32"
-_FORM_NUMERICS = {"amx": PAGED_AMX_NUMERICS, "avx512": "", "avx2": PAGED_AVX2_NUMERICS}
+# added where it runs the AVX2 form's int8 products (attention_dtype "int8"): q to 7 bits and K to 8 per row,
+# p * v_scale to 7 bits per row and 32-key block, V to 8 bits per row, exact int32 sums
+PAGED_AVX2_INT8_NUMERICS = "|prompt-products:avx2-int8-q7k8-w7v8"
+_FORM_NUMERICS = {"amx": PAGED_AMX_NUMERICS, "avx512": "", "avx2": PAGED_AVX2_NUMERICS,
+                  prefill_attention.INT8_FORM: PAGED_AVX2_INT8_NUMERICS}
 # added where a bf16 model's prepacked linear layers run on our AMX kernel (amx_gemm.amx_gemm_supported)
 AMX_GEMM_NUMERICS = "|gemm:amx-tiles-k32"
 

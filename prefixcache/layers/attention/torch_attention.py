@@ -38,6 +38,10 @@ class Attention(nn.Module):
         num_kv_heads: KV heads; divides num_heads.
         head_dim: Dimension per head.
         scale: Softmax scale, usually 1 / sqrt(head_dim).
+
+    Attributes:
+        kernel_form: the paged kernel's form this layer runs (the model sets it: its ``attention_dtype``); None:
+            :func:`~prefixcache.kernels.prefill_attention.kernel_form` of the pool's dtype and window.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -46,6 +50,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.kernel_form: str | None = None
 
     def forward(
         self,
@@ -74,7 +79,7 @@ class Attention(nn.Module):
         kv_cache[0].view(slots_shape).index_copy_(0, md.slot_mapping, k)  # view: [num_slots, kv_heads, head_dim]
         kv_cache[1].view(slots_shape).index_copy_(0, md.slot_mapping, v)  # view: [num_slots, kv_heads, head_dim]
         if md.paged is not None:  # our kernel, every row in one call
-            return paged_prefill_attention(q, kv_cache, md.paged, self.scale).view(num_tokens, -1)
+            return paged_prefill_attention(q, kv_cache, md.paged, self.scale, self.kernel_form).view(num_tokens, -1)
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
 
         if not md.prefills:  # decode-only batch: the decodes are the whole batch, in order
