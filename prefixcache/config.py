@@ -116,7 +116,7 @@ class EngineConfig(CacheConfig, SchedulerConfig):
     attention_dtype: str = field(default="float", metadata={
         "help": "the prompt attention's products: float (the KV dtype's, float32 sums) or int8 (q, K, p and V "
                 "rounded to int8 with per-row scales, exact integer sums, on the paged kernel's AVX2 form: about "
-                "1.3x faster attention on AVX2 CPUs for a small quality cost; bfloat16 or an int8 format; "
+                "1.4x faster attention on AVX2 CPUs for a small quality cost; bfloat16 or an int8 format; "
                 "docs/weight-formats-and-kernels.md)", "choices": ATTENTION_DTYPES})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: CUDA if present)"})
     num_blocks: int | None = field(default=None, metadata={
