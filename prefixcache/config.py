@@ -117,7 +117,8 @@ class EngineConfig(CacheConfig, SchedulerConfig):
         "help": "the prompt attention's products: float (the KV dtype's, float32 sums) or int8 (q, K, p and V "
                 "rounded to int8 with per-row scales, exact integer sums, on the paged kernel's AVX2 form: about "
                 "1.4x faster attention on AVX2 CPUs for a small quality cost; bfloat16 or an int8 format; "
-                "docs/weight-formats-and-kernels.md)", "choices": ATTENTION_DTYPES})
+                "docs/weight-formats-and-kernels.md); auto: int8 where the CPU has AVX2 but no AVX512-BF16 and the "
+                "format runs on that kernel, else float", "choices": ("auto", *ATTENTION_DTYPES), "cli_default": "auto"})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: CUDA if present)"})
     num_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks; overrides --kv-cache-memory"})
@@ -139,6 +140,8 @@ class EngineConfig(CacheConfig, SchedulerConfig):
                                    else auto_format(self.dtype, self.quantization))
             object.__setattr__(self, "dtype", self.dtype if self.dtype != "auto" else dtype)
             object.__setattr__(self, "quantization", self.quantization if self.quantization != "auto" else quantization)
+        if self.attention_dtype == "auto":  # after the format: it decides whether the paged kernel runs
+            object.__setattr__(self, "attention_dtype", self._auto_attention_dtype())
 
     def _on_cpu(self) -> bool:
         """Whether the model runs on the CPU (``device`` cpu, or None on a machine without CUDA)."""
@@ -195,12 +198,23 @@ class EngineConfig(CacheConfig, SchedulerConfig):
         if reason is not None and self._on_cpu():  # device None: "CUDA if present", where the CPU doesn't matter
             raise InvalidInputError(reason.split("=", 1)[0], reason)
 
+    def _auto_attention_dtype(self) -> str:
+        """``attention_dtype="auto"``: int8 where a prompt's attention runs the paged kernel's AVX2 form anyway (a
+        CPU with AVX2, FMA and F16C but no AVX512-BF16, as ``PREFIXCACHE_KERNELS`` caps it) and the format takes
+        that kernel (bfloat16, or int8 weights; not a model kept in float32): there its int8 products are the faster
+        (0.90x the cold and warm TTFT of float attention in bfloat16 + int4-int8), within the quality table's 1 %
+        (docs/benchmarks.md); float elsewhere (AMX and AVX512-BF16 CPUs run faster bf16 forms)."""
+        on_kernel = self.dtype == "bfloat16" or self.quantization in ("int8", "int4-int8")
+        avx2_form = cpu_has(*TIERS["avx2"]) and not cpu_has("avx512_bf16")
+        wanted = on_kernel and avx2_form and self.model not in FLOAT32_ONLY_MODELS
+        return "int8" if wanted and self._on_cpu() else "float"
+
     def _check_attention_dtype_runs_here(self) -> None:
         """``attention_dtype="int8"`` where it can't run is refused before the model loads, as the model would
         refuse it (``AttentionDtypeModel.set_attention_dtype``; the head shape is checked there)."""
         if self.attention_dtype != "int8":
             return
-        if not self._on_cpu() or (self.device or "cpu").split(":")[0] != "cpu":
+        if not self._on_cpu():
             raise InvalidInputError("attention_dtype", "attention_dtype='int8' runs on the CPU's paged kernel only; "
                                                        "use attention_dtype='float' on another device")
         if self.dtype == "float32" and self.quantization == "none":

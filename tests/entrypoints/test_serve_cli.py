@@ -525,12 +525,15 @@ def test_serve_logs_what_it_serves_then_the_url_then_each_request():
     log = s.stderr
     u = r.json()["usage"]
     dtype, quantization = auto_format("auto", "auto")  # serve's default format: this CPU's choice
+    attention = EngineConfig(dtype=dtype, quantization=quantization, attention_dtype="auto").attention_dtype
     per_block = 737_280 // (2 if dtype == "bfloat16" else 1)  # SmolLM2: 30 layers, K and V, 3 KV heads of 64, 16 tokens
     expected = [
-        f"INFO:     format: --dtype auto --quantization auto chose {dtype} + {quantization} for this CPU (cpu: ",
+        f"INFO:     format: --dtype auto --quantization auto --attention-dtype auto chose {dtype} + {quantization}, "
+        f"{attention} attention for this CPU (cpu: ",
         "INFO:     loading model smollm2-135m ...",
         "INFO:     model smollm2-135m (",
-        f"INFO:     dtype {dtype}, quantization {quantization}, device cpu, 1 thread",
+        f"INFO:     dtype {dtype}, quantization {quantization}" + (", attention int8" if attention == "int8" else "")
+        + ", device cpu, 1 thread",
         f"INFO:     KV pool 64 blocks x 16 tokens = 1024 tokens, {64 * per_block / 2**20:.1f} MiB ({per_block} bytes "
         "per block); max model len 1024 tokens",
         "INFO:     prefix caching on (hash xxh64, eviction lru, partial-block reuse on)",

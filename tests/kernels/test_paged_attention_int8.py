@@ -120,3 +120,22 @@ def test_the_config_refuses_int8_attention_where_it_cant_run(options, match):
         EngineConfig.from_kwargs(attention_dtype="fp8", dtype="bfloat16", quantization="none")
     EngineConfig.from_kwargs(attention_dtype="int8", dtype="bfloat16", quantization="none")
     EngineConfig.from_kwargs(attention_dtype="int8", dtype="float32", quantization="int8")
+
+
+@pytest.mark.parametrize(("features", "fmt", "expected"), [
+    ({"avx2", "fma", "f16c"}, ("bfloat16", "int4-int8"), "int8"),  # a Zen 3: the AVX2 form runs anyway
+    ({"avx2", "fma", "f16c"}, ("float32", "int8"), "int8"),
+    ({"avx2", "fma", "f16c"}, ("float32", "none"), "float"),  # not on the paged kernel
+    ({"avx2", "fma", "f16c", "avx512_bf16"}, ("bfloat16", "int4-int8"), "float"),  # a faster bf16 form runs
+    (set(), ("bfloat16", "int4"), "float"),
+])
+def test_auto_picks_int8_where_the_avx2_form_runs_anyway(monkeypatch, features, fmt, expected):
+    import prefixcache.config as config
+
+    monkeypatch.setattr(config, "cpu_has", lambda *names: set(names) <= features)
+    dtype, quantization = fmt
+    assert EngineConfig(dtype=dtype, quantization=quantization, attention_dtype="auto",
+                        device="cpu").attention_dtype == expected
+    assert EngineConfig(model="gemma3-270m", dtype=dtype, quantization=quantization, attention_dtype="auto",
+                        device="cpu").attention_dtype == "float"  # a model kept in float32 by auto: not measured
+    assert EngineConfig(dtype=dtype, quantization=quantization, device="cpu").attention_dtype == "float"  # the API's

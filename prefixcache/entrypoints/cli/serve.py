@@ -440,7 +440,8 @@ def run_cli(args: argparse.Namespace) -> int:
     from prefixcache.entrypoints.openai.launcher import bind_socket, serve_http
 
     threads_note = choose_num_threads(args)
-    auto_flags = " ".join(f"--{name} auto" for name in ("dtype", "quantization") if getattr(args, name) == "auto")
+    auto_flags = " ".join(f"--{name.replace('_', '-')} auto" for name in ("dtype", "quantization", "attention_dtype")
+                          if getattr(args, name, None) == "auto")
     s = check_serve_args(args)
     if s.api_keys and not args.tenant_isolation:
         print("prefixcache serve: tenant API keys authenticate, but without --tenant-isolation all tenants "
@@ -457,9 +458,9 @@ def run_cli(args: argparse.Namespace) -> int:
             if threads_note:
                 logger.info("%s", threads_note)
             if auto_flags:
-                logger.info("format: %s chose %s + %s for this CPU (%s; --dtype float32 --quantization none for "
-                            "transformers' exact numbers)", auto_flags, s.config.dtype, s.config.quantization,
-                            describe_cpu())
+                logger.info("format: %s chose %s + %s, %s attention for this CPU (%s; --dtype float32 --quantization "
+                            "none --attention-dtype float for transformers' exact numbers)", auto_flags, s.config.dtype,
+                            s.config.quantization, s.config.attention_dtype, describe_cpu())
             logger.info("loading model %s ...", s.config.model)
             engine = LLMEngine(s.config)
             log_startup(engine)
