@@ -119,7 +119,7 @@ class InputProcessor:
         model = self.loaded.model
         paged = model.paged_attention
         # the paged kernel's forms (a model with sliding-window layers runs them on another) and its fused ops
-        forms = (model.paged_attention_form, getattr(model, "sliding_attention_form", None), model.fuses_prompt_ops)
+        forms = (model.paged_attention_form, model.sliding_attention_form, model.fuses_prompt_ops)
         quantization_key = model.quantization_key  # int8's smoothing and its calibration
         numerics_key = model.numerics_key  # a model's attention rules (e.g. a sliding window)
         memo = (self.loaded.fingerprint + self.loaded.quantization.encode() + bytes([paged]) + repr(forms).encode()

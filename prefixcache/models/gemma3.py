@@ -55,8 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixcache.kernels.prefill_attention import kernel_form, prefill_kernel_supported
-from prefixcache.layers.attention.attention_dtype import AttentionDtypeModel
+from prefixcache.layers.attention.attention_dtype import PagedAttentionModel
 from prefixcache.layers.attention.metadata import AttentionMetadata, torch_attention_batch_invariant
 from prefixcache.layers.attention.torch_attention import Attention
 from prefixcache.layers.grouped_attention import GroupedAttentionMetadata
@@ -194,7 +193,7 @@ class Gemma3Model(nn.Module):
         return self.norm(hidden)
 
 
-class Gemma3ForCausalLM(StackedLinearModel, AttentionDtypeModel, nn.Module):
+class Gemma3ForCausalLM(StackedLinearModel, PagedAttentionModel, nn.Module):
     """Causal LM for Gemma 3 text checkpoints (the weight formats of the module docstring, no LoRA).
 
     Class attributes: ``uses_kv_cache_groups`` (the runner passes per-group metadata, local layers
@@ -311,42 +310,12 @@ class Gemma3ForCausalLM(StackedLinearModel, AttentionDtypeModel, nn.Module):
         torch's flash kernel with the padding of :mod:`prefixcache.layers.attention`, batch-invariant there and
         the faster on AVX-512 CPUs for a window (``benchmarks/prefill_attention.py --window 512``). The cache key
         names the forms (``attention.numerics.kv_numerics``)."""
-        cfg = self.config
-        dtype = self.model.embed_tokens.weight.dtype
-        shape = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        int8 = self.attention_dtype == "int8"
-        return (self.model.embed_tokens.weight.device.type == "cpu" and (int8 or not torch_attention_batch_invariant())
-                and prefill_kernel_supported(*shape, dtype, windowed=self._has_sliding_layers, int8=int8)
-                and prefill_kernel_supported(*shape, dtype, int8=int8))
-
-    def int8_attention_unavailable_reason(self) -> str | None:
-        """Why ``attention_dtype="int8"`` can't run (None: it can): it needs the paged kernel's AVX2 form."""
-        cfg = self.config
-        if self.model.embed_tokens.weight.device.type != "cpu" or not prefill_kernel_supported(
-                cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self.model.embed_tokens.weight.dtype,
-                int8=True):
-            return ("needs the paged kernel's AVX2 form: a CPU with AVX2, FMA and F16C (and its extension built), "
-                    "head_dim a multiple of 32 up to 256, at most 48 query heads per KV head")
-        return None
+        return ((self.attention_dtype == "int8" or not torch_attention_batch_invariant())
+                and self._kernel_supported(windowed=self.has_sliding_layers) and self._kernel_supported())
 
     @property
-    def _has_sliding_layers(self) -> bool:
+    def has_sliding_layers(self) -> bool:
         return any(layer.is_sliding for layer in self.model.layers)
-
-    @property
-    def paged_attention_form(self) -> str | None:
-        """The paged kernel's form of its global layers (``kernel_form`` of its dtype and attention_dtype; for
-        bf16 floats this machine's fastest), None off the kernel."""
-        return (kernel_form(self.model.embed_tokens.weight.dtype, int8=self.attention_dtype == "int8")
-                if self.paged_attention else None)
-
-    @property
-    def sliding_attention_form(self) -> str | None:
-        """The form of its sliding-window layers ("avx2", the form that masks a window, or its int8 products),
-        None off the kernel or without such layers."""
-        if not (self.paged_attention and self._has_sliding_layers):
-            return None
-        return kernel_form(self.model.embed_tokens.weight.dtype, windowed=True, int8=self.attention_dtype == "int8")
 
     @property
     def fuses_prompt_ops(self) -> bool:

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.config import W8A8_FORMATS
-from prefixcache.kernels.prefill_attention import kernel_form, paged_prefill_attention, prefill_kernel_supported
-from prefixcache.layers.attention.attention_dtype import AttentionDtypeModel
+from prefixcache.kernels.prefill_attention import paged_prefill_attention
+from prefixcache.layers.attention.attention_dtype import PagedAttentionModel
 from prefixcache.kernels.prompt_ops import add_rms_norm, rope_write_kv, silu_mul
 from prefixcache.layers.attention.metadata import (AttentionMetadata, build_attention_metadata,
                                                    torch_attention_batch_invariant)
@@ -265,7 +265,7 @@ class LlamaModel(nn.Module):
         return out.index_copy_(0, gen.token_indices, self.decode_layers.final_norm(gen_hidden))
 
 
-class LlamaForCausalLM(StackedLinearModel, AttentionDtypeModel, nn.Module):
+class LlamaForCausalLM(StackedLinearModel, PagedAttentionModel, nn.Module):
     """Causal LM for Llama, Qwen2 and Qwen3 checkpoints.
 
     Args:
@@ -450,33 +450,9 @@ class LlamaForCausalLM(StackedLinearModel, AttentionDtypeModel, nn.Module):
         kernel where it isn't (AVX2-only CPUs); with ``attention_dtype="int8"`` it always takes the kernel (its
         AVX2 form's int8 products). The paths round differently, so the cache key names the one in use
         (``attention.numerics.kv_numerics``)."""
-        cfg = self.config
         dtype = self.lm_head.weight.dtype
-        int8 = self.attention_dtype == "int8"
-        return (self.batch_invariant and self.lm_head.weight.device.type == "cpu"
-                and prefill_kernel_supported(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype,
-                                             int8=int8)
-                and (dtype == torch.bfloat16 or int8 or not torch_attention_batch_invariant()))
-
-    def int8_attention_unavailable_reason(self) -> str | None:
-        """Why ``attention_dtype="int8"`` can't run (None: it can): it runs on the paged kernel, which takes a
-        batch-invariant format only, in its AVX2 form."""
-        cfg = self.config
-        if not self.batch_invariant:
-            return ("runs on the paged kernel, which a float32 model without int8 weights doesn't take (its GEMMs "
-                    "round by batch size): give --dtype bfloat16 or --quantization int8 too")
-        if self.lm_head.weight.device.type != "cpu" or not prefill_kernel_supported(
-                cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self.lm_head.weight.dtype, int8=True):
-            return ("needs the paged kernel's AVX2 form: a CPU with AVX2, FMA and F16C (and its extension built), "
-                    "head_dim a multiple of 32 up to 256, at most 48 query heads per KV head")
-        return None
-
-    @property
-    def paged_attention_form(self) -> str | None:
-        """The paged kernel's form this model runs (``kernel_form`` of its dtype and attention_dtype), None off
-        the kernel."""
-        return (kernel_form(self.lm_head.weight.dtype, int8=self.attention_dtype == "int8")
-                if self.paged_attention else None)
+        return (self.batch_invariant and self._kernel_supported()
+                and (dtype == torch.bfloat16 or self.attention_dtype == "int8" or not torch_attention_batch_invariant()))
 
     @property
     def fuses_prompt_ops(self) -> bool:

@@ -139,3 +139,18 @@ def test_auto_picks_int8_where_the_avx2_form_runs_anyway(monkeypatch, features, 
     assert EngineConfig(model="gemma3-270m", dtype=dtype, quantization=quantization, attention_dtype="auto",
                         device="cpu").attention_dtype == "float"  # a model kept in float32 by auto: not measured
     assert EngineConfig(dtype=dtype, quantization=quantization, device="cpu").attention_dtype == "float"  # the API's
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("last", [False, True])
+def test_a_nan_v_row_at_a_key_a_row_does_not_see_leaves_its_bits(dtype, last):
+    """A NaN V row at key 50 (a later position for rows 48 and 49, in their 32-key block: p = 0 there) makes the
+    rows that see it NaN and no other: rows 0..49 keep the bits a 50-token chunk (which doesn't hold key 50) gives
+    them, whether key 50 is the block's last key in the call (``last``: a 51-token prefill) or not."""
+    pool = Pool(9, 3, 64, dtype=dtype)
+    clean = pool.run([(0, 0, 50)], form=INT8_FORM)
+    flat = pool.pool.view(2, -1, 3, 64)
+    flat[1, pool.tables[0][50 // BLOCK] * BLOCK + 50 % BLOCK] = float("nan")
+    out = pool.run([(0, 0, 51 if last else 100)], form=INT8_FORM)
+    assert torch.equal(out[:50], clean)
+    assert out[50:].isnan().all()

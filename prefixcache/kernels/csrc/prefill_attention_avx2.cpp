@@ -397,18 +397,52 @@ struct ScoresI8 {
   }
 };
 
-// After the block's softmax of row vector v (p in b.s): w = p * v_scale rounded to w8 (keys nk .. the next
-// multiple of 4: 0); returns w's scale, max w / 127 (max floored at kWFloor); `zero`: lanes with max w = 0, whose o
-// the products leave as it is; `bad` gains lanes where a visible key's V row had a NaN or infinity.
-inline __m256 quantize_w(Buffers& b, int base, int64_t nk, __m256& zero, __m256& bad) {
-  __m256 wmax = _mm256_setzero_ps();
+// Softmax of the block for row vector v: running max m and sum l, p over the scores in place; returns alpha.
+// `bad` collects the lanes with a NaN or +inf score at a visible key (masked keys are -inf): their output is
+// NaN, as float attention's would be, in every tiling. W (the int8 form): stores w = p * v_scale instead of p,
+// with its maximum over the block in *w_max, and lanes that see a key whose V row has a NaN or infinity into `bad`.
+template <bool W = false>
+inline __m256 softmax_block(Buffers& b, int base, int64_t nk, __m256& m, __m256& l, __m256& bad,
+                            __m256* w_max = nullptr) {
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 pos_inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  __m256 mb = neg_inf;
   for (int64_t j = 0; j < nk; ++j) {
-    const __m256 w = _mm256_mul_ps(_mm256_load_ps(&b.s[j][base]), _mm256_set1_ps(b.v_scale[j]));
-    bad = _mm256_or_ps(bad, _mm256_cmp_ps(w, w, _CMP_UNORD_Q));  // p > 0 at a key whose V scale is NaN
-    wmax = _mm256_max_ps(wmax, w);
+    const __m256 sj = _mm256_load_ps(&b.s[j][base]);
+    bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(sj, sj, _CMP_UNORD_Q), _mm256_cmp_ps(sj, pos_inf, _CMP_EQ_OQ)));
+    mb = _mm256_max_ps(mb, sj);
   }
-  zero = _mm256_cmp_ps(wmax, _mm256_setzero_ps(), _CMP_EQ_OQ);
-  const __m256 floor = _mm256_max_ps(wmax, _mm256_set1_ps(kWFloor));
+  const __m256 m_new = _mm256_max_ps(m, mb);
+  const __m256 alpha = exp2_8(_mm256_sub_ps(m, m_new));  // m = -inf (first block): 2^-126, times o = l = 0
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < nk; ++j) {
+    const __m256 sj = _mm256_load_ps(&b.s[j][base]);
+    const __m256 pj = _mm256_and_ps(_mm256_cmp_ps(sj, neg_inf, _CMP_NEQ_OQ), exp2_8(_mm256_sub_ps(sj, m_new)));
+    sum = _mm256_add_ps(sum, pj);
+    if constexpr (W) {
+      const __m256 w = _mm256_mul_ps(pj, _mm256_set1_ps(b.v_scale[j]));
+      // p > 0 at a key whose V scale is NaN (a NaN or infinity in its V row); a key the row doesn't see (p = 0: a
+      // later position, or before its window) changes nothing, so its bits don't depend on which later keys the
+      // call holds (a NaN w rounds to w8 = 0 in quantize_w)
+      bad = _mm256_or_ps(bad, _mm256_and_ps(_mm256_cmp_ps(w, w, _CMP_UNORD_Q),
+                                            _mm256_cmp_ps(pj, _mm256_setzero_ps(), _CMP_GT_OQ)));
+      *w_max = _mm256_max_ps(w, *w_max);  // a NaN w leaves it as it is (maxps returns its second operand then)
+      _mm256_store_ps(&b.s[j][base], w);
+    } else {
+      _mm256_store_ps(&b.s[j][base], pj);
+    }
+  }
+  l = _mm256_add_ps(_mm256_mul_ps(l, alpha), sum);
+  m = m_new;
+  return alpha;
+}
+
+// After the block's softmax of row vector v (w = p * v_scale in b.s, its maximum w_max): w rounded to w8 (keys
+// nk .. the next multiple of 4: 0); returns w's scale, max w / 127 (max floored at kWFloor); `zero`: lanes with
+// max w = 0, whose o the products leave as it is.
+inline __m256 quantize_w(Buffers& b, int base, int64_t nk, __m256 w_max, __m256& zero) {
+  zero = _mm256_cmp_ps(w_max, _mm256_setzero_ps(), _CMP_EQ_OQ);
+  const __m256 floor = _mm256_max_ps(w_max, _mm256_set1_ps(kWFloor));
   const __m256 inv = _mm256_div_ps(_mm256_set1_ps(127.f), floor);
   const __m256i zeros = _mm256_setzero_si256();
   for (int64_t g = 0; g < (nk + 3) / 4; ++g) {
@@ -416,7 +450,7 @@ inline __m256 quantize_w(Buffers& b, int base, int64_t nk, __m256& zero, __m256&
     for (int t = 0; t < 4; ++t) {
       const int64_t j = 4 * g + t;
       if (j >= nk) break;
-      const __m256 w = _mm256_mul_ps(_mm256_load_ps(&b.s[j][base]), _mm256_set1_ps(b.v_scale[j]));
+      const __m256 w = _mm256_load_ps(&b.s[j][base]);
       const __m256i w8 = _mm256_max_epi32(zeros, _mm256_cvtps_epi32(_mm256_mul_ps(w, inv)));  // NaN lanes: 0
       packed = _mm256_or_si256(packed, _mm256_slli_epi32(_mm256_min_epi32(w8, _mm256_set1_epi32(127)), 8 * t));
     }
@@ -474,31 +508,6 @@ void over_row_pairs(int v0, int v1, A&&... args) {
   }
 }
 
-// Softmax of the block for row vector v: running max m and sum l, p over the scores in place; returns alpha.
-// `bad` collects the lanes with a NaN or +inf score at a visible key (masked keys are -inf): their output is
-// NaN, as float attention's would be, in every tiling.
-inline __m256 softmax_block(Buffers& b, int base, int64_t nk, __m256& m, __m256& l, __m256& bad) {
-  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m256 pos_inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
-  __m256 mb = neg_inf;
-  for (int64_t j = 0; j < nk; ++j) {
-    const __m256 sj = _mm256_load_ps(&b.s[j][base]);
-    bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(sj, sj, _CMP_UNORD_Q), _mm256_cmp_ps(sj, pos_inf, _CMP_EQ_OQ)));
-    mb = _mm256_max_ps(mb, sj);
-  }
-  const __m256 m_new = _mm256_max_ps(m, mb);
-  const __m256 alpha = exp2_8(_mm256_sub_ps(m, m_new));  // m = -inf (first block): 2^-126, times o = l = 0
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t j = 0; j < nk; ++j) {
-    const __m256 sj = _mm256_load_ps(&b.s[j][base]);
-    const __m256 pj = _mm256_and_ps(_mm256_cmp_ps(sj, neg_inf, _CMP_NEQ_OQ), exp2_8(_mm256_sub_ps(sj, m_new)));
-    _mm256_store_ps(&b.s[j][base], pj);
-    sum = _mm256_add_ps(sum, pj);
-  }
-  l = _mm256_add_ps(_mm256_mul_ps(l, alpha), sum);
-  m = m_new;
-  return alpha;
-}
 
 
 // Rows of item w: tokens w.begin .. w.end - 1, each with G query heads (row = token * G + g), padded to RV
@@ -600,8 +609,9 @@ void attend_item(const Args& a, const Work& w, Buffers& b, const QuantizedKV* kv
       over_row_pairs<ScoresI8>(v0, v1, b, D, nk, k0, static_cast<const __m256i*>(pos), static_cast<const __m256i*>(first));
       __m256 w_scale[kMaxVecs], zero[kMaxVecs];
       for (int v = v0; v < v1; ++v) {
-        alpha[v] = softmax_block(b, v * kLanes, nk, m[v], l[v], bad[v]);
-        w_scale[v] = quantize_w(b, v * kLanes, nk, zero[v], bad[v]);
+        __m256 w_max = _mm256_setzero_ps();
+        alpha[v] = softmax_block<true>(b, v * kLanes, nk, m[v], l[v], bad[v], &w_max);
+        w_scale[v] = quantize_w(b, v * kLanes, nk, w_max, zero[v]);
       }
       over_row_pairs<ValuesI8>(v0, v1, b, D, nk, static_cast<const __m256*>(alpha), static_cast<const __m256*>(w_scale),
                                static_cast<const __m256*>(zero));

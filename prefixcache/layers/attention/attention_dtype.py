@@ -1,4 +1,5 @@
-"""A model's ``attention_dtype``: the precision of its prompt attention's two products.
+"""A model's attention routing: which form of the paged kernel its layers run, and its ``attention_dtype``, the
+precision of its prompt attention's two products.
 
 ``"float"`` (the default): the pool's dtype, each row's sums in float32, on the paged kernel's form the model and
 the machine pick (:func:`prefixcache.kernels.prefill_attention.kernel_form`) or torch's padded path.
@@ -13,24 +14,67 @@ own decoder (:mod:`prefixcache.layers.decode_layers`).
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from prefixcache.config import ATTENTION_DTYPES
-from prefixcache.kernels.prefill_attention import INT8_FORM
+from prefixcache.kernels.prefill_attention import INT8_FORM, kernel_form, prefill_kernel_supported
 from prefixcache.layers.attention.torch_attention import Attention
 
 
-class AttentionDtypeModel:
-    """For a model (an ``nn.Module``) whose layers hold :class:`Attention` modules and which says whether it can
-    run the int8 form (``int8_attention_unavailable_reason``)."""
+class PagedAttentionModel:
+    """For a model (an ``nn.Module`` with ``config`` and ``model.embed_tokens``) whose layers hold :class:`Attention`
+    modules. The model decides ``paged_attention`` (whether it runs the paged kernel: its own rule) and
+    ``batch_invariant``; this class derives the forms from them, the same way for every model."""
 
     attention_dtype = "float"
+    has_sliding_layers = False  # whether some layers attend over a sliding window (Gemma 3's local ones)
 
-    def int8_attention_unavailable_reason(self) -> str | None:  # pragma: no cover - each model has its own
+    @property
+    def paged_attention(self) -> bool:  # pragma: no cover - each model has its own rule
         raise NotImplementedError
 
+    @property
+    def _pool_dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def _kernel_supported(self, windowed: bool = False) -> bool:
+        """Whether a form of the paged kernel runs this model's head shape and pool here (with a window where
+        ``windowed``; with int8 products where its attention_dtype says so), on the CPU."""
+        cfg = self.config
+        return (self.model.embed_tokens.weight.device.type == "cpu"
+                and prefill_kernel_supported(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                             self._pool_dtype, windowed, self.attention_dtype == "int8"))
+
+    @property
+    def paged_attention_form(self) -> str | None:
+        """The paged kernel's form of its (global) layers: ``kernel_form`` of its pool's dtype and attention_dtype,
+        None off the kernel."""
+        return kernel_form(self._pool_dtype, int8=self.attention_dtype == "int8") if self.paged_attention else None
+
+    @property
+    def sliding_attention_form(self) -> str | None:
+        """The form of its sliding-window layers (the AVX2 form masks a window, with its int8 products or not),
+        None off the kernel or without such layers."""
+        if not (self.paged_attention and self.has_sliding_layers):
+            return None
+        return kernel_form(self._pool_dtype, windowed=True, int8=self.attention_dtype == "int8")
+
+    def int8_attention_unavailable_reason(self) -> str | None:
+        """Why ``attention_dtype="int8"`` can't run here (None: it can): it runs on the paged kernel, which takes a
+        batch-invariant format only, in its AVX2 form."""
+        if not self.batch_invariant:
+            return ("runs on the paged kernel, which a float32 model without int8 weights doesn't take (its GEMMs "
+                    "round by batch size): give --dtype bfloat16 or --quantization int8 too")
+        cfg = self.config
+        if not (self.model.embed_tokens.weight.device.type == "cpu" and prefill_kernel_supported(
+                cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self._pool_dtype, int8=True)):
+            return ("needs the paged kernel's AVX2 form: a CPU with AVX2, FMA and F16C (and its extension built), "
+                    "head_dim a multiple of 32 up to 256, at most 48 query heads per KV head")
+        return None
+
     def set_attention_dtype(self, attention_dtype: str) -> None:
-        """Runs every attention layer's prompt rows in ``attention_dtype`` (one of :data:`ATTENTION_DTYPES`).
+        """Runs every attention layer's prompt rows in ``attention_dtype`` (one of ``config.ATTENTION_DTYPES``).
 
         Raises:
             ValueError: naming ``attention_dtype``: an unknown one, or ``"int8"`` where the model or the CPU can't
