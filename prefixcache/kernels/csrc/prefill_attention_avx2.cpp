@@ -204,8 +204,9 @@ inline void store_16(float* p, vec16 x) { v16_store(p, x); }
 // they are (blended), as the float forms' argument needs.
 constexpr float kWFloor = 7.8886091e-31f;  // 2^-100: max w below it rounds against it (no 127 / 0, no inf)
 
-// Rounds n floats (a multiple of 8) to int8 in [-qmax, qmax] with scale max|x| / qmax (0 for an all-zero row; NaN
-// for a row with a NaN or infinity, whose int8 values are then 0): out[i] = round(x[i] / scale), nearest even.
+// Rounds n floats (a multiple of 32) to int8 in [-qmax, qmax] with scale max(max|x|, kWFloor) / qmax (0 for an
+// all-zero row; NaN for a row with a NaN or infinity, whose int8 values are then 0): out[i] = round(x[i] / scale),
+// nearest even.
 inline float quantize_row(const float* x, int64_t n, float qmax, int8_t* out) {
   __m256 amax = _mm256_setzero_ps();
   __m256 bad = _mm256_setzero_ps();
@@ -224,6 +225,7 @@ inline float quantize_row(const float* x, int64_t n, float qmax, int8_t* out) {
     std::memset(out, 0, static_cast<size_t>(n));
     return m == 0.f && _mm256_movemask_ps(bad) == 0 ? 0.f : std::numeric_limits<float>::quiet_NaN();
   }
+  m = std::max(m, kWFloor);  // a row below 2^-100 rounds against it: qmax / m stays finite
   const __m256 inv = _mm256_set1_ps(qmax / m);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t i = 0; i < n; i += 32) {  // 4 x 8 int32 -> 32 int8 (packs work per 128-bit lane: reordered after)
