@@ -202,7 +202,7 @@ class EngineConfig(CacheConfig, SchedulerConfig):
         """``attention_dtype="auto"``: int8 where a prompt's attention runs the paged kernel's AVX2 form anyway (a
         CPU with AVX2, FMA and F16C but no AVX512-BF16, as ``PREFIXCACHE_KERNELS`` caps it) and the format takes
         that kernel (bfloat16, or int8 weights; not a model kept in float32): there its int8 products are the faster
-        (0.90x the cold and warm TTFT of float attention in bfloat16 + int4-int8), within the quality table's 1 %
+        (0.85-0.90x the cold and warm TTFT of float attention in bfloat16 + int4-int8), within the quality table's 1 %
         (docs/benchmarks.md); float elsewhere (AMX and AVX512-BF16 CPUs run faster bf16 forms)."""
         on_kernel = self.dtype == "bfloat16" or self.quantization in ("int8", "int4-int8")
         avx2_form = cpu_has(*TIERS["avx2"]) and not cpu_has("avx512_bf16")
