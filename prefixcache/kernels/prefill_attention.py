@@ -28,6 +28,9 @@ sliding window (a row at position p reads keys p - window + 1 .. p), so a float3
 model with sliding-window layers run it (:func:`kernel_form`) where torch's padded flash path gives a row other
 bits by batch (MKL's AVX2 path: an AVX2-only CPU); on AVX-512 CPUs they keep that path, batch-invariant there
 and the faster for those pools (``benchmarks/prefill_attention.py --dtype float32``, ``--window 512``).
+A model with ``attention_dtype="int8"`` runs the AVX2 form's int8 products instead (:data:`INT8_FORM`: q, K, p and
+V rounded to int8 with scales of their own, exact integer sums; :mod:`prefixcache.layers.attention.attention_dtype`),
+on any CPU that runs the AVX2 form, with its own bits and its own name in the cache key.
 
 A model uses it when it is batch-invariant (``bfloat16``, ``int4``'s prompt rows, ``int8``; float32 with
 ``int8`` and Gemma 3 in every format as above), its head shape fits (:func:`prefill_kernel_supported`) and the CPU
