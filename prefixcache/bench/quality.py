@@ -1,6 +1,6 @@
 """What a weight format costs in quality: perplexity on a fixed text and greedy agreement with fp32.
 
-Per format (``float32``, ``bfloat16``, ``int8``, ``int4``, ``int4-int8``, and bfloat16 and int4-int8 with
+Per format (``float32``, ``bfloat16``, ``int8``, ``int4``, ``int4-int8``, and bfloat16, int8 and int4-int8 with
 ``attention_dtype="int8"``), on the same model:
 
 - perplexity: ``exp(mean NLL)`` of the bench's RAG document (``bench/texts.py``, ~2,000 tokens),
@@ -30,7 +30,7 @@ from prefixcache.sampling_params import SamplingParams
 FORMATS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int8": ("float32", "int8"),
            "int4": ("bfloat16", "int4"), "int4-int8": ("bfloat16", "int4-int8")}
 # the same weights with the prompt attention's products in int8 (attention_dtype "int8"): name -> (format, attention)
-INT8_ATTENTION_FORMATS = {"bfloat16+int8-attention": ("bfloat16", "int8"),
+INT8_ATTENTION_FORMATS = {"bfloat16+int8-attention": ("bfloat16", "int8"), "int8+int8-attention": ("int8", "int8"),
                           "int4-int8+int8-attention": ("int4-int8", "int8")}
 
 
