@@ -117,8 +117,8 @@ class EngineConfig(CacheConfig, SchedulerConfig):
         "help": "the prompt attention's products: float (the KV dtype's, float32 sums) or int8 (q, K, p and V "
                 "rounded to int8 with per-row scales, exact integer sums, on the paged kernel's AVX2 form: about "
                 "1.4x faster attention on AVX2 CPUs for a small quality cost; bfloat16 or an int8 format; "
-                "docs/weight-formats-and-kernels.md); auto: int8 where the CPU has AVX2 but no AVX512-BF16 and the "
-                "format runs on that kernel, else float", "choices": ("auto", *ATTENTION_DTYPES), "cli_default": "auto"})
+                "docs/weight-formats-and-kernels.md); auto: int8 for a bfloat16 model where the CPU has AVX2 but no "
+                "AVX512-BF16, else float", "choices": ("auto", *ATTENTION_DTYPES), "cli_default": "auto"})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: CUDA if present)"})
     num_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks; overrides --kv-cache-memory"})
@@ -200,13 +200,13 @@ class EngineConfig(CacheConfig, SchedulerConfig):
 
     def _auto_attention_dtype(self) -> str:
         """``attention_dtype="auto"``: int8 where a prompt's attention runs the paged kernel's AVX2 form anyway (a
-        CPU with AVX2, FMA and F16C but no AVX512-BF16, as ``PREFIXCACHE_KERNELS`` caps it) and the format takes
-        that kernel (bfloat16, or int8 weights; not a model kept in float32): there its int8 products are the faster
-        (0.85-0.90x the cold and warm TTFT of float attention in bfloat16 + int4-int8), within the quality table's 1 %
-        (docs/benchmarks.md); float elsewhere (AMX and AVX512-BF16 CPUs run faster bf16 forms)."""
-        on_kernel = self.dtype == "bfloat16" or self.quantization in ("int8", "int4-int8")
-        avx2_form = cpu_has(*TIERS["avx2"]) and not cpu_has("avx512_bf16")
-        wanted = on_kernel and avx2_form and self.model not in FLOAT32_ONLY_MODELS
+        CPU with AVX2, FMA and F16C but no AVX512-BF16, as ``PREFIXCACHE_KERNELS`` caps it) for a bfloat16 pool (not
+        a model kept in float32): there its int8 products are the faster (0.85-0.90x the cold and warm TTFT of float
+        attention in bfloat16 + int4-int8) and cost little (perplexity within the quality table's 1 %, greedy
+        agreement with float32 as float attention's; docs/benchmarks.md); float elsewhere: AMX and AVX512-BF16 CPUs
+        run faster bf16 forms, and a float32 pool (float32 + int8) lost most of its greedy agreement with float32."""
+        wanted = (self.dtype == "bfloat16" and cpu_has(*TIERS["avx2"]) and not cpu_has("avx512_bf16")
+                  and self.model not in FLOAT32_ONLY_MODELS)
         return "int8" if wanted and self._on_cpu() else "float"
 
     def _check_attention_dtype_runs_here(self) -> None:
