@@ -23,6 +23,13 @@ from prefixcache.kernels.cpu_features import TIERS, auto_format, cpu_has, format
 # a model's attention_dtype (prefixcache.layers.attention.attention_dtype): float products, or the paged kernel's
 # AVX2 form with int8 products
 ATTENTION_DTYPES = ("float", "int8")
+# why "int8" can't run, said before the load (EngineConfig.validate) and by the model (set_attention_dtype) alike
+INT8_ATTENTION_NEEDS_KERNEL_FORMAT = ("runs on the paged kernel, which a float32 model without int8 weights doesn't "
+                                      "take (its GEMMs round by batch size): give --dtype bfloat16 or --quantization "
+                                      "int8 too")
+INT8_ATTENTION_NEEDS_AVX2 = ("needs the paged kernel's AVX2 form: a CPU with AVX2, FMA and F16C (PREFIXCACHE_KERNELS "
+                             "may cap it) and its extension built, head_dim a multiple of 32 up to 256, at most 48 "
+                             "query heads per KV head")
 
 if TYPE_CHECKING:
     import torch
@@ -211,21 +218,18 @@ class EngineConfig(CacheConfig, SchedulerConfig):
 
     def _check_attention_dtype_runs_here(self) -> None:
         """``attention_dtype="int8"`` where it can't run is refused before the model loads, as the model would
-        refuse it (``AttentionDtypeModel.set_attention_dtype``; the head shape is checked there)."""
+        refuse it (``PagedAttentionModel.set_attention_dtype``; the head shape is checked there)."""
         if self.attention_dtype != "int8":
             return
         if not self._on_cpu():
             raise InvalidInputError("attention_dtype", "attention_dtype='int8' runs on the CPU's paged kernel only; "
                                                        "use attention_dtype='float' on another device")
         if self.dtype == "float32" and self.quantization == "none":
-            raise InvalidInputError("attention_dtype", "attention_dtype='int8' runs on the paged kernel, which a "
-                                                       "float32 model without int8 weights doesn't take (its GEMMs "
-                                                       "round by batch size): give --dtype bfloat16 or "
-                                                       "--quantization int8 too, or use attention_dtype='float'")
+            raise InvalidInputError("attention_dtype", f"attention_dtype='int8' {INT8_ATTENTION_NEEDS_KERNEL_FORMAT}; "
+                                                       "use attention_dtype='float'")
         if not cpu_has(*TIERS["avx2"]):
-            raise InvalidInputError("attention_dtype", "attention_dtype='int8' needs the paged kernel's AVX2 form, "
-                                                       "a CPU with AVX2, FMA and F16C (PREFIXCACHE_KERNELS may cap "
-                                                       "it); use attention_dtype='float'")
+            raise InvalidInputError("attention_dtype", f"attention_dtype='int8' {INT8_ATTENTION_NEEDS_AVX2}; "
+                                                       "use attention_dtype='float'")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -101,14 +101,13 @@ def kernel_form(dtype: torch.dtype = torch.bfloat16, windowed: bool = False, int
     float32 pool or a sliding window, "avx2", the only form that takes them, wherever it runs; None where no
     form does, or for another dtype. (Whether a model takes the kernel is the model's choice:
     ``LlamaForCausalLM.paged_attention``.)"""
-    if int8:
-        avx2 = kernel_form(dtype, windowed=True)  # the AVX2 form, for this dtype
-        return INT8_FORM if avx2 is not None else None
-    if dtype == torch.bfloat16 and not windowed:
+    if dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if dtype == torch.bfloat16 and not windowed and not int8:
         return prefill_form()
-    if dtype in (torch.bfloat16, torch.float32):
-        return "avx2" if form_supported("avx2") else None
-    return None
+    if not form_supported("avx2"):
+        return None
+    return INT8_FORM if int8 else "avx2"
 
 
 def form_supported(form: str) -> bool:

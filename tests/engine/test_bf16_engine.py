@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_testlib import assert_cached_prompt_logprobs_equal_a_cold_run
 
 from prefixcache.llm import LLM
 from prefixcache.sample_texts import QUESTIONS, SYSTEM_PROMPT
@@ -43,16 +44,7 @@ def test_bf16_one_batch_equals_one_at_a_time_and_cache_off(smollm2_bf16):
 
 
 def test_bf16_prompt_logprobs_from_the_cache_equal_a_cold_run(smollm2_bf16):
-    llm = make(smollm2_bf16)
-    prompt = llm.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
-                                      {"role": "user", "content": QUESTIONS[0]}])
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3)
-    llm.generate([prompt[:70]], params, use_tqdm=False)
-    warm = llm.generate([prompt], params, use_tqdm=False)[0]
-    assert warm.num_cached_prompt_logprobs == 63
-    cold = make(smollm2_bf16, enable_prefix_caching=False, max_num_batched_tokens=50).generate(
-        [prompt], params, use_tqdm=False)[0]
-    assert warm.prompt_logprobs == cold.prompt_logprobs  # bit for bit, chunked otherwise
+    assert_cached_prompt_logprobs_equal_a_cold_run(lambda **options: make(smollm2_bf16, **options), 3)
 
 
 def _silu_like(rows: int, k: int, g: torch.Generator) -> torch.Tensor:

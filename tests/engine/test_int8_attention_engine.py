@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_testlib import assert_cached_prompt_logprobs_equal_a_cold_run, seed_prompts
 
 from prefixcache.bench.quality import perplexity
 from prefixcache.bench.texts import RAG_DOCUMENT
 from prefixcache.errors import InvalidInputError
 from prefixcache.kernels.prefill_attention import INT8_FORM, form_supported
 from prefixcache.llm import LLM
-from prefixcache.sample_texts import QUESTIONS, SYSTEM_PROMPT
 from prefixcache.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.requires_format("bfloat16", "none"),
@@ -39,11 +39,6 @@ def make(loaded, **options):
                attention_dtype=loaded.model.attention_dtype, num_threads=2, **options)
 
 
-def seed_prompts(llm):
-    return [llm.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
-                                     {"role": "user", "content": q}]) for q in QUESTIONS]
-
-
 def test_one_batch_equals_one_at_a_time_and_cache_off(bf16_int8_attention):
     llm = make(bf16_int8_attention)
     assert llm.engine.loaded.model.paged_attention_form == INT8_FORM
@@ -57,15 +52,7 @@ def test_one_batch_equals_one_at_a_time_and_cache_off(bf16_int8_attention):
 
 
 def test_prompt_logprobs_from_the_cache_equal_a_cold_run(bf16_int8_attention):
-    llm = make(bf16_int8_attention)
-    prompt = seed_prompts(llm)[0]
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=4)
-    llm.generate([prompt[:70]], params, use_tqdm=False)
-    warm = llm.generate([prompt], params, use_tqdm=False)[0]
-    assert warm.num_cached_prompt_logprobs == 63
-    cold = make(bf16_int8_attention, enable_prefix_caching=False, max_num_batched_tokens=50).generate(
-        [prompt], params, use_tqdm=False)[0]
-    assert warm.prompt_logprobs == cold.prompt_logprobs
+    assert_cached_prompt_logprobs_equal_a_cold_run(lambda **options: make(bf16_int8_attention, **options), 4)
 
 
 def test_keyed_apart_from_float_attention_and_close_to_it(bf16_int8_attention, bf16):

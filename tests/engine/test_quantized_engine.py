@@ -8,10 +8,10 @@ tests/engine/test_bf16_engine.py; fp32's MKL GEMMs don't: README "Weight formats
 from __future__ import annotations
 
 import pytest
+from engine_testlib import assert_cached_prompt_logprobs_equal_a_cold_run, seed_prompts
 
 from prefixcache.errors import InvalidInputError
 from prefixcache.llm import LLM
-from prefixcache.sample_texts import QUESTIONS, SYSTEM_PROMPT
 from prefixcache.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.requires_format("float32", "int8")  # skipped where this CPU cannot run it
@@ -28,11 +28,6 @@ def smollm2_int8(smollm2):  # depends on smollm2: marked slow, loaded after the 
 
 def make(loaded, **options):
     return LLM("smollm2-135m", loaded=loaded, quantization="int8", num_threads=2, **options)
-
-
-def seed_prompts(llm):
-    return [llm.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
-                                     {"role": "user", "content": q}]) for q in QUESTIONS]
 
 
 def test_int8_one_batch_equals_one_at_a_time_and_cache_off(smollm2_int8):
@@ -71,15 +66,7 @@ def test_engine_refuses_a_model_loaded_in_another_format(smollm2):
 def test_int8_prompt_logprobs_from_the_cache_equal_a_cold_run(smollm2_int8):
     """Exact layers and attention: the entries a warm request takes from cached blocks, and the one it
     computes from the last cached block's stored hidden state, have the bits of a cold run's."""
-    llm = make(smollm2_int8)
-    prompt = seed_prompts(llm)[0]
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=4)
-    llm.generate([prompt[:70]], params, use_tqdm=False)
-    warm = llm.generate([prompt], params, use_tqdm=False)[0]
-    assert warm.num_cached_prompt_logprobs == 63  # 4 blocks of 16, less token 0
-    cold = make(smollm2_int8, enable_prefix_caching=False, max_num_batched_tokens=50).generate(
-        [prompt], params, use_tqdm=False)[0]  # chunked differently, nothing cached
-    assert warm.prompt_logprobs == cold.prompt_logprobs
+    assert_cached_prompt_logprobs_equal_a_cold_run(lambda **options: make(smollm2_int8, **options), 4)
 
 
 def test_int8_smoothing_brings_perplexity_within_1_5_percent_of_fp32(smollm2_int8, smollm2):

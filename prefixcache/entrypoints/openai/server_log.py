@@ -69,8 +69,8 @@ def startup_lines(engine: LLMEngine) -> list[str]:
     return [
         f"model {c.model} ({loaded.model_dir}), weights fingerprint {loaded.fingerprint.hex()[:16]}",
         f"dtype {dtype}, quantization {loaded.quantization}"
-        + (f", attention {loaded.model.attention_dtype}" if getattr(loaded.model, "attention_dtype", "float") != "float"
-           else "") + f", device {engine.device}{threads}"
+        + (f", attention {loaded.model.attention_dtype}" if loaded.model.attention_dtype != "float" else "")
+        + f", device {engine.device}{threads}"
         + (f"; {describe_cpu()}, amx: {'yes' if amx_ready() else 'no'}" if engine.device.type == "cpu" else ""),
         f"KV pool {engine.num_blocks} blocks x {c.block_size} tokens = {engine.num_blocks * c.block_size} tokens, "
         f"{_mib(pool_bytes)} ({engine.kv_cache_bytes_per_block} bytes per block); "

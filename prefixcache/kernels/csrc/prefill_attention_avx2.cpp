@@ -202,9 +202,10 @@ inline void store_16(float* p, vec16 x) { v16_store(p, x); }
 // l stays the float32 sum of p. Perplexity of the bench's RAG document on SmolLM2 moves by a few 1e-4
 // (docs/benchmarks.md's quality table). A block wholly masked for a row has max w = 0 and leaves o's bits as
 // they are (blended), as the float forms' argument needs.
-constexpr float kWFloor = 7.8886091e-31f;  // 2^-100: max w below it rounds against it (no 127 / 0, no inf)
+// 2^-100: a row's (or w's) max |x| below it rounds against it, so qmax / max is finite (no / 0, no inf)
+constexpr float kScaleFloor = 7.8886091e-31f;
 
-// Rounds n floats (a multiple of 32) to int8 in [-qmax, qmax] with scale max(max|x|, kWFloor) / qmax (0 for an
+// Rounds n floats (a multiple of 32) to int8 in [-qmax, qmax] with scale max(max|x|, kScaleFloor) / qmax (0 for an
 // all-zero row; NaN for a row with a NaN or infinity, whose int8 values are then 0): out[i] = round(x[i] / scale),
 // nearest even.
 inline float quantize_row(const float* x, int64_t n, float qmax, int8_t* out) {
@@ -225,7 +226,7 @@ inline float quantize_row(const float* x, int64_t n, float qmax, int8_t* out) {
     std::memset(out, 0, static_cast<size_t>(n));
     return m == 0.f && _mm256_movemask_ps(bad) == 0 ? 0.f : std::numeric_limits<float>::quiet_NaN();
   }
-  m = std::max(m, kWFloor);  // a row below 2^-100 rounds against it: qmax / m stays finite
+  m = std::max(m, kScaleFloor);  // a row below 2^-100 rounds against it: qmax / m stays finite
   const __m256 inv = _mm256_set1_ps(qmax / m);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t i = 0; i < n; i += 32) {  // 4 x 8 int32 -> 32 int8 (packs work per 128-bit lane: reordered after)
@@ -440,11 +441,11 @@ inline __m256 softmax_block(Buffers& b, int base, int64_t nk, __m256& m, __m256&
 }
 
 // After the block's softmax of row vector v (w = p * v_scale in b.s, its maximum w_max): w rounded to w8 (keys
-// nk .. the next multiple of 4: 0); returns w's scale, max w / 127 (max floored at kWFloor); `zero`: lanes with
+// nk .. the next multiple of 4: 0); returns w's scale, max w / 127 (max floored at kScaleFloor); `zero`: lanes with
 // max w = 0, whose o the products leave as it is.
 inline __m256 quantize_w(Buffers& b, int base, int64_t nk, __m256 w_max, __m256& zero) {
   zero = _mm256_cmp_ps(w_max, _mm256_setzero_ps(), _CMP_EQ_OQ);
-  const __m256 floor = _mm256_max_ps(w_max, _mm256_set1_ps(kWFloor));
+  const __m256 floor = _mm256_max_ps(w_max, _mm256_set1_ps(kScaleFloor));
   const __m256 inv = _mm256_div_ps(_mm256_set1_ps(127.f), floor);
   const __m256i zeros = _mm256_setzero_si256();
   for (int64_t g = 0; g < (nk + 3) / 4; ++g) {

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prefixcache.config import ATTENTION_DTYPES
+from prefixcache.config import ATTENTION_DTYPES, INT8_ATTENTION_NEEDS_AVX2, INT8_ATTENTION_NEEDS_KERNEL_FORMAT
 from prefixcache.kernels.prefill_attention import INT8_FORM, kernel_form, prefill_kernel_supported
 from prefixcache.layers.attention.torch_attention import Attention
 
@@ -64,13 +64,11 @@ class PagedAttentionModel:
         """Why ``attention_dtype="int8"`` can't run here (None: it can): it runs on the paged kernel, which takes a
         batch-invariant format only, in its AVX2 form."""
         if not self.batch_invariant:
-            return ("runs on the paged kernel, which a float32 model without int8 weights doesn't take (its GEMMs "
-                    "round by batch size): give --dtype bfloat16 or --quantization int8 too")
+            return INT8_ATTENTION_NEEDS_KERNEL_FORMAT
         cfg = self.config
         if not (self.model.embed_tokens.weight.device.type == "cpu" and prefill_kernel_supported(
                 cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self._pool_dtype, int8=True)):
-            return ("needs the paged kernel's AVX2 form: a CPU with AVX2, FMA and F16C (and its extension built), "
-                    "head_dim a multiple of 32 up to 256, at most 48 query heads per KV head")
+            return INT8_ATTENTION_NEEDS_AVX2
         return None
 
     def set_attention_dtype(self, attention_dtype: str) -> None:
