@@ -49,7 +49,8 @@ def test_every_engine_field_has_one_flag_with_its_default():
         if field.name != "model":
             assert flag_name(field) in action.option_strings
             assert field.metadata["help"].split(" (")[0][:20] in action.help
-    assert engine_config_from_args(parse([])) == EngineConfig.from_kwargs(dtype="auto", quantization="auto")
+    assert engine_config_from_args(parse([])) == EngineConfig.from_kwargs(dtype="auto", quantization="auto",
+                                                                               attention_dtype="auto")
     assert EngineConfig.from_kwargs().dtype == "float32"  # the Python API's default stays transformers' numbers
 
 
